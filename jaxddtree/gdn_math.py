@@ -1,0 +1,117 @@
+"""The gated delta rule in plain jnp, fp32: decode step, chunked prefill, tree verify, path commit.
+
+These are the specification (and the `kernels="xla"` path); the Pallas kernels in `kernels_pallas/`
+must compute the same functions with the same signatures.
+
+Shapes: B batch, N/T tokens (or tree nodes), Hk key heads, Hv value heads (value head h reads key head
+h // (Hv/Hk)), dk/dv head dims. Inputs are already prepared: `q` = l2norm(q)·dk^-1/2, `k` = l2norm(k),
+`g` = log decay (≤ 0), `beta` = sigmoid(b), all fp32. The recurrent state S is `[B, Hv, dk, dv]`, fp32.
+
+Per value head the recurrence is
+    S_t = exp(g_t) S_{t-1};  S_t += k_t ⊗ beta_t (v_t − S_tᵀ k_t);  o_t = S_tᵀ q_t.
+Over a set of tokens with ancestor-or-self mask M (a chain: the lower triangle; a tree: the ancestor
+relation), with G = M g (path cumsum) and Γ_ij = exp(G_i − G_j) for M_ij:
+    (I + L) W = beta⊙v − beta⊙exp(G)⊙(K S0),   L_ij = beta_i Γ_ij (k_i·k_j) for strict ancestors j,
+    o_i = exp(G_i) q_iᵀ S0 + Σ_j M_ij Γ_ij (q_i·k_j) W_j,
+    S after node a = exp(G_a) S0 + Σ_{j on a's path} Γ_aj k_j W_jᵀ.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def expand_kv_heads(x: jax.Array, num_v_heads: int) -> jax.Array:
+    """[B, N, Hk, d] -> [B, N, Hv, d]: value head h uses key head h // (Hv/Hk)."""
+    return jnp.repeat(x, num_v_heads // x.shape[2], axis=2)
+
+
+def gdn_step(q, k, v, g, beta, state):
+    """One token. q,k [B,Hk,dk], v [B,Hv,dv], g,beta [B,Hv], state [B,Hv,dk,dv] -> (o [B,Hv,dv], state)."""
+    hv = v.shape[1]
+    q = jnp.repeat(q, hv // q.shape[1], axis=1)
+    k = jnp.repeat(k, hv // k.shape[1], axis=1)
+    s = state * jnp.exp(g)[..., None, None]
+    pred = jnp.einsum("bhkv,bhk->bhv", s, k, precision=HIGHEST)  # Sᵀk  [B,Hv,dv]
+    delta = beta[..., None] * (v - pred)
+    s = s + k[..., :, None] * delta[..., None, :]  # k ⊗ δ
+    o = jnp.einsum("bhkv,bhk->bhv", s, q, precision=HIGHEST)
+    return o, s
+
+
+def gdn_masked_block(q, k, v, g, beta, mask, state):
+    """The WY form over one block of N tokens related by `mask` (ancestor-or-self, [B,N,N] bool).
+
+    q,k [B,N,Hk,dk]; v [B,N,Hv,dv]; g,beta [B,N,Hv]; state [B,Hv,dk,dv].
+    Returns o [B,N,Hv,dv], W (pseudo-values) [B,N,Hv,dv], G (path cumsum of g) [B,N,Hv].
+    Nothing of size N·dk·dv is formed.
+    """
+    hv = v.shape[2]
+    r = hv // k.shape[2]
+    maskf = mask.astype(jnp.float32)
+    G = jnp.einsum("bij,bjh->bih", maskf, g, precision=HIGHEST)  # [B,N,Hv] path cumsum
+    diff = G[:, :, None, :] - G[:, None, :, :]  # [B,N,N,Hv] G_i - G_j
+    gamma = jnp.exp(jnp.where(mask[..., None], diff, -jnp.inf))  # 0 off the ancestor relation
+    strict = mask & ~jnp.eye(mask.shape[-1], dtype=bool)[None]
+    kk = jnp.einsum("bihd,bjhd->bijh", k, k, precision=HIGHEST)  # [B,N,N,Hk]
+    qk = jnp.einsum("bihd,bjhd->bijh", q, k, precision=HIGHEST)
+    kk, qk = jnp.repeat(kk, r, axis=3), jnp.repeat(qk, r, axis=3)  # -> Hv
+    L = jnp.where(strict[..., None], beta[:, :, None, :] * gamma * kk, 0.0)  # [B,N,N,Hv]
+    ke = expand_kv_heads(k, hv)
+    qe = expand_kv_heads(q, hv)
+    ks0 = jnp.einsum("bnhk,bhkv->bnhv", ke, state, precision=HIGHEST)  # K S0
+    eG = jnp.exp(G)
+    rhs = beta[..., None] * (v - eG[..., None] * ks0)  # [B,N,Hv,dv]
+    # unit-lower-triangular solve per (batch, head): (I + L) W = rhs
+    Lh = jnp.moveaxis(L, 3, 1)  # [B,Hv,N,N]
+    W = jax.lax.linalg.triangular_solve(Lh, jnp.moveaxis(rhs, 2, 1), left_side=True, lower=True,
+                                        unit_diagonal=True)  # [B,Hv,N,dv]
+    W = jnp.moveaxis(W, 1, 2)  # [B,N,Hv,dv]
+    qs0 = jnp.einsum("bnhk,bhkv->bnhv", qe, state, precision=HIGHEST)
+    A = jnp.where(mask[..., None], gamma * qk, 0.0)  # [B,N,N,Hv]
+    o = eG[..., None] * qs0 + jnp.einsum("bijh,bjhv->bihv", A, W, precision=HIGHEST)
+    return o, W, G
+
+
+def gdn_state_after(state, k, W, G, path_mask, leaf):
+    """State after node `leaf`, whose root path (leaf included) is `path_mask` [B,N] bool.
+
+    k [B,N,Hk,dk]; W [B,N,Hv,dv]; G [B,N,Hv]; leaf [B] int -> [B,Hv,dk,dv].
+    """
+    hv = W.shape[2]
+    Ga = jnp.take_along_axis(G, leaf[:, None, None], axis=1)  # [B,1,Hv]
+    coef = jnp.where(path_mask[..., None], jnp.exp(jnp.minimum(Ga - G, 0.0)), 0.0)  # [B,N,Hv]
+    ke = expand_kv_heads(k, hv)
+    upd = jnp.einsum("bnhk,bnh,bnhv->bhkv", ke, coef, W, precision=HIGHEST)
+    return jnp.exp(Ga[:, 0])[..., None, None] * state + upd
+
+
+def gdn_chunked(q, k, v, g, beta, state, chunk: int = 64):
+    """Chunked prefill over T tokens (pad to a multiple of `chunk` with beta=0, g=0: no effect).
+
+    q,k [B,T,Hk,dk]; v [B,T,Hv,dv]; g,beta [B,T,Hv]; state [B,Hv,dk,dv] -> (o [B,T,Hv,dv], state).
+    """
+    B, T = v.shape[:2]
+    C = min(chunk, T)
+    pad = (-T) % C
+    if pad:
+        padt = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        q, k, v, g, beta = map(padt, (q, k, v, g, beta))
+    n = (T + pad) // C
+    to_chunks = lambda x: jnp.moveaxis(x.reshape((B, n, C) + x.shape[2:]), 1, 0)  # [n,B,C,...]
+    xs = tuple(map(to_chunks, (q, k, v, g, beta)))
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((C, C), bool)), (B, C, C))
+    last = jnp.zeros((B,), jnp.int32) + (C - 1)
+    all_on = jnp.ones((B, C), bool)
+
+    def body(s, x):
+        qc, kc, vc, gc, bc = x
+        o, W, G = gdn_masked_block(qc, kc, vc, gc, bc, causal, s)
+        return gdn_state_after(s, kc, W, G, all_on, last), o
+
+    state, o = jax.lax.scan(body, state, xs)
+    o = jnp.moveaxis(o, 0, 1).reshape((B, n * C) + o.shape[3:])[:, :T]
+    return o, state
