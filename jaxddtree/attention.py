@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from jaxddtree import ops
 from jaxddtree.cache import KVCache
 from jaxddtree.config import TextConfig
 from jaxddtree.layout import TokenLayout
@@ -28,13 +29,20 @@ class AttentionStash:
     v: jax.Array  # [B, N, Hkv, hd]
 
 
-def attend(q, k_cache, v_cache, cache_visible, k_new=None, v_new=None, new_visible=None):
-    """Softmax attention of queries over cached keys (+ optional extra keys), GQA.
+def tree_attention_reference(q, k_cache, v_cache, start, k_new, v_new, mask):
+    """Queries attend to the committed cache rows [0, start) and to the new rows their mask allows.
 
-    q [B,T,H,hd] (already scaled by the caller? no: scaled here), k/v_cache [B,Hkv,S,hd],
-    cache_visible [B,T,S] bool; k/v_new [B,N,Hkv,hd], new_visible [B,T,N] bool. Logits in the
-    activations' dtype, softmax in fp32 (transformers' eager attention).
+    q [B,T,H,hd]; k/v_cache [B,Hkv,S,hd]; start int32 scalar; k/v_new [B,N,Hkv,hd]; mask [B,T,N] bool
+    -> [B,T,H,hd]. GQA: query head h reads kv head h // (H/Hkv). Logits in the activations' dtype,
+    softmax in fp32 (transformers' eager attention). A sequence pass is the same call with a causal mask.
     """
+    S = k_cache.shape[2]
+    visible = jnp.broadcast_to(jnp.arange(S) < start, q.shape[:2] + (S,))
+    return attend(q, k_cache, v_cache, visible, k_new, v_new, mask)
+
+
+def attend(q, k_cache, v_cache, cache_visible, k_new=None, v_new=None, new_visible=None):
+    """Softmax attention over cached keys (cache_visible [B,T,S]) and optional new keys (new_visible)."""
     B, T, H, hd = q.shape
     hkv = k_cache.shape[1]
     qg = q.reshape(B, T, hkv, H // hkv, hd)
@@ -83,15 +91,11 @@ class Attention(nnx.Module):
 
     def __call__(self, x, cache: KVCache, layout: TokenLayout):
         q, k, v, gate = self.project(x, layout)
-        S = cache.k.shape[2]
-        key_pos = jnp.arange(S, dtype=jnp.int32)
+        o = ops.tree_attention(q, cache.k, cache.v, layout.start, k, v, layout.mask, layout.kernels)
+        out = self.output(o, gate)
         if layout.is_tree:
-            visible = jnp.broadcast_to(key_pos < layout.start, q.shape[:2] + (S,))
-            o = attend(q, cache.k, cache.v, visible, k, v, layout.mask)
-            return self.output(o, gate), cache, AttentionStash(k=k, v=v)
+            return out, cache, AttentionStash(k=k, v=v)
         idx = (0, 0, layout.start, 0)
         kc = jax.lax.dynamic_update_slice(cache.k, jnp.swapaxes(k, 1, 2).astype(cache.k.dtype), idx)
         vc = jax.lax.dynamic_update_slice(cache.v, jnp.swapaxes(v, 1, 2).astype(cache.v.dtype), idx)
-        visible = key_pos[None, None, :] <= layout.positions[:, :, None]  # causal over the cache
-        o = attend(q, kc, vc, visible)
-        return self.output(o, gate), KVCache(k=kc, v=vc), None
+        return out, KVCache(k=kc, v=vc), None

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from jaxddtree import gdn_math
+from jaxddtree import ops
 from jaxddtree.cache import GDNState
 from jaxddtree.config import TextConfig
 from jaxddtree.layout import TokenLayout
@@ -92,18 +92,19 @@ class GatedDeltaNet(nnx.Module):
 
         stash = None
         if layout.is_tree:
-            o, W, G = gdn_math.gdn_masked_block(q, k, v, g, beta, layout.mask, cache.recurrent)
+            o, W, G = ops.gdn_masked_block(q, k, v, g, beta, layout.mask, cache.recurrent,
+                                              layout.kernels)
             stash = GDNStash(k=k, W=W, G=G, x=xin)
             new_cache = cache
         else:
             valid = (jnp.arange(T) < layout.num_valid)[None, :, None]
             beta, g = jnp.where(valid, beta, 0.0), jnp.where(valid, g, 0.0)  # padding: no effect
             if T == 1:
-                o, state = gdn_math.gdn_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
-                                             cache.recurrent)
+                o, state = ops.gdn_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], cache.recurrent,
+                                        layout.kernels)
                 o = o[:, None]
             else:
-                o, state = gdn_math.gdn_chunked(q, k, v, g, beta, cache.recurrent)
+                o, state = ops.gdn_chunked(q, k, v, g, beta, cache.recurrent, layout.kernels)
             rows = jnp.concatenate([cache.conv, xin.astype(cache.conv.dtype)], axis=1)
             conv = jax.lax.dynamic_slice_in_dim(rows, layout.num_valid, km1, axis=1)
             new_cache = GDNState(conv=conv, recurrent=state)

@@ -25,13 +25,15 @@ class TokenLayout:
     mask: jax.Array  # [B, T, T] bool: ancestor-or-self
     conv_src: jax.Array  # [B, T, K-1] int32: conv tap rows into concat(conv_state, x)
     is_tree: bool = struct.field(pytree_node=False, default=False)
+    kernels: str = struct.field(pytree_node=False, default="xla")  # "xla" | "pallas" (jaxddtree.ops)
 
     @property
     def num_tokens(self) -> int:
         return self.positions.shape[1]
 
 
-def sequence(start, num_tokens: int, conv_kernel: int, num_valid=None, batch: int = 1) -> TokenLayout:
+def sequence(start, num_tokens: int, conv_kernel: int, num_valid=None, batch: int = 1,
+             kernels: str = "xla") -> TokenLayout:
     start = jnp.asarray(start, jnp.int32)
     nv = jnp.asarray(num_tokens if num_valid is None else num_valid, jnp.int32)
     t = jnp.arange(num_tokens, dtype=jnp.int32)
@@ -40,7 +42,8 @@ def sequence(start, num_tokens: int, conv_kernel: int, num_valid=None, batch: in
     src = t[:, None] + jnp.arange(km1, dtype=jnp.int32)[None, :]
     bc = lambda x: jnp.broadcast_to(x, (batch,) + x.shape)
     return TokenLayout(positions=bc(start + t), start=start, num_valid=nv,
-                       mask=bc(jnp.tril(jnp.ones((num_tokens, num_tokens), bool))), conv_src=bc(src))
+                       mask=bc(jnp.tril(jnp.ones((num_tokens, num_tokens), bool))), conv_src=bc(src),
+                       kernels=kernels)
 
 
 def ancestor_steps(parents: jax.Array, steps: int) -> jax.Array:
@@ -76,7 +79,7 @@ def ancestor_mask(parents: jax.Array) -> jax.Array:
 
 
 def tree(start, parents: jax.Array, conv_kernel: int, num_valid=None, batch: int = 1,
-         mask: jax.Array | None = None, depths: jax.Array | None = None) -> TokenLayout:
+         mask: jax.Array | None = None, depths: jax.Array | None = None, kernels: str = "xla") -> TokenLayout:
     """Layout of a tree given `parents` [N] (parents[0] = -1, parents[i] < i; padding nodes may point
     to any earlier node but must be excluded from real nodes' ancestry, e.g. parent 0 with a
     self-only mask row: pass `mask` explicitly then)."""
@@ -94,4 +97,4 @@ def tree(start, parents: jax.Array, conv_kernel: int, num_valid=None, batch: int
     nv = jnp.asarray(n if num_valid is None else num_valid, jnp.int32)
     bc = lambda x: jnp.broadcast_to(x, (batch,) + x.shape)
     return TokenLayout(positions=bc(start + depths), start=start, num_valid=nv, mask=bc(mask),
-                       conv_src=bc(src), is_tree=True)
+                       conv_src=bc(src), is_tree=True, kernels=kernels)
