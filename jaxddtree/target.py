@@ -37,6 +37,7 @@ class Target:
     leaves: list
     dtype: Any
     source: str = "random"
+    kernels: str = "xla"  # "xla" (jnp references) | "pallas" (GPU kernels); see jaxddtree.ops
 
     @classmethod
     def from_module(cls, model: Qwen35, dtype, source: str = "random") -> "Target":
@@ -67,7 +68,7 @@ class Target:
         """tokens [B, T] continuing the cache; the first num_valid are real."""
         T = tokens.shape[1]
         lay = layout_lib.sequence(cache.length, T, self.config.linear_conv_kernel_dim,
-                                  num_valid=num_valid, batch=tokens.shape[0])
+                                  num_valid=num_valid, batch=tokens.shape[0], kernels=self.kernels)
         return self.forward(cache, tokens, lay, feature_layers, logits)
 
 
