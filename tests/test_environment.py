@@ -16,7 +16,7 @@ def test_jax_version_and_cpu_backend():
 
     assert jax.__version__ == "0.11.2"
     x = jnp.arange(6.0).reshape(2, 3)
-    assert float(jax.jit(lambda a: (a @ a.T).sum())(x)) == 90.0
+    assert float(jax.jit(lambda a: (a @ a.T).sum())(x)) == 83.0
 
 
 def test_jax_stack_imports():
@@ -37,4 +37,4 @@ def test_torch_reference_stack():
 
     assert tuple(int(p) for p in transformers.__version__.split(".")[:2]) >= (5, 17)
     a = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-    assert float((a @ a.T).sum()) == 90.0
+    assert float((a @ a.T).sum()) == 83.0
