@@ -1,0 +1,347 @@
+"""DFlash block-diffusion drafter (z-lab `DFlashDraftModel`) in pure JAX.
+
+Shapes: B batch, C context rows per call (static; only the first `num_ctx` are real), Bs block size,
+S = S_max cache length, H hidden, nT target layers, nh/nkv/hd heads / kv heads / head dim, g = nh // nkv,
+I intermediate, V vocab.
+
+Conventions (see tests/test_drafter.py for the torch cross-check):
+  * Positions: the cache holds context K/V at absolute positions [0, length) (cache row s = position s).
+    New context row i sits at `length + i`, block slot j at `length + num_ctx + j`.
+  * Block queries attend NON-causally to every valid context key and all Bs block keys.
+  * Sliding-window layers (window w): a query at position p sees a key at position k iff |p - k| < w,
+    i.e. keys p-w+1 .. p on the left (transformers' `kv_idx > q_idx - sliding_window`), and the same
+    reach on the right: this is exactly flash_attn's `window_size=(w-1, w-1)` with `causal=False`, which
+    is what the published drafter runs (transformers `_process_flash_attention_kwargs`, only applied when
+    key_length > w, where the rule is a no-op anyway). With Bs <= w every block key is visible.
+  * Only context K/V are cached (post k_norm, post RoPE); block K/V are transient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes  # noqa: F401  (registers numpy 'bfloat16' so safetensors can return BF16 tensors)
+import numpy as np
+
+from jaxddtree.drafter_config import DrafterConfig, build_target_layer_ids
+
+__all__ = ["DrafterConfig", "DrafterLayer", "DrafterParams", "DraftCache", "Drafter", "build_target_layer_ids",
+           "init_draft_cache", "drafter_forward", "draft_logits", "load_drafter_params", "load_drafter"]
+
+Array = jax.Array
+
+
+# ----------------------------------------------------------------------------------------------- pytrees
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DrafterLayer:
+    attn_norm: Array  # [H]
+    wq: Array  # [H, nh, hd]
+    wk: Array  # [H, nkv, hd]
+    wv: Array  # [H, nkv, hd]
+    wo: Array  # [nh, hd, H]
+    q_norm: Array  # [hd]
+    k_norm: Array  # [hd]
+    mlp_norm: Array  # [H]
+    w_gate: Array  # [H, I]
+    w_up: Array  # [H, I]
+    w_down: Array  # [I, H]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DrafterParams:
+    fc: Array  # [nT*H, H]
+    hidden_norm: Array  # [H]
+    layers: tuple[DrafterLayer, ...]
+    norm: Array  # [H]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DraftCache:
+    k: tuple[Array, ...]  # per layer [B, nkv, S, hd], post k_norm + RoPE
+    v: tuple[Array, ...]  # per layer [B, nkv, S, hd]
+    length: Array  # int32 scalar: rows [0, length) are valid context
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[2]
+
+
+def init_draft_cache(cfg: DrafterConfig, batch_size: int, max_len: int, dtype: Any = jnp.bfloat16) -> DraftCache:
+    """Empty cache. `max_len` must be >= final context length + the static C of any call (slack for padding)."""
+    shape = (batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
+    return DraftCache(k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+                      v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+                      length=jnp.zeros((), jnp.int32))
+
+
+# ----------------------------------------------------------------------------------------------- math
+def rms_norm(x: Array, w: Array, eps: float) -> Array:
+    """Qwen3RMSNorm: normalise in fp32, cast back to x.dtype, then multiply by the weight."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return w * y.astype(x.dtype)
+
+
+def rope_cos_sin(pos: Array, head_dim: int, theta: float, dtype: Any) -> tuple[Array, Array]:
+    """Qwen3RotaryEmbedding (default rope): pos [..., T] -> cos, sin [..., T, hd] in `dtype`."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))  # [hd/2]
+    freqs = pos.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [..., T, hd/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)  # [..., T, hd]
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
+    """x [B, T, n, hd] with cos/sin [T, hd]: x*cos + rotate_half(x)*sin."""
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rot = jnp.concatenate([-x2, x1], axis=-1)
+    return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
+def _window_ok(q_pos: Array, k_pos: Array, window: int | None) -> Array:
+    """[Tq, Tk] visibility from the sliding window (|q - k| < w), all True for full attention."""
+    if window is None:
+        return jnp.ones((q_pos.shape[0], k_pos.shape[0]), bool)
+    return jnp.abs(q_pos[:, None] - k_pos[None, :]) < window
+
+
+def _layer(lp: DrafterLayer, cfg: DrafterConfig, window: int | None, h: Array, ctx: Array,
+           k_cache: Array, v_cache: Array, length: Array, num_ctx: Array,
+           ctx_rope: tuple[Array, Array], blk_rope: tuple[Array, Array], ctx_pos: Array, blk_pos: Array):
+    """One decoder layer. h [B, Bs, H], ctx [B, C, H]; returns (h, k_cache, v_cache) with ctx K/V written."""
+    B, Bs, _ = h.shape
+    S = k_cache.shape[2]
+    nkv, g, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+    eps = cfg.rms_norm_eps
+
+    x = rms_norm(h, lp.attn_norm, eps)  # [B, Bs, H]
+    q = rms_norm(jnp.einsum("bth,hnd->btnd", x, lp.wq), lp.q_norm, eps)  # [B, Bs, nh, hd]
+    q = apply_rope(q, *blk_rope)
+    k_c = apply_rope(rms_norm(jnp.einsum("bch,hkd->bckd", ctx, lp.wk), lp.k_norm, eps), *ctx_rope)  # [B,C,nkv,hd]
+    k_b = apply_rope(rms_norm(jnp.einsum("bth,hkd->btkd", x, lp.wk), lp.k_norm, eps), *blk_rope)  # [B,Bs,nkv,hd]
+    v_c = jnp.einsum("bch,hkd->bckd", ctx, lp.wv)  # [B, C, nkv, hd]
+    v_b = jnp.einsum("bth,hkd->btkd", x, lp.wv)  # [B, Bs, nkv, hd]
+
+    # Append all C rows at [length, length + C); rows >= length + num_ctx are padding: masked below and
+    # overwritten by the next call.
+    at = (0, 0, length, 0)
+    k_cache = jax.lax.dynamic_update_slice(k_cache, k_c.transpose(0, 2, 1, 3).astype(k_cache.dtype), at)
+    v_cache = jax.lax.dynamic_update_slice(v_cache, v_c.transpose(0, 2, 1, 3).astype(v_cache.dtype), at)
+
+    # Scores over [cache rows 0..S) ++ [block keys], one softmax.
+    qg = q.reshape(B, Bs, nkv, g, hd)  # [B, Bs, nkv, g, hd]
+    scale = hd ** -0.5
+    s_c = jnp.einsum("btkgd,bksd->bkgts", qg, k_cache.astype(q.dtype), preferred_element_type=jnp.float32) * scale
+    s_b = jnp.einsum("btkgd,bskd->bkgts", qg, k_b, preferred_element_type=jnp.float32) * scale  # [B,nkv,g,Bs,Bs]
+    cache_pos = jnp.arange(S, dtype=jnp.int32)
+    ok_c = (cache_pos < length + num_ctx)[None, :] & _window_ok(blk_pos, cache_pos, window)  # [Bs, S]
+    ok_b = _window_ok(blk_pos, blk_pos, window)  # [Bs, Bs]
+    neg = jnp.float32(-jnp.inf)
+    scores = jnp.concatenate([jnp.where(ok_c, s_c, neg), jnp.where(ok_b, s_b, neg)], axis=-1)  # [B,nkv,g,Bs,S+Bs]
+    p = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    o = (jnp.einsum("bkgts,bksd->btkgd", p[..., :S], v_cache.astype(q.dtype))
+         + jnp.einsum("bkgts,bskd->btkgd", p[..., S:], v_b))  # [B, Bs, nkv, g, hd]
+    o = o.reshape(B, Bs, nkv * g, hd)  # [B, Bs, nh, hd]
+    h = h + jnp.einsum("btnd,ndh->bth", o, lp.wo)
+
+    y = rms_norm(h, lp.mlp_norm, eps)
+    gate = jnp.einsum("bth,hi->bti", y, lp.w_gate)  # [B, Bs, I]
+    up = jnp.einsum("bth,hi->bti", y, lp.w_up)
+    h = h + jnp.einsum("bti,ih->bth", jax.nn.silu(gate) * up, lp.w_down)
+    return h, k_cache, v_cache
+
+
+def drafter_forward(params: DrafterParams, cfg: DrafterConfig, cache: DraftCache, target_hidden: Array,
+                    num_ctx: Array | int, block_embeds: Array) -> tuple[Array, DraftCache]:
+    """One drafter call.
+
+    target_hidden [B, C, nT*H]: new context features (first `num_ctx` rows real, rest padding);
+    block_embeds [B, Bs, H]: target-embedded block tokens. Returns (hidden [B, Bs, H] after the final norm,
+    new cache with the num_ctx real context rows appended). Requires cache.length + C <= S_max.
+    """
+    dtype = params.norm.dtype
+    C = target_hidden.shape[1]
+    Bs = block_embeds.shape[1]
+    length = cache.length.astype(jnp.int32)
+    num_ctx = jnp.asarray(num_ctx, jnp.int32)
+    if C > cache.max_len:
+        raise ValueError(f"target_hidden has C={C} rows but the draft cache holds only S_max={cache.max_len}")
+
+    ctx = jnp.einsum("bcf,fh->bch", target_hidden.astype(dtype), params.fc)  # [B, C, H]
+    ctx = rms_norm(ctx, params.hidden_norm, cfg.rms_norm_eps)
+    ctx_pos = length + jnp.arange(C, dtype=jnp.int32)  # [C]
+    blk_pos = length + num_ctx + jnp.arange(Bs, dtype=jnp.int32)  # [Bs]
+    ctx_rope = rope_cos_sin(ctx_pos, cfg.head_dim, cfg.rope_theta, dtype)
+    blk_rope = rope_cos_sin(blk_pos, cfg.head_dim, cfg.rope_theta, dtype)
+
+    h = block_embeds.astype(dtype)  # [B, Bs, H]
+    ks, vs = [], []
+    for i, lp in enumerate(params.layers):
+        h, k_i, v_i = _layer(lp, cfg, cfg.layer_windows[i], h, ctx, cache.k[i], cache.v[i], length, num_ctx,
+                             ctx_rope, blk_rope, ctx_pos, blk_pos)
+        ks.append(k_i)
+        vs.append(v_i)
+    h = rms_norm(h, params.norm, cfg.rms_norm_eps)
+    return h, DraftCache(k=tuple(ks), v=tuple(vs), length=length + num_ctx)
+
+
+def draft_logits(params: DrafterParams, cfg: DrafterConfig, cache: DraftCache, target_hidden: Array,
+                 num_ctx: Array | int, root_token: Array, embed_table: Array, lm_head: Array
+                 ) -> tuple[Array, DraftCache]:
+    """Block [root, MASK x (Bs-1)] -> fp32 logits [B, Bs-1, V] for block slots 1..Bs-1 (slot j predicts the
+    token at position length+num_ctx+j). root_token [B] int; embed_table [V, H]; lm_head [H, V]."""
+    B, Bs = root_token.shape[0], cfg.block_size
+    ids = jnp.concatenate([root_token.astype(jnp.int32)[:, None],
+                           jnp.full((B, Bs - 1), cfg.mask_token_id, jnp.int32)], axis=1)  # [B, Bs]
+    h, cache = drafter_forward(params, cfg, cache, target_hidden, num_ctx, jnp.take(embed_table, ids, axis=0))
+    logits = jnp.einsum("bth,hv->btv", h[:, 1:], lm_head.astype(h.dtype), preferred_element_type=jnp.float32)
+    return logits, cache
+
+
+# ----------------------------------------------------------------------------------------------- loading
+# HF name (after an optional "model." prefix) -> (field, torch shape fn(cfg), to-JAX transform).
+_GLOBAL = {
+    "fc.weight": ("fc", lambda c: (c.hidden_size, c.num_target_features * c.hidden_size), lambda w, c: w.T),
+    "hidden_norm.weight": ("hidden_norm", lambda c: (c.hidden_size,), lambda w, c: w),
+    "norm.weight": ("norm", lambda c: (c.hidden_size,), lambda w, c: w),
+}
+_LAYER = {
+    "input_layernorm.weight": ("attn_norm", lambda c: (c.hidden_size,), lambda w, c: w),
+    "post_attention_layernorm.weight": ("mlp_norm", lambda c: (c.hidden_size,), lambda w, c: w),
+    "self_attn.q_proj.weight": ("wq", lambda c: (c.num_heads * c.head_dim, c.hidden_size),
+                                lambda w, c: w.reshape(c.num_heads, c.head_dim, -1).transpose(2, 0, 1)),
+    "self_attn.k_proj.weight": ("wk", lambda c: (c.num_kv_heads * c.head_dim, c.hidden_size),
+                                lambda w, c: w.reshape(c.num_kv_heads, c.head_dim, -1).transpose(2, 0, 1)),
+    "self_attn.v_proj.weight": ("wv", lambda c: (c.num_kv_heads * c.head_dim, c.hidden_size),
+                                lambda w, c: w.reshape(c.num_kv_heads, c.head_dim, -1).transpose(2, 0, 1)),
+    "self_attn.o_proj.weight": ("wo", lambda c: (c.hidden_size, c.num_heads * c.head_dim),
+                                lambda w, c: w.reshape(-1, c.num_heads, c.head_dim).transpose(1, 2, 0)),
+    "self_attn.q_norm.weight": ("q_norm", lambda c: (c.head_dim,), lambda w, c: w),
+    "self_attn.k_norm.weight": ("k_norm", lambda c: (c.head_dim,), lambda w, c: w),
+    "mlp.gate_proj.weight": ("w_gate", lambda c: (c.intermediate_size, c.hidden_size), lambda w, c: w.T),
+    "mlp.up_proj.weight": ("w_up", lambda c: (c.intermediate_size, c.hidden_size), lambda w, c: w.T),
+    "mlp.down_proj.weight": ("w_down", lambda c: (c.hidden_size, c.intermediate_size), lambda w, c: w.T),
+}
+_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
+
+
+def _checkpoint_files(path: str) -> dict[str, str]:
+    """tensor name -> safetensors file, from model.safetensors or model.safetensors.index.json."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(index):
+        with open(index) as f:
+            wm = json.load(f).get("weight_map")
+        if not isinstance(wm, dict):
+            raise ValueError(f"{index}: no 'weight_map' dict")
+        return {k: os.path.join(path, v) for k, v in wm.items()}
+    if os.path.isfile(single):
+        from safetensors import safe_open
+        with safe_open(single, framework="numpy") as f:
+            return {k: single for k in f.keys()}
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+
+
+def load_drafter_params(path: str, cfg: DrafterConfig, dtype: Any = "bfloat16") -> DrafterParams:
+    """Load every drafter tensor (strict: no missing, no unexpected, exact shapes), cast to `dtype`."""
+    from safetensors import safe_open
+
+    dtype = jnp.dtype(dtype)
+    files = _checkpoint_files(path)
+    slots: dict[tuple[int, str], tuple[str, Any]] = {}  # (layer or -1, hf suffix) -> (full name, file)
+    for name, fname in files.items():
+        short = name[len("model."):] if name.startswith("model.") else name
+        m = _LAYER_RE.match(short)
+        key = (int(m.group(1)), m.group(2)) if m else (-1, short)
+        known = (key[1] in _LAYER and 0 <= key[0] < cfg.num_layers) if m else key[1] in _GLOBAL
+        if not known:
+            raise ValueError(f"unexpected tensor '{name}' in {fname} (not a drafter weight for a "
+                             f"{cfg.num_layers}-layer DFlash drafter)")
+        if key in slots:
+            raise ValueError(f"tensor '{name}' in {fname} duplicates '{slots[key][0]}' in {slots[key][1]}")
+        slots[key] = (name, fname)
+
+    needed = [(-1, k) for k in _GLOBAL] + [(i, k) for i in range(cfg.num_layers) for k in _LAYER]
+    missing = [("" if i < 0 else f"layers.{i}.") + k for i, k in needed if (i, k) not in slots]
+    if missing:
+        raise ValueError(f"drafter checkpoint {path} is missing {len(missing)} tensor(s): {missing}")
+
+    handles: dict[str, Any] = {}
+
+    def get(key):
+        name, fname = slots[key]
+        field, shape_fn, transform = (_LAYER if key[0] >= 0 else _GLOBAL)[key[1]]
+        if fname not in handles:
+            handles[fname] = safe_open(fname, framework="numpy")
+        if name not in handles[fname].keys():
+            raise ValueError(f"tensor '{name}' listed in the index is absent from {fname}")
+        w = handles[fname].get_tensor(name)
+        if tuple(w.shape) != shape_fn(cfg):
+            raise ValueError(f"tensor '{name}' in {fname} has shape {tuple(w.shape)}, expected "
+                             f"{shape_fn(cfg)} for this config")
+        return field, jnp.asarray(transform(w, cfg), dtype=dtype)
+
+    glob = dict(get((-1, k)) for k in _GLOBAL)
+    layers = tuple(DrafterLayer(**dict(get((i, k)) for k in _LAYER)) for i in range(cfg.num_layers))
+    return DrafterParams(layers=layers, **glob)
+
+
+# ----------------------------------------------------------------------------------------------- Drafter
+_forward_jit = jax.jit(drafter_forward, static_argnums=(1,), donate_argnums=(2,))
+_logits_jit = jax.jit(draft_logits, static_argnums=(1,), donate_argnums=(2,))
+
+
+@dataclasses.dataclass
+class Drafter:
+    config: DrafterConfig
+    params: DrafterParams
+    path: str = ""
+
+    @property
+    def dtype(self):
+        return self.params.norm.dtype
+
+    def init_cache(self, batch_size: int, max_len: int) -> DraftCache:
+        return init_draft_cache(self.config, batch_size, max_len, self.dtype)
+
+    def forward(self, cache, target_hidden, num_ctx, block_embeds):
+        """Jitted `drafter_forward`; `cache` is donated (do not reuse it)."""
+        return _forward_jit(self.params, self.config, cache, target_hidden, num_ctx, block_embeds)
+
+    def logits(self, cache, target_hidden, num_ctx, root_token, embed_table, lm_head):
+        """Jitted `draft_logits`; `cache` is donated (do not reuse it)."""
+        return _logits_jit(self.params, self.config, cache, target_hidden, num_ctx, root_token, embed_table,
+                           lm_head)
+
+
+def check_compatible(cfg: DrafterConfig, target: Any, source: str = "drafter") -> None:
+    """ValueError naming the mismatch if the drafter cannot run on `target` (uses only target.config.*)."""
+    tc = target.config
+    H, L, V = int(tc.hidden_size), int(tc.num_hidden_layers), int(tc.vocab_size)
+    if cfg.hidden_size != H:
+        raise ValueError(f"{source}: hidden_size={cfg.hidden_size} != target hidden_size={H}")
+    bad = [i for i in cfg.target_layer_ids if i >= L]
+    if bad:
+        raise ValueError(f"{source}: target_layer_ids {list(cfg.target_layer_ids)} include {bad}, but the target "
+                         f"has only {L} layers")
+    if cfg.num_target_layers is not None and cfg.num_target_layers != L:
+        raise ValueError(f"{source}: num_target_layers={cfg.num_target_layers} != target num_hidden_layers={L}")
+    if cfg.vocab_size is not None and cfg.vocab_size != V:
+        raise ValueError(f"{source}: vocab_size={cfg.vocab_size} != target vocab_size={V}")
+    if cfg.mask_token_id >= V:
+        raise ValueError(f"{source}: mask_token_id={cfg.mask_token_id} >= target vocab_size={V}")
+
+
+def load_drafter(path: str, target: Any, dtype: Any = "bfloat16") -> Drafter:
+    """Parse + validate config, check compatibility with `target`, load weights strictly."""
+    cfg = DrafterConfig.from_pretrained(path)
+    check_compatible(cfg, target, source=path)
+    return Drafter(config=cfg, params=load_drafter_params(path, cfg, dtype), path=path)
