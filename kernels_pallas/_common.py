@@ -1,0 +1,82 @@
+"""Shared helpers for the Pallas-Triton kernels (jax 0.11.2: `pl.pallas_call` on NVIDIA = Triton backend)."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
+
+# Every Triton lowering warns "jax-pallas-triton" (the backend is deprecated but works in 0.11.2).
+warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*[Tt]riton.*")
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+# fp32 dot algorithms on the GPU. "tf32x3" (three TF32 tensor-core products, ~fp32 accurate) is the
+# default of the GDN kernels; "ieee" is plain fp32 FMA (exact, slower); "tf32" is one TF32 product
+# (~1e-3 relative error, fastest).
+PRECISIONS = {
+    "ieee": jax.lax.DotAlgorithmPreset.F32_F32_F32,
+    "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+    "tf32": jax.lax.DotAlgorithmPreset.TF32_TF32_F32,
+}
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def is_pow2(n: int) -> bool:
+    return n >= 1 and (n & (n - 1)) == 0
+
+
+def dot_fn(precision: str, interpret: bool):
+    """fp32 matmul a @ b inside a kernel. Interpret mode (CPU) always uses exact fp32."""
+    if interpret:
+        return lambda a, b: jnp.dot(a, b, precision=HIGHEST, preferred_element_type=jnp.float32)
+    algo = PRECISIONS[precision]
+    return lambda a, b: jnp.dot(a, b, precision=algo, preferred_element_type=jnp.float32)
+
+
+def compiler_params(num_warps: int = 4, num_stages: int = 2):
+    return pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def pad_axis(x, axis: int, size: int, value=0):
+    """Pad axis `axis` of x at the end up to `size`."""
+    if x.shape[axis] == size:
+        return x
+    pads = [(0, 0)] * x.ndim
+    pads[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pads, constant_values=value)
+
+
+def feature_pad(d: int) -> int:
+    """Feature (head) dims must be a power of two and ≥ 16 for Triton blocks and tl.dot."""
+    return max(16, next_pow2(d))
+
+
+H200 = dict(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+
+
+@contextlib.contextmanager
+def abstract_h200():
+    """Lower for CUDA without a GPU: `jax.jit(f).trace(*structs).lower(lowering_platforms=("cuda",))`."""
+    dev = jax.sharding.AbstractDevice(**H200)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=dev)):
+        yield
+
+
+def lower_for_h200(f, *structs):
+    """Trace and lower f for CUDA against an abstract H200; returns the StableHLO text (contains the
+    Triton custom call). Raises if a kernel cannot be lowered (non power-of-two blocks, bad dots...)."""
+    with abstract_h200():
+        lowered = jax.jit(f).trace(*structs).lower(lowering_platforms=("cuda",))
+    return lowered.as_text()
+
+
+__all__ = ["pl", "pltr", "HIGHEST", "PRECISIONS", "next_pow2", "is_pow2", "dot_fn", "compiler_params",
+           "pad_axis", "feature_pad", "abstract_h200", "lower_for_h200"]

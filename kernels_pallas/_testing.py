@@ -1,0 +1,65 @@
+"""Random, realistic inputs for the kernel tests (tests/kernels) and scripts/bench_kernels.py (never zeros)."""
+
+from __future__ import annotations
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+
+def l2n(x, scale=1.0):
+    return x / jnp.linalg.norm(x, axis=-1, keepdims=True) * scale
+
+
+def random_tree_mask(rng: np.random.Generator, B: int, N: int, n_pad: int = 0):
+    """Ancestor-or-self masks [B,N,N] of random trees (parent[i] < i); the last n_pad rows are padding
+    (self only). Also returns a valid [B,N] bool (False on padding rows)."""
+    masks, valid = [], []
+    for _ in range(B):
+        n_real = N - n_pad
+        m = np.zeros((N, N), bool)
+        for i in range(N):
+            m[i, i] = True
+            if 0 < i < n_real:
+                p = int(rng.integers(0, i))
+                m[i] |= m[p]
+        masks.append(m)
+        valid.append(np.arange(N) < n_real)
+    return jnp.asarray(np.stack(masks)), jnp.asarray(np.stack(valid))
+
+
+def gdn_inputs(key, B, N, Hk, Hv, dk, dv, *, valid=None, dtype=jnp.float32):
+    """Prepared GDN inputs as the model produces them: q = l2norm·dk^-1/2, k = l2norm, g in [-2, 0),
+    beta in (0, 1) (0 on padding rows), a random fp32 state."""
+    ks = jax.random.split(key, 6)
+    q = l2n(jax.random.normal(ks[0], (B, N, Hk, dk)), dk ** -0.5)
+    k = l2n(jax.random.normal(ks[1], (B, N, Hk, dk)))
+    v = jax.random.normal(ks[2], (B, N, Hv, dv))
+    g = -2.0 * jax.random.uniform(ks[3], (B, N, Hv), minval=1e-3, maxval=1.0)
+    beta = jax.random.uniform(ks[4], (B, N, Hv), minval=0.02, maxval=0.98)
+    if valid is not None:
+        beta = jnp.where(valid[..., None], beta, 0.0)
+    state = 0.1 * jax.random.normal(ks[5], (B, Hv, dk, dv))
+    return tuple(x.astype(dtype) for x in (q, k, v, g, beta)) + (state.astype(jnp.float32),)
+
+
+def rel_err(a, b):
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def attention_inputs(key, rng, B, T, H, Hkv, hd, S, start, *, dtype=jnp.bfloat16, n_pad=0):
+    """(q, k_cache, v_cache, start, k_new, v_new, mask) with N = T new rows; mask = random tree
+    (ancestor-or-self, last n_pad rows self only) when rng is given, else all-visible (T = N = 1 decode)."""
+    ks = jax.random.split(key, 5)
+    q = jax.random.normal(ks[0], (B, T, H, hd)).astype(dtype)
+    kc = jax.random.normal(ks[1], (B, Hkv, S, hd)).astype(dtype)
+    vc = jax.random.normal(ks[2], (B, Hkv, S, hd)).astype(dtype)
+    kn = jax.random.normal(ks[3], (B, T, Hkv, hd)).astype(dtype)
+    vn = jax.random.normal(ks[4], (B, T, Hkv, hd)).astype(dtype)
+    if rng is not None:
+        mask, _ = random_tree_mask(rng, B, T, n_pad)
+    else:
+        mask = jnp.ones((B, T, T), bool)
+    return q, kc, vc, jnp.int32(start), kn, vn, mask

@@ -1,0 +1,132 @@
+"""Chunked gated-delta-rule prefill: intra-chunk WY parts in jnp (batched over all chunks at once),
+the inter-chunk recurrence in ONE Pallas-Triton kernel that loops over the chunks with the state on chip.
+
+Same function as `jaxddtree.gdn_math.gdn_chunked` (re-exported as `gdn_chunked_reference`).
+
+Per chunk c (C = 64 tokens, G = in-chunk cumsum of g, Γ_ij = e^{G_i − G_j} for j ≤ i, β, K, Q, V):
+    L = strict_tril(β Γ ⊙ K Kᵀ);  (I + L) [W0 | U] = [β V | β e^G K]       (jnp, all chunks at once)
+    A = tril(Γ ⊙ Q Kᵀ);  O0 = A W0;  Qt = e^G Q − A U
+With the state S entering the chunk, the pseudo-values are W = W0 − U S and
+    O = O0 + Qt S,      S ← e^{G_last} S + Ktᵀ W,   Kt = e^{G_last − G} K   (Kt formed in the kernel).
+The kernel (one program per (batch, value head, dv tile)) runs that recurrence over all chunks in an
+in-kernel loop; the [dk, BV] state tile never leaves registers.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxddtree.gdn_math import gdn_chunked as gdn_chunked_reference
+from kernels_pallas._common import HIGHEST, compiler_params, dot_fn, feature_pad, is_pow2, pad_axis, pl, pltr
+
+__all__ = ["gdn_chunked", "gdn_chunked_reference", "intra_chunk"]
+
+
+def intra_chunk(q, k, v, g, beta, C: int):
+    """Chunk-local parts. Inputs padded to n·C tokens. Returns O0, W0 [B,T,Hv,dv]; U, Qt [B,T,Hv,dk];
+    G [B,T,Hv] (cumsum of g inside each chunk), all fp32."""
+    B, T, Hk, dk = k.shape
+    Hv, dv = v.shape[2], v.shape[3]
+    n = T // C
+    r = Hv // Hk
+    ch = lambda x: x.reshape((B, n, C) + x.shape[2:])
+    qc, kc, vc, gc, bc = map(ch, (q, k, v, g, beta))  # [B,n,C,H,d], [B,n,C,Hv]
+    G = jnp.cumsum(gc, axis=2)  # [B,n,C,Hv]
+    causal = jnp.tril(jnp.ones((C, C), bool))
+    strict = jnp.tril(jnp.ones((C, C), bool), -1)
+    Gh = jnp.moveaxis(G, 3, 2)  # [B,n,Hv,C]
+    gam = jnp.exp(jnp.where(causal, Gh[..., :, None] - Gh[..., None, :], -jnp.inf))  # [B,n,Hv,C,C]
+    kk = jnp.einsum("bnihd,bnjhd->bnhij", kc, kc, precision=HIGHEST)  # [B,n,Hk,C,C]
+    qk = jnp.einsum("bnihd,bnjhd->bnhij", qc, kc, precision=HIGHEST)
+    kk, qk = jnp.repeat(kk, r, axis=2), jnp.repeat(qk, r, axis=2)  # -> Hv
+    bh = jnp.moveaxis(bc, 3, 2)  # [B,n,Hv,C]
+    L = jnp.where(strict, bh[..., :, None] * gam * kk, 0.0)
+    ke = jnp.moveaxis(jnp.repeat(kc, r, axis=3), 3, 2)  # [B,n,Hv,C,dk]
+    qe = jnp.moveaxis(jnp.repeat(qc, r, axis=3), 3, 2)
+    vh = jnp.moveaxis(vc, 3, 2)  # [B,n,Hv,C,dv]
+    eG = jnp.exp(Gh)[..., None]
+    rhs = jnp.concatenate([bh[..., None] * vh, bh[..., None] * eG * ke], axis=-1)
+    X = jax.lax.linalg.triangular_solve(L, rhs, left_side=True, lower=True, unit_diagonal=True)
+    W0, U = X[..., :dv], X[..., dv:]
+    A = jnp.where(causal, gam * qk, 0.0)
+    O0 = jnp.einsum("bnhij,bnhjv->bnhiv", A, W0, precision=HIGHEST)
+    Qt = eG * qe - jnp.einsum("bnhij,bnhjk->bnhik", A, U, precision=HIGHEST)
+    back = lambda x: jnp.moveaxis(x, 2, 3).reshape((B, T, Hv, x.shape[-1]))  # [B,n,Hv,C,d] -> [B,T,Hv,d]
+    return back(O0), back(W0), back(U), back(Qt), G.reshape(B, T, Hv)
+
+
+def _kernel(o0_ref, w0_ref, u_ref, qt_ref, k_ref, G_ref, s_ref, o_ref, so_ref, *, C: int, n: int, dot):
+    f32 = jnp.float32
+    last = jnp.arange(C) == C - 1
+
+    def body(c, S):
+        rows = pl.ds(pl.multiple_of(c * C, C), C)
+        W = w0_ref[rows, :].astype(f32) - dot(u_ref[rows, :].astype(f32), S)  # [C, BV]
+        o_ref[rows, :] = (o0_ref[rows, :].astype(f32) + dot(qt_ref[rows, :].astype(f32), S)).astype(o_ref.dtype)
+        G = G_ref[rows].astype(f32)  # [C]
+        g_last = jnp.sum(jnp.where(last, G, 0.0))
+        kt = jnp.exp(g_last - G)[:, None] * k_ref[rows, :].astype(f32)  # [C, dk]
+        return jnp.exp(g_last) * S + dot(kt.T, W)
+
+    S = jax.lax.fori_loop(0, n, body, s_ref[...].astype(f32))
+    so_ref[...] = S.astype(so_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("chunk", "interpret", "block_v", "num_warps", "num_stages",
+                                             "precision"))
+def gdn_chunked(q, k, v, g, beta, state, chunk: int = 64, *, interpret: bool = False, block_v: int | None = None,
+                num_warps: int = 4, num_stages: int = 2, precision: str = "tf32x3"):
+    """Chunked prefill over T tokens. q,k [B,T,Hk,dk]; v [B,T,Hv,dv]; g,beta [B,T,Hv]; state [B,Hv,dk,dv]
+    -> (o [B,T,Hv,dv], state). Same as `gdn_chunked_reference`."""
+    f32 = jnp.float32
+    B, T, Hk, dk = k.shape
+    Hv, dv = v.shape[2], v.shape[3]
+    C = min(chunk, T)
+    r = Hv // Hk
+    # kernel rows: a power of two ≥ 16 (chunking is exact in any chunk size, so this may differ from C)
+    Cp = max(16, 1 << (C - 1).bit_length())
+    pad = (-T) % Cp
+    q, k, v, g, beta, state = (x.astype(f32) for x in (q, k, v, g, beta, state))
+    if pad:  # beta = 0, g = 0: padded tokens change nothing
+        padt = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        q, k, v, g, beta = map(padt, (q, k, v, g, beta))
+    Tp = T + pad
+    n = Tp // Cp
+    dkp, dvp = feature_pad(dk), feature_pad(dv)
+    if dkp != dk:  # tiny test shapes only
+        q, k, state = pad_axis(q, 3, dkp), pad_axis(k, 3, dkp), pad_axis(state, 2, dkp)
+    if dvp != dv:
+        v, state = pad_axis(v, 3, dvp), pad_axis(state, 3, dvp)
+    O0, W0, U, Qt, Gc = intra_chunk(q, k, v, g, beta, Cp)
+    bv = min(block_v or 64, dvp)
+    assert is_pow2(bv) and dvp % bv == 0
+    kern = functools.partial(_kernel, C=Cp, n=n, dot=dot_fn(precision, interpret))
+    o, state_new = pl.pallas_call(
+        kern,
+        grid=(B, Hv, dvp // bv),
+        in_specs=[
+            pl.BlockSpec((None, Tp, None, bv), lambda b, h, t: (b, 0, h, t)),  # O0
+            pl.BlockSpec((None, Tp, None, bv), lambda b, h, t: (b, 0, h, t)),  # W0
+            pl.BlockSpec((None, Tp, None, dkp), lambda b, h, t: (b, 0, h, 0)),  # U
+            pl.BlockSpec((None, Tp, None, dkp), lambda b, h, t: (b, 0, h, 0)),  # Qt
+            pl.BlockSpec((None, Tp, None, dkp), lambda b, h, t: (b, 0, h // r, 0)),  # k
+            pl.BlockSpec((None, Tp, None), lambda b, h, t: (b, 0, h)),  # G (in-chunk cumsum)
+            pl.BlockSpec((None, None, dkp, bv), lambda b, h, t: (b, h, 0, t)),  # state
+        ],
+        out_specs=[
+            pl.BlockSpec((None, Tp, None, bv), lambda b, h, t: (b, 0, h, t)),
+            pl.BlockSpec((None, None, dkp, bv), lambda b, h, t: (b, h, 0, t)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, Tp, Hv, dvp), f32),
+            jax.ShapeDtypeStruct((B, Hv, dkp, dvp), f32),
+        ],
+        input_output_aliases={6: 1},
+        compiler_params=compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name="gdn_prefill_inter_chunk",
+    )(O0, W0, U, Qt, k, Gc, state)
+    return o[:, :T, :, :dv], state_new[:, :, :dk, :dv]

@@ -1,0 +1,182 @@
+"""Tree attention (verify, decode, or a masked sequence pass) as one Pallas-Triton kernel + an LSE merge.
+
+Same function as `jaxddtree.attention.tree_attention_reference` (re-exported as
+`tree_attention_reference`): query t (all H heads) attends to committed cache rows [0, start) and to the
+new rows j with mask[b, t, j].
+
+GQA is folded into the rows of a block: for kv head h_kv the R = T·G query rows (t, head h_kv·G + i)
+are gathered straight from q [B, T·H, hd] (no transpose), so K/V of a kv head are read once per row
+block for all its G query heads. The grid is (B·Hkv, row blocks, n_split + 1):
+  * programs with split s < n_split do flash-decoding over their slice of the prefix [0, start)
+    (slices are sized from `start` at run time, so the work follows the prefix, not the cache capacity);
+  * the last split handles the N new rows with the dense mask [T, N].
+Each program writes its partial output (normalised) and its log-sum-exp; a jnp merge combines them.
+bf16 (or fp32) in, fp32 accumulation, fp32 softmax.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxddtree.attention import tree_attention_reference
+from kernels_pallas._common import HIGHEST, compiler_params, feature_pad, next_pow2, pad_axis, pl, pltr
+
+__all__ = ["tree_attention", "tree_attention_reference"]
+
+_NEG = -1e30  # running-max init: finite, so fully masked blocks give exp(-inf - _NEG) = 0
+
+
+def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, m_ref, o_ref, lse_ref, *,
+            T: int, H: int, G: int, N: int, bm: int, bk: int, bn: int, n_split: int, scale: float,
+            exact: bool):
+    f32 = jnp.float32
+    i_bh, rb, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    hkv_idx = i_bh % (H // G)
+    R = T * G
+    r = rb * bm + jnp.arange(bm)
+    row_ok = r < R
+    rc = jnp.minimum(r, R - 1)
+    t_of_r = rc // G
+    qrow = t_of_r * H + hkv_idx * G + rc % G  # row of q [T·H, hd]
+    # rows past R store into distinct spare rows T·H + (r mod bm) of the partials (sliced off by the
+    # merge): a masked scatter must not hit a real row twice (interpret mode applies it as a gather/set)
+    orow = jnp.where(row_ok, qrow, T * H + r % bm)
+    hd = q_ref.shape[-1]
+    cols = jnp.arange(hd)
+    q = pltr.load(q_ref.at[qrow[:, None], cols[None, :]], mask=row_ok[:, None], other=0)
+    prec = HIGHEST if exact else None
+
+    def dot_t(a, b):  # a @ bᵀ
+        return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=f32)
+
+    def dot(a, b):
+        return jnp.dot(a, b, precision=prec, preferred_element_type=f32)
+
+    def step(kb, vb, valid, carry):
+        acc, m, l = carry
+        sc = dot_t(q, kb) * scale  # [bm, bk]
+        sc = jnp.where(valid, sc, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+        corr = jnp.exp(m - m_new)
+        p = jnp.exp(sc - m_new[:, None])
+        l = l * corr + jnp.sum(p, axis=1)
+        acc = acc * corr[:, None] + dot(p.astype(vb.dtype), vb)
+        return acc, m_new, l
+
+    init = (jnp.zeros((bm, hd), f32), jnp.full((bm,), _NEG, f32), jnp.zeros((bm,), f32))
+
+    def prefix():
+        start = start_ref[0]
+        chunk = pl.cdiv(pl.cdiv(start, n_split), bk) * bk
+        lo = s * chunk
+        hi = jnp.minimum(lo + chunk, start)
+        nblk = pl.cdiv(jnp.maximum(hi - lo, 0), bk)
+
+        def body(j, carry):
+            k0 = pl.multiple_of(lo + j * bk, bk)
+            kb = kc_ref[pl.ds(k0, bk), :]
+            vb = vc_ref[pl.ds(k0, bk), :]
+            valid = (k0 + jnp.arange(bk) < hi)[None, :]
+            return step(kb, vb, valid, carry)
+
+        return jax.lax.fori_loop(0, nblk, body, init)
+
+    def tree():
+        def body(j, carry):
+            c = j * bn + jnp.arange(bn)
+            c_ok = c < N
+            cc = jnp.minimum(c, N - 1)
+            kb = pltr.load(kn_ref.at[cc[:, None], cols[None, :]], mask=c_ok[:, None], other=0)
+            vb = pltr.load(vn_ref.at[cc[:, None], cols[None, :]], mask=c_ok[:, None], other=0)
+            mk = pltr.load(m_ref.at[t_of_r[:, None], cc[None, :]], mask=row_ok[:, None] & c_ok[None, :], other=0)
+            return step(kb, vb, mk != 0, carry)
+
+        return jax.lax.fori_loop(0, pl.cdiv(N, bn), body, init)
+
+    if n_split > 0:
+        acc, m, l = jax.lax.cond(s == n_split, tree, prefix)
+    else:
+        acc, m, l = tree()
+    safe_l = jnp.where(l > 0, l, 1.0)
+    o = acc / safe_l[:, None]
+    lse = jnp.where(l > 0, m + jnp.log(safe_l), -jnp.inf)
+    pltr.store(o_ref.at[orow[:, None], cols[None, :]], o.astype(o_ref.dtype), mask=row_ok[:, None])
+    pltr.store(lse_ref.at[orow], lse, mask=row_ok)
+
+
+def default_split(B: int, hkv: int, n_rb: int, S: int, bk: int, target_programs: int = 132) -> int:
+    """Prefix splits so that the grid holds about `target_programs` programs (one per H200 SM): more
+    splits mean more partial outputs to write and merge (n_split · T·H · hd each)."""
+    return int(max(1, min(-(-target_programs // (B * hkv * n_rb)), max(1, S // bk))))
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "block_m", "block_k", "block_n", "n_split",
+                                             "num_warps", "num_stages", "partial_dtype"))
+def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret: bool = False,
+                   block_m: int | None = None, block_k: int = 64, block_n: int | None = None,
+                   n_split: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                   partial_dtype=None):
+    """q [B,T,H,hd]; k/v_cache [B,Hkv,S,hd]; start int32 scalar; k/v_new [B,N,Hkv,hd]; mask [B,T,N] bool
+    -> [B,T,H,hd] (q.dtype). Same as `tree_attention_reference`."""
+    B, T, H, hd = q.shape
+    hkv, S = k_cache.shape[1], k_cache.shape[2]
+    N = k_new.shape[1]
+    G = H // hkv
+    R = T * G
+    scale = hd ** -0.5
+    hdp = feature_pad(hd)
+    if hdp != hd:  # tiny test shapes only: zero features change no logit
+        q, k_cache, v_cache, k_new, v_new = (pad_axis(x, 3, hdp) for x in (q, k_cache, v_cache, k_new, v_new))
+    bm = block_m or max(16, min(64, next_pow2(R)))
+    bk = min(block_k, max(16, next_pow2(S)))
+    if S % bk:  # tiny test shapes only
+        k_cache, v_cache = pad_axis(k_cache, 2, S + (-S) % bk), pad_axis(v_cache, 2, S + (-S) % bk)
+    Sp = k_cache.shape[2]
+    bn = block_n or max(16, min(64, next_pow2(N)))
+    n_rb = -(-R // bm)
+    ns = default_split(B, hkv, n_rb, Sp, bk) if n_split is None else n_split
+    exact = q.dtype == jnp.float32
+    pdt = jnp.float32 if exact else (partial_dtype or q.dtype)  # bf16 partials halve the merge traffic
+
+    q2 = q.reshape(B, T * H, hdp)  # free
+    start_arr = jnp.asarray(start, jnp.int32).reshape(1)
+    mask_i8 = mask.astype(jnp.int8)
+    kern = functools.partial(_kernel, T=T, H=H, G=G, N=N, bm=bm, bk=bk, bn=bn, n_split=ns, scale=scale,
+                             exact=exact)
+    o_p, lse_p = pl.pallas_call(
+        kern,
+        grid=(B * hkv, n_rb, ns + 1),
+        in_specs=[
+            pl.BlockSpec((1,), lambda i, rb, s: (0,)),  # start
+            pl.BlockSpec((None, T * H, hdp), lambda i, rb, s: (i // hkv, 0, 0)),  # q rows
+            pl.BlockSpec((None, None, Sp, hdp), lambda i, rb, s: (i // hkv, i % hkv, 0, 0)),  # k_cache
+            pl.BlockSpec((None, None, Sp, hdp), lambda i, rb, s: (i // hkv, i % hkv, 0, 0)),  # v_cache
+            pl.BlockSpec((None, N, None, hdp), lambda i, rb, s: (i // hkv, 0, i % hkv, 0)),  # k_new
+            pl.BlockSpec((None, N, None, hdp), lambda i, rb, s: (i // hkv, 0, i % hkv, 0)),  # v_new
+            pl.BlockSpec((None, T, N), lambda i, rb, s: (i // hkv, 0, 0)),  # mask
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, T * H + bm, hdp), lambda i, rb, s: (s, i // hkv, 0, 0)),
+            pl.BlockSpec((None, None, T * H + bm), lambda i, rb, s: (s, i // hkv, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((ns + 1, B, T * H + bm, hdp), pdt),
+            jax.ShapeDtypeStruct((ns + 1, B, T * H + bm), jnp.float32),
+        ],
+        compiler_params=compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name="tree_attention",
+    )(start_arr, q2, k_cache, v_cache, k_new, v_new, mask_i8)
+    # merge the split partials by log-sum-exp
+    o_p, lse_p = o_p[:, :, :T * H], lse_p[:, :, :T * H]
+    mx = jnp.max(lse_p, axis=0)
+    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+    w = jnp.exp(lse_p - mx)  # [P, B, TH]
+    den = jnp.sum(w, axis=0)
+    o = jnp.einsum("pbr,pbrd->brd", w, o_p.astype(jnp.float32), precision=HIGHEST)
+    o = o / jnp.where(den > 0, den, 1.0)[..., None]
+    return o.reshape(B, T, H, hdp)[..., :hd].astype(q.dtype)

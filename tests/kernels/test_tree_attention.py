@@ -1,0 +1,57 @@
+"""Pallas tree attention (kernels_pallas.tree_attention) vs the jnp reference, and its CUDA lowering."""
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas import tree_attention as ta
+from kernels_pallas._common import lower_for_h200
+from kernels_pallas._testing import attention_inputs, rel_err
+
+
+def test_signature_matches_reference():
+    ref = list(inspect.signature(ta.tree_attention_reference).parameters)
+    ker = inspect.signature(ta.tree_attention).parameters
+    assert list(ker)[:len(ref)] == ref and ker["interpret"].default is False
+
+
+@pytest.mark.parametrize("B,T,H,Hkv,hd,S,start,dtype,kw", [
+    (2, 11, 4, 2, 16, 100, 37, jnp.float32, {}),  # tree verify (padding rows), cache not a block multiple
+    (1, 9, 6, 2, 24, 128, 0, jnp.float32, dict(n_split=3)),  # empty prefix, non power-of-two head dim
+    (1, 13, 6, 2, 32, 192, 150, jnp.bfloat16, dict(block_k=32, block_m=16)),  # bf16, several blocks
+])
+def test_tree_matches_reference(B, T, H, Hkv, hd, S, start, dtype, kw):
+    args = attention_inputs(jax.random.PRNGKey(T + S), np.random.default_rng(T), B, T, H, Hkv, hd, S, start,
+                            dtype=dtype, n_pad=2)
+    out = ta.tree_attention(*args, interpret=True, **kw)
+    ref = ta.tree_attention_reference(*args)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert np.all(np.isfinite(np.asarray(out, np.float32)))
+    if dtype == jnp.float32:
+        assert rel_err(out, ref) < 1e-5, rel_err(out, ref)
+    else:  # vs the bf16 reference (which rounds logits and probabilities to bf16) and vs exact fp32 math
+        up = tuple(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x for x in args)
+        assert rel_err(out, ta.tree_attention_reference(*up)) < 1e-2
+        assert rel_err(out, ref) < 1e-2, rel_err(out, ref)
+
+
+def test_decode_matches_reference():
+    """T = 1 (one new token, attends to the prefix and itself)."""
+    args = attention_inputs(jax.random.PRNGKey(3), None, 1, 1, 6, 2, 32, 64, 64, dtype=jnp.float32)
+    out = ta.tree_attention(*args, interpret=True)
+    assert rel_err(out, ta.tree_attention_reference(*args)) < 1e-5
+
+
+def _structs(T, N, S):
+    Sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    return [Sd((1, T, 24, 256), bf), Sd((1, 4, S, 256), bf), Sd((1, 4, S, 256), bf), Sd((), jnp.int32),
+            Sd((1, N, 4, 256), bf), Sd((1, N, 4, 256), bf), Sd((1, T, N), jnp.bool_)]
+
+
+@pytest.mark.parametrize("T,N,S", [(65, 65, 4096 + 64), (1, 1, 8192), (128, 128, 32768)])
+def test_lowers_for_h200_at_27b_shapes(T, N, S):
+    txt = lower_for_h200(ta.tree_attention, *_structs(T, N, S))
+    assert "__gpu$xla.gpu.triton" in txt
