@@ -344,4 +344,7 @@ def load_drafter(path: str, target: Any, dtype: Any = "bfloat16") -> Drafter:
     """Parse + validate config, check compatibility with `target`, load weights strictly."""
     cfg = DrafterConfig.from_pretrained(path)
     check_compatible(cfg, target, source=path)
+    from jaxddtree import orbax_io  # a directory written by `python -m convert`
+    if orbax_io.is_converted(path):
+        return Drafter(config=cfg, params=orbax_io.restore_drafter_params(path, cfg, dtype), path=path)
     return Drafter(config=cfg, params=load_drafter_params(path, cfg, dtype), path=path)

@@ -1,0 +1,326 @@
+"""Synthetic Qwen3.5/3.6 checkpoints (numpy, any size) and the converter's measurements.
+
+`python -m convert.bench [--dir DIR] [--size small|medium] [--repeat N]` writes a synthetic text-only
+checkpoint (random weights with the real key names and shapes; fp32 and bf16 copies), converts it, and
+prints (a) peak RSS growth of the conversion against the largest tensor and (b) `load_target` times from
+the HF directory vs from the converted directory (plus raw read times: safetensors vs orbax).
+The figures in NOTES.md ("Converter") come from this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Dimensions of the synthetic models. "rss": ~40 tensors of 8-16 MB (fp32); "medium": ~690 MB fp32.
+SIZES = {
+    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                 linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16),
+    "rss": dict(vocab_size=4096, hidden_size=1024, intermediate_size=2048, num_hidden_layers=8,
+                num_attention_heads=8, num_key_value_heads=2, head_dim=128, linear_num_key_heads=4,
+                linear_num_value_heads=8, linear_key_head_dim=128, linear_value_head_dim=128),
+    "medium": dict(vocab_size=32768, hidden_size=1024, intermediate_size=3584, num_hidden_layers=12,
+                   num_attention_heads=8, num_key_value_heads=2, head_dim=128, linear_num_key_heads=4,
+                   linear_num_value_heads=8, linear_key_head_dim=128, linear_value_head_dim=128),
+}
+
+
+def text_config(dims: dict) -> dict:
+    """A text-only (`qwen3_5_text`) config.json dict for `dims` (full attention every 4th layer)."""
+    n = dims["num_hidden_layers"]
+    return dict(dims, model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"],
+                layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)],
+                linear_conv_kernel_dim=4, rms_norm_eps=1e-6, max_position_embeddings=4096,
+                hidden_act="silu", tie_word_embeddings=False, attention_bias=False,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+
+
+def tensor_shapes(cfg: dict) -> dict[str, tuple]:
+    """HF tensor name -> shape, text-only layout."""
+    D, V, F = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"]
+    H, Hkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    Hk, Hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv, K = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg["linear_conv_kernel_dim"]
+    conv = 2 * Hk * dk + Hv * dv
+    out = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,), "lm_head.weight": (V, D)}
+    for i, t in enumerate(cfg["layer_types"]):
+        p = f"model.layers.{i}."
+        out.update({p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
+                    p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
+                    p + "mlp.down_proj.weight": (D, F)})
+        if t == "full_attention":
+            a = p + "self_attn."
+            out.update({a + "q_proj.weight": (H * 2 * hd, D), a + "k_proj.weight": (Hkv * hd, D),
+                        a + "v_proj.weight": (Hkv * hd, D), a + "o_proj.weight": (D, H * hd),
+                        a + "q_norm.weight": (hd,), a + "k_norm.weight": (hd,)})
+        else:
+            g = p + "linear_attn."
+            out.update({g + "in_proj_qkv.weight": (conv, D), g + "in_proj_z.weight": (Hv * dv, D),
+                        g + "in_proj_b.weight": (Hv, D), g + "in_proj_a.weight": (Hv, D),
+                        g + "conv1d.weight": (conv, 1, K), g + "dt_bias": (Hv,), g + "A_log": (Hv,),
+                        g + "norm.weight": (dv,), g + "out_proj.weight": (D, Hv * dv)})
+    return out
+
+
+def write_synthetic(path: str, size: str = "rss", dtype: str = "float32", shard_bytes: int = 64 << 20,
+                    seed: int = 0) -> dict:
+    """Write config.json + sharded safetensors (+ index) of random weights; returns the config dict.
+    Shards are written one at a time, so this needs about `shard_bytes` of memory."""
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    cfg = text_config(SIZES[size])
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    np_dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float32)
+    rng = np.random.default_rng(seed)
+    shapes = tensor_shapes(cfg)
+    shards: list[list[str]] = [[]]
+    acc = 0
+    for name, shape in shapes.items():
+        nb = int(np.prod(shape)) * np_dt.itemsize
+        if shards[-1] and acc + nb > shard_bytes:
+            shards.append([])
+            acc = 0
+        shards[-1].append(name)
+        acc += nb
+    weight_map = {}
+    for s, names in enumerate(shards):
+        fname = f"model-{s + 1:05d}-of-{len(shards):05d}.safetensors"
+        part = {}
+        for n in names:
+            shape = shapes[n]
+            scale = 1.0 if "embed" in n or len(shape) == 1 else shape[-1] ** -0.5
+            x = rng.random(shape, dtype=np.float32)
+            x -= 0.5
+            x *= 2 * scale
+            if len(shape) == 1 and "A_log" not in n and "dt_bias" not in n:
+                x += 1.0
+            part[n] = x.astype(np_dt, copy=False)
+        save_file(part, os.path.join(path, fname))
+        weight_map.update({n: fname for n in names})
+        del part
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+    return cfg
+
+
+def largest_tensor_bytes(path: str) -> int:
+    from convert.core import _header
+    from jaxddtree.loading import checkpoint_files
+    best = 0
+    for file in set(checkpoint_files(path).values()):
+        for info in _header(file)[1].values():
+            best = max(best, info["data_offsets"][1] - info["data_offsets"][0])
+    return best
+
+
+# --------------------------------------------------------------------------------------------- RSS
+RSS_DRIVER = r"""
+import json, os, sys, threading, time
+sys.path.insert(0, {root!r})
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import convert.core as core
+import jaxddtree.orbax_io, orbax.checkpoint.experimental.v1, safetensors  # imports are not conversion
+
+def status(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+
+warm = {warm!r}
+if warm:  # first-use library state (orbax/tensorstore thread pools, caches) is not data-proportional
+    core.convert(warm, warm + "-jax", dtype={dtype!r})
+base = status("VmRSS")
+peak = [base]
+try:
+    open("/proc/self/clear_refs", "w").write("5")  # reset VmHWM (the kernel's peak RSS) to now
+    hwm = True
+except OSError:
+    hwm = False
+stop = threading.Event()
+def poll():  # fallback / cross-check: sample RSS every 2 ms
+    while not stop.is_set():
+        peak[0] = max(peak[0], status("VmRSS"))
+        time.sleep(0.002)
+t = threading.Thread(target=poll, daemon=True); t.start()
+t0 = time.perf_counter()
+core.convert({src!r}, {dst!r}, dtype={dtype!r})
+secs = time.perf_counter() - t0
+stop.set(); t.join()
+print(json.dumps(dict(base=base, peak_hwm=status("VmHWM") if hwm else None, peak_poll=peak[0],
+                      seconds=secs)))
+"""
+
+
+def measure_rss(src: str, dst: str, dtype: str = "float32", warm: str | None = None) -> dict:
+    """Convert in a fresh subprocess; returns {base, peak_hwm, peak_poll, growth, seconds} (bytes)."""
+    code = RSS_DRIVER.format(root=ROOT, src=src, dst=dst, dtype=dtype, warm=warm)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
+    if out.returncode:
+        raise RuntimeError(out.stderr[-3000:])
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    peak = max(r["peak_poll"], r["peak_hwm"] or 0)
+    r["growth"] = peak - r["base"]
+    return r
+
+
+# --------------------------------------------------------------------------------------------- timing
+def _time(fn, repeat: int) -> list[float]:
+    out = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def evict(path: str) -> None:
+    """Drop `path`'s files from the page cache (posix_fadvise DONTNEED): the next read comes from disk."""
+    for root, _, files in os.walk(path):
+        for f in files:
+            fd = os.open(os.path.join(root, f), os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def time_loads(hf: str, conv: str, dtype: str, repeat: int, cold: bool = False) -> dict:
+    """load_target from the HF dir vs the converted dir (blocking until every leaf is ready), alternated;
+    `cold`: both directories are evicted from the page cache before every load."""
+    import jax
+    import jaxddtree
+
+    def load(p):
+        if cold:
+            evict(p)
+        t0 = time.perf_counter()
+        t = jaxddtree.load_target(p, dtype)
+        jax.block_until_ready(t.leaves)
+        del t
+        return time.perf_counter() - t0
+
+    load(hf), load(conv)  # warm: imports, jit of the casts/transposes, page cache
+    a, b = [], []
+    for _ in range(repeat):
+        a.append(load(hf))
+        b.append(load(conv))
+    return {"hf": a, "converted": b}
+
+
+def time_raw(hf: str, conv: str, repeat: int) -> dict:
+    """Just reading the bytes into host numpy arrays: safetensors (copied out of its memory map) vs one
+    orbax load."""
+    import orbax.checkpoint.experimental.v1 as ocp
+    import safetensors
+
+    from jaxddtree import orbax_io
+    from jaxddtree.loading import checkpoint_files
+
+    def st():
+        files = checkpoint_files(hf)
+        by = {}
+        for n, f in files.items():
+            by.setdefault(f, []).append(n)
+        for f, names in by.items():
+            with safetensors.safe_open(f, "numpy") as h:
+                for n in names:
+                    np.array(h.get_tensor(n))  # get_tensor maps the file lazily: force the read
+
+    def ob():
+        with orbax_io._context():
+            ocp.load(os.path.join(conv, orbax_io.PARAMS_DIR))
+
+    st(), ob()
+    a, b = [], []
+    for _ in range(repeat):
+        a += _time(st, 1)
+        b += _time(ob, 1)
+    return {"safetensors": a, "orbax": b}
+
+
+def rss_report(d: str) -> None:
+    """Peak RSS growth converting the "rss" synthetic checkpoint (~40 tensors of 8-16 MB), cold and warm."""
+    for name, size in (("tiny", "tiny"), ("rss", "rss")):
+        if not os.path.exists(os.path.join(d, name, "config.json")):
+            write_synthetic(os.path.join(d, name), size)
+    for p in ("rss-jax", "tiny-jax"):
+        shutil.rmtree(os.path.join(d, p), ignore_errors=True)
+    big = largest_tensor_bytes(os.path.join(d, "rss"))
+    n = len(tensor_shapes(text_config(SIZES["rss"])))
+    cold = measure_rss(os.path.join(d, "rss"), os.path.join(d, "rss-jax"))
+    shutil.rmtree(os.path.join(d, "rss-jax"))
+    warm = measure_rss(os.path.join(d, "rss"), os.path.join(d, "rss-jax"), warm=os.path.join(d, "tiny"))
+    shutil.rmtree(os.path.join(d, "tiny-jax"), ignore_errors=True)
+    total = sum(os.path.getsize(os.path.join(d, "rss", f)) for f in os.listdir(os.path.join(d, "rss")))
+    print(f"RSS: {n} tensors, {total / 2**20:.0f} MiB fp32, largest {big / 2**20:.1f} MiB")
+    for label, r in (("cold process", cold), ("after a warm-up conversion", warm)):
+        print(f"  {label}: peak RSS growth {r['growth'] / 2**20:.1f} MiB = {r['growth'] / big:.2f}x largest "
+              f"(hwm {((r['peak_hwm'] or 0) - r['base']) / 2**20:.1f} MiB, polled "
+              f"{(r['peak_poll'] - r['base']) / 2**20:.1f} MiB); conversion {r['seconds']:.1f} s")
+
+
+def _fmt(xs):
+    return f"median {statistics.median(xs):.2f} s (min {min(xs):.2f}, n={len(xs)})"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m convert.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default="/tmp/jaxddtree-convert-bench", help="scratch directory (reused)")
+    ap.add_argument("--size", default="medium", choices=sorted(SIZES), help="synthetic model for timing")
+    ap.add_argument("--repeat", type=int, default=5, help="timed repetitions per measurement")
+    ap.add_argument("--skip-rss", action="store_true", help="only the load timings")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    sys.path.insert(0, ROOT)
+    from convert.core import convert
+
+    d = args.dir
+    os.makedirs(d, exist_ok=True)
+
+    if not args.skip_rss:
+        rss_report(d)
+
+    # (b) restore vs safetensors.
+    for sdt in ("float32", "bfloat16"):
+        hf = os.path.join(d, f"{args.size}-{sdt}")
+        if not os.path.exists(os.path.join(hf, "config.json")):
+            write_synthetic(hf, args.size, dtype=sdt)
+        mib = sum(os.path.getsize(os.path.join(hf, f)) for f in os.listdir(hf)) / 2**20
+        for ldt in (("float32", "bfloat16") if sdt == "float32" else ("bfloat16",)):
+            conv = os.path.join(d, f"{args.size}-{sdt}-jax-{ldt}")
+            if not os.path.exists(conv):
+                t = time.perf_counter()
+                convert(hf, conv, dtype=ldt)
+                print(f"converted {sdt} {mib:.0f} MiB -> {ldt}: {time.perf_counter() - t:.1f} s")
+            for cold in (False, True):
+                r = time_loads(hf, conv, ldt, args.repeat, cold=cold)
+                print(f"load_target {args.size} source {sdt} ({mib:.0f} MiB) as {ldt}, "
+                      f"{'cold' if cold else 'warm'} page cache: HF {_fmt(r['hf'])} | converted "
+                      f"{_fmt(r['converted'])} | speed-up "
+                      f"{statistics.median(r['hf']) / statistics.median(r['converted']):.2f}x", flush=True)
+            if sdt == ldt:
+                raw = time_raw(hf, conv, args.repeat)
+                print(f"  raw read to host: safetensors {_fmt(raw['safetensors'])} | orbax {_fmt(raw['orbax'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,339 @@
+"""`python -m convert`: HF safetensors -> orbax, via the CLI in subprocesses.
+
+Round trips (bit-identical logits / drafter params), every error path (one stderr line naming the thing, no
+traceback, nothing left behind), Ctrl-C, bounded RSS while streaming ~40 tensors of 8-16 MB, progress bar.
+The conversions are independent processes, so each group of them is launched concurrently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import types
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+for _p in (ROOT, HERE):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jaxddtree  # noqa: E402
+
+IDS = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28, 84, 19]
+
+
+def _env():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TRANSFORMERS_VERBOSITY="error")
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
+def cli(*args, **popen_kw) -> subprocess.Popen:
+    kw = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+    kw.update(popen_kw)
+    return subprocess.Popen([sys.executable, "-m", "convert", *map(str, args)], **kw)
+
+
+def run_all(jobs: dict[str, tuple], timeout: float = 240) -> dict[str, types.SimpleNamespace]:
+    """Run several `python -m convert` commands concurrently: name -> (rc, stdout, stderr)."""
+    procs = {k: cli(*args) for k, args in jobs.items()}
+    out = {}
+    for k, p in procs.items():
+        so, se = p.communicate(timeout=timeout)
+        out[k] = types.SimpleNamespace(rc=p.returncode, stdout=so, stderr=se)
+    return out
+
+
+def leftovers(parent: str) -> list[str]:
+    return [e for e in os.listdir(parent) if ".jaxddtree-tmp-" in e or ".jaxddtree-old-" in e]
+
+
+def assert_one_line_error(r, *needles: str):
+    assert r.rc not in (0, None), (r.rc, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, r.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
+# --------------------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    """The same tiny random model saved as the sharded multimodal wrapper (vision tower + mtp extras) and
+    text-only (single file)."""
+    import hf_models
+    model = hf_models.causal_lm(0)
+    base = tmp_path_factory.mktemp("hf")
+    return {"wrapper": hf_models.save_wrapper(model, str(base / "wrapper")),
+            "text": hf_models.save_text_only(model, str(base / "text"))}
+
+
+@pytest.fixture(scope="module")
+def drafter_src(tmp_path_factory):
+    from helpers_dflash import random_weights, tiny_config, write_checkpoint
+    cfg = tiny_config()
+    d = str(tmp_path_factory.mktemp("drafter") / "hf")
+    return write_checkpoint(d, cfg, random_weights(cfg, seed=7, prefix="model."), shards=2)
+
+
+@pytest.fixture(scope="module")
+def converted(hf, drafter_src, tmp_path_factory):
+    """All successful conversions, run concurrently. The text-only fp32 one gets a pseudo-terminal for
+    stderr (progress bar); everything else is piped (no bar)."""
+    out = tmp_path_factory.mktemp("converted")
+    jobs = {
+        ("wrapper", "float32"): (hf["wrapper"], out / "wrapper-float32", "--dtype", "float32"),
+        ("wrapper", "bfloat16"): (hf["wrapper"], out / "wrapper-bfloat16"),  # default dtype
+        ("text", "bfloat16"): (hf["text"], out / "text-bfloat16", "--dtype", "bf16", "--quiet"),
+        ("drafter", "float32"): (drafter_src, out / "drafter-float32", "--dtype", "float32"),
+        ("drafter", "bfloat16"): (drafter_src, out / "drafter-bfloat16", "--kind", "drafter"),
+    }
+    import fcntl
+    import pty
+    import struct
+    import termios
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))  # a 120-column terminal
+    tty_proc = cli(hf["text"], out / "text-float32", "--dtype", "float32", stderr=slave)
+    os.close(slave)
+    res = run_all(jobs)
+    so, _ = tty_proc.communicate(timeout=240)
+    chunks = []
+    while True:
+        try:
+            b = os.read(master, 65536)
+        except OSError:
+            break
+        if not b:
+            break
+        chunks.append(b)
+    os.close(master)
+    res[("text", "float32")] = types.SimpleNamespace(rc=tty_proc.returncode, stdout=so,
+                                                     stderr=b"".join(chunks).decode(errors="replace"))
+    paths = {k: str(out / f"{k[0]}-{k[1]}") for k in res}
+    return {"results": res, "paths": paths, "dir": str(out)}
+
+
+# --------------------------------------------------------------------------------------------- CLI basics
+def test_help_explains_every_flag():
+    p = cli("--help")
+    so, se = p.communicate(timeout=60)
+    assert p.returncode == 0, se
+    for flag in ("SRC", "DST", "--dtype", "--kind", "--overwrite", "--quiet", "bfloat16", "float32", "drafter"):
+        assert flag in so, flag
+
+
+def test_conversions_succeed(converted):
+    for key, r in converted["results"].items():
+        assert r.rc == 0, (key, r.stderr)
+        path = converted["paths"][key]
+        meta = json.load(open(os.path.join(path, "jaxddtree_checkpoint.json")))
+        assert meta["kind"] == ("drafter" if key[0] == "drafter" else "target")  # drafter kind auto-detected
+        assert meta["dtype"] == key[1] and meta["format_version"] == 1
+        assert os.path.isfile(os.path.join(path, "config.json")) and os.path.isdir(os.path.join(path, "params"))
+        assert not leftovers(converted["dir"])
+    quiet = converted["results"][("text", "bfloat16")]
+    assert quiet.stdout == "" and quiet.stderr == ""
+    piped = converted["results"][("wrapper", "float32")]
+    assert "wrote" in piped.stdout and piped.stderr == ""  # no bar, no library noise when not a terminal
+    tty = converted["results"][("text", "float32")].stderr
+    assert "tensors" in tty and "100%" in tty, tty  # tqdm bar: bytes with a tensor count
+
+
+def test_config_copied_verbatim(hf, converted):
+    for layout in ("wrapper", "text"):
+        a = open(os.path.join(hf[layout], "config.json"), "rb").read()
+        b = open(os.path.join(converted["paths"][(layout, "float32")], "config.json"), "rb").read()
+        assert a == b
+
+
+# --------------------------------------------------------------------------------------------- round trips
+@pytest.mark.parametrize("layout", ["wrapper", "text"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_round_trip_bit_identical(hf, converted, layout, dtype):
+    import jax
+    ref = jaxddtree.load_target(hf[layout], dtype)
+    got = jaxddtree.load_target(converted["paths"][(layout, dtype)], dtype)
+    assert got.treedef == ref.treedef
+    for a, b in zip(jax.tree.leaves(ref.leaves), jax.tree.leaves(got.leaves)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    la, lb = jaxddtree.score(ref, IDS), jaxddtree.score(got, IDS)
+    assert la.dtype == lb.dtype == np.float32
+    assert np.array_equal(la, lb)
+
+
+def test_other_dtype_is_cast_on_load(hf, converted):
+    """fp32 store loaded as bf16 == the HF directory loaded as bf16 (same cast on device)."""
+    ref = jaxddtree.load_target(hf["wrapper"], "bfloat16")
+    got = jaxddtree.load_target(converted["paths"][("wrapper", "float32")], "bfloat16")
+    assert np.array_equal(jaxddtree.score(ref, IDS), jaxddtree.score(got, IDS))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_drafter_round_trip(drafter_src, converted, dtype):
+    import jax
+    from jaxddtree.drafter import load_drafter
+    target = types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=64, num_hidden_layers=6,
+                                                                vocab_size=101))
+    ref = load_drafter(drafter_src, target, dtype)
+    got = load_drafter(converted["paths"][("drafter", dtype)], target, dtype)
+    assert got.config == ref.config
+    ra, rb = jax.tree.flatten(ref.params), jax.tree.flatten(got.params)
+    assert ra[1] == rb[1]
+    for a, b in zip(ra[0], rb[0]):
+        assert a.dtype == b.dtype == np.dtype(dtype) and a.shape == b.shape
+        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+def test_kind_mismatch_is_reported(converted):
+    with pytest.raises(jaxddtree.CheckpointError, match="drafter"):
+        jaxddtree.load_target(converted["paths"][("drafter", "float32")], "float32")
+
+
+def test_overwrite(hf, converted, tmp_path):
+    """--overwrite replaces an earlier converted checkpoint (or an empty dir), never anything else."""
+    conv = tmp_path / "conv"
+    shutil.copytree(converted["paths"][("wrapper", "bfloat16")], conv)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "keep.txt").write_text("precious")
+    res = run_all({"replace": (hf["text"], conv, "--overwrite", "--dtype", "float32", "-q"),
+                   "refuse": (hf["text"], other, "--overwrite", "-q")})
+    assert res["replace"].rc == 0, res["replace"].stderr
+    assert json.load(open(conv / "jaxddtree_checkpoint.json"))["dtype"] == "float32"
+    assert_one_line_error(res["refuse"], str(other))
+    assert (other / "keep.txt").read_text() == "precious"
+    assert not leftovers(str(tmp_path))
+
+
+# --------------------------------------------------------------------------------------------- errors
+def _shard_with(path: str, prefix: str) -> str:
+    idx = json.load(open(os.path.join(path, "model.safetensors.index.json")))["weight_map"]
+    name = sorted(n for n in idx if n.startswith(prefix))[0]
+    return os.path.join(path, idx[name])
+
+
+def _rewrite(file: str, mutate):
+    from safetensors.numpy import load_file, save_file
+    w = load_file(file)
+    mutate(w)
+    save_file(w, file)
+
+
+def test_errors(hf, tmp_path):
+    """Each broken source / bad destination: non-zero exit, ONE stderr line naming the file or tensor,
+    no traceback, no DST, no temporary directory."""
+    srcs, jobs, expect = {}, {}, {}
+
+    def case(name, base, needles, src=None):
+        s = src or str(tmp_path / "src" / name)
+        if src is None:
+            shutil.copytree(hf[base], s)
+        srcs[name] = s
+        (tmp_path / "out" / name).mkdir(parents=True)
+        jobs[name] = (s, tmp_path / "out" / name / "dst", "--dtype", "float32")
+        expect[name] = needles
+        return s
+
+    s = case("truncated", "wrapper", [])  # cut a shard in half
+    f = _shard_with(s, "model.language_model.layers.1.")
+    with open(f, "r+b") as fh:
+        fh.truncate(os.path.getsize(f) // 2)
+    expect["truncated"] = [os.path.basename(f)]
+
+    s = case("corrupt", "wrapper", [])  # overwrite header bytes
+    f = _shard_with(s, "model.language_model.layers.2.")
+    with open(f, "r+b") as fh:
+        fh.seek(9)
+        fh.write(b"#corrupt#{[")
+    expect["corrupt"] = [os.path.basename(f)]
+
+    s = case("missing_tensor", "text", ["layers.1.mlp.w_up"])
+    _rewrite(os.path.join(s, "model.safetensors"), lambda w: w.pop("model.layers.1.mlp.up_proj.weight"))
+
+    s = case("missing_in_shard", "wrapper", ["model.language_model.norm.weight"])  # index lists it, file lacks it
+    f = _shard_with(s, "model.language_model.norm.weight")
+    _rewrite(f, lambda w: w.update({"model.language_model.norm.weight_x": w.pop("model.language_model.norm.weight")}))
+
+    s = case("wrong_shape", "text", ["model.layers.0.mlp.down_proj.weight", "(64, 97)"])
+    _rewrite(os.path.join(s, "model.safetensors"),
+             lambda w: w.update({"model.layers.0.mlp.down_proj.weight": np.zeros((64, 97), np.float32)}))
+
+    s = case("bad_config", "text", ["config.json"])
+    with open(os.path.join(s, "config.json"), "w") as fh:
+        fh.write('{"model_type": "qwen3_5_text", ')
+
+    s = case("config_field", "text", ["config.json", "hidden_size"])
+    cfg = json.load(open(os.path.join(s, "config.json")))
+    del cfg["hidden_size"]
+    json.dump(cfg, open(os.path.join(s, "config.json"), "w"))
+
+    case("src_missing", None, [str(tmp_path / "nowhere")], src=str(tmp_path / "nowhere"))
+
+    case("dst_exists", None, ["dst", "--overwrite"], src=hf["text"])
+    (tmp_path / "out" / "dst_exists" / "dst").mkdir()
+    (tmp_path / "out" / "dst_exists" / "dst" / "mine.txt").write_text("keep")
+
+    res = run_all(jobs)
+    for name, r in res.items():
+        line = assert_one_line_error(r, *expect[name])
+        assert line.startswith("convert: error:"), line
+        parent = tmp_path / "out" / name
+        assert sorted(os.listdir(parent)) == (["dst"] if name == "dst_exists" else []), (name, os.listdir(parent))
+    assert (tmp_path / "out" / "dst_exists" / "dst" / "mine.txt").read_text() == "keep"
+
+
+# --------------------------------------------------------------------------------------------- big: RSS, Ctrl-C
+@pytest.fixture(scope="module")
+def big(tmp_path_factory):
+    """Synthetic fp32 checkpoint: 109 tensors (34 of 8-16 MB), 349 MiB in 64 MiB shards; plus a tiny one."""
+    from convert import bench
+    d = tmp_path_factory.mktemp("big")
+    bench.write_synthetic(str(d / "rss"), "rss")
+    bench.write_synthetic(str(d / "tiny"), "tiny")
+    return {"rss": str(d / "rss"), "tiny": str(d / "tiny"), "dir": d,
+            "largest": bench.largest_tensor_bytes(str(d / "rss"))}
+
+
+def test_peak_rss_bounded(big):
+    """Streaming: peak RSS growth while converting ~350 MB stays within 3x the largest tensor (16 MiB).
+    Measured in a fresh process after a warm-up conversion of a tiny checkpoint (library start-up state is
+    not data), from the kernel's VmHWM (reset just before) and a 2 ms RSS poll."""
+    from convert import bench
+    r = bench.measure_rss(big["rss"], str(big["dir"] / "rss-jax"), dtype="float32", warm=big["tiny"])
+    assert big["largest"] == 16 << 20
+    ratio = r["growth"] / big["largest"]
+    print(f"peak RSS growth {r['growth'] / 2**20:.1f} MiB = {ratio:.2f}x largest tensor, {r['seconds']:.1f} s")
+    assert ratio <= 3.0, r
+    meta = json.load(open(big["dir"] / "rss-jax" / "jaxddtree_checkpoint.json"))
+    assert meta["num_tensors"] == 109 and meta["orbax_partial_saves"] > 10  # really written in batches
+
+
+def test_ctrl_c(big, tmp_path):
+    dst = tmp_path / "dst"
+    p = cli(big["rss"], dst, "--dtype", "float32")
+    deadline = time.time() + 120
+    while time.time() < deadline and p.poll() is None:  # wait until it is writing into its temp dir
+        tmp = leftovers(str(tmp_path))
+        if tmp and os.path.exists(os.path.join(tmp_path, tmp[0], "params.partial_save")):
+            break
+        time.sleep(0.02)
+    assert p.poll() is None, "conversion finished before it could be interrupted"
+    p.send_signal(signal.SIGINT)
+    so, se = p.communicate(timeout=120)
+    r = types.SimpleNamespace(rc=p.returncode, stdout=so, stderr=se)
+    assert r.rc == 130
+    assert_one_line_error(r, "interrupted")
+    assert os.listdir(tmp_path) == []
