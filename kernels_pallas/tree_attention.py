@@ -108,9 +108,10 @@ def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, m_ref, o_ref, lse_
     pltr.store(lse_ref.at[orow], lse, mask=row_ok)
 
 
-def default_split(B: int, hkv: int, n_rb: int, S: int, bk: int, target_programs: int = 132) -> int:
-    """Prefix splits so that the grid holds about `target_programs` programs (one per H200 SM): more
-    splits mean more partial outputs to write and merge (n_split · T·H · hd each)."""
+def default_split(B: int, hkv: int, n_rb: int, S: int, bk: int, target_programs: int) -> int:
+    """Prefix splits so that the grid holds about `target_programs` programs. More splits mean more
+    partial outputs to write and merge (n_split · T·H · hd each). Measured on the H200 (T=65, 4K prefix,
+    block 64x64): 3 splits 53 µs, 5: 47 µs, 8: 34 µs per layer (kernel)."""
     return int(max(1, min(-(-target_programs // (B * hkv * n_rb)), max(1, S // bk))))
 
 
@@ -118,7 +119,7 @@ def default_split(B: int, hkv: int, n_rb: int, S: int, bk: int, target_programs:
                                              "num_warps", "num_stages", "partial_dtype"))
 def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret: bool = False,
                    block_m: int | None = None, block_k: int = 64, block_n: int | None = None,
-                   n_split: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                   n_split: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                    partial_dtype=None):
     """q [B,T,H,hd]; k/v_cache [B,Hkv,S,hd]; start int32 scalar; k/v_new [B,N,Hkv,hd]; mask [B,T,N] bool
     -> [B,T,H,hd] (q.dtype). Same as `tree_attention_reference`."""
@@ -131,6 +132,12 @@ def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret:
     hdp = feature_pad(hd)
     if hdp != hd:  # tiny test shapes only: zero features change no logit
         q, k_cache, v_cache, k_new, v_new = (pad_axis(x, 3, hdp) for x in (q, k_cache, v_cache, k_new, v_new))
+    # defaults measured on the H200 at 27B shapes (hd 256): verify (R = 65·6 rows) 64x64 tiles, 4 warps,
+    # no pipelining (2 stages of 64x256 K/V tiles overflow shared memory or cost occupancy), 8 splits;
+    # decode (R = 6 rows) 16-row tiles, 2 stages, ~33 splits
+    decode_like = R <= 16
+    if num_stages is None:
+        num_stages = 2 if decode_like else 1
     bm = block_m or max(16, min(64, next_pow2(R)))
     bk = min(block_k, max(16, next_pow2(S)))
     if S % bk:  # tiny test shapes only
@@ -138,7 +145,7 @@ def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret:
     Sp = k_cache.shape[2]
     bn = block_n or max(16, min(64, next_pow2(N)))
     n_rb = -(-R // bm)
-    ns = default_split(B, hkv, n_rb, Sp, bk) if n_split is None else n_split
+    ns = (default_split(B, hkv, n_rb, Sp, bk, 132 if decode_like else 224) if n_split is None else n_split)
     exact = q.dtype == jnp.float32
     pdt = jnp.float32 if exact else (partial_dtype or q.dtype)  # bf16 partials halve the merge traffic
 

@@ -1,5 +1,6 @@
 """Pallas tree-GDN kernel (kernels_pallas.gdn_tree) vs the jnp reference, and its CUDA lowering."""
 
+import functools
 import inspect
 
 import jax
@@ -54,7 +55,8 @@ def _structs(B=1, N=65, Hk=16, Hv=48, dk=128, dv=128):
             S((B, N, Hv), f), S((B, N, N), jnp.bool_), S((B, Hv, dk, dv), f)]
 
 
-@pytest.mark.parametrize("N", [65, 128])
-def test_lowers_for_h200_at_27b_shapes(N):
-    txt = lower_for_h200(gdn_tree.gdn_masked_block, *_structs(N=N))
+@pytest.mark.parametrize("N,kw", [(65, {}), (128, {}), (65, dict(precision="tf32", block_v=32)),
+                                  (65, dict(precision="ieee")), (65, dict(precision="tf32x3m"))])
+def test_lowers_for_h200_at_27b_shapes(N, kw):
+    txt = lower_for_h200(functools.partial(gdn_tree.gdn_masked_block, **kw), *_structs(N=N))
     assert "__gpu$xla.gpu.triton" in txt

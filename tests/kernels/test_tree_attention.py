@@ -1,5 +1,6 @@
 """Pallas tree attention (kernels_pallas.tree_attention) vs the jnp reference, and its CUDA lowering."""
 
+import functools
 import inspect
 
 import jax
@@ -51,7 +52,8 @@ def _structs(T, N, S):
             Sd((1, N, 4, 256), bf), Sd((1, N, 4, 256), bf), Sd((1, T, N), jnp.bool_)]
 
 
-@pytest.mark.parametrize("T,N,S", [(65, 65, 4096 + 64), (1, 1, 8192), (128, 128, 32768)])
-def test_lowers_for_h200_at_27b_shapes(T, N, S):
-    txt = lower_for_h200(ta.tree_attention, *_structs(T, N, S))
+@pytest.mark.parametrize("T,N,S,kw", [(65, 65, 4096 + 64, {}), (1, 1, 8192, {}), (128, 128, 32768, {}),
+                                      (65, 65, 4096 + 64, dict(block_m=128, num_warps=8))])
+def test_lowers_for_h200_at_27b_shapes(T, N, S, kw):
+    txt = lower_for_h200(functools.partial(ta.tree_attention, **kw), *_structs(T, N, S))
     assert "__gpu$xla.gpu.triton" in txt
