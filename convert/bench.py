@@ -22,7 +22,8 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Dimensions of the synthetic models. "rss": ~40 tensors of 8-16 MB (fp32); "medium": ~690 MB fp32.
+# Synthetic model sizes (fp32 bytes): "tiny" 1 MiB, "rss" 349 MiB (34 tensors of 8-16 MiB among 109),
+# "medium" 947 MiB, "large" 4.3 GiB.
 SIZES = {
     "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
@@ -30,6 +31,9 @@ SIZES = {
     "rss": dict(vocab_size=4096, hidden_size=1024, intermediate_size=2048, num_hidden_layers=8,
                 num_attention_heads=8, num_key_value_heads=2, head_dim=128, linear_num_key_heads=4,
                 linear_num_value_heads=8, linear_key_head_dim=128, linear_value_head_dim=128),
+    "large": dict(vocab_size=65536, hidden_size=2048, intermediate_size=6144, num_hidden_layers=16,
+                  num_attention_heads=16, num_key_value_heads=4, head_dim=128, linear_num_key_heads=8,
+                  linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128),
     "medium": dict(vocab_size=32768, hidden_size=1024, intermediate_size=3584, num_hidden_layers=12,
                    num_attention_heads=8, num_key_value_heads=2, head_dim=128, linear_num_key_heads=4,
                    linear_num_value_heads=8, linear_key_head_dim=128, linear_value_head_dim=128),
@@ -287,8 +291,8 @@ def main(argv=None) -> int:
     ap.add_argument("--size", default="medium", choices=sorted(SIZES), help="synthetic model for timing")
     ap.add_argument("--repeat", type=int, default=5, help="timed repetitions per measurement")
     ap.add_argument("--skip-rss", action="store_true", help="only the load timings")
+    ap.add_argument("--sources", default="float32,bfloat16", help="source checkpoint dtypes to time")
     args = ap.parse_args(argv)
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     sys.path.insert(0, ROOT)
     from convert.core import convert
 
@@ -299,7 +303,9 @@ def main(argv=None) -> int:
         rss_report(d)
 
     # (b) restore vs safetensors.
-    for sdt in ("float32", "bfloat16"):
+    import jax
+    print(f"jax backend: {jax.default_backend()} ({jax.devices()[0].device_kind}), {os.cpu_count()} CPUs")
+    for sdt in args.sources.split(","):
         hf = os.path.join(d, f"{args.size}-{sdt}")
         if not os.path.exists(os.path.join(hf, "config.json")):
             write_synthetic(hf, args.size, dtype=sdt)

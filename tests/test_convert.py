@@ -202,6 +202,22 @@ def test_kind_mismatch_is_reported(converted):
         jaxddtree.load_target(converted["paths"][("drafter", "float32")], "float32")
 
 
+def test_damaged_converted_dir(converted, tmp_path):
+    """A converted directory whose marker or params are damaged fails with a CheckpointError naming it."""
+    src = converted["paths"][("text", "bfloat16")]
+    newer = tmp_path / "newer"
+    shutil.copytree(src, newer)
+    meta = json.load(open(newer / "jaxddtree_checkpoint.json"))
+    json.dump(dict(meta, format_version=99), open(newer / "jaxddtree_checkpoint.json", "w"))
+    with pytest.raises(jaxddtree.CheckpointError, match="format_version 99"):
+        jaxddtree.load_target(str(newer), "bfloat16")
+    gone = tmp_path / "gone"
+    shutil.copytree(src, gone)
+    shutil.rmtree(gone / "params")
+    with pytest.raises(jaxddtree.CheckpointError, match="params"):
+        jaxddtree.load_target(str(gone), "bfloat16")
+
+
 def test_overwrite(hf, converted, tmp_path):
     """--overwrite replaces an earlier converted checkpoint (or an empty dir), never anything else."""
     conv = tmp_path / "conv"
