@@ -307,7 +307,7 @@ class Trainer:
         def train_step(params, opt_state, batch):
             loss, grads = jax.value_and_grad(loss_fn)(params, batch)
             updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss, optax.global_norm(grads)
+            return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
 
         self._train_step = train_step
 
