@@ -147,7 +147,7 @@ def status(key):
 
 warm = {warm!r}
 if warm:  # first-use library state (orbax/tensorstore thread pools, caches) is not data-proportional
-    core.convert(warm, warm + "-jax", dtype={dtype!r})
+    core.convert(warm, {warm_dst!r}, dtype={dtype!r})
 base = status("VmRSS")
 peak = [base]
 try:
@@ -170,9 +170,12 @@ print(json.dumps(dict(base=base, peak_hwm=status("VmHWM") if hwm else None, peak
 """
 
 
-def measure_rss(src: str, dst: str, dtype: str = "float32", warm: str | None = None) -> dict:
-    """Convert in a fresh subprocess; returns {base, peak_hwm, peak_poll, growth, seconds} (bytes)."""
-    code = RSS_DRIVER.format(root=ROOT, src=src, dst=dst, dtype=dtype, warm=warm)
+def measure_rss(src: str, dst: str, dtype: str = "float32", warm: str | None = None,
+                warm_dst: str | None = None) -> dict:
+    """Convert in a fresh subprocess; returns {base, peak_hwm, peak_poll, growth, seconds} (bytes).
+    `warm`: first convert that (small) checkpoint to `warm_dst` (default warm + "-jax") in the same process."""
+    code = RSS_DRIVER.format(root=ROOT, src=src, dst=dst, dtype=dtype, warm=warm,
+                             warm_dst=warm_dst or (warm or "") + "-jax")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
     if out.returncode:

@@ -28,7 +28,8 @@ examples:
   python -m convert /models/Qwen3.6-27B /models/Qwen3.6-27B-jax
   python -m convert /models/drafter /models/drafter-jax --dtype bfloat16 --kind drafter
 
-exit status: 0 success, 1 conversion error, 2 bad arguments, 130 interrupted."""
+exit status: 0 success, 1 conversion error, 2 bad arguments, 130 interrupted.
+JAXDDTREE_CONVERT_DEBUG=1 shows the traceback of an unexpected error instead of one line."""
 
 
 def parser() -> argparse.ArgumentParser:

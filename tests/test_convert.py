@@ -68,61 +68,91 @@ def assert_one_line_error(r, *needles: str):
 
 
 # --------------------------------------------------------------------------------------------- fixtures
+def shared(tmp_path_factory, name: str, build) -> str:
+    """A directory filled once per test run by `build(path)`, also across pytest-xdist workers (they share
+    the run's base temp dir; a file lock serialises the build)."""
+    import fcntl
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    path = base / f"convert-{name}"
+    with open(str(path) + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (path / ".done").exists():
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir(parents=True)
+            build(path)
+            (path / ".done").touch()
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory):
     """The same tiny random model saved as the sharded multimodal wrapper (vision tower + mtp extras) and
     text-only (single file)."""
-    import hf_models
-    model = hf_models.causal_lm(0)
-    base = tmp_path_factory.mktemp("hf")
-    return {"wrapper": hf_models.save_wrapper(model, str(base / "wrapper")),
-            "text": hf_models.save_text_only(model, str(base / "text"))}
+    def build(d):
+        import hf_models
+        model = hf_models.causal_lm(0)
+        hf_models.save_wrapper(model, str(d / "wrapper"))
+        hf_models.save_text_only(model, str(d / "text"))
+    d = shared(tmp_path_factory, "hf", build)
+    return {"wrapper": os.path.join(d, "wrapper"), "text": os.path.join(d, "text")}
 
 
 @pytest.fixture(scope="module")
 def drafter_src(tmp_path_factory):
-    from helpers_dflash import random_weights, tiny_config, write_checkpoint
-    cfg = tiny_config()
-    d = str(tmp_path_factory.mktemp("drafter") / "hf")
-    return write_checkpoint(d, cfg, random_weights(cfg, seed=7, prefix="model."), shards=2)
+    def build(d):
+        from helpers_dflash import random_weights, tiny_config, write_checkpoint
+        cfg = tiny_config()
+        write_checkpoint(str(d / "hf"), cfg, random_weights(cfg, seed=7, prefix="model."), shards=2)
+    return os.path.join(shared(tmp_path_factory, "drafter", build), "hf")
+
+
+JOBS = {  # name -> extra CLI args; source = the key's first part
+    ("wrapper", "float32"): ("--dtype", "float32"),
+    ("wrapper", "bfloat16"): (),  # default dtype
+    ("text", "bfloat16"): ("--dtype", "bf16", "--quiet"),
+    ("drafter", "float32"): ("--dtype", "float32"),  # kind auto-detected
+    ("drafter", "bfloat16"): ("--kind", "drafter"),
+}
 
 
 @pytest.fixture(scope="module")
 def converted(hf, drafter_src, tmp_path_factory):
     """All successful conversions, run concurrently. The text-only fp32 one gets a pseudo-terminal for
     stderr (progress bar); everything else is piped (no bar)."""
-    out = tmp_path_factory.mktemp("converted")
-    jobs = {
-        ("wrapper", "float32"): (hf["wrapper"], out / "wrapper-float32", "--dtype", "float32"),
-        ("wrapper", "bfloat16"): (hf["wrapper"], out / "wrapper-bfloat16"),  # default dtype
-        ("text", "bfloat16"): (hf["text"], out / "text-bfloat16", "--dtype", "bf16", "--quiet"),
-        ("drafter", "float32"): (drafter_src, out / "drafter-float32", "--dtype", "float32"),
-        ("drafter", "bfloat16"): (drafter_src, out / "drafter-bfloat16", "--kind", "drafter"),
-    }
-    import fcntl
-    import pty
-    import struct
-    import termios
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))  # a 120-column terminal
-    tty_proc = cli(hf["text"], out / "text-float32", "--dtype", "float32", stderr=slave)
-    os.close(slave)
-    res = run_all(jobs)
-    so, _ = tty_proc.communicate(timeout=240)
-    chunks = []
-    while True:
-        try:
-            b = os.read(master, 65536)
-        except OSError:
-            break
-        if not b:
-            break
-        chunks.append(b)
-    os.close(master)
-    res[("text", "float32")] = types.SimpleNamespace(rc=tty_proc.returncode, stdout=so,
-                                                     stderr=b"".join(chunks).decode(errors="replace"))
-    paths = {k: str(out / f"{k[0]}-{k[1]}") for k in res}
-    return {"results": res, "paths": paths, "dir": str(out)}
+    srcs = dict(hf, drafter=drafter_src)
+
+    def build(out):
+        import fcntl
+        import pty
+        import struct
+        import termios
+        master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))  # a 120-column terminal
+        tty_proc = cli(srcs["text"], out / "text-float32", "--dtype", "float32", stderr=slave)
+        os.close(slave)
+        res = run_all({k: (srcs[k[0]], out / f"{k[0]}-{k[1]}", *args) for k, args in JOBS.items()})
+        so, _ = tty_proc.communicate(timeout=240)
+        chunks = []
+        while True:
+            try:
+                b = os.read(master, 65536)
+            except OSError:
+                break
+            if not b:
+                break
+            chunks.append(b)
+        os.close(master)
+        res[("text", "float32")] = types.SimpleNamespace(rc=tty_proc.returncode, stdout=so,
+                                                         stderr=b"".join(chunks).decode(errors="replace"))
+        with open(out / "results.json", "w") as f:
+            json.dump([[list(k), vars(r)] for k, r in res.items()], f)
+
+    out = shared(tmp_path_factory, "converted", build)
+    res = {tuple(k): types.SimpleNamespace(**r) for k, r in json.load(open(os.path.join(out, "results.json")))}
+    paths = {k: os.path.join(out, f"{k[0]}-{k[1]}") for k in res}
+    return {"results": res, "paths": paths, "dir": out}
 
 
 # --------------------------------------------------------------------------------------------- CLI basics
@@ -159,26 +189,24 @@ def test_config_copied_verbatim(hf, converted):
 
 
 # --------------------------------------------------------------------------------------------- round trips
-@pytest.mark.parametrize("layout", ["wrapper", "text"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_round_trip_bit_identical(hf, converted, layout, dtype):
+def test_round_trip_bit_identical(hf, converted, dtype):
+    """Both layouts: every leaf bitwise equal and `score` logits bit-identical to loading the HF directory.
+    (One test per dtype so that `score` compiles once per dtype, also under xdist.)"""
     import jax
-    ref = jaxddtree.load_target(hf[layout], dtype)
-    got = jaxddtree.load_target(converted["paths"][(layout, dtype)], dtype)
-    assert got.treedef == ref.treedef
-    for a, b in zip(jax.tree.leaves(ref.leaves), jax.tree.leaves(got.leaves)):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
-    la, lb = jaxddtree.score(ref, IDS), jaxddtree.score(got, IDS)
-    assert la.dtype == lb.dtype == np.float32
-    assert np.array_equal(la, lb)
-
-
-def test_other_dtype_is_cast_on_load(hf, converted):
-    """fp32 store loaded as bf16 == the HF directory loaded as bf16 (same cast on device)."""
-    ref = jaxddtree.load_target(hf["wrapper"], "bfloat16")
-    got = jaxddtree.load_target(converted["paths"][("wrapper", "float32")], "bfloat16")
-    assert np.array_equal(jaxddtree.score(ref, IDS), jaxddtree.score(got, IDS))
+    for layout in ("wrapper", "text"):
+        ref = jaxddtree.load_target(hf[layout], dtype)
+        got = jaxddtree.load_target(converted["paths"][(layout, dtype)], dtype)
+        assert got.treedef == ref.treedef
+        for a, b in zip(jax.tree.leaves(ref.leaves), jax.tree.leaves(got.leaves)):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)), layout
+        la, lb = jaxddtree.score(ref, IDS), jaxddtree.score(got, IDS)
+        assert la.dtype == lb.dtype == np.float32
+        assert np.array_equal(la, lb), layout
+    if dtype == "bfloat16":  # an fp32 store loaded as bf16 == the HF directory loaded as bf16 (same cast)
+        got = jaxddtree.load_target(converted["paths"][("wrapper", "float32")], "bfloat16")
+        assert np.array_equal(jaxddtree.score(ref, IDS), jaxddtree.score(got, IDS))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -316,24 +344,28 @@ def test_errors(hf, tmp_path):
 def big(tmp_path_factory):
     """Synthetic fp32 checkpoint: 109 tensors (34 of 8-16 MB), 349 MiB in 64 MiB shards; plus a tiny one."""
     from convert import bench
-    d = tmp_path_factory.mktemp("big")
-    bench.write_synthetic(str(d / "rss"), "rss")
-    bench.write_synthetic(str(d / "tiny"), "tiny")
-    return {"rss": str(d / "rss"), "tiny": str(d / "tiny"), "dir": d,
-            "largest": bench.largest_tensor_bytes(str(d / "rss"))}
+
+    def build(d):
+        bench.write_synthetic(str(d / "rss"), "rss")
+        bench.write_synthetic(str(d / "tiny"), "tiny")
+    d = shared(tmp_path_factory, "big", build)
+    return {"rss": os.path.join(d, "rss"), "tiny": os.path.join(d, "tiny"),
+            "largest": bench.largest_tensor_bytes(os.path.join(d, "rss"))}
 
 
-def test_peak_rss_bounded(big):
+def test_peak_rss_bounded(big, tmp_path_factory):
     """Streaming: peak RSS growth while converting ~350 MB stays within 3x the largest tensor (16 MiB).
     Measured in a fresh process after a warm-up conversion of a tiny checkpoint (library start-up state is
     not data), from the kernel's VmHWM (reset just before) and a 2 ms RSS poll."""
     from convert import bench
-    r = bench.measure_rss(big["rss"], str(big["dir"] / "rss-jax"), dtype="float32", warm=big["tiny"])
+    out = tmp_path_factory.mktemp("rss")
+    r = bench.measure_rss(big["rss"], str(out / "rss-jax"), dtype="float32", warm=big["tiny"],
+                          warm_dst=str(out / "tiny-jax"))
     assert big["largest"] == 16 << 20
     ratio = r["growth"] / big["largest"]
     print(f"peak RSS growth {r['growth'] / 2**20:.1f} MiB = {ratio:.2f}x largest tensor, {r['seconds']:.1f} s")
     assert ratio <= 3.0, r
-    meta = json.load(open(big["dir"] / "rss-jax" / "jaxddtree_checkpoint.json"))
+    meta = json.load(open(out / "rss-jax" / "jaxddtree_checkpoint.json"))
     assert meta["num_tensors"] == 109 and meta["orbax_partial_saves"] > 10  # really written in batches
 
 
