@@ -53,6 +53,8 @@ class DecodeState:
     key: jax.Array
     acc: jax.Array  # [max_new] int32 acceptance length per round
     n_rounds: jax.Array  # int32
+    # [V] bool: the stop ids as data, so that any stop set shares one compilation (None: no stop ids)
+    stop_mask: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,25 +63,27 @@ class Plan:
     method: str
     budget: int
     max_new: int
-    stop_ids: tuple[int, ...]
     temperature: float
     kernels: str
     conv_kernel: int
     feature_layers: tuple[int, ...]
     inject: bool = False  # test hook: draft logits from an oracle continuation
+    stop_ids: tuple[int, ...] = ()  # static stop ids (generate() passes them as DecodeState.stop_mask)
 
 
 def _emit(state: DecodeState, emitted: jax.Array, count: jax.Array, plan: Plan) -> DecodeState:
     """Append emitted[:count] (fixed-size [P]) to the output, honouring stop ids and max_new."""
     P = emitted.shape[0]
     idx = jnp.arange(P)
+    is_stop = jnp.zeros((P,), bool)
+    if state.stop_mask is not None:
+        is_stop = is_stop | jnp.take(state.stop_mask, emitted, mode="clip")
     if plan.stop_ids:
-        is_stop = (emitted[:, None] == jnp.asarray(plan.stop_ids, jnp.int32)[None, :]).any(-1) & (idx < count)
-        first = jnp.argmax(is_stop)
-        hit = is_stop.any()
-        count = jnp.where(hit, first + 1, count)
-    else:
-        hit = jnp.asarray(False)
+        is_stop = is_stop | (emitted[:, None] == jnp.asarray(plan.stop_ids, jnp.int32)[None, :]).any(-1)
+    is_stop = is_stop & (idx < count)
+    first = jnp.argmax(is_stop)
+    hit = is_stop.any()
+    count = jnp.where(hit, first + 1, count)
     count = jnp.minimum(count, plan.max_new - state.n_out)
     out = jax.lax.dynamic_update_slice(state.out, emitted[None].astype(jnp.int32), (0, state.n_out))
     n_out = state.n_out + count
@@ -223,7 +227,11 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     budget = int(tree_budget)
     if method == "ddtree" and not 1 <= budget < cfg.vocab_size:
         raise ValueError(f"tree_budget must be in [1, vocab_size={cfg.vocab_size}), got {tree_budget}")
-    stops = tuple(sorted({int(s) for s in (stop_ids or ())}))
+    stops = sorted({int(s) for s in (stop_ids or ())})
+    if stops and not (0 <= stops[0] and stops[-1] < cfg.vocab_size):
+        raise ValueError(f"stop_ids must lie in [0, {cfg.vocab_size}); got {stops}")
+    stop_mask = np.zeros((cfg.vocab_size,), bool)
+    stop_mask[stops] = True
     if drafter is not None:
         from jaxddtree.drafter import check_compatible
         check_compatible(drafter.config, target)
@@ -237,7 +245,9 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
                          f"max_position_embeddings ({cfg.max_position_embeddings})")
     S = _max_len(len(ids), max_new, slack)
     feature_layers = tuple(dcfg.target_layer_ids) if dcfg else ()
-    plan = Plan(method=method, budget=budget, max_new=max_new, stop_ids=stops, temperature=float(temperature),
+    # budget only shapes DDTree rounds: normalised for the others so that it does not split their compilations
+    plan = Plan(method=method, budget=budget if method == "ddtree" else 0, max_new=max_new,
+                temperature=float(temperature),
                 kernels=target.kernels, conv_kernel=cfg.linear_conv_kernel_dim, feature_layers=feature_layers,
                 inject=_oracle_tokens is not None)
 
@@ -265,7 +275,8 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
         cache=cache, dcache=dcache,
         ctx=jnp.zeros((1, P, max(F, 1)), target.dtype), ctx_n=jnp.int32(0),
         root=first.astype(jnp.int32), out=jnp.zeros((1, max_new + P), jnp.int32), n_out=jnp.int32(0),
-        done=jnp.asarray(False), key=key, acc=jnp.zeros((max_new,), jnp.int32), n_rounds=jnp.int32(0))
+        done=jnp.asarray(False), key=key, acc=jnp.zeros((max_new,), jnp.int32), n_rounds=jnp.int32(0),
+        stop_mask=jnp.asarray(stop_mask))
     state = _emit(state, first.astype(jnp.int32), jnp.int32(1), plan)
     first_np = int(np.asarray(first)[0])
     ttft = time.perf_counter() - t0
@@ -283,17 +294,17 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
         while True:
             state = run_rounds(target.leaves, dparams, state, oracle, rounds=sync_every, **static)
             done, n_out = jax.device_get((state.done, state.n_out))
-            if on_tokens and n_out > shown:
-                on_tokens(np.asarray(state.out[0, shown:n_out]).tolist())
+            if on_tokens and n_out > shown:  # whole (small) buffer to the host: a device-side slice
+                on_tokens(np.asarray(state.out)[0, shown:n_out].tolist())  # would compile per (shown, n_out)
                 shown = int(n_out)
             if done:
                 break
     n_out, n_rounds = (int(x) for x in jax.device_get((state.n_out, state.n_rounds)))
-    tokens = np.asarray(state.out[0, :n_out]).tolist()
+    tokens = np.asarray(state.out)[0, :n_out].tolist()
     if on_tokens and loop == "device" and n_out > shown:
         on_tokens(tokens[shown:])
     t2 = time.perf_counter()
-    acc = np.asarray(state.acc[:n_rounds]).tolist()
+    acc = np.asarray(state.acc)[:n_rounds].tolist()
     decode_s = t2 - t1
     stats = {
         "method": method, "rounds": n_rounds, "new_tokens": n_out,

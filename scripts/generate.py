@@ -1,0 +1,388 @@
+#!/usr/bin/env python
+"""Generate text with a Qwen3.5/3.6 target: autoregressive, DFlash (chain) or DDTree (tree) speculative
+decoding. Run from the repository root without installing: `python scripts/generate.py --help`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+PROG = "generate.py"
+
+EPILOG = """\
+examples:
+  # built-in random demo pair (no files needed; the output is noise)
+  python scripts/generate.py
+  python scripts/generate.py --max-new-tokens 32 --json
+
+  # a real target + DFlash drafter (HF directories or `python -m convert` outputs)
+  python scripts/generate.py --target ~/models/Qwen3.6-27B --drafter ~/models/Qwen3.6-27B-DFlash \\
+      --prompt "Write a haiku about trees." --budget 64 --max-new-tokens 256
+
+  # token ids in, JSON out (the JSON object is the last stdout line)
+  python scripts/generate.py --target DIR --prompt-ids 1,2,3 --method ar --json
+
+  # sampling, stop at token 151645
+  python scripts/generate.py --target DIR --drafter DDIR --prompt "Hi" --temperature 1.0 --seed 7 \\
+      --stop-ids 151645
+
+exit codes: 0 success, 2 bad arguments or unusable inputs (one error line on stderr)."""
+
+
+class UsageError(Exception):
+    """A bad argument: reported as one line on stderr, exit code 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage block
+        raise UsageError(message)
+
+
+def positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return v
+
+
+def id_list(text: str) -> list[int]:
+    parts = [p for p in text.replace(" ", ",").split(",") if p]
+    try:
+        return [int(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
+
+
+def build_parser() -> Parser:
+    p = Parser(prog=PROG, description="Generate tokens with a Qwen3.5/3.6 target: autoregressive (ar), DFlash "
+               "chain (dflash) or DDTree tree (ddtree) speculative decoding; at temperature 0 all three give the "
+               "same tokens. Text is streamed as it is accepted, then a summary (tokens/s, mean acceptance "
+               "length tau, rounds, time to first token) goes to stderr. With no --target, a built-in random "
+               "demo pair runs (its output is noise).", epilog=EPILOG,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", metavar="DIR", help="target checkpoint: HF directory (config.json + safetensors, "
+                   "wrapper or text-only) or a converted directory. Default: the built-in random demo model.")
+    p.add_argument("--drafter", metavar="DIR", help="DFlash drafter directory (config.json + model.safetensors). "
+                   "Default: none (the built-in model brings its own random drafter).")
+    g = p.add_argument_group("prompt (exactly one; the built-in model has a default prompt)")
+    g.add_argument("--prompt", metavar="TEXT", help="prompt text, tokenised with the target directory's tokenizer "
+                   "and, when it has one, its chat template (a single user turn)")
+    g.add_argument("--prompt-ids", metavar="IDS", type=id_list, help="prompt token ids, comma-separated "
+                   "(e.g. 1,2,3); no tokenizer or template is applied")
+    g.add_argument("--no-chat-template", action="store_true", help="tokenise --prompt as plain text "
+                   "(default: apply the chat template when the tokenizer has one)")
+    g.add_argument("--enable-thinking", action="store_true", help="pass enable_thinking=True to the chat "
+                   "template (default: False)")
+    d = p.add_argument_group("decoding")
+    d.add_argument("--method", choices=("ar", "dflash", "ddtree"), default=None, help="ar: autoregressive; "
+                   "dflash: verify the drafter's block as a chain; ddtree: verify the best tree of --budget "
+                   "drafted tokens (default: ddtree when a drafter is available, else ar)")
+    d.add_argument("--budget", type=positive_int, default=64, metavar="N", help="DDTree node budget: drafted "
+                   "tokens verified per round, 1 <= N < vocab size (default: 64)")
+    d.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N", help="tokens to generate "
+                   "at most (default: 256; 64 for the built-in model)")
+    d.add_argument("--temperature", type=non_negative_float, default=0.0, metavar="T", help="sampling "
+                   "temperature; 0 = greedy, identical tokens for all methods (default: 0.0)")
+    d.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed (default: 0)")
+    d.add_argument("--stop-ids", type=str, default=None, metavar="IDS", help="comma-separated token ids that "
+                   "end generation (inclusive); 'none' disables (default: the tokenizer's/config's EOS ids)")
+    r = p.add_argument_group("runtime")
+    r.add_argument("--dtype", choices=("bfloat16", "float32"), default=None, help="parameter/activation dtype "
+                   "(default: float32 on CPU, bfloat16 on GPU)")
+    r.add_argument("--kernels", choices=("xla", "pallas"), default=None, help="xla: jnp reference ops; pallas: "
+                   "the GPU kernels (default: pallas on GPU, xla on CPU)")
+    r.add_argument("--loop", choices=("host", "device"), default="host", help="host: the host polls every "
+                   "--sync-every rounds and streams tokens; device: all rounds in one lax.while_loop, text "
+                   "printed at the end (default: host)")
+    r.add_argument("--sync-every", type=positive_int, default=4, metavar="N", help="rounds per host poll with "
+                   "--loop host (default: 4)")
+    r.add_argument("--no-warmup", action="store_true", help="skip the compile-only warm-up call; then time to "
+                   "first token and tokens/s include compilation (default: warm up first)")
+    r.add_argument("--compile-cache", metavar="DIR", default=os.environ.get("JAXDDTREE_COMPILE_CACHE"),
+                   help="persistent XLA compilation cache directory: later runs with the same shapes skip "
+                   "compilation (default: $JAXDDTREE_COMPILE_CACHE, else off)")
+    r.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line: tokens, "
+                   "prompt_ids, text (when a tokenizer exists), acceptance_lengths, stats (no streaming)")
+    return p
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def import_jaxddtree():
+    try:
+        import jaxddtree  # noqa: F401
+    except ImportError:  # run from a checkout without installing
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        import jaxddtree  # noqa: F401
+    return sys.modules["jaxddtree"]
+
+
+def log(msg: str):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def has_tokenizer(path: str) -> bool:
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    return any(os.path.isfile(os.path.join(path, n)) for n in names)
+
+
+def load_hf_tokenizer(path: str):
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # a broken/unsupported tokenizer is an unusable input, not a crash
+        raise ValueError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
+
+
+def encode_prompt(tok, text: str, chat: bool, thinking: bool) -> list[int]:
+    if chat and getattr(tok, "chat_template", None):
+        text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                       add_generation_prompt=True, enable_thinking=thinking)
+        return list(tok(text, add_special_tokens=False)["input_ids"])
+    if hasattr(tok, "apply_chat_template"):  # HF tokenizer without a template
+        return list(tok(text)["input_ids"])
+    return tok.encode(text)
+
+
+class StreamPrinter:
+    """Incremental detokenisation: re-decode the generated ids and print the new suffix; a trailing U+FFFD
+    (an incomplete UTF-8 sequence) is held back until the next tokens complete it."""
+
+    def __init__(self, tok, out=sys.stdout):
+        self.tok, self.out, self.ids, self.shown = tok, out, [], ""
+
+    def __call__(self, new_ids):
+        self.ids.extend(int(i) for i in new_ids)
+        self._flush(final=False)
+
+    def _flush(self, final: bool):
+        text = self.tok.decode(self.ids)
+        if not final and text.endswith("\ufffd"):
+            text = text[:-1]
+        if text.startswith(self.shown):
+            self.out.write(text[len(self.shown):])
+            self.shown = text
+        elif final:  # decoding changed earlier text (rare): show the rest from the common prefix
+            k = os.path.commonprefix([text, self.shown])
+            self.out.write(text[len(k):])
+            self.shown = text
+        self.out.flush()
+
+    def close(self):
+        self._flush(final=True)
+        self.out.write("\n")
+        self.out.flush()
+
+
+def parse_stop_ids(text: str | None) -> list[int] | None:
+    """None when --stop-ids is not given (then the defaults apply), [] for 'none'."""
+    if text is None:
+        return None
+    if text.strip().lower() in ("none", ""):
+        return []
+    try:
+        return id_list(text)
+    except argparse.ArgumentTypeError as e:
+        raise UsageError(f"argument --stop-ids: {e}") from None
+
+
+def default_stop_ids(cfg, tok) -> list[int]:
+    ids = set(int(i) for i in getattr(cfg, "eos_token_ids", ()) or ())
+    eos = getattr(tok, "eos_token_id", None) if tok is not None else None
+    if isinstance(eos, int):
+        ids.add(eos)
+    return sorted(i for i in ids if 0 <= i < cfg.vocab_size)
+
+
+# ------------------------------------------------------------------------------------------------ main
+def run(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.prompt is not None and args.prompt_ids is not None:
+        raise UsageError("give only one of --prompt and --prompt-ids")
+    if args.prompt_ids is not None and not args.prompt_ids:
+        raise UsageError("argument --prompt-ids: no ids given")
+    if args.target is None and args.drafter is not None:
+        raise UsageError("--drafter needs --target (the built-in model brings its own drafter)")
+    if args.target is not None and args.prompt is None and args.prompt_ids is None:
+        raise UsageError("give a prompt: --prompt TEXT or --prompt-ids 1,2,3")
+    for flag, path in (("--target", args.target), ("--drafter", args.drafter)):
+        if path is not None and not os.path.isdir(path):
+            raise UsageError(f"{flag} {path}: no such directory")
+    if args.method in ("dflash", "ddtree") and args.target is not None and args.drafter is None:
+        raise UsageError(f"--method {args.method} needs a drafter: pass --drafter DIR (or use --method ar)")
+    max_new = args.max_new_tokens = args.max_new_tokens or (64 if args.target is None else 256)
+    stops = parse_stop_ids(args.stop_ids)
+
+    jd = import_jaxddtree()
+    import jax
+    if args.compile_cache:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compile_cache))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    backend = jax.default_backend()
+    dtype = args.dtype or ("float32" if backend == "cpu" else "bfloat16")
+    kernels = args.kernels or ("xla" if backend == "cpu" else "pallas")
+    if kernels == "pallas" and backend == "cpu":
+        raise UsageError("--kernels pallas needs a GPU (the Pallas kernels do not run on the CPU backend); "
+                         "use --kernels xla")
+
+    # ---- the model pair and tokenizer
+    tok, label, ids = None, None, None
+    t_load = time.perf_counter()
+    if args.target is None:
+        from jaxddtree import builtin
+        label = builtin.LABEL  # printed once the arguments are known to be good (one error line otherwise)
+        pair = builtin.load(dtype)
+        target, drafter, tok = pair.target, pair.drafter, pair.tokenizer
+        if args.prompt is None and args.prompt_ids is None:
+            args.prompt = pair.default_prompt
+        cfg = target.config
+    else:
+        from jaxddtree import orbax_io
+        from jaxddtree.drafter import check_compatible
+        from jaxddtree.drafter_config import DrafterConfig
+        cfg = None
+        if not orbax_io.is_converted(args.target):  # cheap checks from config.json before loading weights
+            cfg = jd.load_config(args.target)
+            if args.drafter is not None:
+                check_compatible(DrafterConfig.from_pretrained(args.drafter), _ConfigOnly(cfg), source=args.drafter)
+            _check_budget(args, cfg, args.drafter is not None)
+            _check_stops(stops, cfg)
+        if has_tokenizer(args.target):
+            tok = load_hf_tokenizer(args.target)
+        elif args.prompt is not None:
+            raise UsageError(f"--prompt needs a tokenizer, and {args.target} has none: use --prompt-ids")
+        ids = _prompt_ids(args, tok)
+        if cfg is not None:
+            _check_prompt(args, cfg, ids)
+        target = jd.load_target(args.target, dtype, progress=sys.stderr.isatty() and not args.json)
+        drafter = jd.load_drafter(args.drafter, target, dtype) if args.drafter else None
+        cfg = target.config
+    target.kernels = kernels
+    load_s = time.perf_counter() - t_load
+
+    method = args.method or ("ddtree" if drafter is not None else "ar")
+    _check_budget(args, cfg, drafter is not None, method)
+    if ids is None:
+        ids = _prompt_ids(args, tok)
+    _check_prompt(args, cfg, ids)
+    stops = default_stop_ids(cfg, tok) if stops is None else stops
+    _check_stops(stops, cfg)
+
+    if label:
+        log(label)
+    kw = dict(drafter=drafter if method != "ar" else None, method=method, max_new_tokens=max_new,
+              tree_budget=args.budget, temperature=args.temperature, seed=args.seed, loop=args.loop,
+              sync_every=args.sync_every)
+    if not args.json:
+        log(f"{method}" + (f" (budget {args.budget})" if method == "ddtree" else "") +
+            f", {len(ids)} prompt tokens, max {max_new} new, T={args.temperature:g}, {dtype}, kernels={kernels}, "
+            f"{backend} (loaded in {load_s:.1f} s)")
+    compile_s = None
+    if not args.no_warmup:  # same shapes; every token is a stop id, so only the first is produced
+        t = time.perf_counter()
+        jd.generate(target, ids, **kw, stop_ids=range(cfg.vocab_size))
+        compile_s = time.perf_counter() - t
+        if not args.json:
+            log(f"compiled in {compile_s:.1f} s")
+
+    printer = StreamPrinter(tok) if (tok is not None and not args.json) else None
+    t = time.perf_counter()
+    gen = jd.generate(target, ids, **kw, stop_ids=stops, on_tokens=printer)
+    wall = time.perf_counter() - t
+    text = tok.decode(gen.tokens) if tok is not None else None
+    stats = dict(gen.stats)
+    stats.update(wall_s=wall, load_s=load_s, compile_s=compile_s, prompt_tokens=len(ids), dtype=dtype,
+                 kernels=kernels, backend=backend, temperature=args.temperature, seed=args.seed,
+                 stop_ids=stops, loop=args.loop, target=target.source,
+                 drafter=(getattr(drafter, "path", None) if method != "ar" else None))
+    if args.json:
+        out = {"tokens": gen.tokens, "prompt_ids": [int(i) for i in ids]}
+        if tok is not None:
+            out["text"] = text
+        out.update(acceptance_lengths=gen.acceptance_lengths, stats=stats)
+        print(json.dumps(out, ensure_ascii=False), flush=True)
+        return 0
+    if printer is not None:
+        printer.close()
+    else:
+        print(" ".join(map(str, gen.tokens)), flush=True)
+    n = stats["new_tokens"]
+    log(f"-- {n} tokens in {wall:.2f} s: {stats['tokens_per_s']:.1f} tokens/s after the first, "
+        f"time to first token {stats['time_to_first_token_s'] * 1e3:.0f} ms, {stats['rounds']} rounds, "
+        f"mean acceptance length tau = {stats['mean_acceptance_length']:.2f}")
+    return 0
+
+
+class _ConfigOnly:
+    """Stand-in target for drafter compatibility checks before any weights are loaded."""
+
+    def __init__(self, cfg):
+        self.config = cfg
+
+
+def _check_budget(args, cfg, have_drafter: bool, method: str | None = None):
+    method = method or args.method or ("ddtree" if have_drafter else "ar")
+    if method == "ddtree" and args.budget >= cfg.vocab_size:
+        raise UsageError(f"argument --budget: must be < the vocabulary size {cfg.vocab_size}, got {args.budget}")
+
+
+def _check_stops(stops, cfg):
+    bad = [s for s in stops or () if not 0 <= s < cfg.vocab_size]
+    if bad:
+        raise UsageError(f"argument --stop-ids: {bad} outside the vocabulary [0, {cfg.vocab_size})")
+
+
+def _prompt_ids(args, tok) -> list[int]:
+    if args.prompt_ids is not None:
+        return list(args.prompt_ids)
+    ids = encode_prompt(tok, args.prompt, chat=not args.no_chat_template, thinking=args.enable_thinking)
+    if not ids:
+        raise UsageError("the prompt is empty after tokenisation")
+    return ids
+
+
+def _check_prompt(args, cfg, ids):
+    bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
+    if bad:
+        raise UsageError(f"prompt ids {bad[:5]} outside the vocabulary [0, {cfg.vocab_size})")
+    max_new = args.max_new_tokens
+    if len(ids) + max_new > cfg.max_position_embeddings:
+        raise UsageError(f"prompt ({len(ids)} tokens) + --max-new-tokens ({max_new}) exceeds the model's maximum "
+                         f"length ({cfg.max_position_embeddings} positions)")
+
+
+def main(argv=None) -> int:
+    for stream in (sys.stdout, sys.stderr):  # generated text may not be encodable in the locale's encoding
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="replace")
+    try:
+        return run(argv)
+    except UsageError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+    except (ValueError, FileNotFoundError, NotImplementedError) as e:  # ConfigError, CheckpointError too
+        msg = " ".join(str(e).split()) or type(e).__name__
+        print(f"{PROG}: error: {msg}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

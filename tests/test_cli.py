@@ -1,0 +1,228 @@
+"""scripts/generate.py as a subprocess (JAX_PLATFORMS=cpu): --help, the built-in default pair, a tiny HF
+directory (tokens == the API), the chat template path, and bad arguments (exit code 2, one line on
+stderr, no traceback).
+
+Compilation dominates on CPU: subprocesses are started concurrently where they are independent (XLA
+compiles on one core) and compile with XLA's cheap CPU settings (FAST_COMPILE: LLVM optimisation off,
+which changes speed, not fp32 results: no fast-math either way).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import string
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+for _p in (ROOT, HERE):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import helpers_dflash  # noqa: E402
+import hf_models  # noqa: E402
+
+SCRIPT = os.path.join(ROOT, "scripts", "generate.py")
+V = 97
+PROMPT_IDS = np.random.RandomState(5).randint(0, V - 1, 12).tolist()
+MAX_NEW = 16
+ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+ENV.update(JAX_PLATFORMS="cpu", TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+           TOKENIZERS_PARALLELISM="false", PYTHONIOENCODING="utf-8")
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def start(*args, fast: bool = False) -> subprocess.Popen:
+    env = dict(ENV, XLA_FLAGS=FAST_COMPILE) if fast else ENV
+    return subprocess.Popen([sys.executable, SCRIPT, *map(str, args)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out.decode("utf-8"), err.decode("utf-8")
+
+
+def cli(*args) -> tuple[int, str, str]:
+    return finish(start(*args))
+
+
+def last_json(rc, out, err) -> dict:
+    assert rc == 0, err
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("generate_script", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def char_tokenizer(path: str):
+    """A 97-token character-level fast tokenizer with a Qwen-style chat template (enable_thinking)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
+    chars = list(dict.fromkeys(string.ascii_letters + string.digits + " \n" + string.punctuation))
+    vocab = {t: i for i, t in enumerate((specials + chars)[:V])}
+    assert len(vocab) == V
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n"
+                "{% if not enable_thinking|default(false) %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<|im_end|>",
+                                  additional_special_tokens=["<|im_start|>"], chat_template=template)
+    tok.save_pretrained(path)
+    return tok
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    d = {k: str(tmp_path_factory.mktemp(k)) for k in ("target", "drafter", "wide_drafter", "deep_drafter",
+                                                       "empty", "cache")}  # cache: --compile-cache
+    hf_models.save_text_only(hf_models.causal_lm(0), d["target"])
+    d["tokenizer"] = char_tokenizer(d["target"])
+    good = helpers_dflash.tiny_config(hidden=64, vocab=V, mask_token_id=V - 1, num_target_layers=4,
+                                      target_layer_ids=(1, 2), block_size=8)
+    helpers_dflash.write_checkpoint(d["drafter"], good, helpers_dflash.random_weights(good, seed=1))
+    wide = helpers_dflash.tiny_config(hidden=48, vocab=V, mask_token_id=V - 1, num_target_layers=4,
+                                      target_layer_ids=(1, 2))  # hidden size != the target's 64
+    helpers_dflash.write_checkpoint(d["wide_drafter"], wide, helpers_dflash.random_weights(wide))
+    deep = helpers_dflash.tiny_config(hidden=64, vocab=V, mask_token_id=V - 1, num_target_layers=None,
+                                      target_layer_ids=(1, 9))  # the target has 4 layers
+    helpers_dflash.write_checkpoint(d["deep_drafter"], deep, helpers_dflash.random_weights(deep))
+    return d
+
+
+def test_help_lists_every_flag():
+    rc, out, err = cli("--help")
+    assert rc == 0, err
+    flags = [s for a in load_script().build_parser()._actions for s in a.option_strings if s.startswith("--")]
+    expected = {"--target", "--drafter", "--prompt", "--prompt-ids", "--no-chat-template", "--enable-thinking",
+                "--method", "--budget", "--max-new-tokens", "--temperature", "--seed", "--dtype", "--stop-ids",
+                "--kernels", "--loop", "--json"}
+    assert expected <= set(flags)
+    for f in flags:
+        assert f in out, f
+    assert "examples:" in out and out.count("(default") >= 10
+
+
+def test_builtin_default(dirs):
+    """No --target: the built-in random pair; --json puts one JSON object on the last stdout line, and the
+    streamed text (no --json) is the same text."""
+    pj = start("--max-new-tokens", 8, "--json", fast=True)
+    ps = start("--max-new-tokens", 8, fast=True)
+    res = last_json(*finish(pj))
+    rc, out, err = finish(ps)
+    assert rc == 0, err
+    assert {"tokens", "text", "acceptance_lengths", "stats"} <= set(res)
+    assert len(res["tokens"]) == 8 and res["stats"]["method"] == "ddtree"
+    assert res["stats"]["rounds"] == len(res["acceptance_lengths"]) >= 1
+    for k in ("tokens_per_s", "mean_acceptance_length", "time_to_first_token_s"):
+        assert res["stats"][k] >= 0
+    assert "built-in random demo model" in err and "output is noise" in err
+    assert out == res["text"] + "\n"  # streamed incrementally, then a newline
+    assert "tokens/s" in err and "tau" in err and "time to first token" in err
+
+
+def test_tiny_hf_dir_matches_api(dirs):
+    """CLI on an HF directory with --prompt-ids gives the tokens of jaxddtree.generate (AR here, the
+    cheapest to compile; ddtree == ar at T = 0 is tests/test_generate.py's job). The default method is
+    ddtree with a drafter, ar without; --stop-ids stops inclusively."""
+    import jaxddtree
+
+    common = ["--target", dirs["target"], "--prompt-ids", ",".join(map(str, PROMPT_IDS)), "--max-new-tokens",
+              MAX_NEW, "--json"]
+    pa = start(*common, "--drafter", dirs["drafter"], "--budget", 4, "--stop-ids", "none", fast=True)
+    target = jaxddtree.load_target(dirs["target"], "float32")
+    ref = jaxddtree.generate(target, PROMPT_IDS, method="ar", max_new_tokens=MAX_NEW).tokens
+    stop = ref[6]
+    pb = start(*common, "--stop-ids", stop, fast=True)
+    a, b = last_json(*finish(pa)), last_json(*finish(pb))
+    assert a["stats"]["method"] == "ddtree" and a["stats"]["tree_budget"] == 4
+    assert a["tokens"] == ref and len(a["tokens"]) == MAX_NEW
+    assert a["stats"]["rounds"] == len(a["acceptance_lengths"]) and sum(a["acceptance_lengths"]) >= MAX_NEW - 1
+    assert a["prompt_ids"] == PROMPT_IDS and a["text"] == dirs["tokenizer"].decode(ref)
+    assert b["stats"]["method"] == "ar" and b["stats"]["stop_ids"] == [stop]
+    assert b["tokens"] == ref[:ref.index(stop) + 1]  # inclusive stop
+
+
+def test_prompt_text_chat_template(dirs):
+    """--prompt goes through the directory's tokenizer and chat template (enable_thinking off unless
+    --enable-thinking; --no-chat-template: plain text); default stop ids = the tokenizer's EOS."""
+    tok = dirs["tokenizer"]
+    msg = [{"role": "user", "content": "Hi there"}]
+
+    def templ(thinking):
+        return tok(tok.apply_chat_template(msg, tokenize=False, add_generation_prompt=True,
+                                           enable_thinking=thinking), add_special_tokens=False)["input_ids"]
+
+    proc = start("--target", dirs["target"], "--prompt", "Hi there", "--max-new-tokens", MAX_NEW, "--json",
+                 "--no-warmup", "--compile-cache", dirs["cache"], fast=True)
+    # the flag -> ids mapping, in process (one subprocess is enough for the plumbing)
+    mod = load_script()
+    cases = {(): templ(False), ("--enable-thinking",): templ(True),
+             ("--no-chat-template",): tok("Hi there")["input_ids"]}
+    assert templ(False) != templ(True)
+    for extra, ids in cases.items():
+        args = mod.build_parser().parse_args(["--target", dirs["target"], "--prompt", "Hi there", *extra])
+        assert mod._prompt_ids(args, tok) == ids, extra
+    res = last_json(*finish(proc))
+    assert res["prompt_ids"] == templ(False)
+    assert res["stats"]["stop_ids"] == [tok.eos_token_id]
+    assert 1 <= len(res["tokens"]) <= MAX_NEW and res["text"] == tok.decode(res["tokens"])
+    if len(res["tokens"]) < MAX_NEW:
+        assert res["tokens"][-1] == tok.eos_token_id
+
+
+def bad_cases(d):
+    t, ids = d["target"], ["--prompt-ids", "1,2,3"]
+    return [
+        (["--budget", "0"], "budget"),
+        (["--budget", "300"], "vocabulary size 257"),  # built-in vocab
+        (["--target", t, "--drafter", d["drafter"], *ids, "--budget", "97"], "vocabulary size 97"),
+        (["--method", "beam"], "method"),
+        (["--target", t, "--drafter", d["wide_drafter"], *ids], "hidden_size"),
+        (["--target", t, "--drafter", d["deep_drafter"], *ids], "target_layer_ids"),
+        (["--prompt", "x" * 2100], "maximum length"),
+        (["--target", t, "--prompt-ids", ",".join(["1"] * 4000), "--max-new-tokens", "200"], "maximum length"),
+        (["--target", "/nonexistent/model", *ids], "no such directory"),
+        (["--target", t, "--drafter", "/nonexistent/drafter", *ids], "no such directory"),
+        (["--target", d["empty"], *ids], "config.json"),
+        (["--prompt", "a", *ids], "only one of --prompt and --prompt-ids"),
+        (["--target", t], "give a prompt"),
+        (["--target", t, "--method", "dflash", *ids], "needs a drafter"),
+        (["--target", t, "--method", "ddtree", *ids], "needs a drafter"),
+        (["--drafter", d["drafter"]], "--drafter needs --target"),
+        (["--target", t, "--prompt-ids", "1,x"], "integers"),
+        (["--prompt-ids", "1,500"], "outside the vocabulary"),
+        (["--stop-ids", "999"], "outside the vocabulary"),
+        (["--temperature", "-1"], "temperature"),
+        (["--max-new-tokens", "0"], "max-new-tokens"),
+        (["--kernels", "pallas"], "needs a GPU"),
+    ]
+
+
+def test_bad_arguments(dirs):
+    cases = bad_cases(dirs)
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda c: cli(*c[0]), cases))
+    for (args, needle), (rc, out, err) in zip(cases, results):
+        shown = " ".join(a if len(a) < 40 else a[:20] + "..." for a in args)
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert rc == 2, f"{shown}: rc {rc}\n{err}"
+        assert "Traceback" not in err, f"{shown}:\n{err}"
+        assert len(lines) == 1, f"{shown}: expected one stderr line, got:\n{err}"
+        assert lines[0].startswith("generate.py: error: "), f"{shown}: {lines[0]}"
+        assert needle in lines[0], f"{shown}: '{needle}' not in: {lines[0]}"

@@ -1,0 +1,266 @@
+"""generate(): AR / DFlash / DDTree end to end on tiny fp32 models (CPU).
+
+  * lossless at T = 0: dflash and ddtree (budgets 1, 2, 7, 32, 64) give exactly the AR tokens, with and
+    without stop ids (inclusive stop, exact max_new_tokens), over several prompts / seeds;
+  * long accepted paths (the `_oracle_tokens` test hook ranks the AR continuation high in the draft
+    logits): rounds accepting 8 tokens (the whole block) occur and the output is still the AR output,
+    host and device loops alike;
+  * T > 0: the empirical joint distribution of the first three tokens under DDTree (and AR, as a sanity
+    check) matches the target's exact distribution, enumerated with `jaxddtree.score` (chi-square);
+  * a round needs no host transfer (run inside `jax.transfer_guard("disallow")`), and repeated calls
+    with other prompts / seeds / stop ids of the same bucket reuse one compilation per configuration.
+
+Compile time dominates on CPU, so every test reuses a few static configurations: MAX_NEW new tokens,
+prompt lengths 17..24 (one prefill width, one cache bucket) and fixed-length oracles.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+for _p in (os.path.dirname(HERE), HERE):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import jax  # noqa: E402
+
+import helpers_dflash  # noqa: E402
+import hf_models  # noqa: E402
+import jaxddtree  # noqa: E402
+from jaxddtree import loop as loop_lib  # noqa: E402
+
+V = 97
+BLOCK = 8  # drafter block size: a round accepts at most BLOCK tokens (root + BLOCK - 1 drafts)
+MAX_NEW = 40
+BUDGETS = (1, 2, 7, 32, 64)
+PROMPTS = {(seed, n): np.random.RandomState(seed).randint(0, V - 1, n).tolist()
+           for seed, n in ((0, 17), (1, 20), (2, 24))}  # one prefill width (24), one cache bucket
+SPEC = [("dflash", 64)] + [("ddtree", b) for b in BUDGETS]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    tdir = str(tmp_path_factory.mktemp("gen_target"))
+    hf_models.save_text_only(hf_models.causal_lm(0), tdir)
+    target = jaxddtree.load_target(tdir, "float32")
+    ddir = str(tmp_path_factory.mktemp("gen_drafter"))
+    cfg = helpers_dflash.tiny_config(hidden=64, vocab=V, mask_token_id=V - 1, num_target_layers=4,
+                                     target_layer_ids=(1, 2), block_size=BLOCK)
+    helpers_dflash.write_checkpoint(ddir, cfg, helpers_dflash.random_weights(cfg, seed=1))
+    return target, jaxddtree.load_drafter(ddir, target, "float32")
+
+
+def run(pair, prompt, method, budget=64, **kw):
+    target, drafter = pair
+    kw.setdefault("max_new_tokens", MAX_NEW)
+    return jaxddtree.generate(target, prompt, drafter=drafter, method=method, tree_budget=budget, **kw)
+
+
+@pytest.fixture(scope="module")
+def ar_ref(pair):
+    """AR tokens (no stop ids) per prompt."""
+    out = {}
+    for key, prompt in PROMPTS.items():
+        g = run(pair, prompt, "ar", seed=key[0])
+        assert len(g.tokens) == MAX_NEW and g.acceptance_lengths == [1] * (MAX_NEW - 1)
+        out[key] = g.tokens
+    return out
+
+
+def truncate(tokens, stops):
+    for i, t in enumerate(tokens):
+        if t in stops:
+            return tokens[:i + 1]
+    return tokens
+
+
+def stop_cases(ar):
+    """Stop sets drawn from the AR output so that they trigger: first token, early, late, two ids."""
+    return [{ar[0]}, {ar[5]}, {ar[23]}, {ar[31], ar[12]}]
+
+
+def check_rounds(g, max_acc=BLOCK):
+    """Bookkeeping: every round emits its acceptance length (the last one possibly cut by a stop id or
+    max_new_tokens); the first token comes from the prefill."""
+    n, acc = len(g.tokens), g.acceptance_lengths
+    assert g.stats["rounds"] == len(acc) and g.stats["new_tokens"] == n
+    assert all(1 <= a <= max_acc for a in acc), acc
+    if acc:
+        assert sum(acc[:-1]) < n - 1 <= sum(acc), (n, acc)
+    else:
+        assert n == 1
+
+
+# ------------------------------------------------------------------------- compilation / host sync
+def test_one_compilation_per_configuration(pair):
+    """Different prompts (same bucket), seeds and stop ids reuse the compiled round of a (method, budget,
+    max_new_tokens) configuration. (First in the file: when it runs first, the counts are exact.)"""
+    fresh = loop_lib.run_rounds._cache_size() == 0
+    start = loop_lib.run_rounds._cache_size()
+    for method, budget in (("ar", 64), ("ddtree", 7)):
+        before = loop_lib.run_rounds._cache_size()
+        sizes = []
+        for i, (key, prompt) in enumerate(PROMPTS.items()):
+            for seed, stops in ((key[0], None), (key[0] + 10, [5, 7]), (key[0] + 20, list(range(0, V, 3)))):
+                run(pair, prompt, method, budget, seed=seed, stop_ids=stops)
+                sizes.append(loop_lib.run_rounds._cache_size())
+        assert sizes[0] - before in (0, 1)  # 0: another test compiled this configuration already
+        assert sizes == [sizes[0]] * len(sizes), f"{method}: recompiled across calls: {sizes}"
+    if fresh:
+        assert loop_lib.run_rounds._cache_size() - start == 2
+
+
+def test_round_runs_without_host_transfers(pair, ar_ref, monkeypatch):
+    """`run_rounds` / `run_to_end` called on a prepared state inside transfer_guard("disallow"): any
+    host<->device transfer inside a round (or a Python scalar smuggled into the call) would raise."""
+    calls = []
+
+    def guarded(fn):
+        def wrapper(*args, **kw):
+            with jax.transfer_guard("disallow"):
+                with pytest.raises(Exception, match="[Dd]isallowed"):  # the guard bites
+                    jax.jit(lambda x: x + 1)(np.ones(2, np.float32))
+                out = fn(*args, **kw)
+                jax.block_until_ready(out)
+            calls.append(fn.__name__)
+            return out
+        return wrapper
+
+    monkeypatch.setattr(loop_lib, "run_rounds", guarded(loop_lib.run_rounds))
+    monkeypatch.setattr(loop_lib, "run_to_end", guarded(loop_lib.run_to_end))
+    key, prompt = next(iter(PROMPTS.items()))
+    g = run(pair, prompt, "ddtree", 7, seed=3)
+    assert g.tokens == ar_ref[key] and "run_rounds" in calls
+    g = run(pair, prompt, "ddtree", 32, loop="device", _oracle_tokens=ar_ref[key])
+    assert g.tokens == ar_ref[key] and "run_to_end" in calls
+
+
+# ------------------------------------------------------------------------------------ lossless, T = 0
+def test_ar_stop_ids_and_max_new(pair, ar_ref):
+    for key, prompt in PROMPTS.items():
+        for stops in stop_cases(ar_ref[key]):
+            g = run(pair, prompt, "ar", stop_ids=stops)
+            assert g.tokens == truncate(ar_ref[key], stops)
+            check_rounds(g, max_acc=1)
+
+
+@pytest.mark.parametrize("method,budget", SPEC, ids=[f"{m}-{b}" for m, b in SPEC])
+def test_lossless_greedy(pair, ar_ref, method, budget):
+    for key, prompt in PROMPTS.items():
+        ar = ar_ref[key]
+        g = run(pair, prompt, method, budget, seed=key[0] + 1)
+        assert g.tokens == ar, f"{method} budget {budget} prompt {key}"
+        assert len(g.tokens) == MAX_NEW
+        check_rounds(g)
+        for stops in stop_cases(ar):
+            g = run(pair, prompt, method, budget, stop_ids=stops)
+            assert g.tokens == truncate(ar, stops), f"{method} budget {budget} prompt {key} stops {stops}"
+            assert g.tokens[-1] in stops
+            check_rounds(g)
+
+
+@pytest.mark.parametrize("method", ["ddtree", "dflash"])
+def test_long_accepted_paths(pair, ar_ref, method):
+    """Oracle draft logits (the AR continuation ranked first 80% of the time, else boosted less; noise
+    elsewhere): whole blocks get accepted and the output is unchanged; stops inside a long accepted
+    round cut it at the stop id."""
+    longest = []
+    for key, prompt in PROMPTS.items():
+        ar = ar_ref[key]
+        g = run(pair, prompt, method, 32, _oracle_tokens=ar)
+        assert g.tokens == ar
+        check_rounds(g)
+        assert g.stats["rounds"] < MAX_NEW // 2  # far fewer rounds than tokens
+        longest.append(max(g.acceptance_lengths))
+        for stops in ({ar[20]}, {ar[33]}):
+            gs = run(pair, prompt, method, 32, _oracle_tokens=ar, stop_ids=stops)
+            assert gs.tokens == truncate(ar, stops)
+            check_rounds(gs)
+        if method == "ddtree" and key == (0, 17):
+            gd = run(pair, prompt, method, 32, _oracle_tokens=ar, loop="device")
+            assert gd.tokens == ar and gd.acceptance_lengths == g.acceptance_lengths
+    assert max(longest) >= BLOCK, longest  # a whole block (7 drafts + the bonus) accepted in one round
+
+
+# ------------------------------------------------------------------------------------ distribution, T > 0
+VS = 8  # tiny vocabulary: the joint law of 3 tokens has VS**3 = 512 cells
+T_SAMPLE = 1.0
+SMALL_PROMPT = [1, 2, 3, 4, 5]
+N_DDTREE, N_AR = 1000, 300
+
+
+@pytest.fixture(scope="module")
+def small_pair(tmp_path_factory):
+    tdir = str(tmp_path_factory.mktemp("gen_small_target"))
+    hf_models.save_text_only(hf_models.causal_lm(1, vocab_size=VS), tdir)
+    target = jaxddtree.load_target(tdir, "float32")
+    ddir = str(tmp_path_factory.mktemp("gen_small_drafter"))
+    cfg = helpers_dflash.tiny_config(hidden=64, vocab=VS, mask_token_id=VS - 1, num_target_layers=4,
+                                     target_layer_ids=(1, 2), block_size=4)
+    helpers_dflash.write_checkpoint(ddir, cfg, helpers_dflash.random_weights(cfg, seed=2))
+    return target, jaxddtree.load_drafter(ddir, target, "float32")
+
+
+def _softmax(x):
+    z = np.exp((x - x.max(-1, keepdims=True)) / T_SAMPLE)
+    return z / z.sum(-1, keepdims=True)
+
+
+@pytest.fixture(scope="module")
+def exact_joint(small_pair):
+    """P[t1, t2, t3] of the target's ancestral sampling at T_SAMPLE, by enumeration of (t1, t2)."""
+    target, _ = small_pair
+    n = len(SMALL_PROMPT)
+    P = np.zeros((VS, VS, VS))
+    for t1 in range(VS):
+        for t2 in range(VS):
+            lg = np.asarray(jaxddtree.score(target, SMALL_PROMPT + [t1, t2]), np.float64)
+            p = _softmax(lg[n - 1:n + 2])  # rows predicting t1, t2, t3
+            P[t1, t2] = p[0, t1] * p[1, t2] * p[2]
+    assert abs(P.sum() - 1) < 1e-6
+    return P
+
+
+def chi_square_p(counts, P):
+    from scipy.stats import chi2
+    n = counts.sum()
+    E, O = n * P.reshape(-1), counts.reshape(-1).astype(np.float64)
+    big = E >= 5
+    E = np.append(E[big], E[~big].sum())
+    O = np.append(O[big], O[~big].sum())
+    stat = float(((O - E) ** 2 / E).sum())
+    return float(chi2.sf(stat, len(E) - 1)), stat, len(E)
+
+
+def sample_counts(pair, method, n):
+    target, drafter = pair
+    counts = np.zeros((VS, VS, VS), np.int64)
+    first_round = []
+    for seed in range(n):
+        g = jaxddtree.generate(target, SMALL_PROMPT, drafter=drafter, method=method, tree_budget=4,
+                               max_new_tokens=3, temperature=T_SAMPLE, seed=seed)
+        assert len(g.tokens) == 3
+        counts[tuple(g.tokens)] += 1
+        first_round.append(g.acceptance_lengths[0])
+    return counts, np.asarray(first_round)
+
+
+@pytest.mark.parametrize("method,n", [("ddtree", N_DDTREE), ("ar", N_AR)])
+def test_sampling_distribution(small_pair, exact_joint, method, n):
+    before = loop_lib.run_rounds._cache_size()
+    counts, first_round = sample_counts(small_pair, method, n)
+    assert loop_lib.run_rounds._cache_size() - before <= 1  # one compilation for all the seeds
+    p, stat, bins = chi_square_p(counts, exact_joint)
+    assert p > 1e-3, f"{method}: chi2 = {stat:.1f} over {bins} bins, p = {p:.2e}"
+    if method == "ddtree":
+        # the tree path matters: often t2 is a drafted child, so t3 comes from a verified tree node
+        assert (first_round >= 2).mean() > 0.2, np.bincount(first_round)
+        # and the test has power: the same samples reject a slightly wrong law (t3 drawn given t2 + 1)
+        wrong = exact_joint.sum(-1, keepdims=True) * (exact_joint / exact_joint.sum(-1, keepdims=True))[
+            :, (np.arange(VS) + 1) % VS]
+        assert chi_square_p(counts, wrong)[0] < 1e-3
