@@ -1,8 +1,13 @@
 """The embedded default model pair: what `scripts/generate.py` runs when no `--target` is given.
 
-    built-in random demo model: output is noise; a trained demo pair comes later
+`load()` returns the trained demo pair shipped in `demo/` (a 1.4 M-parameter Qwen3.6-style hybrid target
+trained on the Python standard library's source with a 2048-token BPE tokenizer, and a DFlash drafter trained
+on that target's own greedy continuations; see demo/README.md and NOTES.md "Demo pair training"). If `demo/`
+is absent (an installed package without the repo), or with `load_random()`, it falls back to the random pair:
 
-Everything is built in code, no files: a small random Qwen3.5/3.6-style hybrid target (4 layers,
+    built-in random demo model: output is noise
+
+Random pair, built in code, no files: a small random Qwen3.5/3.6-style hybrid target (4 layers,
 [GDN, GDN, GDN, attention], hidden 64), a matching random DFlash drafter (2 layers, block size 8, fed by
 target layers 1 and 3) and a byte-level "tokenizer" (UTF-8 bytes are token ids 0..255). The weights are
 random, so the text is noise and the drafter's proposals are rarely accepted; the pair exists to exercise
@@ -12,12 +17,17 @@ the whole pipeline (prefill, drafting, tree build, tree verify, commit, streamin
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import numpy as np
 
-LABEL = "built-in random demo model: output is noise; a trained demo pair comes later"
+LABEL = "built-in random demo model: output is noise (the trained demo pair in demo/ was not found)"
 DEFAULT_PROMPT = "The quick brown fox"
+DEMO_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demo")
+DEMO_LABEL = ("built-in demo pair (demo/): a tiny hybrid target trained on Python stdlib source + its DFlash "
+              "drafter; expect Python-flavoured, repetitive text")
+DEMO_PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    "
 
 BYTES = 256
 MASK_ID = 256  # the drafter's mask token (never produced by encode; decodes to nothing)
@@ -129,6 +139,20 @@ class BuiltinModel:
 
 
 def load(dtype: str = "float32", seed: int = 0) -> BuiltinModel:
+    """The trained demo pair from demo/ when present, else the random pair."""
+    target_dir, drafter_dir = os.path.join(DEMO_DIR, "target"), os.path.join(DEMO_DIR, "drafter")
+    if not (os.path.isdir(target_dir) and os.path.isdir(drafter_dir)):
+        return load_random(dtype, seed)
+    import jaxddtree
+    from transformers import AutoTokenizer
+
+    target = jaxddtree.load_target(target_dir, dtype=dtype)
+    drafter = jaxddtree.load_drafter(drafter_dir, target, dtype=dtype)
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    return BuiltinModel(target=target, drafter=drafter, tokenizer=tok, label=DEMO_LABEL, default_prompt=DEMO_PROMPT)
+
+
+def load_random(dtype: str = "float32", seed: int = 0) -> BuiltinModel:
     """Build the random demo pair (deterministic for a given seed)."""
     import jax.numpy as jnp
     from jaxddtree.drafter import Drafter, check_compatible

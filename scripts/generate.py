@@ -246,8 +246,8 @@ def run(argv=None) -> int:
     t_load = time.perf_counter()
     if args.target is None:
         from jaxddtree import builtin
-        label = builtin.LABEL  # printed once the arguments are known to be good (one error line otherwise)
         pair = builtin.load(dtype)
+        label = pair.label  # printed once the arguments are known to be good (one error line otherwise)
         target, drafter, tok = pair.target, pair.drafter, pair.tokenizer
         if args.prompt is None and args.prompt_ids is None:
             args.prompt = pair.default_prompt
