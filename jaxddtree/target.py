@@ -21,6 +21,10 @@ from jaxddtree.model import Qwen35
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "bf16": jnp.bfloat16, "fp32": jnp.float32}
 
 
+def default_kernels() -> str:
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
+
+
 def as_dtype(dtype) -> Any:
     if isinstance(dtype, str):
         if dtype not in DTYPES:
@@ -37,7 +41,8 @@ class Target:
     leaves: list
     dtype: Any
     source: str = "random"
-    kernels: str = "xla"  # "xla" (jnp references) | "pallas" (GPU kernels); see jaxddtree.ops
+    # "pallas" (GPU kernels, the default on a GPU) | "xla" (jnp references, the default elsewhere); jaxddtree.ops
+    kernels: str = dataclasses.field(default_factory=lambda: default_kernels())
 
     @classmethod
     def from_module(cls, model: Qwen35, dtype, source: str = "random") -> "Target":
