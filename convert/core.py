@@ -147,24 +147,9 @@ Plan = list  # [(param path, tensor name, file, HF shape, transform or None)], i
 def plan_target(cfg, src: str) -> Plan:
     """The target's tensors with `jaxddtree.loading`'s key map, coverage and duplicate checks (the same
     ones `iter_tensors` applies; the shape check happens per tensor, before it is read)."""
-    from jaxddtree.loading import CheckpointError, _rules, checkpoint_files, expected_paths, map_name
+    from jaxddtree.loading import plan_tensors
 
-    files = checkpoint_files(src)
-    rules = _rules(cfg)
-    plan: dict[tuple, tuple] = {}
-    for name, file in files.items():
-        m = map_name(cfg, name, rules)
-        if m is not None:
-            if m[0] in plan:
-                raise CheckpointError(f"tensor '{name}' ({file}) maps to a parameter already provided by "
-                                      f"'{plan[m[0]][0]}'")
-            plan[m[0]] = (name, file, m[1], m[2])
-    missing = expected_paths(cfg) - set(plan)
-    if missing:
-        p = sorted(missing, key=str)[0]
-        raise CheckpointError(f"{src}: checkpoint lacks the tensor for parameter {'.'.join(map(str, p))} "
-                              f"({len(missing)} missing in all)")
-    return sorted(((p, *v) for p, v in plan.items()), key=lambda e: (e[2], e[1]))
+    return plan_tensors(cfg, src)
 
 
 def plan_drafter(cfg, src: str) -> Plan:
