@@ -118,8 +118,10 @@ def checkpoint_files(path: str) -> dict[str, str]:
         try:
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
-        except (OSError, ValueError, KeyError) as e:
-            raise CheckpointError(f"{index}: unreadable index ({e})") from None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise ValueError("'weight_map' is not an object of tensor name -> file name")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: unreadable index ({e!r})") from None
         return {k: os.path.join(path, v) for k, v in weight_map.items()}
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
@@ -141,9 +143,9 @@ def _open(file: str):
         raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
 
 
-def iter_tensors(c: TextConfig, path: str) -> Iterator[tuple[tuple, np.ndarray, Callable | None, str, str]]:
-    """Yield (param path, host array, transform, tensor name, file) one tensor at a time, after the
-    shape assert; raises CheckpointError for missing/unknown/misshapen tensors."""
+def plan_tensors(c: TextConfig, path: str) -> list[tuple]:
+    """The checkpoint's tensors as [(param path, tensor name, file, HF shape, transform or None)], sorted by
+    (file, name), after the key map, duplicate and coverage checks (shapes are checked when read)."""
     files = checkpoint_files(path)
     rules = _rules(c)
     plan = {}
@@ -159,8 +161,14 @@ def iter_tensors(c: TextConfig, path: str) -> Iterator[tuple[tuple, np.ndarray, 
         p = sorted(missing, key=str)[0]
         raise CheckpointError(f"{path}: checkpoint lacks the tensor for parameter {'.'.join(map(str, p))} "
                               f"({len(missing)} missing in all)")
+    return sorted(((p, *v) for p, v in plan.items()), key=lambda e: (e[2], e[1]))
+
+
+def iter_tensors(c: TextConfig, path: str) -> Iterator[tuple[tuple, np.ndarray, Callable | None, str, str]]:
+    """Yield (param path, host array, transform, tensor name, file) one tensor at a time, after the
+    shape assert; raises CheckpointError for missing/unknown/misshapen tensors."""
     by_file: dict[str, list] = {}
-    for p, (name, file, shape, fn) in plan.items():
+    for p, name, file, shape, fn in plan_tensors(c, path):
         by_file.setdefault(file, []).append((p, name, shape, fn))
     for file in sorted(by_file):
         with _open(file) as f:
