@@ -38,6 +38,12 @@ def prefill_ids(target: Target, cache, ids: np.ndarray, feature_layers=(), logit
     logits, the cache, and the features of every prompt position (concatenated) or None."""
     T = len(ids)
     size = min(chunk, _round_up(T, 8))
+    # every chunk is written whole (padding included): a write past the cache end would be clamped by
+    # dynamic_update_slice onto earlier rows, silently corrupting the cache
+    need = int(cache.length) + _round_up(T, size)
+    if need > cache.max_len:
+        raise ValueError(f"cache too small: prefilling {T} tokens in chunks of {size} after "
+                         f"{int(cache.length)} committed tokens writes {need} rows, the cache has {cache.max_len}")
     feats, out = [], None
     for s in range(0, T, size):
         part = ids[s:s + size]

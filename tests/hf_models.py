@@ -28,6 +28,12 @@ VARIANTS = {
                     layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention",
                                  "linear_attention"],
                     rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 1.0}),
+    # hidden != heads*head_dim, MHA (GQA 1), GVA 1, dk != dv, conv kernel 2 (conv state of one row)
+    "k2_mha": dict(hidden_size=40, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                   head_dim=16, linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=8,
+                   linear_value_head_dim=6, linear_conv_kernel_dim=2,
+                   layer_types=["linear_attention", "full_attention", "linear_attention"],
+                   rope_parameters={"rope_type": "default", "rope_theta": 5e5, "partial_rotary_factor": 0.5}),
 }
 
 
@@ -65,6 +71,28 @@ def causal_lm(seed: int = 0, **overrides) -> Qwen3_5ForCausalLM:
     return randomize_(model, seed)
 
 
+# The bf16 comparison model: a little larger (hidden 128, head dims 64), and "tamed" so that bf16 rounding
+# noise is not amplified chaotically (fully random GDN weights with strong decay and full-scale residual
+# branches turn 0.4% bf16 rounding into >10% logit differences, even between transformers' own bf16 and
+# fp32 runs). Every mixer still moves the top-1 token at a large fraction of positions.
+BF16 = dict(vocab_size=97, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=64, linear_value_head_dim=64)
+
+
+def causal_lm_bf16(seed: int = 3) -> Qwen3_5ForCausalLM:
+    """fp32 weights of the bf16 comparison model (cast with `.to(torch.bfloat16)` for the reference)."""
+    model = causal_lm(seed, **BF16)
+    g = torch.Generator().manual_seed(seed + 1000)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):  # decay rates exp(A_log) in [0.05, 1)
+                p.copy_(torch.log(torch.empty(p.shape).uniform_(0.05, 1.0, generator=g)))
+            if any(s in name for s in ("out_proj", "o_proj", "down_proj")):  # smaller residual branches
+                p.mul_(0.3)
+    return model
+
+
 def save_text_only(model, path: str, max_shard_size: str | None = None) -> str:
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, safe_serialization=True, **kw)
@@ -99,3 +127,80 @@ def save_wrapper(model, path: str, extra_mtp: bool = True) -> str:
             with open(idx_path, "w") as f:
                 json.dump(idx, f)
     return path
+
+
+# ----------------------------------------------------------------------------- reference helpers
+# (numpy in, numpy out; everything fp32 unless the model is bf16)
+
+import numpy as np  # noqa: E402
+
+
+def rel_err(ours, ref) -> float:
+    """The suite's error metric: max|ours - ref| / max|ref| (fp64)."""
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    return float(np.abs(ours - ref).max() / max(np.abs(ref).max(), 1e-30))
+
+
+def hf_logits(model, seqs) -> np.ndarray:
+    """Logits [B, T, V] (fp32 numpy) of a plain forward over equal-length sequences [B, T]."""
+    with torch.no_grad():
+        out = model(torch.as_tensor(np.asarray(seqs, np.int64)), use_cache=False)
+    return out.logits.float().numpy()
+
+
+def root_paths(parents) -> list[list[int]]:
+    """Node indices of every node's root path (root first, node last)."""
+    paths = []
+    for i, p in enumerate(parents):
+        paths.append([i] if p < 0 else paths[p] + [i])
+    return paths
+
+
+def hf_tree_logits(model, prefix, tree_tokens, parents, nodes=None, hidden: bool = False):
+    """node -> logits [V] of transformers' plain forward over prefix + that node's root path tokens.
+    Paths of equal length are batched into one forward. With hidden=True also node -> [L, D], the output
+    of every decoder layer at that node."""
+    prefix = np.asarray(prefix, np.int64)
+    toks = np.asarray(tree_tokens, np.int64)
+    paths = root_paths(parents)
+    nodes = range(len(parents)) if nodes is None else nodes
+    by_len: dict[int, list[int]] = {}
+    for i in nodes:
+        by_len.setdefault(len(paths[i]), []).append(i)
+    out, hid = {}, {}
+    for _, group in sorted(by_len.items()):
+        seqs = np.stack([np.concatenate([prefix, toks[paths[i]]]) for i in group])
+        if hidden:
+            lg, layers, _, _ = hf_prefill_state(model, seqs)
+            hid.update(zip(group, np.stack([h[:, -1] for h in layers], axis=1)))
+        else:
+            lg = hf_logits(model, seqs)
+        out.update(zip(group, lg[:, -1]))
+    return (out, hid) if hidden else out
+
+
+def hf_prefill_state(model, ids):
+    """transformers' forward with use_cache=True over ids [B, T]: returns (logits, per-layer hidden
+    states after each decoder layer [L x [B, T, D]] (forward hooks: HF's own `hidden_states[-1]` is
+    post-final-norm), HF's `output_hidden_states` tuple, per-layer cache dicts in HF layout: GDN
+    {'conv': [B, conv_dim, K], 'recurrent': [B, Hv, dk, dv]}, attention {'k','v': [B, Hkv, T, hd]})."""
+    caps = []
+    hooks = [layer.register_forward_hook(
+        lambda mod, inp, out: caps.append((out[0] if isinstance(out, tuple) else out).float().numpy()))
+        for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            out = model(torch.as_tensor(np.asarray(ids, np.int64)), use_cache=True, output_hidden_states=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    cache = out["cache"] if "cache" in out else out["past_key_values"]
+    layers = []
+    for layer in cache.layers:
+        if hasattr(layer, "conv_states"):
+            layers.append({"conv": layer.conv_states[0].float().numpy(),
+                           "recurrent": layer.recurrent_states[0].float().numpy()})
+        else:
+            layers.append({"k": layer.keys.float().numpy(), "v": layer.values.float().numpy()})
+    hidden = tuple(h.float().numpy() for h in out.hidden_states)
+    return out.logits.float().numpy(), caps, hidden, layers

@@ -1,0 +1,309 @@
+"""Loading HF checkpoints: both layouts (multimodal wrapper, text-only), single-file and sharded, give the
+same parameters and logits; broken checkpoints and configs fail with `ConfigError` / `CheckpointError`
+whose message names the offending field, parameter, tensor or file."""
+
+import json
+import os
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import hf_models
+import jaxddtree
+from jaxddtree import CheckpointError, ConfigError, load_config, load_target
+from hf_models import rel_err
+
+INDEX = "model.safetensors.index.json"
+WRAP = "model.language_model."
+
+
+@pytest.fixture(scope="module")
+def ckpts(zoo, tmp_path_factory):
+    """The base model saved four ways."""
+    hf = zoo.hf("base")
+    root = tmp_path_factory.mktemp("layouts")
+    out = {"text_single": zoo.path("base")}
+    out["text_sharded"] = hf_models.save_text_only(hf, str(root / "text_sharded"), max_shard_size="20KB")
+    out["wrapper_sharded"] = hf_models.save_wrapper(hf, str(root / "wrapper"))  # + vision + mtp.* extras
+    return out
+
+
+@pytest.fixture
+def copy_ckpt(ckpts, tmp_path):
+    """A fresh, writable copy of one of the saved checkpoints."""
+    def make(layout):
+        dst = str(tmp_path / layout)
+        shutil.copytree(ckpts[layout], dst)
+        return dst
+    return make
+
+
+def _shard_of(path, name):
+    with open(os.path.join(path, INDEX)) as f:
+        return json.load(f)["weight_map"][name]
+
+
+def _rewrite(file, fn):
+    """Apply fn to the {name: array} dict of one safetensors file and write it back."""
+    tensors = load_file(file)
+    tensors = fn(tensors)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def _edit_index(path, fn):
+    p = os.path.join(path, INDEX)
+    with open(p) as f:
+        idx = json.load(f)
+    fn(idx["weight_map"])
+    with open(p, "w") as f:
+        json.dump(idx, f)
+
+
+def _edit_config(path, fn):
+    p = os.path.join(path, "config.json")
+    with open(p) as f:
+        cfg = json.load(f)
+    fn(cfg)
+    with open(p, "w") as f:
+        json.dump(cfg, f)
+
+
+# ----------------------------------------------------------------------------- good checkpoints
+
+def test_all_layouts_give_identical_params_and_logits(ckpts, hf_base):
+    """Wrapper (sharded, index, vision tower and mtp.* extras skipped), text-only single file and text-only
+    sharded load bit-identical parameters and logits; the logits match transformers (rel <= 1e-4)."""
+    ids = np.random.RandomState(21).randint(0, 97, size=77)
+    targets = {k: load_target(p, "float32") for k, p in ckpts.items()}
+    ref_t = targets["text_single"]
+    logits = {k: jaxddtree.score(t, ids) for k, t in targets.items()}
+    for k, t in targets.items():
+        assert t.config == ref_t.config, k
+        assert len(t.leaves) == len(ref_t.leaves)
+        for a, b in zip(t.leaves, ref_t.leaves):
+            assert a.dtype == jnp.float32
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_array_equal(logits[k], logits["text_single"])
+    err = rel_err(logits["wrapper_sharded"], hf_models.hf_logits(hf_base, ids[None])[0])
+    print(f"\nlayouts {sorted(ckpts)}: identical; vs transformers rel err {err:.2e}")
+    assert err <= 1e-4
+
+
+def test_load_config_both_layouts_identical(ckpts):
+    cfgs = {k: load_config(p) for k, p in ckpts.items()}
+    assert cfgs["wrapper_sharded"] == cfgs["text_single"] == cfgs["text_sharded"]
+    c = cfgs["text_single"]
+    assert c.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    assert c.rotary_dim == 4 and c.conv_dim == 2 * 2 * 8 + 4 * 12
+    # load_config also accepts the config.json path itself
+    assert load_config(os.path.join(ckpts["wrapper_sharded"], "config.json")) == c
+
+
+def test_bf16_load_casts_every_parameter(ckpts, zoo):
+    t32 = zoo.target("base")
+    t16 = load_target(ckpts["wrapper_sharded"], "bfloat16")
+    assert all(x.dtype == jnp.bfloat16 for x in t16.leaves)
+    for a, b in zip(t16.leaves, t32.leaves):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b.astype(jnp.bfloat16)))
+
+
+# ----------------------------------------------------------------------------- config errors
+
+@pytest.mark.parametrize("layout", ["text_single", "wrapper_sharded"])
+def test_wrong_model_type(copy_ckpt, layout):
+    path = copy_ckpt(layout)
+    _edit_config(path, lambda c: c.update(model_type="qwen3_next"))
+    with pytest.raises(ConfigError, match=r"model_type 'qwen3_next'") as e:
+        load_target(path, "float32")
+    assert "config.json" in str(e.value)
+
+
+def test_wrong_text_config_model_type_in_wrapper(copy_ckpt):
+    path = copy_ckpt("wrapper_sharded")
+    _edit_config(path, lambda c: c["text_config"].update(model_type="llama"))
+    with pytest.raises(ConfigError, match=r"text_config\.model_type is 'llama'"):
+        load_config(path)
+
+
+BAD_CONFIG = {
+    "rope_yarn": (lambda t: t["rope_parameters"].update(rope_type="yarn", factor=4.0), r"rope_type 'yarn'"),
+    "gelu": (lambda t: t.update(hidden_act="gelu"), r"hidden_act 'gelu'"),
+    "attention_bias": (lambda t: t.update(attention_bias=True), r"attention_bias"),
+    "sliding_layer": (lambda t: t.update(layer_types=["linear_attention", "sliding_attention",
+                                                      "linear_attention", "full_attention"]),
+                      r"layer type 'sliding_attention'"),
+    "layer_types_length": (lambda t: t.update(layer_types=["full_attention"] * 3),
+                           r"layer_types has 3 entries for num_hidden_layers=4"),
+    "gqa_ratio": (lambda t: t.update(num_key_value_heads=3), r"num_attention_heads \(4\).*num_key_value_heads \(3\)"),
+    "gva_ratio": (lambda t: t.update(linear_num_value_heads=3), r"linear_num_value_heads \(3\)"),
+    "missing_vocab": (lambda t: t.pop("vocab_size"), r"'vocab_size' is missing"),
+    "rotary_odd": (lambda t: t["rope_parameters"].update(partial_rotary_factor=0.1875), r"rotary dim"),
+}
+
+
+@pytest.mark.parametrize("layout", ["text_single", "wrapper_sharded"])
+@pytest.mark.parametrize("case", sorted(BAD_CONFIG))
+def test_unsupported_config_value(copy_ckpt, layout, case):
+    """Each unsupported value is a ConfigError naming the field (and text_config in the wrapper)."""
+    fn, pattern = BAD_CONFIG[case]
+    path = copy_ckpt(layout)
+    _edit_config(path, lambda c: fn(c["text_config"] if layout.startswith("wrapper") else c))
+    with pytest.raises(ConfigError, match=pattern) as e:
+        load_target(path, "float32")
+    assert "config.json" in str(e.value)
+    if layout.startswith("wrapper"):
+        assert "text_config" in str(e.value)
+
+
+def test_tied_embeddings_rejected(copy_ckpt):
+    path = copy_ckpt("text_single")
+    _edit_config(path, lambda c: c.update(tie_word_embeddings=True))
+    with pytest.raises(ConfigError, match="tie_word_embeddings"):
+        load_config(path)
+
+
+def test_missing_or_broken_config(tmp_path, copy_ckpt):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(str(tmp_path))
+    path = copy_ckpt("text_single")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        f.write("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_target(path, "float32")
+
+
+# ----------------------------------------------------------------------------- checkpoint errors
+
+def test_missing_tensor_in_wrapper_shard(copy_ckpt):
+    """A tensor deleted from its shard and from the index: the error names the parameter."""
+    path = copy_ckpt("wrapper_sharded")
+    name = WRAP + "layers.1.linear_attn.conv1d.weight"
+    _rewrite(os.path.join(path, _shard_of(path, name)), lambda t: {k: v for k, v in t.items() if k != name})
+    _edit_index(path, lambda wm: wm.pop(name))
+    with pytest.raises(CheckpointError, match=r"parameter layers\.1\.mixer\.conv") as e:
+        load_target(path, "float32")
+    assert "(1 missing in all)" in str(e.value)
+
+
+def test_missing_tensor_in_single_file(copy_ckpt):
+    path = copy_ckpt("text_single")
+    name = "model.layers.3.self_attn.k_norm.weight"
+    _rewrite(os.path.join(path, "model.safetensors"), lambda t: {k: v for k, v in t.items() if k != name})
+    with pytest.raises(CheckpointError, match=r"parameter layers\.3\.mixer\.k_norm"):
+        load_target(path, "float32")
+
+
+def test_tensor_listed_in_index_but_absent_from_shard(copy_ckpt):
+    """The index says the shard has it, the shard does not: the error names the tensor and the file."""
+    path = copy_ckpt("wrapper_sharded")
+    name = WRAP + "layers.0.linear_attn.A_log"
+    shard = _shard_of(path, name)
+    _rewrite(os.path.join(path, shard), lambda t: {k: v for k, v in t.items() if k != name})
+    with pytest.raises(CheckpointError) as e:
+        load_target(path, "float32")
+    assert name in str(e.value) and shard in str(e.value)
+
+
+@pytest.mark.parametrize("layout", ["text_single", "wrapper_sharded"])
+def test_wrong_shape(copy_ckpt, layout):
+    """One tensor rewritten with a wrong shape: the error names the tensor and its file."""
+    path = copy_ckpt(layout)
+    prefix = WRAP if layout.startswith("wrapper") else "model."
+    name = prefix + "layers.3.self_attn.k_proj.weight"
+    file = _shard_of(path, name) if layout.startswith("wrapper") else "model.safetensors"
+
+    def shrink(t):
+        t[name] = t[name][:-1]  # [Hkv*hd - 1, D]
+        return t
+    _rewrite(os.path.join(path, file), shrink)
+    with pytest.raises(CheckpointError, match=r"has shape \(31, 64\), expected \(32, 64\)") as e:
+        load_target(path, "float32")
+    assert name in str(e.value) and file in str(e.value)
+
+
+EXTRA = {
+    "unknown_name": ("model.layers.0.linear_attn.extra_bias", r"unexpected tensor"),
+    "unknown_prefix": ("decoder.layers.0.mlp.up_proj.weight", r"unexpected tensor"),
+    "gdn_tensor_on_attention_layer": ("model.layers.3.linear_attn.A_log",
+                                      r"belongs to a linear_attention layer.*layer_types\[3\] is full_attention"),
+    "layer_out_of_range": ("model.layers.9.mlp.up_proj.weight", r"layer 9.*4 layers"),
+    "duplicate_of_wrapper_name": (WRAP + "norm.weight", r"already provided"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EXTRA))
+def test_unexpected_extra_tensor(copy_ckpt, case):
+    """An extra tensor that maps to nothing (or to the wrong layer, or twice) is rejected by name."""
+    name, pattern = EXTRA[case]
+    path = copy_ckpt("text_single")
+    _rewrite(os.path.join(path, "model.safetensors"),
+             lambda t: {**t, name: np.zeros((4,), np.float32)})
+    with pytest.raises(CheckpointError, match=pattern) as e:
+        load_target(path, "float32")
+    assert name in str(e.value)
+
+
+def test_skipped_extras_are_ignored(copy_ckpt, ckpts):
+    """mtp.* and visual tensors in a text-only file are skipped (not 'unexpected')."""
+    path = copy_ckpt("text_single")
+    _rewrite(os.path.join(path, "model.safetensors"),
+             lambda t: {**t, "mtp.fc.weight": np.ones((2, 2), np.float32),
+                        "model.visual.patch_embed.weight": np.ones((3,), np.float32)})
+    a, b = load_target(path, "float32"), load_target(ckpts["text_single"], "float32")
+    for x, y in zip(a.leaves, b.leaves):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("layout", ["text_single", "wrapper_sharded"])
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_corrupt_shard(copy_ckpt, layout, damage):
+    """A truncated or overwritten shard is a CheckpointError naming the file."""
+    path = copy_ckpt(layout)
+    file = (_shard_of(path, WRAP + "layers.2.linear_attn.in_proj_qkv.weight") if layout.startswith("wrapper")
+            else "model.safetensors")
+    full = os.path.join(path, file)
+    size = os.path.getsize(full)
+    if damage == "truncated":
+        with open(full, "r+b") as f:
+            f.truncate(size // 2)
+    else:
+        with open(full, "wb") as f:
+            f.write(b"\xff" * 64)
+    with pytest.raises(CheckpointError) as e:
+        load_target(path, "float32")
+    assert file in str(e.value)
+
+
+def test_missing_shard_file(copy_ckpt):
+    path = copy_ckpt("wrapper_sharded")
+    shard = _shard_of(path, WRAP + "embed_tokens.weight")
+    os.remove(os.path.join(path, shard))
+    with pytest.raises(CheckpointError, match="missing shard") as e:
+        load_target(path, "float32")
+    assert shard in str(e.value)
+
+
+@pytest.mark.parametrize("content", ["{not json", "[]", '{"metadata": {}}', '{"weight_map": [1, 2]}'])
+def test_unreadable_index(copy_ckpt, content):
+    path = copy_ckpt("text_sharded")
+    with open(os.path.join(path, INDEX), "w") as f:
+        f.write(content)
+    with pytest.raises(CheckpointError, match=INDEX.replace(".", r"\.") + ": unreadable index"):
+        load_target(path, "float32")
+
+
+def test_not_a_checkpoint_directory(tmp_path, copy_ckpt):
+    with pytest.raises(CheckpointError, match="not a directory"):
+        load_target(str(tmp_path / "nope"), "float32")
+    path = copy_ckpt("text_single")
+    os.remove(os.path.join(path, "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"no \*\.safetensors"):
+        load_target(path, "float32")
+
+
+def test_unsupported_dtype(ckpts):
+    with pytest.raises(ValueError, match="float16"):
+        load_target(ckpts["text_single"], "float16")
