@@ -190,12 +190,12 @@ def bad_cases(d):
     t, ids = d["target"], ["--prompt-ids", "1,2,3"]
     return [
         (["--budget", "0"], "budget"),
-        (["--budget", "300"], "vocabulary size 257"),  # built-in vocab
+        (["--budget", "5000"], "vocabulary size 2048"),  # built-in (demo pair) vocab
         (["--target", t, "--drafter", d["drafter"], *ids, "--budget", "97"], "vocabulary size 97"),
         (["--method", "beam"], "method"),
         (["--target", t, "--drafter", d["wide_drafter"], *ids], "hidden_size"),
         (["--target", t, "--drafter", d["deep_drafter"], *ids], "target_layer_ids"),
-        (["--prompt", "x" * 2100], "maximum length"),
+        (["--prompt", " ".join(str(i) for i in range(3000))], "maximum length"),
         (["--target", t, "--prompt-ids", ",".join(["1"] * 4000), "--max-new-tokens", "200"], "maximum length"),
         (["--target", "/nonexistent/model", *ids], "no such directory"),
         (["--target", t, "--drafter", "/nonexistent/drafter", *ids], "no such directory"),
@@ -206,8 +206,8 @@ def bad_cases(d):
         (["--target", t, "--method", "ddtree", *ids], "needs a drafter"),
         (["--drafter", d["drafter"]], "--drafter needs --target"),
         (["--target", t, "--prompt-ids", "1,x"], "integers"),
-        (["--prompt-ids", "1,500"], "outside the vocabulary"),
-        (["--stop-ids", "999"], "outside the vocabulary"),
+        (["--prompt-ids", "1,5000"], "outside the vocabulary"),
+        (["--stop-ids", "9999"], "outside the vocabulary"),
         (["--temperature", "-1"], "temperature"),
         (["--max-new-tokens", "0"], "max-new-tokens"),
         (["--kernels", "pallas"], "needs a GPU"),
