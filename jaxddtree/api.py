@@ -73,10 +73,11 @@ def score(target: Target, token_ids) -> np.ndarray:
     return np.concatenate(rows, axis=0)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "treedef"))
-def _verify_jit(leaves, cache, tokens, layout, *, graphdef, treedef):
+@functools.partial(jax.jit, static_argnames=("graphdef", "treedef", "kernels"))
+def _verify_jit(leaves, cache, tokens, parents, *, graphdef, treedef, kernels):
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-    logits, _, _ = verify(model, cache, tokens, layout)
+    lay = layout_lib.tree(cache.length, parents, model.cfg.linear_conv_kernel_dim, kernels=kernels)
+    logits, _, _ = verify(model, cache, tokens, lay)
     return logits
 
 
@@ -95,8 +96,6 @@ def score_tree(target: Target, prefix_ids, tree_tokens, parents) -> np.ndarray:
     size = min(PREFILL_CHUNK, _round_up(len(prefix), 8))
     cache = target.init_cache(_round_up(len(prefix), size) + size + len(toks))
     _, cache, _ = prefill_ids(target, cache, prefix, logits="none")
-    lay = layout_lib.tree(cache.length, jnp.asarray(par, jnp.int32), target.config.linear_conv_kernel_dim,
-                          kernels=target.kernels)
-    logits = _verify_jit(target.leaves, cache, jnp.asarray(toks, jnp.int32)[None], lay,
-                         graphdef=target.graphdef, treedef=target.treedef)
+    logits = _verify_jit(target.leaves, cache, jnp.asarray(toks, jnp.int32)[None], jnp.asarray(par, jnp.int32),
+                         graphdef=target.graphdef, treedef=target.treedef, kernels=target.kernels)
     return np.asarray(logits[0])
