@@ -65,6 +65,20 @@ def median_ms(fn, n=20, warmup=3):
     return statistics.median(ts)
 
 
+def make_decode(target, kernels: str):
+    """Jitted greedy decode step (leaves, cache, tok [1, 1]) -> (next tok [1, 1], cache), cache donated."""
+    gd, td, K = target.graphdef, target.treedef, target.config.linear_conv_kernel_dim
+
+    @functools.partial(jax.jit, donate_argnames=("cache",))
+    def decode(leaves, cache, tok):
+        model = nnx.merge(gd, jax.tree.unflatten(td, leaves))
+        lay = layout_lib.sequence(cache.length, 1, K, kernels=kernels)
+        logits, cache, _, _ = model(tok, cache, lay, logits="all")
+        return jnp.argmax(logits[:, -1], -1).astype(jnp.int32)[:, None], cache
+
+    return decode
+
+
 def random_drafter(cfg: DrafterConfig, dtype, seed=0) -> Drafter:
     key = jax.random.key(seed)
     H, nh, nkv, hd, I = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
@@ -180,13 +194,7 @@ def main(argv=None):
         return c.replace(length=jnp.int32(length))
 
     if "ar" in sections:
-        @functools.partial(jax.jit, donate_argnames=("cache",))
-        def decode(leaves, cache, tok):
-            model = nnx.merge(gd, jax.tree.unflatten(td, leaves))
-            lay = layout_lib.sequence(cache.length, 1, cfg.linear_conv_kernel_dim, kernels=args.kernels)
-            logits, cache, _, _ = model(tok, cache, lay, logits="all")
-            return jnp.argmax(logits[:, -1], -1).astype(jnp.int32)[:, None], cache
-
+        decode = make_decode(target, args.kernels)
         cache = fresh_cache(L)
         tok = jnp.ones((1, 1), jnp.int32)
         t = time.time()

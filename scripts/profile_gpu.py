@@ -6,7 +6,7 @@ kernels (total time per kernel name, busy time vs wall time) from the jax profil
 """
 from __future__ import annotations
 
-import argparse, collections, functools, glob, json, os, sys, tempfile, time
+import argparse, collections, glob, json, os, sys, tempfile, time
 
 try:
     import jaxddtree  # noqa: F401
@@ -23,7 +23,7 @@ from jaxddtree.config import text_config_from_dict
 from jaxddtree.target import random_target
 from jaxddtree.verify import verify
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import QWEN36_27B, fill_random, random_tree  # noqa: E402
+from bench import QWEN36_27B, fill_random, make_decode, random_tree  # noqa: E402
 
 
 def summarise(trace_dir, n_steps):
@@ -65,12 +65,7 @@ def main():
     cache = fill_random(target.init_cache(S), jax.random.key(3)).replace(length=jnp.int32(L))
     res = {}
 
-    @functools.partial(jax.jit, donate_argnames=("cache",))
-    def decode(leaves, cache, tok):
-        model = nnx.merge(gd, jax.tree.unflatten(td, leaves))
-        lay = layout_lib.sequence(cache.length, 1, cfg.linear_conv_kernel_dim, kernels=args.kernels)
-        logits, cache, _, _ = model(tok, cache, lay, logits="all")
-        return jnp.argmax(logits[:, -1], -1).astype(jnp.int32)[:, None], cache
+    decode = make_decode(target, args.kernels)
 
     parents = jnp.asarray(random_tree(args.nodes, 15, 0))
     tokens = jnp.ones((1, args.nodes), jnp.int32)
