@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxddtree import tree as tree_lib
+
 
 @struct.dataclass
 class TokenLayout:
@@ -55,39 +57,20 @@ def ancestor_steps(parents: jax.Array, steps: int) -> jax.Array:
     return jnp.stack(out)
 
 
-def depths_of(parents: jax.Array) -> jax.Array:
-    """Depth of every node (root 0) for a topologically ordered parents array [N]."""
-    n = parents.shape[0]
-
-    def body(i, d):
-        return d.at[i].set(jnp.where(parents[i] >= 0, d[jnp.maximum(parents[i], 0)] + 1, 0))
-
-    return jax.lax.fori_loop(0, n, body, jnp.zeros((n,), jnp.int32))
-
-
-def ancestor_mask(parents: jax.Array) -> jax.Array:
-    """[N, N] bool, M[i, j] = j is i or an ancestor of i (parents topologically ordered, root -1)."""
-    n = parents.shape[0]
-    eye = jnp.eye(n, dtype=bool)
-
-    def body(i, m):
-        p = parents[i]
-        row = jnp.where(p >= 0, m[jnp.maximum(p, 0)], jnp.zeros((n,), bool)) | eye[i]
-        return m.at[i].set(row)
-
-    return jax.lax.fori_loop(0, n, body, eye)
-
-
 def tree(start, parents: jax.Array, conv_kernel: int, num_valid=None, batch: int = 1,
          mask: jax.Array | None = None, depths: jax.Array | None = None, kernels: str = "xla") -> TokenLayout:
     """Layout of a tree given `parents` [N] (parents[0] = -1, parents[i] < i; padding nodes may point
     to any earlier node but must be excluded from real nodes' ancestry, e.g. parent 0 with a
-    self-only mask row: pass `mask` explicitly then)."""
+    self-only mask row: pass `mask` explicitly then). Without `mask`, every node is real; without
+    `depths`, a node's depth is its number of ancestors in the mask."""
     start = jnp.asarray(start, jnp.int32)
     n = parents.shape[0]
     parents = parents.astype(jnp.int32)
-    depths = depths_of(parents) if depths is None else depths.astype(jnp.int32)
-    mask = ancestor_mask(parents) if mask is None else mask
+    if mask is None:
+        mask = tree_lib.ancestor_mask(tree_lib.Tree(tokens=jnp.zeros((n,), jnp.int32), parents=parents,
+                                                    depths=jnp.zeros((n,), jnp.int32),
+                                                    valid=jnp.ones((n,), bool), max_depth=n - 1))
+    depths = (mask.sum(axis=-1) - 1 if depths is None else depths).astype(jnp.int32)
     km1 = conv_kernel - 1
     anc = ancestor_steps(parents, km1)  # [K-1, N]: 1st..(K-1)th ancestor
     s = jnp.arange(1, km1 + 1, dtype=jnp.int32)[:, None]  # how far back
