@@ -30,6 +30,7 @@ import ml_dtypes  # noqa: F401  (registers numpy 'bfloat16' so safetensors can r
 import numpy as np
 
 from jaxddtree.drafter_config import DrafterConfig, build_target_layer_ids
+from jaxddtree.rope import apply_rope, rope_cos_sin
 
 __all__ = ["DrafterConfig", "DrafterLayer", "DrafterParams", "DraftCache", "Drafter", "build_target_layer_ids",
            "init_draft_cache", "drafter_forward", "draft_logits", "load_drafter_params", "load_drafter"]
@@ -89,21 +90,6 @@ def rms_norm(x: Array, w: Array, eps: float) -> Array:
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return w * y.astype(x.dtype)
-
-
-def rope_cos_sin(pos: Array, head_dim: int, theta: float, dtype: Any) -> tuple[Array, Array]:
-    """Qwen3RotaryEmbedding (default rope): pos [..., T] -> cos, sin [..., T, hd] in `dtype`."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))  # [hd/2]
-    freqs = pos.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [..., T, hd/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)  # [..., T, hd]
-    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
-
-
-def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
-    """x [B, T, n, hd] with cos/sin [T, hd]: x*cos + rotate_half(x)*sin."""
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    rot = jnp.concatenate([-x2, x1], axis=-1)
-    return x * cos[:, None, :] + rot * sin[:, None, :]
 
 
 def _window_ok(q_pos: Array, k_pos: Array, window: int | None) -> Array:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 
 def rope_cos_sin(positions: jax.Array, rotary_dim: int, theta: float, dtype):
-    """positions [B, T] int -> cos, sin [B, T, rotary_dim] in `dtype`."""
+    """positions [..., T] int -> cos, sin [..., T, rotary_dim] in `dtype`."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B,T,rd/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
@@ -20,10 +20,11 @@ def rope_cos_sin(positions: jax.Array, rotary_dim: int, theta: float, dtype):
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x [B, T, H, hd]; cos/sin [B, T, rd]: rotate dims [0, rd), pass the rest through."""
+    """x [..., T, H, hd]; cos/sin [..., T, rd] (broadcast over the head axis): rotate dims [0, rd), pass
+    the rest through."""
     rd = cos.shape[-1]
     xr, xp = x[..., :rd], x[..., rd:]
     x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
     rot = jnp.concatenate([-x2, x1], axis=-1)
-    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    c, s = cos[..., None, :], sin[..., None, :]
     return jnp.concatenate([xr * c + rot * s, xp], axis=-1)

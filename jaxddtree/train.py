@@ -32,7 +32,8 @@ from flax import nnx
 from jaxddtree import layout as layout_lib
 from jaxddtree.cache import init_cache
 from jaxddtree.config import ATTENTION, GDN, TextConfig, text_config_from_dict
-from jaxddtree.drafter import DrafterLayer, DrafterParams, apply_rope, rms_norm, rope_cos_sin
+from jaxddtree.drafter import DrafterLayer, DrafterParams, rms_norm
+from jaxddtree.rope import apply_rope, rope_cos_sin
 from jaxddtree.drafter_config import DrafterConfig
 from jaxddtree.model import Qwen35
 from jaxddtree.target import Target
@@ -171,13 +172,6 @@ def init_drafter(cfg: DrafterConfig, seed: int = 0, dtype=jnp.float32) -> Drafte
                          norm=jnp.ones((H,), dtype))
 
 
-def _rope_b(x, cos, sin):
-    """x [..., T, n, hd], cos/sin [..., T, hd] (same leading axes)."""
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    rot = jnp.concatenate([-x2, x1], axis=-1)
-    return x * cos[..., None, :] + rot * sin[..., None, :]
-
-
 def drafter_train_logits(params: DrafterParams, cfg: DrafterConfig, feats, tokens, anchors, embed, lm_head):
     """Drafter logits for K blocks per row, as at inference.
 
@@ -211,10 +205,10 @@ def drafter_train_logits(params: DrafterParams, cfg: DrafterConfig, feats, token
             vc = vc & (jnp.abs(blk_pos[..., :, None] - ctx_pos) < w)
             vb = vb & (jnp.abs(blk_pos[..., :, None] - blk_pos[..., None, :]) < w)
         x = rms_norm(h, lp.attn_norm, eps)
-        q = _rope_b(rms_norm(jnp.einsum("bkth,hnd->bktnd", x, lp.wq), lp.q_norm, eps), cos_b, sin_b)
+        q = apply_rope(rms_norm(jnp.einsum("bkth,hnd->bktnd", x, lp.wq), lp.q_norm, eps), cos_b, sin_b)
         k_c = apply_rope(rms_norm(jnp.einsum("bch,hnd->bcnd", ctx, lp.wk), lp.k_norm, eps), cos_c, sin_c)
         v_c = jnp.einsum("bch,hnd->bcnd", ctx, lp.wv)  # [B,T,nkv,hd]
-        k_b = _rope_b(rms_norm(jnp.einsum("bkth,hnd->bktnd", x, lp.wk), lp.k_norm, eps), cos_b, sin_b)
+        k_b = apply_rope(rms_norm(jnp.einsum("bkth,hnd->bktnd", x, lp.wk), lp.k_norm, eps), cos_b, sin_b)
         v_b = jnp.einsum("bkth,hnd->bktnd", x, lp.wv)  # [B,K,Bs,nkv,hd]
         qg = q.reshape(B, K, Bs, nkv, g, hd)
         s_c = jnp.einsum("bktngd,bsnd->bkngts", qg, k_c, preferred_element_type=jnp.float32) * scale
