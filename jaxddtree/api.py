@@ -32,6 +32,17 @@ def _check_vocab(target: Target, ids: np.ndarray, name: str):
         raise ValueError(f"{name} must lie in [0, {target.config.vocab_size}); got {ids.min()}..{ids.max()}")
 
 
+def padded_chunks(ids: np.ndarray, chunk: int = PREFILL_CHUNK):
+    """Yield (tokens [1, size] int32, n real) for `ids` cut into chunks of one fixed size (one compilation
+    per size): size = min(chunk, len(ids) rounded up to 8); the last chunk is zero-padded."""
+    size = min(chunk, _round_up(len(ids), 8))
+    for s in range(0, len(ids), size):
+        part = ids[s:s + size]
+        padded = np.zeros((1, size), np.int32)
+        padded[0, :len(part)] = part
+        yield jnp.asarray(padded), len(part)
+
+
 def prefill_ids(target: Target, cache, ids: np.ndarray, feature_layers=(), logits="last",
                 chunk: int = PREFILL_CHUNK):
     """Prefill a prompt in fixed-size chunks (one compilation per chunk size). Returns the last chunk's
@@ -45,13 +56,8 @@ def prefill_ids(target: Target, cache, ids: np.ndarray, feature_layers=(), logit
         raise ValueError(f"cache too small: prefilling {T} tokens in chunks of {size} after "
                          f"{int(cache.length)} committed tokens writes {need} rows, the cache has {cache.max_len}")
     feats, out = [], None
-    for s in range(0, T, size):
-        part = ids[s:s + size]
-        n = len(part)
-        padded = np.zeros((1, size), np.int32)
-        padded[0, :n] = part
-        out, cache, f, _ = target.prefill(cache, jnp.asarray(padded), num_valid=n,
-                                          feature_layers=feature_layers, logits=logits)
+    for padded, n in padded_chunks(ids, chunk):
+        out, cache, f, _ = target.prefill(cache, padded, num_valid=n, feature_layers=feature_layers, logits=logits)
         if f is not None:
             feats.append(f[:, :n])
     return out, cache, (jnp.concatenate(feats, axis=1) if feats else None)
@@ -64,12 +70,9 @@ def score(target: Target, token_ids) -> np.ndarray:
     size = min(PREFILL_CHUNK, _round_up(len(ids), 8))
     cache = target.init_cache(_round_up(len(ids), size) + size)
     rows = []
-    for s in range(0, len(ids), size):
-        part = ids[s:s + size]
-        padded = np.zeros((1, size), np.int32)
-        padded[0, :len(part)] = part
-        logits, cache, _, _ = target.prefill(cache, jnp.asarray(padded), num_valid=len(part), logits="all")
-        rows.append(np.asarray(logits[0, :len(part)]))
+    for padded, n in padded_chunks(ids):
+        logits, cache, _, _ = target.prefill(cache, padded, num_valid=n, logits="all")
+        rows.append(np.asarray(logits[0, :n]))
     return np.concatenate(rows, axis=0)
 
 

@@ -25,7 +25,7 @@ from flax import nnx, struct
 
 from jaxddtree import layout as layout_lib
 from jaxddtree import tree as tree_lib
-from jaxddtree.api import PREFILL_CHUNK, _check_vocab, _ids, _round_up
+from jaxddtree.api import PREFILL_CHUNK, _check_vocab, _ids, _round_up, padded_chunks
 from jaxddtree.cache import ModelCache
 from jaxddtree.target import Target
 from jaxddtree.verify import commit, verify
@@ -53,8 +53,7 @@ class DecodeState:
     key: jax.Array
     acc: jax.Array  # [max_new] int32 acceptance length per round
     n_rounds: jax.Array  # int32
-    # [V] bool: the stop ids as data, so that any stop set shares one compilation (None: no stop ids)
-    stop_mask: jax.Array | None = None
+    stop_mask: jax.Array  # [V] bool: the stop ids as data, so that any stop set shares one compilation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,19 +67,13 @@ class Plan:
     conv_kernel: int
     feature_layers: tuple[int, ...]
     inject: bool = False  # test hook: draft logits from an oracle continuation
-    stop_ids: tuple[int, ...] = ()  # static stop ids (generate() passes them as DecodeState.stop_mask)
 
 
 def _emit(state: DecodeState, emitted: jax.Array, count: jax.Array, plan: Plan) -> DecodeState:
     """Append emitted[:count] (fixed-size [P]) to the output, honouring stop ids and max_new."""
     P = emitted.shape[0]
     idx = jnp.arange(P)
-    is_stop = jnp.zeros((P,), bool)
-    if state.stop_mask is not None:
-        is_stop = is_stop | jnp.take(state.stop_mask, emitted, mode="clip")
-    if plan.stop_ids:
-        is_stop = is_stop | (emitted[:, None] == jnp.asarray(plan.stop_ids, jnp.int32)[None, :]).any(-1)
-    is_stop = is_stop & (idx < count)
+    is_stop = jnp.take(state.stop_mask, emitted, mode="clip") & (idx < count)
     first = jnp.argmax(is_stop)
     hit = is_stop.any()
     count = jnp.where(hit, first + 1, count)
@@ -183,17 +176,6 @@ def run_to_end(leaves, dparams, state, oracle, *, graphdef, treedef, dcfg, plan)
     return jax.lax.while_loop(lambda s: ~s.done, lambda s: body(leaves, dparams, s, oracle), state)
 
 
-# ------------------------------------------------------------------------------------------ prefill
-@functools.partial(jax.jit, static_argnames=("graphdef", "treedef", "feature_layers", "kernels"),
-                   donate_argnames=("cache",))
-def _prefill_chunk(leaves, cache, tokens, num_valid, *, graphdef, treedef, feature_layers, kernels):
-    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-    lay = layout_lib.sequence(cache.length, tokens.shape[1], model.cfg.linear_conv_kernel_dim,
-                              num_valid=num_valid, kernels=kernels)
-    logits, cache, feats, _ = model(tokens, cache, lay, feature_layers=feature_layers, logits="last")
-    return logits[:, 0], cache, feats
-
-
 def _max_len(prompt_len: int, max_new: int, slack: int) -> int:
     """Static cache length: bucketed so that nearby prompt lengths share one compilation."""
     return _round_up(prompt_len + max_new + slack, 256)
@@ -255,18 +237,13 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     cache = target.init_cache(S)
     dparams = drafter.params if dcfg else None
     dcache = drafter.init_cache(1, S) if dcfg else None
-    size = min(PREFILL_CHUNK, _round_up(len(ids), 8))
     logits = None
-    for s in range(0, len(ids), size):
-        part = ids[s:s + size]
-        padded = np.zeros((1, size), np.int32)
-        padded[0, :len(part)] = part
-        logits, cache, feats = _prefill_chunk(target.leaves, cache, jnp.asarray(padded), jnp.int32(len(part)),
-                                              graphdef=target.graphdef, treedef=target.treedef,
-                                              feature_layers=feature_layers, kernels=target.kernels)
+    for padded, n in padded_chunks(ids):
+        logits, cache, feats, _ = target.prefill(cache, padded, n, feature_layers=feature_layers, logits="last")
         if dcfg:  # the drafter's context cache takes the prompt's features
             blank = jnp.zeros((1, dcfg.block_size, cfg.hidden_size), dparams.norm.dtype)
-            _, dcache = drafter.forward(dcache, feats, jnp.int32(len(part)), blank)
+            _, dcache = drafter.forward(dcache, feats, jnp.int32(n), blank)
+    logits = logits[:, 0]  # [1, V]: the last prompt position
     key = jax.random.key(seed)
     key, sub = jax.random.split(key)
     first = tree_lib.posterior_tokens(logits, float(temperature), sub)  # [1]

@@ -65,23 +65,21 @@ class Target:
     def init_cache(self, max_len: int, batch: int = 1) -> ModelCache:
         return init_cache(self.config, max_len, self.dtype, batch)
 
-    def forward(self, cache, tokens, layout, feature_layers=(), logits="all"):
-        return _forward(self.leaves, cache, tokens, layout, graphdef=self.graphdef, treedef=self.treedef,
-                        feature_layers=tuple(feature_layers), logits=logits)
-
     def prefill(self, cache, tokens, num_valid=None, feature_layers=(), logits="last"):
-        """tokens [B, T] continuing the cache; the first num_valid are real."""
-        T = tokens.shape[1]
-        lay = layout_lib.sequence(cache.length, T, self.config.linear_conv_kernel_dim,
-                                  num_valid=num_valid, batch=tokens.shape[0], kernels=self.kernels)
-        return self.forward(cache, tokens, lay, feature_layers, logits)
+        """tokens [B, T] continuing the cache (the first num_valid real, the rest padding) -> (logits,
+        cache, features, None); the cache is donated. One compilation per (T, feature_layers, logits)."""
+        nv = jnp.int32(tokens.shape[1] if num_valid is None else num_valid)
+        return _prefill(self.leaves, cache, tokens, nv, graphdef=self.graphdef, treedef=self.treedef,
+                        feature_layers=tuple(feature_layers), logits=logits, kernels=self.kernels)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "treedef", "feature_layers", "logits"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "treedef", "feature_layers", "logits", "kernels"),
                    donate_argnames=("cache",))
-def _forward(leaves, cache, tokens, layout, *, graphdef, treedef, feature_layers, logits):
+def _prefill(leaves, cache, tokens, num_valid, *, graphdef, treedef, feature_layers, logits, kernels):
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-    return model(tokens, cache, layout, feature_layers=feature_layers, logits=logits)
+    lay = layout_lib.sequence(cache.length, tokens.shape[1], model.cfg.linear_conv_kernel_dim,
+                              num_valid=num_valid, batch=tokens.shape[0], kernels=kernels)
+    return model(tokens, cache, lay, feature_layers=feature_layers, logits=logits)
 
 
 def random_target(cfg: TextConfig, dtype="float32", seed: int = 0) -> Target:

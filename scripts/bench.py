@@ -220,8 +220,7 @@ def main(argv=None):
         def prefill_all():
             c = target.init_cache(4 * chunk + chunk)
             for _ in range(4):
-                lg, c, _ = loop_lib._prefill_chunk(target.leaves, c, ids, jnp.int32(chunk), graphdef=gd, treedef=td,
-                                                   feature_layers=(), kernels=args.kernels)
+                lg, c, _, _ = target.prefill(c, ids, chunk)
             return lg
 
         t = time.time()
@@ -303,7 +302,7 @@ def main(argv=None):
         P = dcfg.block_size
         plans = [("ddtree", b) for b in [int(v) for v in args.budgets.split(",")]] + [("dflash", 15)]
         for method, budget in plans:
-            plan = loop_lib.Plan(method=method, budget=budget, max_new=100000, stop_ids=(), temperature=0.0,
+            plan = loop_lib.Plan(method=method, budget=budget, max_new=100000, temperature=0.0,
                                  kernels=args.kernels, conv_kernel=cfg.linear_conv_kernel_dim,
                                  feature_layers=dcfg.target_layer_ids)
             dcache = dataclasses_replace(fill_random(init_draft_cache(dcfg, 1, S, jnp.bfloat16), jax.random.key(4)),
@@ -312,7 +311,7 @@ def main(argv=None):
                 cache=fresh_cache(L), dcache=dcache, ctx=jnp.zeros((1, P, F), jnp.bfloat16), ctx_n=jnp.int32(1),
                 root=jnp.ones((1,), jnp.int32), out=jnp.zeros((1, 100000 + P), jnp.int32), n_out=jnp.int32(1),
                 done=jnp.asarray(False), key=jax.random.key(0), acc=jnp.zeros((100000,), jnp.int32),
-                n_rounds=jnp.int32(0))
+                n_rounds=jnp.int32(0), stop_mask=jnp.zeros((cfg.vocab_size,), bool))
             holder = [state]
             oracle = jnp.zeros((1,), jnp.int32)
 
