@@ -20,10 +20,7 @@ import numpy as np
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-for _p in (ROOT, HERE):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+ROOT = os.path.dirname(HERE)  # conftest.py puts ROOT and HERE on sys.path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jaxddtree  # noqa: E402
