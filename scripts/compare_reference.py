@@ -16,6 +16,12 @@ Examples:
   python scripts/compare_reference.py --target DIR --prompt-len 64 --max-new-tokens 32
   python scripts/compare_reference.py --tiny --json                 # self-contained, tiny random model
   python scripts/compare_reference.py --target T --drafter D --reference-repo ~/src/ddtree
+  python scripts/compare_reference.py --scale --device cuda --out benchmarks/results/h200.json
+
+--scale times the reference alone at the real Qwen3.6-27B shapes (or --config's) with random bf16 weights made
+on the device (no checkpoint): one AR decode step and one tree verify of N nodes at a --context-token prefix,
+transformers' model as the published DDTree code runs it (a [1, 1, N, start + N] additive tree mask), and
+merges them into --out under "reference" (our side of the comparison comes from scripts/bench.py).
 """
 
 from __future__ import annotations
@@ -85,6 +91,106 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
+def _random_tree_parents(n: int, seed: int) -> list[int]:
+    """Parents of a random tree of n nodes (node 0 the root, parents before children, depth <= 15)."""
+    rng = np.random.RandomState(seed)
+    parents, depth = [-1], [0]
+    for i in range(1, n):
+        p = int(rng.randint(0, i))
+        while depth[p] >= 15:
+            p = parents[p]
+        parents.append(p)
+        depth.append(depth[p] + 1)
+    return parents
+
+
+def reference_at_scale(raw_cfg: dict, device: str, context: int, nodes: list[int], runs: int, attn: str,
+                       seed: int = 0, log=print) -> dict:
+    """Time transformers' Qwen3_5ForCausalLM (bf16, random weights made on `device`): AR step and tree verify."""
+    import copy
+    import importlib.util
+
+    import torch
+    from transformers import DynamicCache, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    raw = dict(raw_cfg.get("text_config", raw_cfg))
+    raw.pop("model_type", None)
+    cfg = Qwen3_5TextConfig(**raw)
+    cfg._attn_implementation = attn
+    torch.manual_seed(seed)
+    t0 = time.perf_counter()
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = Qwen3_5ForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(prev)
+    with torch.no_grad():  # keep the GDN decay well-defined (A_log, dt_bias as a trained model's)
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.log(torch.empty_like(p, dtype=torch.float32).uniform_(1, 16)))
+            elif name.endswith("dt_bias"):
+                p.uniform_(-1.0, 1.0)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"reference model: {n_params / 1e9:.2f} B params, bf16, attn={attn}, built in {time.perf_counter() - t0:.1f} s")
+    V = cfg.vocab_size
+    rng = np.random.RandomState(seed)
+
+    def sync():
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    def timed(fn):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        return 1e3 * (time.perf_counter() - t)
+
+    out = {"attn_implementation": attn, "dtype": "bfloat16", "context": context, "params_b": round(n_params / 1e9, 3),
+           "fla": importlib.util.find_spec("fla") is not None,
+           "causal_conv1d": importlib.util.find_spec("causal_conv1d") is not None,
+           "torch": torch.__version__, "runs": runs}
+    with torch.inference_mode():
+        base = DynamicCache(config=cfg)
+        ids = torch.tensor(rng.randint(0, V, size=(1, context)), device=device)
+        out["prefill_ms"] = timed(lambda: model(ids, past_key_values=base, use_cache=True, logits_to_keep=1))
+        log(f"reference prefill of {context} tokens: {out['prefill_ms']:.0f} ms")
+
+        cache = copy.deepcopy(base)
+        tok = torch.tensor([[int(rng.randint(0, V))]], device=device)
+        times = [timed(lambda: model(tok, past_key_values=cache, use_cache=True)) for _ in range(runs + 2)][2:]
+        out["ar_step_ms"] = float(np.median(times))
+        log(f"reference AR step: {out['ar_step_ms']:.1f} ms (median of {runs})")
+
+        out["verify_ms"] = {}
+        neg = torch.finfo(torch.bfloat16).min
+        for n in nodes:
+            L = n + 1
+            parents = _random_tree_parents(L, seed + n)
+            vis = np.zeros((L, L), bool)
+            depth = np.zeros(L, np.int64)
+            for i in range(L):
+                if i:
+                    vis[i, :i] = vis[parents[i], :i]
+                    depth[i] = depth[parents[i]] + 1
+                vis[i, i] = True
+            mask = torch.zeros((1, 1, L, context + L), dtype=torch.bfloat16, device=device)
+            mask[0, 0, :, context:] = torch.where(torch.tensor(vis, device=device), 0.0, neg).to(torch.bfloat16)
+            vids = torch.tensor(rng.randint(0, V, size=(1, L)), device=device)
+            pos = torch.tensor((context + depth)[None], device=device)
+            times = []
+            for r in range(runs + 2):
+                c = copy.deepcopy(base)  # the committed 4K state; not timed
+                times.append(timed(lambda: model(vids, position_ids=pos, attention_mask=mask, past_key_values=c,
+                                                 use_cache=True, output_hidden_states=True)))
+            out["verify_ms"][str(L)] = float(np.median(times[2:]))
+            log(f"reference verify of {L} nodes: {out['verify_ms'][str(L)]:.1f} ms")
+    del model
+    return out
+
+
 def run_reference_repo(repo: str, drafter_dir: str, target, input_ids, args, ar_tokens):
     """Run the published ddtree/dflash generate functions from a checkout at `repo`."""
     import torch
@@ -151,7 +257,20 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", help="torch device for the reference (default cpu)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    scale = ap.add_argument_group("reference timings at scale (--scale)")
+    src.add_argument("--scale", action="store_true",
+                     help="time the reference alone at 27B shapes (or --config's) with random bf16 weights")
+    scale.add_argument("--config", help="HF config.json for --scale (default: the built-in Qwen3.6-27B shapes)")
+    scale.add_argument("--context", type=int, default=4096, help="committed prefix for --scale (default 4096)")
+    scale.add_argument("--verify-nodes", default="64", help="non-root tree nodes N for --scale (default 64 -> 65)")
+    scale.add_argument("--runs", type=int, default=5, help="timed runs per --scale measurement (median)")
+    scale.add_argument("--attn", default="eager", choices=["eager", "sdpa"],
+                       help="transformers attention for --scale (default eager)")
+    scale.add_argument("--out", help="JSON file to merge the --scale results into, under \"reference\"")
     args = ap.parse_args(argv)
+
+    if args.scale:
+        return _main_scale(args)
 
     import torch
     import jaxddtree
@@ -236,6 +355,41 @@ def main(argv=None) -> int:
                           f"{r['time_per_round_ms']:.2f} ms/round")
     else:
         print(json.dumps(report))
+    return 0
+
+
+def _main_scale(args) -> int:
+    import datetime
+
+    if args.config:
+        try:
+            raw = json.load(open(args.config))
+        except (OSError, ValueError) as e:
+            print(f"error: --config {args.config}: {e}", file=sys.stderr)
+            return 2
+    else:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from bench import QWEN36_27B
+        raw = dict(QWEN36_27B)
+    try:
+        nodes = [int(x) for x in args.verify_nodes.split(",") if x]
+    except ValueError:
+        print(f"error: --verify-nodes must be comma-separated integers, got {args.verify_nodes!r}", file=sys.stderr)
+        return 2
+    log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))
+    rep = reference_at_scale(raw, args.device, args.context, nodes, args.runs, args.attn, args.seed, log=log)
+    rep["date"] = datetime.date.today().isoformat()
+    if args.device.startswith("cuda"):
+        import torch
+        rep["device"] = torch.cuda.get_device_name()
+    if args.out:
+        data = json.load(open(args.out)) if os.path.exists(args.out) else {}
+        key = "reference" if args.attn == "eager" else f"reference_{args.attn}"
+        data[key] = rep
+        with open(args.out, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+    if args.json:
+        print(json.dumps(rep))
     return 0
 
 
