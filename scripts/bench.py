@@ -125,7 +125,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sections", default="bandwidth,ar,prefill,verify,parts,round",
                     help="comma list of: bandwidth, ar, prefill, verify, parts, round (default: all)")
-    ap.add_argument("--kernels", default="xla", choices=["xla", "pallas"], help="kernel path (default xla)")
+    ap.add_argument("--kernels", default=None, choices=["xla", "pallas"],
+                    help="kernel path (default: pallas on a GPU, else xla); keys of a non-default path get a suffix")
     ap.add_argument("--context", type=int, default=4096, help="committed context length for decode/verify")
     ap.add_argument("--verify-nodes", default="16,32,64,128,256", help="N (non-root) for the verify sweep")
     ap.add_argument("--budgets", default="16,64,256", help="DDTree budgets for the round timings")
@@ -151,7 +152,10 @@ def main(argv=None):
     res = {}
     if os.path.exists(args.out):
         res = json.load(open(args.out))
-    key = "" if args.kernels == "xla" else "_pallas"
+    default_kernels = "pallas" if dev.platform == "gpu" else "xla"
+    args.kernels = args.kernels or default_kernels
+    key = "" if args.kernels == default_kernels else f"_{args.kernels}"
+    res["kernels"] = f"{default_kernels} (default here); keys ending in _xla/_pallas: the other path"
     res.update({"device": dev.device_kind, "date": datetime.date.today().isoformat(), "jax": jax.__version__})
 
     def save():

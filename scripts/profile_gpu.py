@@ -26,6 +26,24 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench import QWEN36_27B, fill_random, make_decode, random_tree  # noqa: E402
 
 
+PALLAS_NAMES = ("gdn_tree", "tree_attention", "gdn_decode", "gdn_prefill", "decode_attention", "pallas")
+
+
+def category(name: str) -> str:
+    """Coarse kernel class: GEMMs, our Pallas kernels, XLA fusions (elementwise/reduction), copies, other."""
+    n = name.lower()
+    if any(p in n for p in PALLAS_NAMES):
+        return "pallas"
+    if any(p in n for p in ("gemm", "nvjet", "cutlass", "xmma", "gemv", "cublas", "matmul", "dot")):
+        return "gemm"
+    if any(p in n for p in ("memcpy", "memset", "copy")):
+        return "copy"
+    if any(p in n for p in ("fusion", "loop_", "input_", "reduce", "broadcast", "concatenate", "slice",
+                            "transpose", "convert")):
+        return "fusion"
+    return "other"
+
+
 def summarise(trace_dir, n_steps):
     from jax.profiler import ProfileData
     fn = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
@@ -46,7 +64,14 @@ def summarise(trace_dir, n_steps):
                 ends.append(ev.start_ns + ev.duration_ns)
     span = (max(ends) - min(starts)) / 1e3 if starts else 0.0
     top = sorted(per.items(), key=lambda kv: -kv[1][0])[:40]
+    cats = collections.defaultdict(lambda: [0.0, 0])
+    for k, v in per.items():
+        cats[category(k)][0] += v[0]
+        cats[category(k)][1] += v[1]
     return {"kernel_busy_us_per_step": busy / n_steps, "span_us_per_step": span / n_steps,
+            "gaps_us_per_step": (span - busy) / n_steps,
+            "by_category": {c: {"us_per_step": round(v[0] / n_steps, 1), "kernels_per_step": v[1] / n_steps}
+                            for c, v in sorted(cats.items(), key=lambda kv: -kv[1][0])},
             "kernels_per_step": sum(v[1] for v in per.values()) / n_steps,
             "top": [{"name": k[:120], "us_per_step": round(v[0] / n_steps, 1), "count_per_step": v[1] / n_steps}
                     for k, v in top]}
@@ -55,7 +80,7 @@ def summarise(trace_dir, n_steps):
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="prof.json")
-    ap.add_argument("--kernels", default="xla")
+    ap.add_argument("--kernels", default="pallas", choices=["xla", "pallas"])
     ap.add_argument("--nodes", type=int, default=65)
     args = ap.parse_args()
     cfg = text_config_from_dict(QWEN36_27B)
