@@ -29,42 +29,44 @@ import jax
 import jax.numpy as jnp
 
 from jaxddtree.gdn_math import gdn_masked_block as gdn_masked_block_reference
-from kernels_pallas._common import compiler_params, dot_fn, feature_pad, is_pow2, next_pow2, pad_axis, pl, pltr
+from kernels_pallas._common import compiler_params, feature_pad, is_pow2, matmul_fns, next_pow2, pad_axis, pl, pltr
 
 __all__ = ["gdn_masked_block", "gdn_masked_block_reference"]
 
 
 def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, m_ref, s_ref, o_ref, w_ref, G_ref, *,
-            n: int, bt: int, nb: int, npc: int, dot_w, dot_o, barrier):
-    """Loops over row blocks i (and earlier blocks j < i) in scf.for loops: the code stays small and
-    only O(block) tensors are live. W_j and G_j of finished blocks are read back from the outputs (this
-    program wrote them; a CTA barrier makes the global writes visible to all its threads)."""
+            n: int, bh: int, bt: int, ntail: int, npc: int, max_depth: int | None, mm_w, mm_o, same: bool, barrier):
+    """Row blocks: a head block of `bh` rows [0, bh), then `ntail` tail blocks of `bt` rows (scf.for
+    loops: the code stays small and only O(block) tensors are live). W_j and G_j of finished blocks are
+    read back from the outputs (this program wrote them; a CTA barrier makes the global writes visible to
+    all its threads). mm_w / mm_o = (split, dot, dot_nt): operands are split once (bf16 hi/lo for
+    "bf16x3m") and reused by every product they enter."""
     f32 = jnp.float32
-    ar = jnp.arange(bt)
-    eye = ar[:, None] == ar[None, :]
+    sw, dw, dtw = mm_w
+    so, do_, dto = mm_o
 
-    def blk(i):
-        r = i * bt + ar
-        return pl.ds(pl.multiple_of(i * bt, bt), bt), r < n
+    def rows(start, size):
+        ar = start + jnp.arange(size)
+        return pl.ds(start if isinstance(start, int) else pl.multiple_of(start, size), size), ar < n
 
-    def load_rows(ref, i):  # [bt, d], zeros past n
-        sl, ok = blk(i)
+    def load_rows(ref, start, size):  # [size, d], zeros past n
+        sl, ok = rows(start, size)
         return pltr.load(ref.at[sl, :], mask=ok[:, None], other=0.0).astype(f32)
 
-    def load_vec(ref, i):  # [bt], zeros past n
-        sl, ok = blk(i)
+    def load_vec(ref, start, size):  # [size], zeros past n
+        sl, ok = rows(start, size)
         return pltr.load(ref.at[sl], mask=ok, other=0.0).astype(f32)
 
-    def load_mask(i, j):  # [bt, bt] bool block (i, j) of the ancestor mask
-        si, oki = blk(i)
-        sj, okj = blk(j)
-        return pltr.load(m_ref.at[si, sj], mask=oki[:, None] & okj[None, :], other=0) != 0
+    def load_mask(si, ni, sj, nj):  # [ni, nj] bool block of the ancestor mask
+        sli, oki = rows(si, ni)
+        slj, okj = rows(sj, nj)
+        return pltr.load(m_ref.at[sli, slj], mask=oki[:, None] & okj[None, :], other=0) != 0
 
-    def row_block(i, carry):
-        sl, ok = blk(i)
-        Ki, Qi, Vi = load_rows(k_ref, i), load_rows(q_ref, i), load_rows(v_ref, i)
-        bi = load_vec(b_ref, i)
-        # G_i = Σ_j M_ij g_j (path cumsum) from the [bt, npc] mask row panel; written out, read back as G_j
+    def block(start, size, earlier):
+        sl, ok = rows(start, size)
+        Ki, Qi, Vi = load_rows(k_ref, start, size), load_rows(q_ref, start, size), load_rows(v_ref, start, size)
+        bi = load_vec(b_ref, start, size)
+        # G_i = Σ_j M_ij g_j (path cumsum) from the [size, npc] mask row panel; written out, read back as G_j
         cols = jnp.arange(npc)
         gall = pltr.load(g_ref.at[pl.ds(0, npc)], mask=cols < n, other=0.0).astype(f32)
         panel = pltr.load(m_ref.at[sl, pl.ds(0, npc)], mask=ok[:, None] & (cols < n)[None, :], other=0) != 0
@@ -72,49 +74,77 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, m_ref, s_ref, o_ref, w_ref, G_ref
         pltr.store(G_ref.at[sl], Gi.astype(G_ref.dtype), mask=ok)
         eG = jnp.exp(Gi)
         S0 = s_ref[...].astype(f32)  # [dk, BV], loaded where used (not kept live)
-        rhs = bi[:, None] * (Vi - eG[:, None] * dot_w(Ki, S0))  # [bt, BV]
-        o = eG[:, None] * dot_o(Qi, S0)
-
-        def earlier(j, c):  # block j < i: its W is final
-            rhs, o = c
-            Kj, Gj, Wj = load_rows(k_ref, j), load_vec(G_ref, j), load_rows(w_ref, j)
-            gam = jnp.exp(jnp.where(load_mask(i, j), Gi[:, None] - Gj[None, :], -jnp.inf))
-            rhs = rhs - dot_w(bi[:, None] * gam * dot_w(Ki, Kj.T), Wj)
-            o = o + dot_o(gam * dot_o(Qi, Kj.T), Wj)
-            return rhs, o
-
-        rhs, o = jax.lax.fori_loop(0, i, earlier, (rhs, o))
-        # diagonal block: (I + L) W = rhs with L strictly lower (nilpotent, L^bt = 0):
-        # (I + L)^-1 = (I - L)(I + L^2)(I + L^4)...(I + L^(bt/2))
-        gam = jnp.exp(jnp.where(load_mask(i, i), Gi[:, None] - Gi[None, :], -jnp.inf))
-        L = jnp.where(eye, 0.0, bi[:, None] * gam * dot_w(Ki, Ki.T))
-        X = rhs - dot_w(L, rhs)
-        P = L
-        for _ in range(int(math.log2(bt)) - 1):
-            P = dot_w(P, P)
-            X = X + dot_w(P, X)
-        o = o + dot_o(gam * dot_o(Qi, Ki.T), X)
+        Kw, Qo = sw(Ki), so(Qi)
+        rhs = bi[:, None] * (Vi - eG[:, None] * dw(Kw, sw(S0)))  # [size, BV]
+        o = eG[:, None] * do_(Qo, so(S0))
+        rhs, o = earlier(Kw, Qo, bi, Gi, rhs, o)
+        # diagonal block: (I + L) W = rhs with L strictly lower and nilpotent: L^d = 0 for d = the
+        # longest chain inside the block (≤ size, ≤ max_depth nodes on any root path), so
+        # (I + L)^-1 = (I - L)(I + L^2)(I + L^4)...(I + L^(2^(m-1))) exactly, 2^m ≥ d
+        gam = jnp.exp(jnp.where(load_mask(start, size, start, size), Gi[:, None] - Gi[None, :], -jnp.inf))
+        eye = jnp.arange(size)[:, None] == jnp.arange(size)[None, :]
+        L = jnp.where(eye, 0.0, bi[:, None] * gam * dtw(Kw, Kw))
+        d = min(size, max_depth) if max_depth else size
+        m = max(1, math.ceil(math.log2(d))) if d > 1 else 0
+        Ls = sw(L)
+        X = rhs - dw(Ls, sw(rhs)) if m else rhs
+        P = Ls
+        for _ in range(m - 1):
+            P = sw(dw(P, P))
+            X = X + dw(P, sw(X))
+        Xs = sw(X)
+        o = o + do_(so(gam * dto(Qo, Kw if same else so(Ki))), Xs if same else so(X))
         pltr.store(w_ref.at[sl, :], X.astype(w_ref.dtype), mask=ok[:, None])
         pltr.store(o_ref.at[sl, :], o.astype(o_ref.dtype), mask=ok[:, None])
-        barrier()  # W_i, G_i visible to every thread before block i + 1 reads them
+        barrier()  # W_i, G_i visible to every thread before the next block reads them
+
+    def contrib(si, ni, Kw, Qo, bi, Gi, sj, nj, rhs, o):  # finished block j (rows sj.., nj) into block i
+        Kj, Gj, Wj = load_rows(k_ref, sj, nj), load_vec(G_ref, sj, nj), load_rows(w_ref, sj, nj)
+        gam = jnp.exp(jnp.where(load_mask(si, ni, sj, nj), Gi[:, None] - Gj[None, :], -jnp.inf))
+        Kjw, Wjw = sw(Kj), sw(Wj)
+        rhs = rhs - dw(sw(bi[:, None] * gam * dtw(Kw, Kjw)), Wjw)
+        o = o + do_(so(gam * dto(Qo, Kjw if same else so(Kj))), Wjw if same else so(Wj))
+        return rhs, o
+
+    block(0, bh, lambda Kw, Qo, bi, Gi, rhs, o: (rhs, o))
+
+    def tail(t, carry):
+        si = bh + t * bt
+
+        def earlier(Kw, Qo, bi, Gi, rhs, o):
+            rhs, o = contrib(si, bt, Kw, Qo, bi, Gi, 0, bh, rhs, o)
+            return jax.lax.fori_loop(
+                0, t, lambda u, c: contrib(si, bt, Kw, Qo, bi, Gi, bh + u * bt, bt, *c), (rhs, o))
+
+        block(si, bt, earlier)
         return carry
 
-    jax.lax.fori_loop(0, nb, row_block, 0)
+    if ntail:
+        jax.lax.fori_loop(0, ntail, tail, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_v", "block_t", "num_warps", "num_stages",
-                                             "precision"))
+@functools.partial(jax.jit, static_argnames=("interpret", "block_v", "block_t", "head_block", "max_depth",
+                                             "num_warps", "num_stages", "precision"))
 def gdn_masked_block(q, k, v, g, beta, mask, state, *, interpret: bool = False, block_v: int | None = None,
-                     block_t: int = 16, num_warps: int = 4, num_stages: int = 1, precision: str = "bf16x3"):
+                     block_t: int = 16, head_block: int | None = None, max_depth: int | None = None,
+                     num_warps: int = 4, num_stages: int = 1, precision: str = "bf16x3m"):
     """The WY form over one block of N tokens related by `mask` (ancestor-or-self, [B,N,N] bool).
 
     q,k [B,N,Hk,dk]; v [B,N,Hv,dv]; g,beta [B,N,Hv]; state [B,Hv,dk,dv] (all fp32).
     Returns o [B,N,Hv,dv], W [B,N,Hv,dv], G [B,N,Hv] — as `gdn_masked_block_reference`.
+
+    head_block: rows of the first (head) block, solved in one piece (default: the largest power of two
+    ≤ N, at most 128, at least block_t); the rest in block_t-row blocks. max_depth (optional, static):
+    an upper bound on the number of nodes on any root path of the mask (DDTree: the drafter's block
+    size); it only shortens the nilpotent product of the diagonal solves. Without it the kernel is exact
+    for any ancestor mask; with it, for masks whose paths have ≤ max_depth nodes.
     """
     B, N, Hk, dk = k.shape
     Hv, dv = v.shape[2], v.shape[3]
     r = Hv // Hk
     assert is_pow2(block_t) and block_t >= 16, block_t
+    bh = head_block or max(block_t, min(128, next_pow2(N + 1) // 2))
+    assert is_pow2(bh) and bh >= block_t, bh
     dkp, dvp = feature_pad(dk), feature_pad(dv)
     f32 = jnp.float32
     q, k, v, g, beta, state = (x.astype(f32) for x in (q, k, v, g, beta, state))
@@ -122,18 +152,18 @@ def gdn_masked_block(q, k, v, g, beta, mask, state, *, interpret: bool = False, 
         q, k, state = pad_axis(q, 3, dkp), pad_axis(k, 3, dkp), pad_axis(state, 2, dkp)
     if dvp != dv:
         v, state = pad_axis(v, 3, dvp), pad_axis(state, 3, dvp)
-    bv = min(block_v or 64, dvp)  # H200, N=65: bv 64 ≈ bv 32 < bv 16 (w2); see benchmarks/results/kernels_h200.json
+    bv = min(block_v or 64, dvp)
     assert is_pow2(bv) and dvp % bv == 0
     nvt = dvp // bv
-    nb = -(-N // block_t)
+    ntail = -(-max(N - bh, 0) // block_t)
     mask_i8 = mask.astype(jnp.int8)
 
     barrier = (lambda: None) if interpret else pltr.debug_barrier
     # "mixed": the W path (K S0, k·k grams, the solve) in one TF32 product (W is dominated by β v, so
     # its error stays ~1e-5), the output path (Q S0, q·k, A W) in hand-made 3xTF32
     pw, po = ("tf32", "tf32x3m") if precision == "mixed" else (precision, precision)
-    kern = functools.partial(_kernel, n=N, bt=block_t, nb=nb, npc=next_pow2(N), dot_w=dot_fn(pw, interpret),
-                             dot_o=dot_fn(po, interpret), barrier=barrier)
+    kern = functools.partial(_kernel, n=N, bh=bh, bt=block_t, ntail=ntail, npc=next_pow2(N), max_depth=max_depth,
+                             mm_w=matmul_fns(pw, interpret), mm_o=matmul_fns(po, interpret), same=pw == po, barrier=barrier)
     o, W, G = pl.pallas_call(
         kern,
         grid=(B, Hv, nvt),

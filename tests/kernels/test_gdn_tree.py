@@ -38,6 +38,60 @@ def test_tree_matches_reference(B, N, Hk, Hv, dk, dv, n_pad, kw):
         assert rel_err(a, b) < TOL, (name, rel_err(a, b))
 
 
+def _shallow_tree(rng, N, max_depth, n_pad=0):
+    """Ancestor mask [1,N,N] of a random tree whose root paths have at most max_depth nodes."""
+    m, depth = np.zeros((N, N), bool), np.zeros(N, int)
+    for i in range(N):
+        m[i, i] = True
+        if 0 < i < N - n_pad:
+            p = int(rng.choice([j for j in range(i) if depth[j] < max_depth - 1 and j < N - n_pad]))
+            m[i] |= m[p]
+            depth[i] = depth[p] + 1
+    return jnp.asarray(m[None]), jnp.asarray((np.arange(N) < N - n_pad)[None])
+
+
+@pytest.mark.parametrize("N,max_depth,kw", [
+    (45, 4, dict(head_block=32)),  # head block + 1 tail block, 2 nilpotent factors
+    (40, 6, dict(head_block=64, block_v=16)),  # one head block past N
+    (70, 16, {}),  # default head block (64) + 1 tail block
+])
+def test_max_depth_matches_reference(N, max_depth, kw):
+    rng = np.random.default_rng(N)
+    mask, valid = _shallow_tree(rng, N, max_depth, n_pad=3)
+    assert int(np.asarray(mask).sum(-1).max()) <= max_depth
+    q, k, v, g, beta, state = gdn_inputs(jax.random.PRNGKey(N), 1, N, 1, 2, 16, 16, valid=valid)
+    out = gdn_tree.gdn_masked_block(q, k, v, g, beta, mask, state, interpret=True, max_depth=max_depth, **kw)
+    ref = gdn_tree.gdn_masked_block_reference(q, k, v, g, beta, mask, state)
+    for name, a, b in zip(("o", "W", "G"), out, ref):
+        assert rel_err(a, b) < TOL, (name, rel_err(a, b))
+
+
+@pytest.mark.parametrize("kw", [dict(head_block=16), dict(head_block=32, block_t=16), dict(head_block=64)])
+def test_head_block_sizes_match_reference(kw):
+    B, N = 1, 50
+    rng = np.random.default_rng(5)
+    mask, valid = random_tree_mask(rng, B, N, 2)
+    q, k, v, g, beta, state = gdn_inputs(jax.random.PRNGKey(5), B, N, 1, 2, 16, 16, valid=valid)
+    out = gdn_tree.gdn_masked_block(q, k, v, g, beta, mask, state, interpret=True, **kw)
+    ref = gdn_tree.gdn_masked_block_reference(q, k, v, g, beta, mask, state)
+    for name, a, b in zip(("o", "W", "G"), out, ref):
+        assert rel_err(a, b) < TOL, (name, rel_err(a, b))
+
+
+def test_bf16x3m_split_products(monkeypatch):
+    """The hand bf16x3 path (operands split once into bf16 hi/lo) run in interpret mode: ~1e-5."""
+    from kernels_pallas import _common
+    monkeypatch.setattr(gdn_tree, "matmul_fns", lambda p, interpret: _common.matmul_fns(p, False))
+    B, N = 1, 40
+    mask, valid = random_tree_mask(np.random.default_rng(3), B, N, 2)
+    q, k, v, g, beta, state = gdn_inputs(jax.random.PRNGKey(3), B, N, 1, 2, 32, 32, valid=valid)
+    out = gdn_tree.gdn_masked_block(q, k, v, g, beta, mask, state, interpret=True, precision="bf16x3m",
+                                    head_block=32)
+    ref = gdn_tree.gdn_masked_block_reference(q, k, v, g, beta, mask, state)
+    for name, a, b in zip(("o", "W", "G"), out, ref):
+        assert rel_err(a, b) < 5e-5, (name, rel_err(a, b))
+
+
 def test_chain_mask_matches_reference():
     """A chain (lower-triangular mask) is the chunked prefill block."""
     B, N, Hk, Hv, d = 1, 32, 1, 2, 16
@@ -55,8 +109,10 @@ def _structs(B=1, N=65, Hk=16, Hv=48, dk=128, dv=128):
             S((B, N, Hv), f), S((B, N, N), jnp.bool_), S((B, Hv, dk, dv), f)]
 
 
-@pytest.mark.parametrize("N,kw", [(65, {}), (128, {}), (65, dict(precision="tf32", block_v=32)),
-                                  (65, dict(precision="ieee")), (65, dict(precision="tf32x3m"))])
+@pytest.mark.parametrize("N,kw", [(65, {}), (128, {}), (65, dict(max_depth=16)),
+                                  (65, dict(head_block=128, max_depth=16, num_warps=8)),
+                                  (65, dict(precision="bf16x3", head_block=16)),
+                                  (65, dict(precision="tf32", block_v=32)), (65, dict(precision="tf32x3m"))])
 def test_lowers_for_h200_at_27b_shapes(N, kw):
     txt = lower_for_h200(functools.partial(gdn_tree.gdn_masked_block, **kw), *_structs(N=N))
     assert "__gpu$xla.gpu.triton" in txt
