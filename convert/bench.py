@@ -3,7 +3,8 @@
 `python -m convert.bench [--dir DIR] [--size small|medium] [--repeat N]` writes a synthetic text-only
 checkpoint (random weights with the real key names and shapes; fp32 and bf16 copies), converts it, and
 prints (a) peak RSS growth of the conversion against the largest tensor and (b) `load_target` times from
-the HF directory vs from the converted directory (plus raw read times: safetensors vs orbax).
+the HF directory vs from the converted directory (direct reader, and `ocp.load` via JAXDDTREE_RESTORE=orbax)
+plus raw read times into host numpy (safetensors vs ocp.load vs the direct reader); `--json` saves them.
 The figures in NOTES.md ("Converter") come from this script.
 """
 
@@ -208,32 +209,48 @@ def evict(path: str) -> None:
                 os.close(fd)
 
 
-def time_loads(hf: str, conv: str, dtype: str, repeat: int, cold: bool = False) -> dict:
+def time_loads(hf: str, conv: str, dtype: str, repeat: int, cold: bool = False, orbax: bool = True) -> dict:
     """load_target from the HF dir vs the converted dir (blocking until every leaf is ready), alternated;
-    `cold`: both directories are evicted from the page cache before every load."""
+    `cold`: both directories are evicted from the page cache before every load. `orbax`: also time the
+    converted dir through `ocp.load` (JAXDDTREE_RESTORE=orbax, the fallback reader) as "converted_orbax"."""
     import jax
     import jaxddtree
+    from jaxddtree import orbax_io
 
-    def load(p):
+    def load(p, env=None):
         if cold:
             evict(p)
-        t0 = time.perf_counter()
-        t = jaxddtree.load_target(p, dtype)
-        jax.block_until_ready(t.leaves)
+        old = os.environ.get(orbax_io.READER_ENV)
+        if env:
+            os.environ[orbax_io.READER_ENV] = env
+        try:
+            t0 = time.perf_counter()
+            t = jaxddtree.load_target(p, dtype)
+            jax.block_until_ready(t.leaves)
+            secs = time.perf_counter() - t0
+        finally:
+            if env:
+                os.environ.pop(orbax_io.READER_ENV) if old is None else os.environ.update({orbax_io.READER_ENV: old})
         del t
-        return time.perf_counter() - t0
+        return secs
 
-    load(hf), load(conv)  # warm: imports, jit of the casts/transposes, page cache
-    a, b = [], []
+    variants = {"hf": (hf, None), "converted": (conv, None)}
+    if orbax:
+        variants["converted_orbax"] = (conv, "orbax")
+    out = {k: [] for k in variants}
+    for k, (p, env) in variants.items():  # warm: imports, jit of the casts/transposes, page cache
+        load(p, env)
+        if k == "converted":
+            out["reader"] = dict(orbax_io.last_restore)
     for _ in range(repeat):
-        a.append(load(hf))
-        b.append(load(conv))
-    return {"hf": a, "converted": b}
+        for k, (p, env) in variants.items():
+            out[k].append(load(p, env))
+    return out
 
 
 def time_raw(hf: str, conv: str, repeat: int) -> dict:
     """Just reading the bytes into host numpy arrays: safetensors (copied out of its memory map) vs one
-    orbax load."""
+    orbax load vs the direct reader (orbax_io._read_direct)."""
     import orbax.checkpoint.experimental.v1 as ocp
     import safetensors
 
@@ -254,12 +271,17 @@ def time_raw(hf: str, conv: str, repeat: int) -> dict:
         with orbax_io._context():
             ocp.load(os.path.join(conv, orbax_io.PARAMS_DIR))
 
-    st(), ob()
-    a, b = [], []
+    def direct():
+        entries = list(orbax_io._layout(os.path.join(conv, orbax_io.PARAMS_DIR)).values())
+        orbax_io._read_direct(entries, lambda i, a: None, min(32, max(8, os.cpu_count() or 1)), 1 << 62)
+
+    st(), ob(), direct()
+    out = {"safetensors": [], "orbax": [], "direct": []}
     for _ in range(repeat):
-        a += _time(st, 1)
-        b += _time(ob, 1)
-    return {"safetensors": a, "orbax": b}
+        out["safetensors"] += _time(st, 1)
+        out["orbax"] += _time(ob, 1)
+        out["direct"] += _time(direct, 1)
+    return out
 
 
 def rss_report(d: str) -> None:
@@ -295,6 +317,10 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=5, help="timed repetitions per measurement")
     ap.add_argument("--skip-rss", action="store_true", help="only the load timings")
     ap.add_argument("--sources", default="float32,bfloat16", help="source checkpoint dtypes to time")
+    ap.add_argument("--skip-raw", action="store_true", help="skip the raw host-read timings")
+    ap.add_argument("--json", help="also write every timing (seconds) to this JSON file")
+    ap.add_argument("--no-orbax", action="store_true", help="skip timing the ocp.load fallback reader")
+    ap.add_argument("--cold", default="warm,cold", help="page-cache states to time (warm,cold)")
     args = ap.parse_args(argv)
     sys.path.insert(0, ROOT)
     from convert.core import convert
@@ -308,6 +334,15 @@ def main(argv=None) -> int:
     # (b) restore vs safetensors.
     import jax
     print(f"jax backend: {jax.default_backend()} ({jax.devices()[0].device_kind}), {os.cpu_count()} CPUs")
+    results: list = []
+
+    def save_json():  # after every cell, so that a run cut short still leaves its figures
+        if args.json:
+            import orbax.checkpoint as ocp0
+            info = dict(backend=jax.default_backend(), device=jax.devices()[0].device_kind, cpus=os.cpu_count(),
+                        jax=jax.__version__, orbax=getattr(ocp0, "__version__", "?"), loadavg=os.getloadavg())
+            with open(args.json, "w") as f:
+                json.dump(dict(info, results=results), f, indent=1)
     for sdt in args.sources.split(","):
         hf = os.path.join(d, f"{args.size}-{sdt}")
         if not os.path.exists(os.path.join(hf, "config.json")):
@@ -319,15 +354,23 @@ def main(argv=None) -> int:
                 t = time.perf_counter()
                 convert(hf, conv, dtype=ldt)
                 print(f"converted {sdt} {mib:.0f} MiB -> {ldt}: {time.perf_counter() - t:.1f} s")
-            for cold in (False, True):
-                r = time_loads(hf, conv, ldt, args.repeat, cold=cold)
-                print(f"load_target {args.size} source {sdt} ({mib:.0f} MiB) as {ldt}, "
-                      f"{'cold' if cold else 'warm'} page cache: HF {_fmt(r['hf'])} | converted "
-                      f"{_fmt(r['converted'])} | speed-up "
-                      f"{statistics.median(r['hf']) / statistics.median(r['converted']):.2f}x", flush=True)
-            if sdt == ldt:
+            for state in args.cold.split(","):
+                r = time_loads(hf, conv, ldt, args.repeat, cold=state == "cold", orbax=not args.no_orbax)
+                med = {k: statistics.median(v) for k, v in r.items() if k != "reader"}
+                extra = (f" | via ocp.load {_fmt(r['converted_orbax'])}" if "converted_orbax" in r else "")
+                print(f"load_target {args.size} source {sdt} ({mib:.0f} MiB) as {ldt}, {state} page cache: "
+                      f"HF {_fmt(r['hf'])} | converted {_fmt(r['converted'])} | speed-up "
+                      f"{med['hf'] / med['converted']:.2f}x{extra} [reader {r['reader'].get('reader')}]",
+                      flush=True)
+                results.append(dict(size=args.size, source=sdt, loaded_as=ldt, cache=state, mib=round(mib, 1),
+                                    median=med, speedup=med["hf"] / med["converted"], **r))
+                save_json()
+            if sdt == ldt and not args.skip_raw:
                 raw = time_raw(hf, conv, args.repeat)
-                print(f"  raw read to host: safetensors {_fmt(raw['safetensors'])} | orbax {_fmt(raw['orbax'])}")
+                print(f"  raw read to host: safetensors {_fmt(raw['safetensors'])} | ocp.load {_fmt(raw['orbax'])} | "
+                      f"direct {_fmt(raw['direct'])}")
+                results.append(dict(size=args.size, source=sdt, raw=raw))
+                save_json()
     return 0
 
 

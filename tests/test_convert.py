@@ -222,6 +222,61 @@ def test_drafter_round_trip(drafter_src, converted, dtype):
         assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
 
 
+def test_direct_reader_matches_ocp_load(converted, monkeypatch):
+    """Restore reads the orbax checkpoint's bytes directly (orbax_io's direct reader); what it returns is
+    bitwise what plain `ocp.load` returns (the directory stays an ordinary orbax checkpoint), and
+    JAXDDTREE_RESTORE=orbax (the fallback reader) restores the same leaves."""
+    import jax
+    import orbax.checkpoint.experimental.v1 as ocp
+
+    from jaxddtree import orbax_io
+    for key in (("wrapper", "float32"), ("text", "bfloat16")):
+        path = converted["paths"][key]
+        got = jaxddtree.load_target(path, key[1])
+        assert orbax_io.last_restore["reader"] == "direct", orbax_io.last_restore
+        plain = orbax_io.from_tree(ocp.load(os.path.join(path, "params")))  # no jaxddtree code involved
+        direct = orbax_io.restore_flat(path, orbax_io.stored_abstract(path, orbax_io.read_marker(path)),
+                                       orbax_io.read_marker(path))
+        assert set(plain) == set(direct)
+        for p, x in plain.items():
+            y = np.asarray(direct[p])
+            assert x.dtype == y.dtype and x.shape == y.shape
+            assert np.array_equal(np.asarray(x).view(np.uint8), y.view(np.uint8)), p
+        monkeypatch.setenv("JAXDDTREE_RESTORE", "orbax")
+        ref = jaxddtree.load_target(path, key[1])
+        monkeypatch.delenv("JAXDDTREE_RESTORE")
+        assert orbax_io.last_restore["reader"] == "orbax"
+        for a, b in zip(jax.tree.leaves(ref.leaves), jax.tree.leaves(got.leaves)):
+            assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+def test_direct_reader_damage(converted, tmp_path):
+    """A truncated data file is a CheckpointError naming it; a damaged shard index is left to orbax."""
+    from jaxddtree import orbax_io
+    src = converted["paths"][("text", "float32")]
+    cut = tmp_path / "cut"
+    shutil.copytree(src, cut)
+    layout = orbax_io._layout(str(cut / "params"))
+    e = max(layout.values(), key=lambda e: e.nbytes)
+    file, off, length = e.src
+    with open(file, "r+b") as fh:
+        fh.truncate(off + length // 2)
+    with pytest.raises(jaxddtree.CheckpointError, match="truncated checkpoint data file"):
+        jaxddtree.load_target(str(cut), "float32")
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    big = max(layout, key=lambda p: layout[p].nbytes)
+    file, off, length = orbax_io._layout(str(bad / "params"))[big].src
+    with open(file, "r+b") as fh:  # flip a bit of the index's crc32c: the direct reader declines
+        fh.seek(off + length - 1)
+        b = fh.read(1)
+        fh.seek(off + length - 1)
+        fh.write(bytes([b[0] ^ 1]))
+    with pytest.raises(jaxddtree.CheckpointError):
+        jaxddtree.load_target(str(bad), "float32")
+    assert orbax_io.last_restore["reader"] == "orbax" and "checksum" in orbax_io.last_restore["reason"]
+
+
 def test_kind_mismatch_is_reported(converted):
     with pytest.raises(jaxddtree.CheckpointError, match="drafter"):
         jaxddtree.load_target(converted["paths"][("drafter", "float32")], "float32")
