@@ -39,9 +39,11 @@ def gdn_chunked(q, k, v, g, beta, state, kernels="xla"):
     return gdn_math.gdn_chunked(q, k, v, g, beta, state)
 
 
-def gdn_masked_block(q, k, v, g, beta, mask, state, kernels="xla"):
+def gdn_masked_block(q, k, v, g, beta, mask, state, kernels="xla", max_depth: int | None = None):
+    """max_depth (optional, static): no root path of `mask` has more nodes (DDTree: the drafter's block
+    size); the Pallas kernel uses it only to bound its solve loop. The result does not depend on it."""
     _check(kernels)
     if kernels == "pallas":
         from kernels_pallas import gdn_tree
-        return gdn_tree.gdn_masked_block(q, k, v, g, beta, mask, state)
+        return gdn_tree.gdn_masked_block(q, k, v, g, beta, mask, state, max_depth=max_depth)
     return gdn_math.gdn_masked_block(q, k, v, g, beta, mask, state)

@@ -1,23 +1,27 @@
 """Tree (ancestor-masked) gated delta rule, one WY block, as one Pallas-Triton kernel.
 
 Same function as `jaxddtree.gdn_math.gdn_masked_block` (the reference, re-exported here as
-`gdn_masked_block_reference`): for every (batch, value head, dv tile) program, over row blocks of
-`block_t` nodes (static loop; the tree is in topological order so the mask is lower triangular):
+`gdn_masked_block_reference`): for every (batch, value head, dv tile) program, over row blocks (a head
+block of up to 128 rows solved in one piece, then 16-row blocks; the tree is in topological order so the
+mask is lower triangular):
 
     G_i   = Σ_j M_ij g_j                                   (path cumsum)
     Γ_ij  = exp(G_i − G_j) on the ancestor-or-self relation, 0 elsewhere
     rhs_i = β_i (v_i − e^{G_i} k_iᵀ S0) − Σ_{j in earlier blocks} L_ij W_j,  L_ij = β_i Γ_ij k_i·k_j
-    W_i   = (I + L_ii)⁻¹ rhs_i        (diagonal block: L_ii is nilpotent, so the inverse is the
-                                       exact product (I − L)(I + L²)(I + L⁴)…: log2(block_t) steps)
+    W_i   = (I + L_ii)⁻¹ rhs_i        (diagonal block: L_ii is nilpotent, L^d = 0 with d the most nodes
+                                       on a root path (mask row sums, read at run time), so the inverse
+                                       is the exact product (I − L)(I + L²)(I + L⁴)…: ceil(log2 d) factors;
+                                       DDTree trees (≤ 16 nodes per path): 4 factors for any N)
     o_i   = e^{G_i} q_iᵀ S0 + Σ_{j ≤ i} (Γ ⊙ Q Kᵀ)_ij W_j
 
 N need not be a multiple of the block: rows ≥ N are loaded as zeros (β = 0, mask 0), so their W is 0,
 and they are never stored. Every program writes G (all dv tiles write the same values) and reads back
-its own G_j / W_j of finished blocks. Everything is fp32. The dots default to "bf16x3" (each fp32
-operand split into bf16 hi + lo, three bf16 tensor-core products summed in fp32: rel. err ~6e-6 on o,
-~2e-7 on W at 27B shapes). Measured on the H200 (N=65, Hv=48, GPU µs per layer): bf16x3 67, tf32 42
-(but o err 4e-4), plain fp32 FMA ("ieee") 194, Triton's TF32x3 1131, hand 3xTF32 1039, bf16x6 249;
-the XLA reference 85.
+its own G_j / W_j of finished blocks. Everything is fp32. The dots default to "bf16x3m": each fp32
+operand split once into bf16 hi + lo, three bf16 tensor-core products summed in fp32 (rel. err 6e-6 on
+o, 2e-7 on W at 27B shapes). Measured on the H200 (N=65, Hv=48, GPU µs per layer, 2026-11-29 round 4):
+default (head block 128, bv 64, 8 warps) 44; the same with the bf16x3 preset (re-splits operands in every
+product) ~+35%; head block 64 + a 16-row block 56; 16-row blocks only (round-3 design) 67-88; bv 128 64,
+bv 32 94, 16 warps 153; tf32 37 (o err 4e-4); the XLA reference 85.
 """
 
 from __future__ import annotations
@@ -78,20 +82,27 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, m_ref, s_ref, o_ref, w_ref, G_ref
         rhs = bi[:, None] * (Vi - eG[:, None] * dw(Kw, sw(S0)))  # [size, BV]
         o = eG[:, None] * do_(Qo, so(S0))
         rhs, o = earlier(Kw, Qo, bi, Gi, rhs, o)
-        # diagonal block: (I + L) W = rhs with L strictly lower and nilpotent: L^d = 0 for d = the
-        # longest chain inside the block (≤ size, ≤ max_depth nodes on any root path), so
-        # (I + L)^-1 = (I - L)(I + L^2)(I + L^4)...(I + L^(2^(m-1))) exactly, 2^m ≥ d
+        # diagonal block: (I + L) W = rhs with L strictly lower and nilpotent: L^d = 0 for d ≥ the
+        # number of nodes on any root path of the block's rows (their mask row sums), so
+        # (I + L)^-1 = (I - L)(I + L^2)(I + L^4)...(I + L^(2^(m-1))) exactly, 2^m ≥ d. m is read from
+        # the mask at run time (DDTree: paths of ≤ 16 nodes, 4 factors); max_depth only caps the loop.
         gam = jnp.exp(jnp.where(load_mask(start, size, start, size), Gi[:, None] - Gi[None, :], -jnp.inf))
         eye = jnp.arange(size)[:, None] == jnp.arange(size)[None, :]
         L = jnp.where(eye, 0.0, bi[:, None] * gam * dtw(Kw, Kw))
-        d = min(size, max_depth) if max_depth else size
-        m = max(1, math.ceil(math.log2(d))) if d > 1 else 0
+        dcap = min(size, max_depth) if max_depth else size
+        mcap = math.ceil(math.log2(dcap)) if dcap > 1 else 0
+        dmax = jnp.max(jnp.sum(panel.astype(jnp.int32), axis=1))
+        m = sum((dmax > (1 << e)).astype(jnp.int32) for e in range(mcap))  # ceil(log2 dmax), ≤ mcap
         Ls = sw(L)
-        X = rhs - dw(Ls, sw(rhs)) if m else rhs
-        P = Ls
-        for _ in range(m - 1):
+        X = rhs - dw(Ls, sw(rhs))
+
+        def factor(_, c):
+            P, X = c
             P = sw(dw(P, P))
-            X = X + dw(P, sw(X))
+            return P, X + dw(P, sw(X))
+
+        if mcap > 1:
+            _, X = jax.lax.fori_loop(0, m - 1, factor, (Ls, X))
         Xs = sw(X)
         o = o + do_(so(gam * dto(Qo, Kw if same else so(Ki))), Xs if same else so(X))
         pltr.store(w_ref.at[sl, :], X.astype(w_ref.dtype), mask=ok[:, None])
@@ -127,23 +138,23 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, m_ref, s_ref, o_ref, w_ref, G_ref
                                              "num_warps", "num_stages", "precision"))
 def gdn_masked_block(q, k, v, g, beta, mask, state, *, interpret: bool = False, block_v: int | None = None,
                      block_t: int = 16, head_block: int | None = None, max_depth: int | None = None,
-                     num_warps: int = 4, num_stages: int = 1, precision: str = "bf16x3m"):
+                     num_warps: int | None = None, num_stages: int = 1, precision: str = "bf16x3m"):
     """The WY form over one block of N tokens related by `mask` (ancestor-or-self, [B,N,N] bool).
 
     q,k [B,N,Hk,dk]; v [B,N,Hv,dv]; g,beta [B,N,Hv]; state [B,Hv,dk,dv] (all fp32).
     Returns o [B,N,Hv,dv], W [B,N,Hv,dv], G [B,N,Hv] — as `gdn_masked_block_reference`.
 
-    head_block: rows of the first (head) block, solved in one piece (default: the largest power of two
-    ≤ N, at most 128, at least block_t); the rest in block_t-row blocks. max_depth (optional, static):
-    an upper bound on the number of nodes on any root path of the mask (DDTree: the drafter's block
-    size); it only shortens the nilpotent product of the diagonal solves. Without it the kernel is exact
-    for any ancestor mask; with it, for masks whose paths have ≤ max_depth nodes.
+    head_block: rows of the first (head) block, solved in one piece (default: N rounded up to a power of
+    two, at most 128, at least block_t); the rest in block_t-row blocks. The length of the nilpotent
+    product of each diagonal solve follows the deepest root path in the mask at run time (exact for any
+    ancestor mask). max_depth (optional, static): a promise that no root path has more nodes; it only
+    caps that loop (unrolled bound).
     """
     B, N, Hk, dk = k.shape
     Hv, dv = v.shape[2], v.shape[3]
     r = Hv // Hk
     assert is_pow2(block_t) and block_t >= 16, block_t
-    bh = head_block or max(block_t, min(128, next_pow2(N + 1) // 2))
+    bh = head_block or max(block_t, min(128, next_pow2(N)))
     assert is_pow2(bh) and bh >= block_t, bh
     dkp, dvp = feature_pad(dk), feature_pad(dv)
     f32 = jnp.float32
@@ -153,6 +164,7 @@ def gdn_masked_block(q, k, v, g, beta, mask, state, *, interpret: bool = False, 
     if dvp != dv:
         v, state = pad_axis(v, 3, dvp), pad_axis(state, 3, dvp)
     bv = min(block_v or 64, dvp)
+    num_warps = num_warps or (8 if bh >= 64 else 4)
     assert is_pow2(bv) and dvp % bv == 0
     nvt = dvp // bv
     ntail = -(-max(N - bh, 0) // block_t)

@@ -6,10 +6,13 @@ new rows j with mask[b, t, j].
 
 GQA is folded into the rows of a block: for kv head h_kv the R = T·G query rows (t, head h_kv·G + i)
 are gathered straight from q [B, T·H, hd] (no transpose), so K/V of a kv head are read once per row
-block for all its G query heads. The grid is (B·Hkv, row blocks, n_split + 1):
-  * programs with split s < n_split do flash-decoding over their slice of the prefix [0, start)
-    (slices are sized from `start` at run time, so the work follows the prefix, not the cache capacity);
-  * the last split handles the N new rows with the dense mask [T, N].
+block for all its G query heads. The grid is (B·Hkv, row blocks, n_split) (default fold=True): the
+prefix blocks [0, start) followed by the N new rows' blocks (dense mask [T, N]) form one sequence of
+key blocks, and split s runs flash-decoding over an equal share of it (sized from `start` at run time,
+so the work follows the prefix, not the cache capacity). fold=False is the round-3 layout (n_split
+prefix splits + one split for the tree rows). H200, T=65, 4K prefix, GPU µs per layer (kernel + merge):
+fold, 128x64 tiles, 8 warps, 2 stages, 8 splits 35; 1 stage 39; 6 / 10 / 16 splits 40 / 50 / 50;
+64-row tiles 38-46; round-3 default 40.
 Each program writes its partial output (normalised) and its log-sum-exp; a jnp merge combines them.
 bf16 (or fp32) in, fp32 accumulation, fp32 softmax.
 """
@@ -31,8 +34,8 @@ _NEG = -1e30  # running-max init: finite, so fully masked blocks give exp(-inf -
 
 
 def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, m_ref, o_ref, lse_ref, *,
-            T: int, H: int, G: int, N: int, bm: int, bk: int, bn: int, n_split: int, scale: float,
-            exact: bool):
+            T: int, H: int, G: int, N: int, bm: int, bk: int, n_split: int, scale: float,
+            exact: bool, fold: bool):
     f32 = jnp.float32
     i_bh, rb, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     hkv_idx = i_bh % (H // G)
@@ -69,25 +72,23 @@ def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, m_ref, o_ref, lse_
 
     init = (jnp.zeros((bm, hd), f32), jnp.full((bm,), _NEG, f32), jnp.zeros((bm,), f32))
 
-    def prefix():
-        start = start_ref[0]
-        chunk = pl.cdiv(pl.cdiv(start, n_split), bk) * bk
-        lo = s * chunk
-        hi = jnp.minimum(lo + chunk, start)
-        nblk = pl.cdiv(jnp.maximum(hi - lo, 0), bk)
+    start = start_ref[0]
+    nbp = pl.cdiv(start, bk)  # prefix blocks
+    nbt = pl.cdiv(N, bk)  # tree blocks
 
+    def prefix_loop(jlo, jhi, carry):  # prefix blocks [jlo, jhi): keys < start
         def body(j, carry):
-            k0 = pl.multiple_of(lo + j * bk, bk)
+            k0 = pl.multiple_of(j * bk, bk)
             kb = kc_ref[pl.ds(k0, bk), :]
             vb = vc_ref[pl.ds(k0, bk), :]
-            valid = (k0 + jnp.arange(bk) < hi)[None, :]
+            valid = (k0 + jnp.arange(bk) < start)[None, :]
             return step(kb, vb, valid, carry)
 
-        return jax.lax.fori_loop(0, nblk, body, init)
+        return jax.lax.fori_loop(jlo, jnp.maximum(jhi, jlo), body, carry)
 
-    def tree():
+    def tree_loop(tlo, thi, carry):  # tree blocks [tlo, thi) of bk new rows, dense mask
         def body(j, carry):
-            c = j * bn + jnp.arange(bn)
+            c = j * bk + jnp.arange(bk)
             c_ok = c < N
             cc = jnp.minimum(c, N - 1)
             kb = pltr.load(kn_ref.at[cc[:, None], cols[None, :]], mask=c_ok[:, None], other=0)
@@ -95,12 +96,23 @@ def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, m_ref, o_ref, lse_
             mk = pltr.load(m_ref.at[t_of_r[:, None], cc[None, :]], mask=row_ok[:, None] & c_ok[None, :], other=0)
             return step(kb, vb, mk != 0, carry)
 
-        return jax.lax.fori_loop(0, pl.cdiv(N, bn), body, init)
+        return jax.lax.fori_loop(tlo, jnp.maximum(thi, tlo), body, carry)
 
-    if n_split > 0:
-        acc, m, l = jax.lax.cond(s == n_split, tree, prefix)
+    if fold:
+        # split s takes units [lo, hi) of the nbp prefix blocks followed by the nbt tree blocks: every
+        # split has the same number of blocks (the tree part rides on the last splits)
+        per = pl.cdiv(nbp + nbt, n_split)
+        lo = s * per
+        hi = jnp.minimum(lo + per, nbp + nbt)
+        carry = prefix_loop(lo, jnp.minimum(hi, nbp), init)
+        acc, m, l = tree_loop(jnp.maximum(lo - nbp, 0), hi - nbp, carry)
+    elif n_split > 0:
+        # splits s < n_split: a prefix slice each; split n_split: the tree rows
+        cb = pl.cdiv(pl.cdiv(start, n_split), bk)
+        acc, m, l = jax.lax.cond(s == n_split, lambda: tree_loop(0, nbt, init),
+                                 lambda: prefix_loop(s * cb, jnp.minimum((s + 1) * cb, nbp), init))
     else:
-        acc, m, l = tree()
+        acc, m, l = tree_loop(0, nbt, init)
     safe_l = jnp.where(l > 0, l, 1.0)
     o = acc / safe_l[:, None]
     lse = jnp.where(l > 0, m + jnp.log(safe_l), -jnp.inf)
@@ -110,19 +122,22 @@ def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, m_ref, o_ref, lse_
 
 def default_split(B: int, hkv: int, n_rb: int, S: int, bk: int, target_programs: int) -> int:
     """Prefix splits so that the grid holds about `target_programs` programs. More splits mean more
-    partial outputs to write and merge (n_split · T·H · hd each). Measured on the H200 (T=65, 4K prefix,
-    block 64x64): 3 splits 53 µs, 5: 47 µs, 8: 34 µs per layer (kernel)."""
-    return int(max(1, min(-(-target_programs // (B * hkv * n_rb)), max(1, S // bk))))
+    partial outputs to write and merge (n_split · T·H · hd each)."""
+    return int(max(1, min(round(target_programs / (B * hkv * n_rb)), max(1, S // bk))))
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_m", "block_k", "block_n", "n_split",
-                                             "num_warps", "num_stages", "partial_dtype"))
+@functools.partial(jax.jit, static_argnames=("interpret", "block_m", "block_k", "n_split", "num_warps",
+                                             "num_stages", "partial_dtype", "fold", "target_programs"))
 def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret: bool = False,
-                   block_m: int | None = None, block_k: int = 64, block_n: int | None = None,
-                   n_split: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-                   partial_dtype=None):
+                   block_m: int | None = None, block_k: int = 64, n_split: int | None = None,
+                   num_warps: int | None = None, num_stages: int | None = None, partial_dtype=None,
+                   fold: bool = True, target_programs: int | None = None):
     """q [B,T,H,hd]; k/v_cache [B,Hkv,S,hd]; start int32 scalar; k/v_new [B,N,Hkv,hd]; mask [B,T,N] bool
-    -> [B,T,H,hd] (q.dtype). Same as `tree_attention_reference`."""
+    -> [B,T,H,hd] (q.dtype). Same as `tree_attention_reference`.
+
+    fold=True: the grid is (B·Hkv, row blocks, n_split) and split s takes an equal share of the
+    (prefix blocks + tree blocks) sequence; fold=False: the older layout (n_split prefix splits sized
+    from the prefix, plus one split for the tree rows)."""
     B, T, H, hd = q.shape
     hkv, S = k_cache.shape[1], k_cache.shape[2]
     N = k_new.shape[1]
@@ -132,31 +147,42 @@ def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret:
     hdp = feature_pad(hd)
     if hdp != hd:  # tiny test shapes only: zero features change no logit
         q, k_cache, v_cache, k_new, v_new = (pad_axis(x, 3, hdp) for x in (q, k_cache, v_cache, k_new, v_new))
-    # defaults measured on the H200 at 27B shapes (hd 256): verify (R = 65·6 rows) 64x64 tiles, 4 warps,
-    # no pipelining (2 stages of 64x256 K/V tiles overflow shared memory or cost occupancy), 8 splits;
-    # decode (R = 6 rows) 16-row tiles, 2 stages, ~33 splits
     decode_like = R <= 16
-    if num_stages is None:
-        num_stages = 2 if decode_like else 1
-    bm = block_m or max(16, min(64, next_pow2(R)))
+    if fold:
+        # defaults measured on the H200 at 27B shapes (hd 256, see benchmarks/results/kernels_h200.json)
+        bm = block_m or (16 if decode_like else 128)
+        nw = num_warps or (4 if bm <= 64 else 8)
+        nst = num_stages or 2
+        target = target_programs or 132
+    else:  # the earlier defaults: 64x64 tiles, 4 warps, 1 stage, ~224 programs (verify)
+        bm = block_m or max(16, min(64, next_pow2(R)))
+        nw = num_warps or 4
+        nst = num_stages or (2 if decode_like else 1)
+        target = target_programs or (132 if decode_like else 224)
     bk = min(block_k, max(16, next_pow2(S)))
     if S % bk:  # tiny test shapes only
         k_cache, v_cache = pad_axis(k_cache, 2, S + (-S) % bk), pad_axis(v_cache, 2, S + (-S) % bk)
     Sp = k_cache.shape[2]
-    bn = block_n or max(16, min(64, next_pow2(N)))
     n_rb = -(-R // bm)
-    ns = (default_split(B, hkv, n_rb, Sp, bk, 132 if decode_like else 224) if n_split is None else n_split)
+    if fold:
+        ns = n_split or default_split(B, hkv, n_rb, Sp + N, bk, target)
+        n_prog = ns
+    else:
+        ns = default_split(B, hkv, n_rb, Sp, bk, target) if n_split is None else n_split
+        if n_split is None:  # the earlier rounding (up)
+            ns = int(max(1, min(-(-target // (B * hkv * n_rb)), max(1, Sp // bk))))
+        n_prog = ns + 1
     exact = q.dtype == jnp.float32
     pdt = jnp.float32 if exact else (partial_dtype or q.dtype)  # bf16 partials halve the merge traffic
 
     q2 = q.reshape(B, T * H, hdp)  # free
     start_arr = jnp.asarray(start, jnp.int32).reshape(1)
     mask_i8 = mask.astype(jnp.int8)
-    kern = functools.partial(_kernel, T=T, H=H, G=G, N=N, bm=bm, bk=bk, bn=bn, n_split=ns, scale=scale,
-                             exact=exact)
+    kern = functools.partial(_kernel, T=T, H=H, G=G, N=N, bm=bm, bk=bk, n_split=ns, scale=scale,
+                             exact=exact, fold=fold)
     o_p, lse_p = pl.pallas_call(
         kern,
-        grid=(B * hkv, n_rb, ns + 1),
+        grid=(B * hkv, n_rb, n_prog),
         in_specs=[
             pl.BlockSpec((1,), lambda i, rb, s: (0,)),  # start
             pl.BlockSpec((None, T * H, hdp), lambda i, rb, s: (i // hkv, 0, 0)),  # q rows
@@ -171,19 +197,18 @@ def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret:
             pl.BlockSpec((None, None, T * H + bm), lambda i, rb, s: (s, i // hkv, 0)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((ns + 1, B, T * H + bm, hdp), pdt),
-            jax.ShapeDtypeStruct((ns + 1, B, T * H + bm), jnp.float32),
+            jax.ShapeDtypeStruct((n_prog, B, T * H + bm, hdp), pdt),
+            jax.ShapeDtypeStruct((n_prog, B, T * H + bm), jnp.float32),
         ],
-        compiler_params=compiler_params(num_warps, num_stages),
+        compiler_params=compiler_params(nw, nst),
         interpret=interpret,
         name="tree_attention",
     )(start_arr, q2, k_cache, v_cache, k_new, v_new, mask_i8)
-    # merge the split partials by log-sum-exp
+    # merge the split partials by log-sum-exp: o = Σ_p w_p o_p with w_p = exp(lse_p − lse)
     o_p, lse_p = o_p[:, :, :T * H], lse_p[:, :, :T * H]
     mx = jnp.max(lse_p, axis=0)
     mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
     w = jnp.exp(lse_p - mx)  # [P, B, TH]
-    den = jnp.sum(w, axis=0)
-    o = jnp.einsum("pbr,pbrd->brd", w, o_p.astype(jnp.float32), precision=HIGHEST)
-    o = o / jnp.where(den > 0, den, 1.0)[..., None]
+    w = w / jnp.maximum(jnp.sum(w, axis=0), 1e-30)
+    o = jnp.sum(w[..., None] * o_p.astype(jnp.float32), axis=0)
     return o.reshape(B, T, H, hdp)[..., :hd].astype(q.dtype)

@@ -192,21 +192,18 @@ def section_tree(deadline):
     layers = jax.device_put(layers)
     ref0 = [np.asarray(x) for x in jax.jit(gdn_tree.gdn_masked_block_reference)(*layers[0])]
     P = lambda prec, **kw: dict(kw, precision=prec)
+    # round 4 (2026-11-29): head block solved in one piece (bh rows; the rest in 16-row blocks),
+    # hand bf16x3 with operands split once ("bf16x3m"), optional static max_depth (md)
     variants = {
         "xla_reference": None,
-        "bv32_bt16_w4_bf16x3": P("bf16x3", block_v=32),
-        "bv32_bt16_w4_s2_bf16x3": P("bf16x3", block_v=32, num_stages=2),
-        "bv32_bt16_w4_tf32x3m": P("tf32x3m", block_v=32),
-        "bv32_bt16_w4_mixed": P("mixed", block_v=32),
-        "bv64_bt16_w4_bf16x3": P("bf16x3", block_v=64),
-        "bv16_bt16_w2_bf16x3": P("bf16x3", block_v=16, num_warps=2),
-        "bv32_bt16_w4_s2_tf32": P("tf32", block_v=32, num_stages=2),
-        "bv32_bt16_w4_bf16x6": P("bf16x6", block_v=32),
-        # round 2 (2026-11-29, GPU us/layer): ieee 194 (bv32), 773 (bv64), 1165 (bv32 w2), 1147 (bv128),
-        # 497 (bv16 w1), 1936 (bt32); Triton TF32x3 1131; tf32 42 (o err 4e-4)
-        "bv32_bt16_w4_ieee": P("ieee", block_v=32),
-        "bv32_bt16_w4_tf32": P("tf32", block_v=32),
-        "bv32_bt16_w4_tf32x3": P("tf32x3", block_v=32),
+        "old_default_bh16_bv64_bf16x3": P("bf16x3", head_block=16, block_v=64, num_warps=4),
+        "default": {},
+        "bh128_md16_w8": dict(head_block=128, max_depth=16, num_warps=8),
+        "bh128_bv128_w8": dict(block_v=128),
+        "bh128_w16": dict(num_warps=16),
+        "bh64_w8": dict(head_block=64),
+        "bh128_bv32_w8": dict(block_v=32),
+        "bh128_tf32": P("tf32"),
     }
     make = lambda kw: (gdn_tree.gdn_masked_block_reference if kw is None
                        else functools.partial(gdn_tree.gdn_masked_block, **kw, **IKW()))
@@ -348,19 +345,15 @@ def main():
             elif sec == "attn":
                 recs, best = section_attn(TREE_N, {
                     "xla_reference": None,
-                    "bm32_bk64_w4_s2": dict(block_m=32, block_k=64, num_warps=4, num_stages=2),
-                    "bm64_bk32_w4_s2": dict(block_m=64, block_k=32, num_warps=4, num_stages=2),
-                    "bm64_bk64_w4_s1": dict(block_m=64, block_k=64, num_warps=4, num_stages=1),
-                    "bm64_bk32_w8_s2": dict(block_m=64, block_k=32, num_warps=8, num_stages=2),
-                    "bm128_bk32_w8_s1": dict(block_m=128, block_k=32, num_warps=8, num_stages=1),
-                    "bm64_bk32_w4_s2_split3": dict(block_m=64, block_k=32, num_warps=4, num_stages=2, n_split=3),
-                    "bm32_bk64_w4_s2_split8": dict(block_m=32, block_k=64, num_warps=4, num_stages=2, n_split=8),
-                    "bm64_bk64_w8_s1": dict(block_m=64, block_k=64, num_warps=8, num_stages=1),
-                    "bm128_bk64_w8_s1": dict(block_m=128, block_k=64, num_warps=8, num_stages=1),
-                    "bm64_bk64_w4_s1_split3": dict(block_m=64, block_k=64, num_warps=4, num_stages=1, n_split=3),
-                    "bm64_bk64_w4_s1_split8": dict(block_m=64, block_k=64, num_warps=4, num_stages=1, n_split=8),
-                    "bm64_bk64_w4_s1_fp32part": dict(block_m=64, block_k=64, num_warps=4, num_stages=1,
-                                                     partial_dtype=jnp.float32),
+                    # round 4: fold=True (tree blocks ride on the splits, equal shares), bm 128 w8
+                    "old_default_fold0": dict(fold=False),
+                    "default": {},
+                    "bm128_w8_s1": dict(num_stages=1),
+                    "bm128_w8_s2_ns6": dict(n_split=6),
+                    "bm128_w8_s2_ns10": dict(n_split=10),
+                    "bm128_bk32_w8_s3": dict(block_k=32, num_stages=3),
+                    "bm64_bk32_w4_s2_ns9": dict(block_m=64, block_k=32, num_warps=4, num_stages=2, n_split=9),
+                    "bm64_bk32_w4_s3_ns9": dict(block_m=64, block_k=32, num_warps=4, num_stages=3, n_split=9),
                 }, "tree_attn", deadline)
                 RESULTS["tree_attention"] = recs
                 summarize("tree_attention", recs, best, ATTN_LAYERS, str(TREE_N))
@@ -368,7 +361,7 @@ def main():
                 if args.no_decode_attn:
                     continue
                 recs1, best1 = section_attn(1, {"xla_reference": None, "default": {},
-                                                "bk32_w4_s3": dict(block_k=32, num_stages=3)},
+                                                "old_default_fold0": dict(fold=False)},
                                             "decode_attn", time.perf_counter() + BUDGET["decode_attn"] * args.budget_scale)
                 RESULTS["decode_attention"] = recs1
                 summarize("decode_attention", recs1, best1, ATTN_LAYERS, "1")

@@ -23,6 +23,10 @@ def test_signature_matches_reference():
     (2, 11, 4, 2, 16, 100, 37, jnp.float32, {}),  # tree verify (padding rows), cache not a block multiple
     (1, 9, 6, 2, 24, 128, 0, jnp.float32, dict(n_split=3)),  # empty prefix, non power-of-two head dim
     (1, 13, 6, 2, 32, 192, 150, jnp.bfloat16, dict(block_k=32, block_m=16)),  # bf16, several blocks
+    (1, 21, 4, 1, 16, 256, 200, jnp.float32, dict(block_k=16, block_m=32, n_split=5)),  # tree rows split
+    (1, 21, 4, 1, 16, 256, 200, jnp.float32, dict(block_k=16, n_split=40)),  # more splits than blocks
+    (2, 11, 4, 2, 16, 100, 37, jnp.float32, dict(fold=False)),  # the earlier layout
+    (1, 9, 6, 2, 24, 128, 0, jnp.float32, dict(fold=False, n_split=3)),
 ])
 def test_tree_matches_reference(B, T, H, Hkv, hd, S, start, dtype, kw):
     args = attention_inputs(jax.random.PRNGKey(T + S), np.random.default_rng(T), B, T, H, Hkv, hd, S, start,
@@ -53,7 +57,9 @@ def _structs(T, N, S):
 
 
 @pytest.mark.parametrize("T,N,S,kw", [(65, 65, 4096 + 64, {}), (1, 1, 8192, {}), (128, 128, 32768, {}),
-                                      (65, 65, 4096 + 64, dict(block_m=128, num_warps=8))])
+                                      (65, 65, 4096 + 64, dict(block_m=64, num_warps=4)),
+                                      (65, 65, 4096 + 64, dict(fold=False)),
+                                      (65, 65, 4096 + 64, dict(block_m=128, num_stages=2, n_split=8))])
 def test_lowers_for_h200_at_27b_shapes(T, N, S, kw):
     txt = lower_for_h200(functools.partial(ta.tree_attention, **kw), *_structs(T, N, S))
     assert "__gpu$xla.gpu.triton" in txt
