@@ -16,7 +16,7 @@ from jaxddtree import ops
 from jaxddtree.cache import KVCache
 from jaxddtree.config import TextConfig
 from jaxddtree.layout import TokenLayout
-from jaxddtree.linear import dense, init_weight
+from jaxddtree.linear import dense, f32, init_weight, rounded, sigmoid32
 from jaxddtree.norms import rms_norm_1p
 from jaxddtree.rope import apply_rope, rope_cos_sin
 
@@ -42,24 +42,36 @@ def tree_attention_reference(q, k_cache, v_cache, start, k_new, v_new, mask):
 
 
 def attend(q, k_cache, v_cache, cache_visible, k_new=None, v_new=None, new_visible=None):
-    """Softmax attention over cached keys (cache_visible [B,T,S]) and optional new keys (new_visible)."""
+    """Softmax attention over cached keys (cache_visible [B,T,S]) and optional new keys (new_visible).
+
+    Rounds like transformers' `eager_attention_forward` in the activations' dtype: logits
+    `matmul(q, k^T)` rounded, `* scaling` rounded, softmax in fp32 rounded, `matmul(p, v)` rounded once
+    (the cache and new-key halves are accumulated in fp32 before that rounding). The matmuls take their
+    operands upcast to fp32 (products of bf16 values are exact in fp32, so this is bf16 x bf16 with fp32
+    accumulation; XLA:CPU has no batched bf16 x bf16 -> f32 dot)."""
     B, T, H, hd = q.shape
+    dt = q.dtype
     hkv = k_cache.shape[1]
     qg = q.reshape(B, T, hkv, H // hkv, hd)
-    prec = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    prec = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None
     scale = hd ** -0.5
-    s = jnp.einsum("btkgd,bksd->btkgs", qg, k_cache, precision=prec) * scale  # [B,T,Hkv,G,S]
-    s = jnp.where(cache_visible[:, :, None, None, :], s.astype(jnp.float32), NEG_INF)
+
+    def logits(spec, k):
+        s = jnp.einsum(spec, f32(qg), f32(k), precision=prec)
+        return f32(rounded(f32(rounded(s, dt)) * scale, dt))
+
+    s = logits("btkgd,bksd->btkgs", k_cache)  # [B,T,Hkv,G,S]
+    s = jnp.where(cache_visible[:, :, None, None, :], s, NEG_INF)
     if k_new is not None:
-        s2 = jnp.einsum("btkgd,bnkd->btkgn", qg, k_new, precision=prec) * scale  # [B,T,Hkv,G,N]
-        s2 = jnp.where(new_visible[:, :, None, None, :], s2.astype(jnp.float32), NEG_INF)
+        s2 = logits("btkgd,bnkd->btkgn", k_new)  # [B,T,Hkv,G,N]
+        s2 = jnp.where(new_visible[:, :, None, None, :], s2, NEG_INF)
         s = jnp.concatenate([s, s2], axis=-1)
-    p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
+    p = rounded(jax.nn.softmax(s, axis=-1), dt)
     S = k_cache.shape[2]
-    o = jnp.einsum("btkgs,bksd->btkgd", p[..., :S], v_cache, precision=prec)
+    o = jnp.einsum("btkgs,bksd->btkgd", f32(p[..., :S]), f32(v_cache), precision=prec)
     if k_new is not None:
-        o = o + jnp.einsum("btkgn,bnkd->btkgd", p[..., S:], v_new, precision=prec)
-    return o.reshape(B, T, H, hd)
+        o = o + jnp.einsum("btkgn,bnkd->btkgd", f32(p[..., S:]), f32(v_new), precision=prec)
+    return rounded(o, dt).reshape(B, T, H, hd)
 
 
 class Attention(nnx.Module):
@@ -86,7 +98,8 @@ class Attention(nnx.Module):
 
     def output(self, o, gate):
         B, T = o.shape[:2]
-        o = o * jax.nn.sigmoid(gate)  # [B,T,H,hd], dtype
+        # transformers: `attn_output * torch.sigmoid(gate)`, both rounded in the activations' dtype
+        o = rounded(f32(o) * f32(rounded(sigmoid32(gate), o.dtype)), o.dtype)  # [B,T,H,hd]
         return dense("bthe,hed->btd", o, self.wo[...])
 
     def __call__(self, x, cache: KVCache, layout: TokenLayout):

@@ -20,7 +20,7 @@ from jaxddtree import ops
 from jaxddtree.cache import GDNState
 from jaxddtree.config import TextConfig
 from jaxddtree.layout import TokenLayout
-from jaxddtree.linear import dense, init_weight
+from jaxddtree.linear import dense, f32, init_weight, rounded, sigmoid32, silu32
 from jaxddtree.norms import gated_rms_norm
 
 
@@ -44,13 +44,15 @@ def tree_conv(conv_state, x, conv_src, w):
     """Causal depthwise conv with SiLU along each token's predecessor chain.
 
     conv_state [B, K-1, C]; x [B, T, C]; conv_src [B, T, K-1] rows of concat(conv_state, x) (oldest
-    first); w [K, C] (tap K-1 hits the current token). Sums in fp32, one cast, SiLU.
+    first); w [K, C] (tap K-1 hits the current token). Sums in fp32, rounded to the activations' dtype,
+    SiLU in fp32, rounded (transformers' `causal_conv1d_fn` / `causal_conv1d_update` torch fallback:
+    `F.conv1d` in the activations' dtype, then `ACT2FN["silu"]` on it).
     """
     rows = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
     taps = jax.vmap(lambda r, s: r[s])(rows, conv_src)  # [B, T, K-1, C]
     wf = w.astype(jnp.float32)
     acc = jnp.einsum("btsc,sc->btc", taps.astype(jnp.float32), wf[:-1]) + x.astype(jnp.float32) * wf[-1]
-    return jax.nn.silu(acc.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
+    return rounded(silu32(rounded(acc, x.dtype)), x.dtype)
 
 
 class GatedDeltaNet(nnx.Module):
@@ -86,7 +88,8 @@ class GatedDeltaNet(nnx.Module):
         q = l2norm(q.reshape(B, T, hk, dk).astype(jnp.float32)) * dk ** -0.5
         k = l2norm(k.reshape(B, T, hk, dk).astype(jnp.float32))
         v = v.reshape(B, T, hv, dv).astype(jnp.float32)
-        beta = jax.nn.sigmoid(b).astype(jnp.float32)  # rounded in the activations' dtype first
+        # transformers: `beta = b.sigmoid()` in the activations' dtype (fp32 math, rounded), fp32 in the rule
+        beta = f32(rounded(sigmoid32(b), x.dtype))
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * softplus_torch(
             a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
 
@@ -109,5 +112,5 @@ class GatedDeltaNet(nnx.Module):
             conv = jax.lax.dynamic_slice_in_dim(rows, layout.num_valid, km1, axis=1)
             new_cache = GDNState(conv=conv, recurrent=state)
 
-        o = gated_rms_norm(o.astype(x.dtype), z, self.norm[...], cfg.rms_norm_eps)  # [B,T,Hv,dv]
+        o = gated_rms_norm(rounded(o, x.dtype), z, self.norm[...], cfg.rms_norm_eps)  # [B,T,Hv,dv]
         return dense("bthe,hed->btd", o, self.w_out[...]), new_cache, stash

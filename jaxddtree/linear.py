@@ -1,4 +1,13 @@
-"""Projections: einsum in the activations' dtype with fp32 accumulation (exact fp32 when fp32)."""
+"""Projections: einsum in the activations' dtype with fp32 accumulation (exact fp32 when fp32), and the
+elementwise helpers that reproduce transformers' (PyTorch's) roundings in low precision.
+
+PyTorch runs every bf16 elementwise op as fp32 math with one rounding of its result (`silu`, `sigmoid`,
+`a * b`, `a + b`, ...); a chain of them rounds after every op. XLA instead may expand a bf16 op into
+several bf16 steps (jax.nn.silu / sigmoid: exp, add, div each rounded) or, inside a fusion, drop a
+bf16 round-trip and keep the fp32 value (excess precision). So the low-precision paths compute in fp32
+and round explicitly with `rounded`, whose `reduce_precision` XLA never elides. All of it is the
+identity (plain fp32 math) for fp32 activations.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +16,35 @@ import jax.numpy as jnp
 from flax import nnx
 
 
+def rounded(x: jax.Array, dtype) -> jax.Array:
+    """x (any float dtype) rounded once to `dtype`, returned as `dtype`; a plain cast for fp32."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.float32 or dtype == jnp.float64:
+        return x.astype(dtype)
+    fi = jnp.finfo(dtype)
+    r = jax.lax.reduce_precision(x.astype(jnp.float32), exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
+    return r.astype(dtype)
+
+
+def f32(x: jax.Array) -> jax.Array:
+    return x.astype(jnp.float32)
+
+
+def silu32(x: jax.Array) -> jax.Array:
+    """SiLU in fp32 as PyTorch's CPU kernel computes it: x / (1 + exp(-x))."""
+    x = f32(x)
+    return x / (1.0 + jnp.exp(-x))
+
+
+def sigmoid32(x: jax.Array) -> jax.Array:
+    """Sigmoid in fp32 as PyTorch's CPU kernel computes it: 1 / (1 + exp(-x))."""
+    return 1.0 / (1.0 + jnp.exp(-f32(x)))
+
+
 def dense(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     prec = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    return jnp.einsum(spec, x, w.astype(x.dtype), precision=prec,
-                      preferred_element_type=jnp.float32).astype(x.dtype)
+    return rounded(jnp.einsum(spec, x, w.astype(x.dtype), precision=prec,
+                              preferred_element_type=jnp.float32), x.dtype)
 
 
 def init_weight(rngs: nnx.Rngs, shape, fan_in: int, dtype, scale: float = 1.0) -> jax.Array:

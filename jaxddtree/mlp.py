@@ -1,4 +1,5 @@
-"""SwiGLU MLP: down(silu(gate(x)) * up(x)), every product in the activations' dtype."""
+"""SwiGLU MLP: down(silu(gate(x)) * up(x)), rounded like transformers' `Qwen3_5MLP` in the activations'
+dtype: silu computed in fp32 and rounded, the product rounded (no-ops in fp32)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxddtree.linear import dense, init_weight
+from jaxddtree.linear import dense, f32, init_weight, rounded, silu32
 
 
 class MLP(nnx.Module):
@@ -16,5 +17,6 @@ class MLP(nnx.Module):
         self.w_down = nnx.Param(init_weight(rngs, (f, d), f, dtype))  # [F, D]
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = jax.nn.silu(dense("btd,df->btf", x, self.w_gate[...])) * dense("btd,df->btf", x, self.w_up[...])
+        act = rounded(silu32(dense("btd,df->btf", x, self.w_gate[...])), x.dtype)
+        h = rounded(f32(act) * f32(dense("btd,df->btf", x, self.w_up[...])), x.dtype)
         return dense("btf,fd->btd", h, self.w_down[...])

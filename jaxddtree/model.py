@@ -17,7 +17,7 @@ from jaxddtree.cache import ModelCache
 from jaxddtree.config import ATTENTION, TextConfig
 from jaxddtree.gated_deltanet import GatedDeltaNet
 from jaxddtree.layout import TokenLayout
-from jaxddtree.linear import dense, init_weight
+from jaxddtree.linear import dense, f32, init_weight, rounded
 from jaxddtree.mlp import MLP
 from jaxddtree.norms import RMSNorm
 
@@ -31,9 +31,10 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
 
     def __call__(self, x, cache, layout: TokenLayout):
+        # residual adds in the activations' dtype, each rounded (transformers' `residual + hidden_states`)
         h, cache, stash = self.mixer(self.input_norm(x), cache, layout)
-        x = x + h
-        x = x + self.mlp(self.post_norm(x))
+        x = rounded(f32(x) + f32(h), x.dtype)
+        x = rounded(f32(x) + f32(self.mlp(self.post_norm(x))), x.dtype)
         return x, cache, stash
 
 

@@ -1,8 +1,10 @@
 """RMSNorms of the Qwen3.5/3.6 family.
 
-- Zero-centred ("1 + w") for the decoder, final, q and k norms: fp32 math, one cast back.
-- Plain-weight gated norm after the GDN core: normalise in fp32, cast, times w, times silu(z) in fp32,
-  cast (the casts of transformers' `Qwen3_5RMSNormGated`).
+- Zero-centred ("1 + w") for the decoder, final, q and k norms: fp32 math, one rounding back
+  (transformers' `Qwen3_5RMSNorm`: `(x.float() * rsqrt(..) * (1 + w.float())).type_as(x)`).
+- Plain-weight gated norm after the GDN core: normalise in fp32, round, times w (rounded: a product in
+  the activations' dtype), times silu(z) in fp32, round (the casts of `Qwen3_5RMSNormGated.forward`:
+  `self.weight * hidden_states.to(input_dtype)`, then `* silu(gate.to(torch.float32))`, `.to(input_dtype)`).
 """
 
 from __future__ import annotations
@@ -11,18 +13,20 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxddtree.linear import f32, rounded, silu32
+
 
 def rms_norm_1p(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    xf = x.astype(jnp.float32)
+    xf = f32(x)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (y * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
+    return rounded(y * (1.0 + f32(w)), x.dtype)
 
 
 def gated_rms_norm(x: jax.Array, z: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    xf = x.astype(jnp.float32)
-    y = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
-    y = w * y
-    return (y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
+    xf = f32(x)
+    y = rounded(xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps), x.dtype)
+    y = rounded(f32(w) * f32(y), jnp.promote_types(w.dtype, x.dtype))
+    return rounded(f32(y) * silu32(z), x.dtype)
 
 
 class RMSNorm(nnx.Module):

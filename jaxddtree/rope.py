@@ -2,13 +2,16 @@
 
 For text the three mRoPE streams carry the same position, so the interleaved recomposition is the
 identity and this is plain 1-D RoPE. cos/sin are computed in fp32 and cast to the activations' dtype,
-as transformers does.
+and the rotation rounds like transformers' `apply_rotary_pos_emb` in that dtype:
+`(q_rot * cos) + (rotate_half(q_rot) * sin)`, each product and the sum rounded (no-ops in fp32).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from jaxddtree.linear import f32, rounded
 
 
 def rope_cos_sin(positions: jax.Array, rotary_dim: int, theta: float, dtype):
@@ -27,4 +30,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
     rot = jnp.concatenate([-x2, x1], axis=-1)
     c, s = cos[..., None, :], sin[..., None, :]
-    return jnp.concatenate([xr * c + rot * s, xp], axis=-1)
+    dt = x.dtype
+    out = rounded(f32(rounded(f32(xr) * f32(c), dt)) + f32(rounded(f32(rot) * f32(s), dt)), dt)
+    return jnp.concatenate([out, xp], axis=-1)

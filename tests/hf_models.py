@@ -81,7 +81,8 @@ BF16 = dict(vocab_size=97, hidden_size=128, intermediate_size=256, num_hidden_la
 
 
 def causal_lm_bf16(seed: int = 3) -> Qwen3_5ForCausalLM:
-    """fp32 weights of the bf16 comparison model (cast with `.to(torch.bfloat16)` for the reference)."""
+    """fp32 weights of the bf16 comparison model (saved, then loaded with `from_pretrained_bf16` for the
+    reference)."""
     model = causal_lm(seed, **BF16)
     g = torch.Generator().manual_seed(seed + 1000)
     with torch.no_grad():
@@ -91,6 +92,15 @@ def causal_lm_bf16(seed: int = 3) -> Qwen3_5ForCausalLM:
             if any(s in name for s in ("out_proj", "o_proj", "down_proj")):  # smaller residual branches
                 p.mul_(0.3)
     return model
+
+
+def from_pretrained_bf16(path: str) -> Qwen3_5ForCausalLM:
+    """transformers' bf16 model as it is normally run: `from_pretrained(path, dtype=torch.bfloat16)`, eager
+    attention. Not `model.to(torch.bfloat16)`: that also casts the rotary embedding's `inv_freq` buffer to
+    bf16 (from_pretrained keeps it fp32, as jaxddtree does), which moves every cos/sin by up to ~1%."""
+    model = Qwen3_5ForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager")
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+    return model.eval()
 
 
 def save_text_only(model, path: str, max_shard_size: str | None = None) -> str:

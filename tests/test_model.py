@@ -204,20 +204,22 @@ def test_prefill_ids_refuses_a_cache_without_room_for_its_padded_chunks(target_b
 # ----------------------------------------------------------------------------- bf16
 
 def test_bf16_top1_agreement_vs_transformers_bf16(zoo):
-    """bf16 target (loaded with dtype="bfloat16") vs transformers' bf16 model (`.to(torch.bfloat16)`,
-    eager) on 6 x 64 positions of a hidden-128 model.
+    """bf16 target (loaded with dtype="bfloat16") vs transformers' bf16 model (`from_pretrained(...,
+    dtype=torch.bfloat16)`, eager) on 16 x 64 positions of a hidden-128 model.
 
-    Both emit bf16-rounded logits, so where the top-2 gap is within ~2 bf16 ulps of the top logit the
-    argmax is a coin flip for *any* two bf16 implementations (transformers bf16 vs its own fp32 disagrees
-    there too). Asserted: top-1 agreement >= 99% on the positions that bf16 can decide (fp32 top-2 gap
-    > 2 ulps; at least 75% of positions), >= 97% over all positions, and logits rel err <= 5e-2."""
+    Our bf16 forward rounds where transformers' does (every bf16 elementwise op: fp32 math, one rounding),
+    so it differs from it only by fp32 accumulation order (matmuls, the GDN rule), whose bf16 roundings
+    then flip at a fraction of a percent of the elements and are amplified along the sequence. Both emit
+    bf16-rounded logits, so where the top-2 gap is within ~1 bf16 ulp of the top logit the argmax is a
+    coin flip for *any* two bf16 implementations (transformers bf16 vs its own fp32 disagrees there too).
+    Asserted: top-1 agreement >= 99% over all positions and >= 99.5% on the positions that bf16 can decide
+    (fp32 top-2 gap > 2 ulps; at least 75% of positions), logits rel err <= 5e-2, and at least 45% of the
+    logits bitwise equal (65% measured; 24% before the roundings were matched, at 98.6% top-1)."""
     hf32 = zoo.hf("bf16")
-    hf16 = hf_models.causal_lm_bf16()
-    hf16.load_state_dict(hf32.state_dict())
-    hf16 = hf16.to(torch.bfloat16)
+    hf16 = hf_models.from_pretrained_bf16(zoo.path("bf16"))
     target = zoo.target("bf16", dtype="bfloat16")
     assert target.leaves[0].dtype == jnp.bfloat16
-    seqs = np.random.RandomState(16).randint(0, hf_models.BF16["vocab_size"], size=(6, 64))
+    seqs = np.random.RandomState(16).randint(0, hf_models.BF16["vocab_size"], size=(16, 64))
     ours = np.stack([jaxddtree.score(target, s) for s in seqs])
     ref16 = hf_models.hf_logits(hf16, seqs)
     ref32 = hf_models.hf_logits(hf32, seqs)
@@ -232,11 +234,13 @@ def test_bf16_top1_agreement_vs_transformers_bf16(zoo):
     err = rel_err(ours, ref16)
     print(f"\nbf16: top-1 agreement {a_all:.4f} over {agree.size} positions, {a_dec:.4f} over the "
           f"{decidable.sum()} bf16-decidable ones (transformers bf16 vs fp32: {a_hf:.4f}); logits rel err "
-          f"vs transformers bf16 {err:.2e} (transformers bf16 vs fp32 {rel_err(ref16, ref32):.2e})")
+          f"vs transformers bf16 {err:.2e} (transformers bf16 vs fp32 {rel_err(ref16, ref32):.2e}); "
+          f"bitwise-equal logits {np.mean(ours == ref16):.3f}")
     assert decidable.mean() >= 0.75
-    assert a_dec >= 0.99
-    assert a_all >= 0.97
+    assert a_all >= 0.99
+    assert a_dec >= 0.995
     assert err <= 5e-2
+    assert np.mean(ours == ref16) >= 0.45
 
 
 # ----------------------------------------------------------------------------- power of the comparison
