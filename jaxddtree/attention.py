@@ -88,24 +88,25 @@ class Attention(nnx.Module):
     def project(self, x, layout: TokenLayout):
         cfg = self.cfg
         hd = cfg.head_dim
-        qg = dense("btd,dhe->bthe", x, self.wq[...])  # [B,T,H,2hd]
+        qg = dense("btd,dhe->bthe", x, self.wq[...], layout.kernels)  # [B,T,H,2hd]
         q, gate = qg[..., :hd], qg[..., hd:]
         q = rms_norm_1p(q, self.q_norm[...], cfg.rms_norm_eps)
-        k = rms_norm_1p(dense("btd,dhe->bthe", x, self.wk[...]), self.k_norm[...], cfg.rms_norm_eps)
-        v = dense("btd,dhe->bthe", x, self.wv[...])  # [B,T,Hkv,hd]
+        k = rms_norm_1p(dense("btd,dhe->bthe", x, self.wk[...], layout.kernels), self.k_norm[...],
+                        cfg.rms_norm_eps)
+        v = dense("btd,dhe->bthe", x, self.wv[...], layout.kernels)  # [B,T,Hkv,hd]
         cos, sin = rope_cos_sin(layout.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
 
-    def output(self, o, gate):
+    def output(self, o, gate, kernels: str = "xla"):
         B, T = o.shape[:2]
         # transformers: `attn_output * torch.sigmoid(gate)`, both rounded in the activations' dtype
         o = rounded(f32(o) * f32(rounded(sigmoid32(gate), o.dtype)), o.dtype)  # [B,T,H,hd]
-        return dense("bthe,hed->btd", o, self.wo[...])
+        return dense("bthe,hed->btd", o, self.wo[...], kernels)
 
     def __call__(self, x, cache: KVCache, layout: TokenLayout):
         q, k, v, gate = self.project(x, layout)
         o = ops.tree_attention(q, cache.k, cache.v, layout.start, k, v, layout.mask, layout.kernels)
-        out = self.output(o, gate)
+        out = self.output(o, gate, layout.kernels)
         if layout.is_tree:
             return out, cache, AttentionStash(k=k, v=v)
         idx = (0, 0, layout.start, 0)

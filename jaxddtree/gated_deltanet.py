@@ -78,10 +78,10 @@ class GatedDeltaNet(nnx.Module):
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         km1 = cfg.linear_conv_kernel_dim - 1
 
-        xin = dense("btd,dc->btc", x, self.w_qkv[...])  # [B,T,conv_dim] pre-conv
-        z = dense("btd,dhe->bthe", x, self.w_z[...])  # [B,T,Hv,dv]
-        b = dense("btd,dh->bth", x, self.w_b[...])  # [B,T,Hv]
-        a = dense("btd,dh->bth", x, self.w_a[...])
+        xin = dense("btd,dc->btc", x, self.w_qkv[...], layout.kernels)  # [B,T,conv_dim] pre-conv
+        z = dense("btd,dhe->bthe", x, self.w_z[...], layout.kernels)  # [B,T,Hv,dv]
+        b = dense("btd,dh->bth", x, self.w_b[...], layout.kernels)  # [B,T,Hv]
+        a = dense("btd,dh->bth", x, self.w_a[...], layout.kernels)
 
         xc = tree_conv(cache.conv, xin, layout.conv_src, self.conv[...])
         q, k, v = jnp.split(xc, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
@@ -113,4 +113,4 @@ class GatedDeltaNet(nnx.Module):
             new_cache = GDNState(conv=conv, recurrent=state)
 
         o = gated_rms_norm(rounded(o, x.dtype), z, self.norm[...], cfg.rms_norm_eps)  # [B,T,Hv,dv]
-        return dense("bthe,hed->btd", o, self.w_out[...]), new_cache, stash
+        return dense("bthe,hed->btd", o, self.w_out[...], layout.kernels), new_cache, stash

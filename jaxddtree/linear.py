@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxddtree import ops
+
 
 def rounded(x: jax.Array, dtype) -> jax.Array:
     """x (any float dtype) rounded once to `dtype`, returned as `dtype`; a plain cast for fp32."""
@@ -41,10 +43,9 @@ def sigmoid32(x: jax.Array) -> jax.Array:
     return 1.0 / (1.0 + jnp.exp(-f32(x)))
 
 
-def dense(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    prec = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    return rounded(jnp.einsum(spec, x, w.astype(x.dtype), precision=prec,
-                              preferred_element_type=jnp.float32), x.dtype)
+def dense(spec: str, x: jax.Array, w: jax.Array, kernels: str = "xla") -> jax.Array:
+    """einsum(spec, x, w) accumulated in fp32, rounded once to x's dtype (`ops.dense` picks the kernel)."""
+    return rounded(ops.dense(spec, x, w, kernels), x.dtype)
 
 
 def init_weight(rngs: nnx.Rngs, shape, fan_in: int, dtype, scale: float = 1.0) -> jax.Array:

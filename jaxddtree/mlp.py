@@ -16,7 +16,7 @@ class MLP(nnx.Module):
         self.w_up = nnx.Param(init_weight(rngs, (d, f), d, dtype))  # [D, F]
         self.w_down = nnx.Param(init_weight(rngs, (f, d), f, dtype))  # [F, D]
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        act = rounded(silu32(dense("btd,df->btf", x, self.w_gate[...])), x.dtype)
-        h = rounded(f32(act) * f32(dense("btd,df->btf", x, self.w_up[...])), x.dtype)
-        return dense("btf,fd->btd", h, self.w_down[...])
+    def __call__(self, x: jax.Array, kernels: str = "xla") -> jax.Array:
+        act = rounded(silu32(dense("btd,df->btf", x, self.w_gate[...], kernels)), x.dtype)
+        h = rounded(f32(act) * f32(dense("btd,df->btf", x, self.w_up[...], kernels)), x.dtype)
+        return dense("btf,fd->btd", h, self.w_down[...], kernels)

@@ -34,7 +34,7 @@ class DecoderLayer(nnx.Module):
         # residual adds in the activations' dtype, each rounded (transformers' `residual + hidden_states`)
         h, cache, stash = self.mixer(self.input_norm(x), cache, layout)
         x = rounded(f32(x) + f32(h), x.dtype)
-        x = rounded(f32(x) + f32(self.mlp(self.post_norm(x))), x.dtype)
+        x = rounded(f32(x) + f32(self.mlp(self.post_norm(x), layout.kernels)), x.dtype)
         return x, cache, stash
 
 
@@ -71,5 +71,5 @@ class Qwen35(nnx.Module):
             if logits == "last":
                 x = jax.lax.dynamic_slice_in_dim(x, layout.num_valid - 1, 1, axis=1)
             h = self.final_norm(x)
-            out = dense("btd,dv->btv", h, self.lm_head[...]).astype(jnp.float32)
+            out = dense("btd,dv->btv", h, self.lm_head[...], layout.kernels).astype(jnp.float32)
         return out, new_cache, features, (tuple(stashes) if layout.is_tree else None)

@@ -3,9 +3,18 @@
 
 from __future__ import annotations
 
+import math
+
+import jax
+import jax.numpy as jnp
+
 from jaxddtree import gdn_math
 
 KERNELS = ("xla", "pallas")
+
+# The Pallas skinny GEMM runs the projections of passes with at most this many token rows (decode, verify,
+# drafts); longer passes (prefill chunks) are compute-bound and stay on XLA's GEMMs. 0 disables it.
+PALLAS_DENSE_MAX_ROWS = 0
 
 
 def _check(kernels: str):
@@ -47,3 +56,26 @@ def gdn_masked_block(q, k, v, g, beta, mask, state, kernels="xla", max_depth: in
         from kernels_pallas import gdn_tree
         return gdn_tree.gdn_masked_block(q, k, v, g, beta, mask, state, max_depth=max_depth)
     return gdn_math.gdn_masked_block(q, k, v, g, beta, mask, state)
+
+
+def dense(spec: str, x, w, kernels="xla"):
+    """einsum(spec, x, w) with fp32 accumulation, returned UNROUNDED in fp32 (the caller rounds), for specs
+    that contract x's trailing axes with w's leading axes (every projection of the model), e.g.
+    "btd,dhe->bthe" or "bthe,hed->btd". With kernels="pallas", bf16 operands and few rows, it runs the Pallas
+    skinny GEMM on the flattened [rows, K] x [K, N] problem (one bf16 rounding of the fp32 sum, as the
+    caller's rounding would give)."""
+    _check(kernels)
+    lhs, out = spec.split("->")
+    xs, ws = lhs.split(",")
+    contracted = [c for c in xs if c in ws and c not in out]
+    nc = len(contracted)
+    rows = math.prod(x.shape[:x.ndim - nc])
+    if (kernels == "pallas" and x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16 and 0 < rows
+            <= PALLAS_DENSE_MAX_ROWS and xs.endswith("".join(contracted)) and ws.startswith("".join(contracted))
+            and out == xs[:len(xs) - nc] + ws[nc:]):
+        from kernels_pallas import dense as dense_kernel
+        K = math.prod(w.shape[:nc])
+        y = dense_kernel.dense(x.reshape(rows, K), w.reshape(K, -1))
+        return y.reshape(x.shape[:x.ndim - nc] + w.shape[nc:]).astype(jnp.float32)
+    prec = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    return jnp.einsum(spec, x, w.astype(x.dtype), precision=prec, preferred_element_type=jnp.float32)
