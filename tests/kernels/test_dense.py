@@ -1,0 +1,107 @@
+"""Pallas dense GEMV / skinny GEMM (kernels_pallas.dense) vs the jnp reference, and its CUDA lowering."""
+
+import functools
+import importlib.util
+import inspect
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas import dense as dn
+from kernels_pallas._common import lower_for_h200
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_gemv", os.path.join(ROOT, "scripts", "bench_gemv.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _inputs(M, K, N, dtype=jnp.bfloat16, seed=0):
+    kx, kw = jax.random.split(jax.random.PRNGKey(seed * 1000 + M * 7 + K + N))
+    x = jax.random.normal(kx, (M, K), jnp.float32) + 0.1  # never zeros
+    w = jax.random.normal(kw, (K, N), jnp.float32) * K ** -0.5
+    return x.astype(dtype), w.astype(dtype)
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def test_signature_matches_reference():
+    ref = list(inspect.signature(dn.dense_reference).parameters)
+    ker = inspect.signature(dn.dense).parameters
+    assert list(ker)[:len(ref)] == ref and ker["interpret"].default is False
+
+
+CASES = [
+    (1, 512, 384, {}),  # default: split-K
+    (1, 512, 384, dict(split_k=1)),
+    (1, 512, 384, dict(mode="fma", block_n=128, block_k=32)),
+    (1, 512, 384, dict(mode="fma", block_n=256, block_k=16, split_k=4)),
+    (1, 512, 384, dict(block_n=256, block_k=64)),
+    (1, 300, 96, dict(block_k=32, split_k=4)),  # K and N not multiples of the blocks
+    (1, 320, 200, dict(mode="fma", block_n=64, block_k=64, split_k=3)),
+    (65, 320, 200, dict(block_n=64, block_k=64, split_k=3)),
+    (65, 256, 384, {}),
+    (17, 128, 128, {}),
+    (16, 256, 256, dict(split_k=2, block_k=64)),  # M = Mp: unmasked path
+    (129, 192, 160, dict(block_n=128, block_k=64)),
+]
+
+
+@pytest.mark.parametrize("M,K,N,kw", CASES)
+def test_dense_matches_reference_bf16(M, K, N, kw):
+    x, w = _inputs(M, K, N)
+    ref = dn.dense_reference(x, w)
+    out = dn.dense(x, w, interpret=True, **kw)
+    assert out.shape == ref.shape and out.dtype == jnp.bfloat16
+    exact = np.dot(np.asarray(x, np.float32), np.asarray(w, np.float32))
+    assert _rel(out, ref) < 1e-2
+    assert _rel(out, exact) < 1e-2
+
+
+def test_dense_leading_dims():
+    x, w = _inputs(6, 256, 128)
+    x3 = x.reshape(2, 3, 256)
+    out = dn.dense(x3, w, interpret=True)
+    assert out.shape == (2, 3, 128)
+    assert _rel(out.reshape(6, 128), dn.dense_reference(x, w)) < 1e-2
+
+
+@pytest.mark.parametrize("kw", [{}, dict(mode="fma", block_k=32, split_k=2)])
+def test_dense_fp32_exactish(kw):
+    x, w = _inputs(1, 384, 200, dtype=jnp.float32, seed=1)
+    out = dn.dense(x, w, interpret=True, **kw)
+    exact = np.dot(np.asarray(x, np.float64), np.asarray(w, np.float64))
+    assert out.dtype == jnp.float32 and _rel(out, exact) < 1e-5
+
+
+def test_default_config_sane():
+    for M in (1, 17, 65, 129):
+        for K, N in _bench().SHAPES.values():
+            c = dn.default_config(M, K, N)
+            nprog = -(-N // c["block_n"]) * c["split_k"]
+            assert c["split_k"] * M * N * 4 <= K * N * 2 // 4 or c["split_k"] == 1
+            assert nprog >= dn.N_SM or c["split_k"] * 2 > min(-(-K // c["block_k"]), K // (16 * M))
+
+
+def test_lowers_for_h200_at_27b_shapes_all_sweep_variants():
+    b = _bench()
+    S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    n = 0
+    for M in (1, 17, 65, 129):
+        for name, (K, N) in b.SHAPES.items():
+            vs = b.variants_for(M, K, N) if M in (1, 65) else {"default": {}}
+            for vname, kw in vs.items():
+                txt = lower_for_h200(functools.partial(dn.dense, **kw), S((M, K), bf), S((K, N), bf))
+                assert "__gpu$xla.gpu.triton" in txt, (name, M, vname)
+                n += 1
+    assert n > 50
