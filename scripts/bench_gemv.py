@@ -138,14 +138,14 @@ def variants_for(M, K, N):
     big = K * N >= 256 << 20  # lm_head: fewer
     d = dn.default_config(M, K, N)
     if M == 1:
-        v = {
+        v = {  # most likely winners first (the budget may cut the tail)
             "default": {},
-            "dot_bn128_bk128_w4_s4": dict(block_n=128, block_k=128, num_warps=4, num_stages=4),
-            "dot_bn256_bk64_w4_s4": dict(block_n=256, block_k=64, num_warps=4, num_stages=4),
-            "dot_bn64_bk256_w4_s3": dict(block_n=64, block_k=256, num_warps=4, num_stages=3),
             "fma_bn128_bk32_w4_s4": dict(mode="fma", block_n=128, block_k=32, num_warps=4, num_stages=4),
-            "fma_bn256_bk16_w4_s5": dict(mode="fma", block_n=256, block_k=16, num_warps=4, num_stages=5),
+            "dot_bn256_bk64_w4_s4": dict(block_n=256, block_k=64, num_warps=4, num_stages=4),
+            "dot_bn128_bk128_w4_s4": dict(block_n=128, block_k=128, num_warps=4, num_stages=4),
             "dot_default_tp4x": dict(target_programs=4 * dn.N_SM),
+            "fma_bn256_bk16_w4_s5": dict(mode="fma", block_n=256, block_k=16, num_warps=4, num_stages=5),
+            "dot_bn64_bk256_w4_s3": dict(block_n=64, block_k=256, num_warps=4, num_stages=3),
             "dot_nosplit_bn64_bk128_w4_s4": dict(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4),
         }
         if big:
