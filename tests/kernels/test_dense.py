@@ -105,3 +105,28 @@ def test_lowers_for_h200_at_27b_shapes_all_sweep_variants():
                 assert "__gpu$xla.gpu.triton" in txt, (name, M, vname)
                 n += 1
     assert n > 50
+
+
+@pytest.mark.parametrize("spec,xs,ws", [
+    ("btd,dc->btc", (1, 1, 64), (64, 96)),
+    ("btd,dhe->bthe", (1, 3, 64), (64, 4, 16)),
+    ("btd,dh->bth", (1, 5, 64), (64, 6)),
+    ("bthe,hed->btd", (1, 2, 4, 16), (4, 16, 64)),
+])
+def test_ops_dense_dispatch_matches_einsum(monkeypatch, spec, xs, ws):
+    """jaxddtree.ops.dense flattens each projection spec onto the Pallas kernel (interpret mode here)."""
+    from jaxddtree import ops
+    monkeypatch.setattr(ops, "PALLAS_DENSE_MAX_ROWS", 128)
+    calls = []
+    kernel = dn.dense
+    monkeypatch.setattr(dn, "dense", lambda x2, w2: calls.append((x2.shape, w2.shape)) or kernel(x2, w2, interpret=True))
+    kx, kw = jax.random.split(jax.random.PRNGKey(len(spec)))
+    x = (jax.random.normal(kx, xs) + 0.1).astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, ws) * 0.2).astype(jnp.bfloat16)
+    got = ops.dense(spec, x, w, "pallas")
+    ref = jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+    assert got.shape == ref.shape and got.dtype == jnp.float32
+    assert len(calls) == 1 and calls[0][0][1] == calls[0][1][0]  # the kernel ran on the flattened problem
+    # the kernel rounds once to bf16: equal to the rounded fp32 sum up to summation order
+    assert _rel(got, ref.astype(jnp.bfloat16).astype(jnp.float32)) < 1e-2
+    assert _rel(ops.dense(spec, x, w, "xla"), ref) < 1e-6
