@@ -120,6 +120,26 @@ def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, m_ref, o_ref, lse_
     pltr.store(lse_ref.at[orow], lse, mask=row_ok)
 
 
+def _merge_kernel(o_ref, lse_ref, out_ref, *, P: int, rows: int, mb: int):
+    """One program per mb rows of [T·H]: o = Σ_p w_p o_p with w_p = exp(lse_p − max) / Σ (the P split
+    partials in one pass; rows whose every split is empty give 0)."""
+    f32 = jnp.float32
+    start = pl.multiple_of(pl.program_id(1) * mb, mb)
+    sl = pl.ds(start, mb)
+    ok = start + jnp.arange(mb) < rows
+    lse = [pltr.load(lse_ref.at[jnp.int32(p), sl], mask=ok, other=-jnp.inf) for p in range(P)]
+    mx = functools.reduce(jnp.maximum, lse)
+    mx = jnp.where(mx > -jnp.inf, mx, 0.0)
+    acc = jnp.zeros((mb, out_ref.shape[-1]), f32)
+    den = jnp.zeros((mb,), f32)
+    for p in range(P):
+        w = jnp.exp(lse[p] - mx)
+        den = den + w
+        acc = acc + w[:, None] * pltr.load(o_ref.at[jnp.int32(p), sl, :], mask=ok[:, None], other=0.0).astype(f32)
+    o = acc / jnp.maximum(den, 1e-30)[:, None]
+    pltr.store(out_ref.at[sl, :], o.astype(out_ref.dtype), mask=ok[:, None])
+
+
 def default_split(B: int, hkv: int, n_rb: int, S: int, bk: int, target_programs: int) -> int:
     """Prefix splits so that the grid holds about `target_programs` programs. More splits mean more
     partial outputs to write and merge (n_split · T·H · hd each)."""
@@ -127,17 +147,22 @@ def default_split(B: int, hkv: int, n_rb: int, S: int, bk: int, target_programs:
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_m", "block_k", "n_split", "num_warps",
-                                             "num_stages", "partial_dtype", "fold", "target_programs"))
+                                             "num_stages", "partial_dtype", "fold", "target_programs",
+                                             "merge", "merge_block", "merge_warps"))
 def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret: bool = False,
                    block_m: int | None = None, block_k: int = 64, n_split: int | None = None,
                    num_warps: int | None = None, num_stages: int | None = None, partial_dtype=None,
-                   fold: bool = True, target_programs: int | None = None):
+                   fold: bool = True, target_programs: int | None = None, merge: str = "xla",
+                   merge_block: int = 32, merge_warps: int = 4):
     """q [B,T,H,hd]; k/v_cache [B,Hkv,S,hd]; start int32 scalar; k/v_new [B,N,Hkv,hd]; mask [B,T,N] bool
     -> [B,T,H,hd] (q.dtype). Same as `tree_attention_reference`.
 
     fold=True: the grid is (B·Hkv, row blocks, n_split) and split s takes an equal share of the
     (prefix blocks + tree blocks) sequence; fold=False: the older layout (n_split prefix splits sized
-    from the prefix, plus one split for the tree rows)."""
+    from the prefix, plus one split for the tree rows).
+
+    merge="xla": the split partials are combined by jnp (a few small XLA kernels); merge="pallas": by one
+    small Pallas kernel (`_merge_kernel`, merge_block rows per program, merge_warps warps)."""
     B, T, H, hd = q.shape
     hkv, S = k_cache.shape[1], k_cache.shape[2]
     N = k_new.shape[1]
@@ -204,6 +229,23 @@ def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret:
         interpret=interpret,
         name="tree_attention",
     )(start_arr, q2, k_cache, v_cache, k_new, v_new, mask_i8)
+    if merge == "pallas":
+        mb = merge_block
+        assert mb >= 16 and mb & (mb - 1) == 0, mb
+        TH = T * H
+        o = pl.pallas_call(
+            functools.partial(_merge_kernel, P=n_prog, rows=TH, mb=mb),
+            grid=(B, -(-TH // mb)),
+            in_specs=[pl.BlockSpec((n_prog, None, T * H + bm, hdp), lambda b, i: (0, b, 0, 0)),
+                      pl.BlockSpec((n_prog, None, T * H + bm), lambda b, i: (0, b, 0))],
+            out_specs=pl.BlockSpec((None, TH, hdp), lambda b, i: (b, 0, 0)),
+            out_shape=jax.ShapeDtypeStruct((B, TH, hdp), q.dtype),
+            compiler_params=compiler_params(merge_warps, 1),
+            interpret=interpret,
+            name="tree_attention_merge",
+        )(o_p, lse_p)
+        return o.reshape(B, T, H, hdp)[..., :hd]
+    assert merge == "xla", merge
     # merge the split partials by log-sum-exp: o = Σ_p w_p o_p with w_p = exp(lse_p − lse)
     o_p, lse_p = o_p[:, :, :T * H], lse_p[:, :, :T * H]
     mx = jnp.max(lse_p, axis=0)
