@@ -12,9 +12,12 @@ from jaxddtree import gdn_math
 
 KERNELS = ("xla", "pallas")
 
-# The Pallas skinny GEMM runs the projections of passes with at most this many token rows (decode, verify,
-# drafts); longer passes (prefill chunks) are compute-bound and stay on XLA's GEMMs. 0 disables it.
-PALLAS_DENSE_MAX_ROWS = 0
+# The Pallas weight-streaming GEMV runs the projections of single-token passes (the AR decode step) with at
+# least PALLAS_DENSE_MIN_COLS outputs. H200 sweep (scripts/bench_gemv.py, 2026-11-29): 1.04-1.22x XLA's GEMVs
+# for the 27B projections at M = 1, 0.97x for the 1024-wide k/v, and 0.79-0.86x at M = 65 (verify), so
+# everything else stays on XLA's GEMMs.
+PALLAS_DENSE_MAX_ROWS = 1
+PALLAS_DENSE_MIN_COLS = 2048
 
 
 def _check(kernels: str):
@@ -62,7 +65,7 @@ def dense(spec: str, x, w, kernels="xla"):
     """einsum(spec, x, w) with fp32 accumulation, returned UNROUNDED in fp32 (the caller rounds), for specs
     that contract x's trailing axes with w's leading axes (every projection of the model), e.g.
     "btd,dhe->bthe" or "bthe,hed->btd". With kernels="pallas", bf16 operands and few rows, it runs the Pallas
-    skinny GEMM on the flattened [rows, K] x [K, N] problem (one bf16 rounding of the fp32 sum, as the
+    weight-streaming GEMV on the flattened [rows, K] x [K, N] problem (one bf16 rounding of the fp32 sum, as the
     caller's rounding would give)."""
     _check(kernels)
     lhs, out = spec.split("->")
@@ -70,9 +73,11 @@ def dense(spec: str, x, w, kernels="xla"):
     contracted = [c for c in xs if c in ws and c not in out]
     nc = len(contracted)
     rows = math.prod(x.shape[:x.ndim - nc])
-    if (kernels == "pallas" and x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16 and 0 < rows
-            <= PALLAS_DENSE_MAX_ROWS and xs.endswith("".join(contracted)) and ws.startswith("".join(contracted))
-            and out == xs[:len(xs) - nc] + ws[nc:]):
+    cols = math.prod(w.shape[nc:])
+    flat = (xs.endswith("".join(contracted)) and ws.startswith("".join(contracted))
+            and out == xs[:len(xs) - nc] + ws[nc:])
+    if (kernels == "pallas" and flat and x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16
+            and 0 < rows <= PALLAS_DENSE_MAX_ROWS and cols >= PALLAS_DENSE_MIN_COLS):
         from kernels_pallas import dense as dense_kernel
         K = math.prod(w.shape[:nc])
         y = dense_kernel.dense(x.reshape(rows, K), w.reshape(K, -1))

@@ -16,7 +16,8 @@ Design
     and summed (+ cast) by one small XLA fusion after the kernel (S·M·N·4 bytes: ≪ the weight bytes).
   * Masks only where a shape needs them (rows ≥ M; K or N not a multiple of the block; the tail of the
     last K split), decided statically. No padded copy of w or x is ever made.
-  * `default_config(M, K, N)`: BN 128, BK 128 (M ≤ 16) / 64, split-K up to ≥ 2 programs per SM (132 SMs).
+  * `default_config(M, K, N)`: BN 128, BK 128 (M ≤ 16) / 64, split-K up to ≥ 4 programs per SM (132 SMs): the best
+    single rule of the H200 sweep (benchmarks/results/gemv_h200.json, 2026-11-29).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def _cdiv(a, b):
 
 
 def default_config(M: int, K: int, N: int, *, mode: str = "dot", block_n: int | None = None,
-                   block_k: int | None = None, target_programs: int = 2 * N_SM) -> dict:
+                   block_k: int | None = None, target_programs: int = 4 * N_SM) -> dict:
     """Block sizes / split-K / warps / stages used when the caller leaves them None."""
     small = M <= 16
     bn = block_n or min(128, max(16, next_pow2(N)))
@@ -118,7 +119,7 @@ def _kernel(x_ref, w_ref, o_ref, *, M, K, N, Mp, bn, bk, nk, split, mode):
                                              "num_stages", "target_programs"))
 def dense(x, w, *, interpret: bool = False, mode: str = "dot", block_n: int | None = None,
           block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
-          num_stages: int | None = None, target_programs: int = 2 * N_SM):
+          num_stages: int | None = None, target_programs: int = 4 * N_SM):
     """y[M, N] = x[M, K] @ w[K, N], fp32 accumulation, in x.dtype. Any leading dims of x are flattened.
 
     mode "dot" (tensor cores, any M ≤ 128) or "fma" (M = 1 only; falls back to "dot" for M > 1).

@@ -117,6 +117,7 @@ def test_ops_dense_dispatch_matches_einsum(monkeypatch, spec, xs, ws):
     """jaxddtree.ops.dense flattens each projection spec onto the Pallas kernel (interpret mode here)."""
     from jaxddtree import ops
     monkeypatch.setattr(ops, "PALLAS_DENSE_MAX_ROWS", 128)
+    monkeypatch.setattr(ops, "PALLAS_DENSE_MIN_COLS", 1)
     calls = []
     kernel = dn.dense
     monkeypatch.setattr(dn, "dense", lambda x2, w2: calls.append((x2.shape, w2.shape)) or kernel(x2, w2, interpret=True))
@@ -130,3 +131,22 @@ def test_ops_dense_dispatch_matches_einsum(monkeypatch, spec, xs, ws):
     # the kernel rounds once to bf16: equal to the rounded fp32 sum up to summation order
     assert _rel(got, ref.astype(jnp.bfloat16).astype(jnp.float32)) < 1e-2
     assert _rel(ops.dense(spec, x, w, "xla"), ref) < 1e-6
+
+
+def test_ops_dense_dispatch_rule():
+    """Only single-token passes with wide outputs take the Pallas GEMV (the H200 sweep's winners)."""
+    from jaxddtree import ops
+    calls = []
+    x1 = jnp.ones((1, 1, 64), jnp.bfloat16)
+    orig = dn.dense
+    try:
+        dn.dense = lambda x2, w2: calls.append(x2.shape) or orig(x2, w2, interpret=True)
+        ops.dense("btd,dc->btc", x1, jnp.ones((64, 4096), jnp.bfloat16), "pallas")  # decode, wide: Pallas
+        ops.dense("btd,dc->btc", x1, jnp.ones((64, 1024), jnp.bfloat16), "pallas")  # narrow: XLA
+        ops.dense("btd,dc->btc", jnp.ones((1, 2, 64), jnp.bfloat16), jnp.ones((64, 4096), jnp.bfloat16),
+                  "pallas")  # two rows: XLA
+        ops.dense("btd,dc->btc", x1, jnp.ones((64, 4096), jnp.bfloat16), "xla")
+        ops.dense("btd,dc->btc", x1.astype(jnp.float32), jnp.ones((64, 4096), jnp.float32), "pallas")  # fp32: XLA
+    finally:
+        dn.dense = orig
+    assert calls == [(1, 64)]
