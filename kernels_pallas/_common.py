@@ -70,24 +70,20 @@ def split_bf16(x):
 
 
 def matmul_fns(precision: str, interpret: bool):
-    """(split, dot, dot_nt) for fp32 products inside a kernel: split(x) prepares an operand once,
-    dot(sa, sb) = a @ b and dot_nt(sa, sb) = a @ bᵀ on prepared operands (fp32 results).
+    """(split, dot) for fp32 products inside a kernel: split(x) prepares an operand once and
+    dot(sa, sb) = a @ b on prepared operands (fp32 result).
 
     "bf16x3m": bf16x3 by hand with operands split once (hi·lo + lo·hi + hi·hi in fp32; an operand that
     enters several products is split once, where the "bf16x3" preset re-splits both operands in every
-    product). Other precisions: split is the identity and the products are `dot_fn`'s."""
+    product). Other precisions: split is the identity and the product is `dot_fn`'s."""
     f32 = jnp.float32
     if precision == "bf16x3m" and not interpret:
         d = lambda a, b: jnp.dot(a, b, preferred_element_type=f32)
 
         def dot(a, b):
             return d(a[1], b[0]) + d(a[0], b[1]) + d(a[0], b[0])
-
-        def dot_nt(a, b):
-            return dot(a, (b[0].T, b[1].T))
-        return split_bf16, dot, dot_nt
-    dot = dot_fn("bf16x3" if precision == "bf16x3m" else precision, interpret)
-    return (lambda x: x), dot, (lambda a, b: dot(a, b.T))
+        return split_bf16, dot
+    return (lambda x: x), dot_fn("bf16x3" if precision == "bf16x3m" else precision, interpret)
 
 
 def compiler_params(num_warps: int = 4, num_stages: int = 2):

@@ -9,9 +9,9 @@ Design
     ranges (split-K). It loops over its range in BK-row chunks (`fori_loop` with a static trip count →
     scf.for, which Triton software-pipelines with `num_stages` cp.async stages): each chunk is one
     [BK, BN] tile of w (BN·2 contiguous bytes per row) and one [Mp, BK] tile of x (tiny, from L2).
-  * mode "dot": fp32 += x_tile[Mp, BK] @ w_tile[BK, BN] on the tensor cores (x rows ≥ M masked to 0,
-    Mp ≥ 16). mode "fma" (M = 1 only): a [BK, BN] fp32 accumulator += x[:, None] * w (CUDA-core FMAs),
-    reduced over BK once after the loop (no cross-thread reduction inside the loop).
+  * fp32 += x_tile[Mp, BK] @ w_tile[BK, BN] on the tensor cores (x rows ≥ M masked to 0, Mp ≥ 16). A
+    CUDA-core FMA variant for M = 1 (a [BK, BN] fp32 accumulator, reduced after the loop) ran at 0.5-0.6x
+    of this on every H200 shape (gemv_h200.json): removed.
   * S = 1: the program stores its [M, BN] result in x.dtype. S > 1: fp32 partial sums [S·M, N] are stored
     and summed (+ cast) by one small XLA fusion after the kernel (S·M·N·4 bytes: ≪ the weight bytes).
   * Masks only where a shape needs them (rows ≥ M; K or N not a multiple of the block; the tail of the
@@ -43,8 +43,8 @@ def _cdiv(a, b):
     return -(-a // b)
 
 
-def default_config(M: int, K: int, N: int, *, mode: str = "dot", block_n: int | None = None,
-                   block_k: int | None = None, target_programs: int = 4 * N_SM) -> dict:
+def default_config(M: int, K: int, N: int, *, block_n: int | None = None, block_k: int | None = None,
+                   target_programs: int = 4 * N_SM) -> dict:
     """Block sizes / split-K / warps / stages used when the caller leaves them None."""
     small = M <= 16
     bn = block_n or min(128, max(16, next_pow2(N)))
@@ -55,11 +55,11 @@ def default_config(M: int, K: int, N: int, *, mode: str = "dot", block_n: int | 
     split = 1
     while nb * split < target_programs and split * 2 <= min(nkb, max_split):
         split *= 2
-    return dict(mode=mode, block_n=bn, block_k=bk, split_k=split,
+    return dict(block_n=bn, block_k=bk, split_k=split,
                 num_warps=4 if small else 8, num_stages=3)
 
 
-def _kernel(x_ref, w_ref, o_ref, *, M, K, N, Mp, bn, bk, nk, split, mode):
+def _kernel(x_ref, w_ref, o_ref, *, M, K, N, Mp, bn, bk, nk, split):
     f32 = jnp.float32
     j, s = pl.program_id(0), pl.program_id(1)
     n0 = pl.multiple_of(j * bn, bn)
@@ -89,20 +89,11 @@ def _kernel(x_ref, w_ref, o_ref, *, M, K, N, Mp, bn, bk, nk, split, mode):
         k0 = kbase + i * bk
         return pl.multiple_of(k0, bk)
 
-    if mode == "dot":
-        def body(i, acc):
-            k0 = k_at(i)
-            return acc + jnp.dot(load_x(k0), load_w(k0), preferred_element_type=f32)
-        acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((Mp, bn), f32))
-    elif mode == "fma":  # M == 1, Mp == 1
-        def body(i, acc):
-            k0 = k_at(i)
-            xv = load_x(k0)[0].astype(f32)  # [bk]
-            return acc + xv[:, None] * load_w(k0).astype(f32)
-        acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((bk, bn), f32))
-        acc = jnp.sum(acc, axis=0)[None, :]  # [1, bn]
-    else:
-        raise ValueError(f"mode {mode!r}")
+    def body(i, acc):
+        k0 = k_at(i)
+        return acc + jnp.dot(load_x(k0), load_w(k0), preferred_element_type=f32)
+
+    acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((Mp, bn), f32))
 
     out_rows = s * M + rows if split > 1 else rows
     if Mp == M and not mask_n:
@@ -115,14 +106,13 @@ def _kernel(x_ref, w_ref, o_ref, *, M, K, N, Mp, bn, bk, nk, split, mode):
                    mask=m_ok[:, None] & n_ok[None, :])
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "mode", "block_n", "block_k", "split_k", "num_warps",
+@functools.partial(jax.jit, static_argnames=("interpret", "block_n", "block_k", "split_k", "num_warps",
                                              "num_stages", "target_programs"))
-def dense(x, w, *, interpret: bool = False, mode: str = "dot", block_n: int | None = None,
+def dense(x, w, *, interpret: bool = False, block_n: int | None = None,
           block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
           num_stages: int | None = None, target_programs: int = 4 * N_SM):
     """y[M, N] = x[M, K] @ w[K, N], fp32 accumulation, in x.dtype. Any leading dims of x are flattened.
 
-    mode "dot" (tensor cores, any M ≤ 128) or "fma" (M = 1 only; falls back to "dot" for M > 1).
     block_n / block_k: powers of two; split_k: number of K ranges (fp32 partials summed after the kernel)."""
     lead = x.shape[:-1]
     K = x.shape[-1]
@@ -130,9 +120,7 @@ def dense(x, w, *, interpret: bool = False, mode: str = "dot", block_n: int | No
     M = x.shape[0]
     K2, N = w.shape
     assert K2 == K, (x.shape, w.shape)
-    if mode == "fma" and M != 1:
-        mode = "dot"
-    cfg = default_config(M, K, N, mode=mode, block_n=block_n, block_k=block_k, target_programs=target_programs)
+    cfg = default_config(M, K, N, block_n=block_n, block_k=block_k, target_programs=target_programs)
     bn, bk = cfg["block_n"], cfg["block_k"]
     assert is_pow2(bn) and is_pow2(bk) and bn >= 16 and bk >= 16, (bn, bk)
     split = cfg["split_k"] if split_k is None else split_k
@@ -142,17 +130,17 @@ def dense(x, w, *, interpret: bool = False, mode: str = "dot", block_n: int | No
     split = max(1, min(split, nkb))
     nk = _cdiv(nkb, split)
     split = _cdiv(nkb, nk)  # no program with an empty K range
-    Mp = 1 if mode == "fma" else max(16, next_pow2(M))
+    Mp = max(16, next_pow2(M))
     assert Mp <= 256, f"M={M}: up to 256 rows per call"
     out_dtype = x.dtype if split == 1 else jnp.float32
-    kern = functools.partial(_kernel, M=M, K=K, N=N, Mp=Mp, bn=bn, bk=bk, nk=nk, split=split, mode=mode)
+    kern = functools.partial(_kernel, M=M, K=K, N=N, Mp=Mp, bn=bn, bk=bk, nk=nk, split=split)
     y = pl.pallas_call(
         kern,
         grid=(_cdiv(N, bn), split),
         out_shape=jax.ShapeDtypeStruct((split * M, N), out_dtype),
         compiler_params=compiler_params(nw, ns),
         interpret=interpret,
-        name=f"dense_{mode}",
+        name="dense_dot",
     )(x, w)
     if split > 1:
         y = y.reshape(split, M, N).sum(0).astype(x.dtype)

@@ -6,21 +6,21 @@ new rows j with mask[b, t, j].
 
 GQA is folded into the rows of a block: for kv head h_kv the R = T·G query rows (t, head h_kv·G + i)
 are gathered straight from q [B, T·H, hd] (no transpose), so K/V of a kv head are read once per row
-block for all its G query heads. The grid is (B·Hkv, row blocks, n_split) (default fold=True): the
-prefix blocks [0, start) followed by the N new rows' blocks (dense mask [T, N]) form one sequence of
-key blocks, and split s runs flash-decoding over an equal share of it (sized from `start` at run time,
-so the work follows the prefix, not the cache capacity). fold=False is the round-3 layout (n_split
-prefix splits + one split for the tree rows). H200, T=65, 4K prefix, GPU µs per layer (kernel + merge):
-fold, 128x64 tiles, 8 warps, 2 stages, 8 splits 35; 1 stage 39; 6 / 10 / 16 splits 40 / 50 / 50;
-64-row tiles 38-46; round-3 default 40.
-Each program writes its partial output (normalised) and its log-sum-exp; a jnp merge combines them.
-bf16 (or fp32) in, fp32 accumulation, fp32 softmax.
+block for all its G query heads. The grid is (B·Hkv, row blocks, n_split): the prefix blocks [0, start)
+followed by the N new rows' blocks (dense mask [T, N]) form one sequence of key blocks, and split s runs
+flash-decoding over an equal share of it (sized from `start` at run time, so the work follows the
+prefix, not the cache capacity). Each program writes its partial output (normalised) and its
+log-sum-exp; a jnp merge combines them. bf16 (or fp32) in, fp32 accumulation, fp32 softmax.
+
+H200, T=65, 4K prefix, GPU µs per layer (kernel + merge): 128x64 tiles, 8 warps, 2 stages, 8 splits 35
+(34.4 in round 5); 1 stage 39; 6 / 10 / 16 splits 40 / 50 / 50; 64-row tiles 38-46. Removed: the round-3
+layout (n_split prefix splits + one split for the tree rows, 40) and the merge of the split partials as
+one Pallas kernel (35.8-36.7 in round 5).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +35,7 @@ _NEG = -1e30  # running-max init: finite, so fully masked blocks give exp(-inf -
 
 def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, m_ref, o_ref, lse_ref, *,
             T: int, H: int, G: int, N: int, bm: int, bk: int, n_split: int, scale: float,
-            exact: bool, fold: bool):
+            exact: bool):
     f32 = jnp.float32
     i_bh, rb, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     hkv_idx = i_bh % (H // G)
@@ -98,46 +98,18 @@ def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, m_ref, o_ref, lse_
 
         return jax.lax.fori_loop(tlo, jnp.maximum(thi, tlo), body, carry)
 
-    if fold:
-        # split s takes units [lo, hi) of the nbp prefix blocks followed by the nbt tree blocks: every
-        # split has the same number of blocks (the tree part rides on the last splits)
-        per = pl.cdiv(nbp + nbt, n_split)
-        lo = s * per
-        hi = jnp.minimum(lo + per, nbp + nbt)
-        carry = prefix_loop(lo, jnp.minimum(hi, nbp), init)
-        acc, m, l = tree_loop(jnp.maximum(lo - nbp, 0), hi - nbp, carry)
-    elif n_split > 0:
-        # splits s < n_split: a prefix slice each; split n_split: the tree rows
-        cb = pl.cdiv(pl.cdiv(start, n_split), bk)
-        acc, m, l = jax.lax.cond(s == n_split, lambda: tree_loop(0, nbt, init),
-                                 lambda: prefix_loop(s * cb, jnp.minimum((s + 1) * cb, nbp), init))
-    else:
-        acc, m, l = tree_loop(0, nbt, init)
+    # split s takes units [lo, hi) of the nbp prefix blocks followed by the nbt tree blocks: every split
+    # has the same number of blocks (the tree part rides on the last splits)
+    per = pl.cdiv(nbp + nbt, n_split)
+    lo = s * per
+    hi = jnp.minimum(lo + per, nbp + nbt)
+    carry = prefix_loop(lo, jnp.minimum(hi, nbp), init)
+    acc, m, l = tree_loop(jnp.maximum(lo - nbp, 0), hi - nbp, carry)
     safe_l = jnp.where(l > 0, l, 1.0)
     o = acc / safe_l[:, None]
     lse = jnp.where(l > 0, m + jnp.log(safe_l), -jnp.inf)
     pltr.store(o_ref.at[orow[:, None], cols[None, :]], o.astype(o_ref.dtype), mask=row_ok[:, None])
     pltr.store(lse_ref.at[orow], lse, mask=row_ok)
-
-
-def _merge_kernel(o_ref, lse_ref, out_ref, *, P: int, rows: int, mb: int):
-    """One program per mb rows of [T·H]: o = Σ_p w_p o_p with w_p = exp(lse_p − max) / Σ (the P split
-    partials in one pass; rows whose every split is empty give 0)."""
-    f32 = jnp.float32
-    start = pl.multiple_of(pl.program_id(1) * mb, mb)
-    sl = pl.ds(start, mb)
-    ok = start + jnp.arange(mb) < rows
-    lse = [pltr.load(lse_ref.at[jnp.int32(p), sl], mask=ok, other=-jnp.inf) for p in range(P)]
-    mx = functools.reduce(jnp.maximum, lse)
-    mx = jnp.where(mx > -jnp.inf, mx, 0.0)
-    acc = jnp.zeros((mb, out_ref.shape[-1]), f32)
-    den = jnp.zeros((mb,), f32)
-    for p in range(P):
-        w = jnp.exp(lse[p] - mx)
-        den = den + w
-        acc = acc + w[:, None] * pltr.load(o_ref.at[jnp.int32(p), sl, :], mask=ok[:, None], other=0.0).astype(f32)
-    o = acc / jnp.maximum(den, 1e-30)[:, None]
-    pltr.store(out_ref.at[sl, :], o.astype(out_ref.dtype), mask=ok[:, None])
 
 
 def default_split(B: int, hkv: int, n_rb: int, S: int, bk: int, target_programs: int) -> int:
@@ -147,22 +119,16 @@ def default_split(B: int, hkv: int, n_rb: int, S: int, bk: int, target_programs:
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_m", "block_k", "n_split", "num_warps",
-                                             "num_stages", "partial_dtype", "fold", "target_programs",
-                                             "merge", "merge_block", "merge_warps"))
+                                             "num_stages", "partial_dtype", "target_programs"))
 def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret: bool = False,
                    block_m: int | None = None, block_k: int = 64, n_split: int | None = None,
                    num_warps: int | None = None, num_stages: int | None = None, partial_dtype=None,
-                   fold: bool = True, target_programs: int | None = None, merge: str = "xla",
-                   merge_block: int = 32, merge_warps: int = 4):
+                   target_programs: int | None = None):
     """q [B,T,H,hd]; k/v_cache [B,Hkv,S,hd]; start int32 scalar; k/v_new [B,N,Hkv,hd]; mask [B,T,N] bool
     -> [B,T,H,hd] (q.dtype). Same as `tree_attention_reference`.
 
-    fold=True: the grid is (B·Hkv, row blocks, n_split) and split s takes an equal share of the
-    (prefix blocks + tree blocks) sequence; fold=False: the older layout (n_split prefix splits sized
-    from the prefix, plus one split for the tree rows).
-
-    merge="xla": the split partials are combined by jnp (a few small XLA kernels); merge="pallas": by one
-    small Pallas kernel (`_merge_kernel`, merge_block rows per program, merge_warps warps)."""
+    The grid is (B·Hkv, row blocks, n_split) and split s takes an equal share of the (prefix blocks +
+    tree blocks) sequence; the split partials are combined by jnp (a few small XLA kernels)."""
     B, T, H, hd = q.shape
     hkv, S = k_cache.shape[1], k_cache.shape[2]
     N = k_new.shape[1]
@@ -173,30 +139,17 @@ def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret:
     if hdp != hd:  # tiny test shapes only: zero features change no logit
         q, k_cache, v_cache, k_new, v_new = (pad_axis(x, 3, hdp) for x in (q, k_cache, v_cache, k_new, v_new))
     decode_like = R <= 16
-    if fold:
-        # defaults measured on the H200 at 27B shapes (hd 256, see benchmarks/results/kernels_h200.json)
-        bm = block_m or (16 if decode_like else 128)
-        nw = num_warps or (4 if bm <= 64 else 8)
-        nst = num_stages or 2
-        target = target_programs or 132
-    else:  # the earlier defaults: 64x64 tiles, 4 warps, 1 stage, ~224 programs (verify)
-        bm = block_m or max(16, min(64, next_pow2(R)))
-        nw = num_warps or 4
-        nst = num_stages or (2 if decode_like else 1)
-        target = target_programs or (132 if decode_like else 224)
+    # defaults measured on the H200 at 27B shapes (hd 256, see benchmarks/results/kernels_h200.json)
+    bm = block_m or (16 if decode_like else 128)
+    nw = num_warps or (4 if bm <= 64 else 8)
+    nst = num_stages or 2
+    target = target_programs or 132
     bk = min(block_k, max(16, next_pow2(S)))
     if S % bk:  # tiny test shapes only
         k_cache, v_cache = pad_axis(k_cache, 2, S + (-S) % bk), pad_axis(v_cache, 2, S + (-S) % bk)
     Sp = k_cache.shape[2]
     n_rb = -(-R // bm)
-    if fold:
-        ns = n_split or default_split(B, hkv, n_rb, Sp + N, bk, target)
-        n_prog = ns
-    else:
-        ns = default_split(B, hkv, n_rb, Sp, bk, target) if n_split is None else n_split
-        if n_split is None:  # the earlier rounding (up)
-            ns = int(max(1, min(-(-target // (B * hkv * n_rb)), max(1, Sp // bk))))
-        n_prog = ns + 1
+    ns = n_split or default_split(B, hkv, n_rb, Sp + N, bk, target)
     exact = q.dtype == jnp.float32
     pdt = jnp.float32 if exact else (partial_dtype or q.dtype)  # bf16 partials halve the merge traffic
 
@@ -204,10 +157,10 @@ def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret:
     start_arr = jnp.asarray(start, jnp.int32).reshape(1)
     mask_i8 = mask.astype(jnp.int8)
     kern = functools.partial(_kernel, T=T, H=H, G=G, N=N, bm=bm, bk=bk, n_split=ns, scale=scale,
-                             exact=exact, fold=fold)
+                             exact=exact)
     o_p, lse_p = pl.pallas_call(
         kern,
-        grid=(B * hkv, n_rb, n_prog),
+        grid=(B * hkv, n_rb, ns),
         in_specs=[
             pl.BlockSpec((1,), lambda i, rb, s: (0,)),  # start
             pl.BlockSpec((None, T * H, hdp), lambda i, rb, s: (i // hkv, 0, 0)),  # q rows
@@ -222,30 +175,13 @@ def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret:
             pl.BlockSpec((None, None, T * H + bm), lambda i, rb, s: (s, i // hkv, 0)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((n_prog, B, T * H + bm, hdp), pdt),
-            jax.ShapeDtypeStruct((n_prog, B, T * H + bm), jnp.float32),
+            jax.ShapeDtypeStruct((ns, B, T * H + bm, hdp), pdt),
+            jax.ShapeDtypeStruct((ns, B, T * H + bm), jnp.float32),
         ],
         compiler_params=compiler_params(nw, nst),
         interpret=interpret,
         name="tree_attention",
     )(start_arr, q2, k_cache, v_cache, k_new, v_new, mask_i8)
-    if merge == "pallas":
-        mb = merge_block
-        assert mb >= 16 and mb & (mb - 1) == 0, mb
-        TH = T * H
-        o = pl.pallas_call(
-            functools.partial(_merge_kernel, P=n_prog, rows=TH, mb=mb),
-            grid=(B, -(-TH // mb)),
-            in_specs=[pl.BlockSpec((n_prog, None, T * H + bm, hdp), lambda b, i: (0, b, 0, 0)),
-                      pl.BlockSpec((n_prog, None, T * H + bm), lambda b, i: (0, b, 0))],
-            out_specs=pl.BlockSpec((None, TH, hdp), lambda b, i: (b, 0, 0)),
-            out_shape=jax.ShapeDtypeStruct((B, TH, hdp), q.dtype),
-            compiler_params=compiler_params(merge_warps, 1),
-            interpret=interpret,
-            name="tree_attention_merge",
-        )(o_p, lse_p)
-        return o.reshape(B, T, H, hdp)[..., :hd]
-    assert merge == "xla", merge
     # merge the split partials by log-sum-exp: o = Σ_p w_p o_p with w_p = exp(lse_p − lse)
     o_p, lse_p = o_p[:, :, :T * H], lse_p[:, :, :T * H]
     mx = jnp.max(lse_p, axis=0)

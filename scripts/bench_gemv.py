@@ -134,24 +134,23 @@ SHAPES = dict(SHAPES_27B, w_ba=(5120, 96))
 
 
 def variants_for(M, K, N):
-    """≤ 8 Pallas variants: {name: kwargs} ({} = the default heuristic)."""
+    """≤ 6 Pallas variants: {name: kwargs} ({} = the default heuristic: split-K to 4 programs/SM; tp2x is
+    the earlier 2/SM). The CUDA-core FMA kernel (0.5-0.6x of these at M = 1, gemv_h200.json) is gone."""
     big = K * N >= 256 << 20  # lm_head: fewer
     d = dn.default_config(M, K, N)
     if M == 1:
         v = {  # most likely winners first (the budget may cut the tail)
             "default": {},
-            "fma_bn128_bk32_w4_s4": dict(mode="fma", block_n=128, block_k=32, num_warps=4, num_stages=4),
             "dot_bn256_bk64_w4_s4": dict(block_n=256, block_k=64, num_warps=4, num_stages=4),
             "dot_bn128_bk128_w4_s4": dict(block_n=128, block_k=128, num_warps=4, num_stages=4),
-            "dot_default_tp4x": dict(target_programs=4 * dn.N_SM),
-            "fma_bn256_bk16_w4_s5": dict(mode="fma", block_n=256, block_k=16, num_warps=4, num_stages=5),
+            "dot_default_tp2x": dict(target_programs=2 * dn.N_SM),
             "dot_bn64_bk256_w4_s3": dict(block_n=64, block_k=256, num_warps=4, num_stages=3),
             "dot_nosplit_bn64_bk128_w4_s4": dict(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4),
         }
         if big:
-            v = {k: v[k] for k in ("default", "dot_bn256_bk64_w4_s4", "fma_bn128_bk32_w4_s4", "dot_bn128_bk128_w4_s4")}
+            v = {k: v[k] for k in ("default", "dot_bn256_bk64_w4_s4", "dot_bn128_bk128_w4_s4")}
         if d["split_k"] == 1 and not big:  # split-K variants would equal the default
-            v.pop("dot_default_tp4x")
+            v.pop("dot_default_tp2x")
     else:
         v = {
             "default": {},
@@ -159,7 +158,7 @@ def variants_for(M, K, N):
             "dot_bn128_bk128_w8_s3": dict(block_n=128, block_k=128, num_warps=8, num_stages=3),
             "dot_bn128_bk64_w4_s4": dict(block_n=128, block_k=64, num_warps=4, num_stages=4),
             "dot_bn256_bk64_w8_s3": dict(block_n=256, block_k=64, num_warps=8, num_stages=3),
-            "dot_default_tp4x": dict(target_programs=4 * dn.N_SM),
+            "dot_default_tp2x": dict(target_programs=2 * dn.N_SM),
         }
     return v
 

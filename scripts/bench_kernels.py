@@ -2,7 +2,7 @@
 
     PYTHONUNBUFFERED=1 python scripts/bench_kernels.py --out $OUT/kernels.json [--sections tree,attn,decode,prefill]
     JAX_PLATFORMS=cpu python scripts/bench_kernels.py --dry     # tiny shapes, interpret mode: checks the script
-    --round 4|5 picks the variant lists of the tree / attn sections (default 5: gram="xla", o_phase, merge="pallas")
+    --select REGEX runs only the variants whose 'section:variant' matches (the reference always runs)
 
 Per kernel and tuning variant (the reference first):
   * rel_err = ||out − ref|| / ||ref|| vs the jnp reference on fresh random inputs (q,k l2-normalised,
@@ -115,7 +115,6 @@ def errs(pairs):
     return {n: float(f"{rel_err(a, b):.3g}") for n, a, b in pairs}
 
 
-ROUND = 5  # --round: which variant lists (4: the round-4 sweep, 5: gram / o_phase / Pallas merge)
 SELECT = None  # --select REGEX: only variants whose name matches (the reference always runs)
 
 
@@ -193,37 +192,17 @@ def section_tree(deadline):
         layers.append((q, k, v, g, beta, mask, state))
     layers = jax.device_put(layers)
     ref0 = [np.asarray(x) for x in jax.jit(gdn_tree.gdn_masked_block_reference)(*layers[0])]
-    P = lambda prec, **kw: dict(kw, precision=prec)
-    # round 4 (2026-11-29): head block solved in one piece (bh rows; the rest in 16-row blocks),
-    # hand bf16x3 with operands split once ("bf16x3m"), optional static max_depth (md)
+    # tuning neighbours of the default (head block 128, bv 64, 8 warps, bf16x3m, grams by XLA); rounds 4-5
+    # (2026-11-29) are in the gdn_tree docstring and benchmarks/results/kernels{,5}_h200.json
     variants = {
         "xla_reference": None,
-        "old_default_bh16_bv64_bf16x3": P("bf16x3", head_block=16, block_v=64, num_warps=4),
         "default": {},
-        "bh128_md16_w8": dict(head_block=128, max_depth=16, num_warps=8),
-        "bh128_bv128_w8": dict(block_v=128),
-        "bh128_w16": dict(num_warps=16),
-        "bh64_w8": dict(head_block=64),
-        "bh128_bv32_w8": dict(block_v=32),
-        "bh128_tf32": P("tf32"),
+        "md16": dict(max_depth=16),  # the model passes max_depth (the drafter's block size)
+        "bv32": dict(block_v=32),
+        "bv128": dict(block_v=128),
+        "bh64": dict(head_block=64),
+        "tf32": dict(precision="tf32"),
     }
-    if ROUND == 5:
-        # round 5: gram="xla" (K Kᵀ, Q Kᵀ once per key head by one batched fp32 XLA dot, read by the
-        # kernel: no gram products in the 96 programs), o_phase (W/G kernel + a fully parallel output
-        # kernel), and their mixes with dv tiles (bv 128: the solve once per value head)
-        variants = {
-            "xla_reference": None,
-            "default": {},
-            "gram_xla": dict(gram="xla"),
-            "gram_xla_bv32": dict(gram="xla", block_v=32),
-            "gram_xla_bv128": dict(gram="xla", block_v=128),
-            "gram_xla_md16": dict(gram="xla", max_depth=16),
-            "ophase": dict(o_phase=True),
-            "gram_xla_ophase": dict(gram="xla", o_phase=True),
-            "gram_xla_ophase_bv128_obv64": dict(gram="xla", o_phase=True, block_v=128, o_block_v=64),
-            "gram_xla_ophase_ob128_w8": dict(gram="xla", o_phase=True, o_block=128, o_num_warps=8),
-            "gram_xla_bh64": dict(gram="xla", head_block=64),
-        }
     make = lambda kw: (gdn_tree.gdn_masked_block_reference if kw is None
                        else functools.partial(gdn_tree.gdn_masked_block, **kw, **IKW()))
     recs, best = evaluate("tree", variants, make, layers[0], lambda out: errs(zip("oWG", out, ref0)), deadline,
@@ -335,7 +314,7 @@ def section_prefill(deadline):
 
 
 def main():
-    global ROUND, DRY, HK, HV, DK, DV, H, HKV, HD, GDN_LAYERS, ATTN_LAYERS, TREE_N, PREFIX, PREFILL_T, SELECT
+    global DRY, HK, HV, DK, DV, H, HKV, HD, GDN_LAYERS, ATTN_LAYERS, TREE_N, PREFIX, PREFILL_T, SELECT
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="")
     ap.add_argument("--sections", default="tree,attn,decode,prefill")
@@ -343,9 +322,8 @@ def main():
     ap.add_argument("--budget-scale", type=float, default=1.0)
     ap.add_argument("--select", default=None, help="regex on 'section:variant' (the reference always runs)")
     ap.add_argument("--no-decode-attn", action="store_true")
-    ap.add_argument("--round", type=int, default=5, choices=(4, 5))
     args = ap.parse_args()
-    SELECT, ROUND = args.select, args.round
+    SELECT = args.select
     if args.dry:
         DRY = True
         HK, HV, DK, DV, H, HKV, HD = 1, 3, 16, 32, 4, 2, 16
@@ -363,39 +341,24 @@ def main():
             if sec == "tree":
                 section_tree(deadline)
             elif sec == "attn":
+                # tuning neighbours of the default (128x64 tiles, 8 warps, 2 stages, splits for ~132
+                # programs, jnp merge); rounds 4-5 are in the tree_attention docstring
                 attn_variants = {
                     "xla_reference": None,
-                    # round 4: fold=True (tree blocks ride on the splits, equal shares), bm 128 w8
-                    "old_default_fold0": dict(fold=False),
                     "default": {},
-                    "bm128_w8_s1": dict(num_stages=1),
-                    "bm128_w8_s2_ns6": dict(n_split=6),
-                    "bm128_w8_s2_ns10": dict(n_split=10),
-                    "bm128_bk32_w8_s3": dict(block_k=32, num_stages=3),
-                    "bm64_bk32_w4_s2_ns9": dict(block_m=64, block_k=32, num_warps=4, num_stages=2, n_split=9),
+                    "s1": dict(num_stages=1),
+                    "ns6": dict(n_split=6),
+                    "ns12": dict(n_split=12),
+                    "bk32_s3": dict(block_k=32, num_stages=3),
                     "bm64_bk32_w4_s3_ns9": dict(block_m=64, block_k=32, num_warps=4, num_stages=3, n_split=9),
                 }
-                if ROUND == 5:  # round 5: the split partials merged by one small Pallas kernel
-                    M = lambda **kw: dict(kw, merge="pallas")
-                    attn_variants = {
-                        "xla_reference": None,
-                        "default": {},
-                        "merge_pallas": M(),
-                        "merge_pallas_mb64_w8": M(merge_block=64, merge_warps=8),
-                        "merge_pallas_mb16_w2": M(merge_block=16, merge_warps=2),
-                        "merge_pallas_ns12": M(n_split=12),
-                        "merge_pallas_ns16": M(n_split=16),
-                        "merge_pallas_ns6": M(n_split=6),
-                    }
                 recs, best = section_attn(TREE_N, attn_variants, "tree_attn", deadline)
                 RESULTS["tree_attention"] = recs
                 summarize("tree_attention", recs, best, ATTN_LAYERS, str(TREE_N))
                 save(args.out)
                 if args.no_decode_attn:
                     continue
-                recs1, best1 = section_attn(1, {"xla_reference": None, "default": {},
-                                                "old_default_fold0": dict(fold=False),
-                                                "merge_pallas": dict(merge="pallas")},
+                recs1, best1 = section_attn(1, {"xla_reference": None, "default": {}, "s1": dict(num_stages=1)},
                                             "decode_attn", time.perf_counter() + BUDGET["decode_attn"] * args.budget_scale)
                 RESULTS["decode_attention"] = recs1
                 summarize("decode_attention", recs1, best1, ATTN_LAYERS, "1")

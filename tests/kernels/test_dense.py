@@ -44,11 +44,11 @@ def test_signature_matches_reference():
 CASES = [
     (1, 512, 384, {}),  # default: split-K
     (1, 512, 384, dict(split_k=1)),
-    (1, 512, 384, dict(mode="fma", block_n=128, block_k=32)),
-    (1, 512, 384, dict(mode="fma", block_n=256, block_k=16, split_k=4)),
+    (1, 512, 384, dict(block_n=128, block_k=32)),
+    (1, 512, 384, dict(block_n=256, block_k=16, split_k=4)),
     (1, 512, 384, dict(block_n=256, block_k=64)),
     (1, 300, 96, dict(block_k=32, split_k=4)),  # K and N not multiples of the blocks
-    (1, 320, 200, dict(mode="fma", block_n=64, block_k=64, split_k=3)),
+    (1, 320, 200, dict(block_n=64, block_k=64, split_k=3)),
     (65, 320, 200, dict(block_n=64, block_k=64, split_k=3)),
     (65, 256, 384, {}),
     (17, 128, 128, {}),
@@ -76,7 +76,7 @@ def test_dense_leading_dims():
     assert _rel(out.reshape(6, 128), dn.dense_reference(x, w)) < 1e-2
 
 
-@pytest.mark.parametrize("kw", [{}, dict(mode="fma", block_k=32, split_k=2)])
+@pytest.mark.parametrize("kw", [{}, dict(block_k=32, split_k=2)])
 def test_dense_fp32_exactish(kw):
     x, w = _inputs(1, 384, 200, dtype=jnp.float32, seed=1)
     out = dn.dense(x, w, interpret=True, **kw)

@@ -78,8 +78,7 @@ def test_head_block_sizes_match_reference(kw):
         assert rel_err(a, b) < TOL, (name, rel_err(a, b))
 
 
-@pytest.mark.parametrize("kw", [{}, dict(gram="xla"), dict(gram="xla", o_phase=True, o_block=16)])
-def test_bf16x3m_split_products(monkeypatch, kw):
+def test_bf16x3m_split_products(monkeypatch):
     """The hand bf16x3 path (operands split once into bf16 hi/lo) run in interpret mode: ~1e-5."""
     from kernels_pallas import _common
     monkeypatch.setattr(gdn_tree, "matmul_fns", lambda p, interpret: _common.matmul_fns(p, False))
@@ -87,22 +86,20 @@ def test_bf16x3m_split_products(monkeypatch, kw):
     mask, valid = random_tree_mask(np.random.default_rng(3), B, N, 2)
     q, k, v, g, beta, state = gdn_inputs(jax.random.PRNGKey(3), B, N, 1, 2, 32, 32, valid=valid)
     out = gdn_tree.gdn_masked_block(q, k, v, g, beta, mask, state, interpret=True, precision="bf16x3m",
-                                    head_block=32, **kw)
+                                    head_block=32)
     ref = gdn_tree.gdn_masked_block_reference(q, k, v, g, beta, mask, state)
     for name, a, b in zip(("o", "W", "G"), out, ref):
         assert rel_err(a, b) < 5e-5, (name, rel_err(a, b))
 
 
 @pytest.mark.parametrize("N,max_depth,n_pad,kw", [
-    (37, None, 3, dict(gram="xla")),  # grams from XLA, head block 64 past N
-    (45, 16, 4, dict(gram="xla", head_block=16, block_v=16)),  # grams in head + tail blocks (contrib)
-    (40, None, 2, dict(o_phase=True)),  # W/G kernel + output kernel, in-kernel grams
-    (45, 16, 4, dict(o_phase=True, head_block=16, o_block=16, o_block_v=16)),  # tails, 3 output row blocks
-    (50, 8, 3, dict(gram="xla", o_phase=True, head_block=32, block_v=16, o_block=32)),  # both
+    (37, None, 3, {}),  # head block 64 past N
+    (45, 16, 4, dict(head_block=16, block_v=16)),  # grams read in head + tail blocks (contrib)
+    (50, 8, 3, dict(head_block=32, block_v=16)),
 ])
-def test_gram_and_output_phase_match_reference(N, max_depth, n_pad, kw):
-    """gram="xla" (K Kᵀ, Q Kᵀ per key head from one XLA dot) and o_phase (separate output kernel), on
-    random trees (deep: random parents; shallow: ≤ max_depth nodes per path) with padding rows, GQA 3."""
+def test_key_grams_gqa_match_reference(N, max_depth, n_pad, kw):
+    """K Kᵀ, Q Kᵀ per key head (one XLA dot, shared by its value heads) with GQA 3, on random trees
+    (deep: random parents; shallow: ≤ max_depth nodes per path) with padding rows."""
     rng = np.random.default_rng(N + 1)
     if max_depth:
         mask, valid = _shallow_tree(rng, N, max_depth, n_pad=n_pad)
@@ -137,11 +134,9 @@ def _structs(B=1, N=65, Hk=16, Hv=48, dk=128, dv=128):
                                   (65, dict(head_block=128, max_depth=16, num_warps=8)),
                                   (65, dict(precision="bf16x3", head_block=16)),
                                   (65, dict(precision="tf32", block_v=32)), (65, dict(precision="tf32x3m")),
-                                  (65, dict(gram="xla")), (65, dict(gram="xla", block_v=32)),
-                                  (65, dict(gram="xla", head_block=64)), (128, dict(gram="xla", head_block=64)),
-                                  (65, dict(o_phase=True)), (65, dict(gram="xla", o_phase=True)),
-                                  (65, dict(gram="xla", o_phase=True, o_block=128, o_block_v=32, o_num_warps=8)),
-                                  (65, dict(gram="xla", o_phase=True, block_v=128))])
+                                  (65, dict(precision="mixed")),
+                                  (65, dict(block_v=32)), (65, dict(block_v=128)), (65, dict(precision="tf32")),
+                                  (65, dict(head_block=64)), (128, dict(head_block=64))])
 def test_lowers_for_h200_at_27b_shapes(N, kw):
     txt = lower_for_h200(functools.partial(gdn_tree.gdn_masked_block, **kw), *_structs(N=N))
     assert "__gpu$xla.gpu.triton" in txt

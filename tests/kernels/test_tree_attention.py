@@ -25,13 +25,6 @@ def test_signature_matches_reference():
     (1, 13, 6, 2, 32, 192, 150, jnp.bfloat16, dict(block_k=32, block_m=16)),  # bf16, several blocks
     (1, 21, 4, 1, 16, 256, 200, jnp.float32, dict(block_k=16, block_m=32, n_split=5)),  # tree rows split
     (1, 21, 4, 1, 16, 256, 200, jnp.float32, dict(block_k=16, n_split=40)),  # more splits than blocks
-    (2, 11, 4, 2, 16, 100, 37, jnp.float32, dict(fold=False)),  # the earlier layout
-    (1, 9, 6, 2, 24, 128, 0, jnp.float32, dict(fold=False, n_split=3)),
-    # the Pallas merge of the split partials: padding rows, empty prefix, bf16, row count not a multiple
-    (2, 11, 4, 2, 16, 100, 37, jnp.float32, dict(merge="pallas")),
-    (1, 9, 6, 2, 24, 128, 0, jnp.float32, dict(n_split=3, merge="pallas", merge_block=16)),
-    (1, 13, 6, 2, 32, 192, 150, jnp.bfloat16, dict(block_k=32, block_m=16, merge="pallas")),
-    (1, 21, 4, 1, 16, 256, 200, jnp.float32, dict(block_k=16, n_split=40, merge="pallas", merge_block=64)),
 ])
 def test_tree_matches_reference(B, T, H, Hkv, hd, S, start, dtype, kw):
     args = attention_inputs(jax.random.PRNGKey(T + S), np.random.default_rng(T), B, T, H, Hkv, hd, S, start,
@@ -63,11 +56,14 @@ def _structs(T, N, S):
 
 @pytest.mark.parametrize("T,N,S,kw", [(65, 65, 4096 + 64, {}), (1, 1, 8192, {}), (128, 128, 32768, {}),
                                       (65, 65, 4096 + 64, dict(block_m=64, num_warps=4)),
-                                      (65, 65, 4096 + 64, dict(fold=False)),
                                       (65, 65, 4096 + 64, dict(block_m=128, num_stages=2, n_split=8)),
-                                      (65, 65, 4096 + 64, dict(merge="pallas")),
-                                      (65, 65, 4096 + 64, dict(merge="pallas", merge_block=64, merge_warps=8)),
-                                      (1, 1, 8192, dict(merge="pallas"))])
+                                      # the bench sweep (scripts/bench_kernels.py)
+                                      (65, 65, 4096 + 64, dict(num_stages=1)),
+                                      (65, 65, 4096 + 64, dict(n_split=6)), (65, 65, 4096 + 64, dict(n_split=12)),
+                                      (65, 65, 4096 + 64, dict(block_k=32, num_stages=3)),
+                                      (65, 65, 4096 + 64, dict(block_m=64, block_k=32, num_warps=4, num_stages=3,
+                                                               n_split=9)),
+                                      (1, 1, 8192, dict(num_stages=1))])
 def test_lowers_for_h200_at_27b_shapes(T, N, S, kw):
     txt = lower_for_h200(functools.partial(ta.tree_attention, **kw), *_structs(T, N, S))
     assert "__gpu$xla.gpu.triton" in txt
