@@ -22,6 +22,7 @@ arrays.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -179,13 +180,14 @@ class PartialWriter:
 
 # --------------------------------------------------------------------------------------------- restoring
 # Restore reads the orbax checkpoint's bytes directly ("direct reader"): tensorstore's public
-# `ts.ocdbt.dump` lists the OCDBT B+tree (array name -> zarr.json + the data file, offset and length of its
-# one chunk), and every array is read with positioned reads straight into its final, 64-byte aligned
-# numpy buffer (large arrays in 32 MiB pieces, several threads), i.e. one copy from the page cache / disk,
-# with no decode or re-copy. On accelerators each array is `device_put` as soon as it is read (transfers
+# `ts.ocdbt.dump` lists the OCDBT B+tree (array name -> zarr.json + the data file, offset and length of each
+# chunk: one per array up to orbax's 2 GiB chunk limit, several along the largest axis past it), and every
+# array is read with positioned reads straight into its final, 64-byte aligned numpy buffer (large arrays in
+# 32 MiB pieces, several threads), i.e. one copy from the page cache / disk, with no decode or re-copy
+# (chunks split along a trailing axis go through one scratch buffer). On accelerators each array is `device_put` as soon as it is read (transfers
 # overlap the reads; at most RESTORE_WINDOW bytes of host buffers in flight); on CPU one batched
-# `device_put` adopts them. Anything this reader does not recognise (another zarr codec chain, chunked
-# arrays, an OCDBT/tensorstore representation it does not know) falls back to `ocp.load`, which reads
+# `device_put` adopts them. Anything this reader does not recognise (another zarr codec chain, compressed
+# or multi-chunk shards, an OCDBT/tensorstore representation it does not know) falls back to `ocp.load`, which reads
 # every orbax checkpoint; so does JAXDDTREE_RESTORE=orbax. `last_restore` records which reader ran.
 READER_ENV = "JAXDDTREE_RESTORE"
 PIECE_BYTES = 32 << 20
@@ -211,43 +213,55 @@ def _crc32c(data: bytes) -> int:
 
 
 class _Entry:
-    """One array of the checkpoint: shape, numpy dtype, fill value, and where its single chunk (a zarr3
-    shard: data + _INDEX_BYTES index) is: None (never written: all fill), bytes (inlined in the B+tree) or
-    (data file, offset, length)."""
-    __slots__ = ("name", "shape", "dtype", "fill", "src")
+    """One array of the checkpoint: shape, numpy dtype, fill value, its zarr chunk shape, and where each of its
+    chunks (a zarr3 shard of one inner chunk: data + _INDEX_BYTES index) is: `chunks` = [(grid index, src)],
+    src None (never written: all fill), bytes (inlined in the B+tree) or (data file, offset, length). orbax
+    writes one chunk per array up to its chunk byte limit and splits larger arrays along their largest axis."""
+    __slots__ = ("name", "shape", "dtype", "fill", "chunk_shape", "chunks")
 
-    def __init__(self, name, shape, dtype, fill, src):
-        self.name, self.shape, self.dtype, self.fill, self.src = name, shape, dtype, fill, src
+    def __init__(self, name, shape, dtype, fill, chunk_shape, chunks):
+        self.name, self.shape, self.dtype, self.fill = name, shape, dtype, fill
+        self.chunk_shape, self.chunks = chunk_shape, chunks
 
     @property
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
+    @property
+    def chunk_nbytes(self) -> int:
+        return int(np.prod(self.chunk_shape, dtype=np.int64)) * self.dtype.itemsize
 
-def _array_spec(name: str, zarr_json: bytes) -> tuple[tuple, np.dtype, float]:
-    """(shape, dtype, fill) of an array whose zarr.json the direct reader understands: one chunk covering
-    the whole array, stored as a sharding_indexed shard of raw little-endian bytes with a crc32c'd index at
-    the end (what orbax writes without compression). _Unsupported otherwise."""
+    def region(self, idx: tuple) -> tuple[slice, ...]:
+        """The part of the array that chunk `idx` covers (edge chunks are stored full-size, zarr style)."""
+        return tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(idx, self.chunk_shape, self.shape))
+
+
+def _array_spec(name: str, zarr_json: bytes) -> tuple[tuple, np.dtype, float, tuple]:
+    """(shape, dtype, fill, chunk shape) of an array whose zarr.json the direct reader understands: a regular
+    chunk grid whose chunks are each one sharding_indexed shard of ONE inner chunk of raw little-endian bytes
+    with a crc32c'd index at the end (what orbax writes without compression). _Unsupported otherwise."""
     try:
         z = json.loads(zarr_json)
         shape = tuple(int(n) for n in z["shape"])
         dtype = np_dtype(z["data_type"])  # ValueError unless bfloat16 / float32
         fill = float(z.get("fill_value") or 0.0)
-        ok = (z.get("zarr_format") == 3 and z.get("node_type") == "array"
-              and z["chunk_grid"] == {"name": "regular", "configuration": {"chunk_shape": list(shape)}}
+        grid = z["chunk_grid"]
+        cs = tuple(int(n) for n in grid["configuration"]["chunk_shape"])
+        ok = (z.get("zarr_format") == 3 and z.get("node_type") == "array" and grid["name"] == "regular"
+              and len(cs) == len(shape) and all(c > 0 for c in cs)
               and z.get("chunk_key_encoding", {}).get("name") == "default"
               and z.get("chunk_key_encoding", {}).get("configuration", {}).get("separator", "/") == "/")
         codecs = z["codecs"]
         ok = ok and len(codecs) == 1 and codecs[0]["name"] == "sharding_indexed"
         c = codecs[0]["configuration"]
         little = {"name": "bytes", "configuration": {"endian": "little"}}
-        ok = (ok and c["chunk_shape"] == list(shape) and c["codecs"] == [little]
+        ok = (ok and tuple(c["chunk_shape"]) == cs and c["codecs"] == [little]
               and c["index_codecs"] == [little, {"name": "crc32c"}] and c.get("index_location", "end") == "end")
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise _Unsupported(f"{name}: zarr.json not understood ({type(e).__name__}: {e})") from None
     if not ok:
         raise _Unsupported(f"{name}: zarr layout not handled by the direct reader")
-    return shape, dtype, fill
+    return shape, dtype, fill, cs
 
 
 def _layout(params_dir: str) -> dict[tuple, _Entry]:
@@ -293,29 +307,34 @@ def _layout(params_dir: str) -> dict[tuple, _Entry]:
         zj = leaves.get(f"{name}/zarr.json".encode())
         if not isinstance(zj, (bytes, bytearray)):
             raise _Unsupported(f"{name}: zarr.json missing or not inline")
-        shape, dtype, fill = _array_spec(name, bytes(zj))
-        chunk = leaves.get(("/".join([name, "c"] + ["0"] * len(shape))).encode())
-        if isinstance(chunk, str):
-            m = re.fullmatch(r"value:([^:]*):([^:]*):([0-9]+):([0-9]+)", chunk)
-            if not m or not _SAFE_PATH.match(m[1] + m[2]):
-                raise _Unsupported(f"{name}: chunk location {chunk!r} not understood")
-            rel = unquote(m[1]) + unquote(m[2])
-            if ".." in rel.split("/") or rel.startswith("/"):
-                raise _Unsupported(f"{name}: chunk location {chunk!r} not understood")
-            chunk = (os.path.join(state, rel), int(m[3]), int(m[4]))
-        elif chunk is not None:
-            chunk = bytes(chunk)
-        out[path] = _Entry(name, shape, dtype, fill, chunk)
+        shape, dtype, fill, cs = _array_spec(name, bytes(zj))
+        chunks = []
+        for idx in itertools.product(*(range(-(-n // c)) for n, c in zip(shape, cs))):
+            key = "/".join([name, "c"] + [str(i) for i in idx])
+            chunk = leaves.get(key.encode())
+            if isinstance(chunk, str):
+                m = re.fullmatch(r"value:([^:]*):([^:]*):([0-9]+):([0-9]+)", chunk)
+                if not m or not _SAFE_PATH.match(m[1] + m[2]):
+                    raise _Unsupported(f"{key}: chunk location {chunk!r} not understood")
+                rel = unquote(m[1]) + unquote(m[2])
+                if ".." in rel.split("/") or rel.startswith("/"):
+                    raise _Unsupported(f"{key}: chunk location {chunk!r} not understood")
+                chunk = (os.path.join(state, rel), int(m[3]), int(m[4]))
+            elif chunk is not None:
+                chunk = bytes(chunk)
+            chunks.append((idx, chunk))
+        out[path] = _Entry(name, shape, dtype, fill, cs, chunks)
     return out
 
 
-def _check_index(e: _Entry, index: bytes) -> None:
-    """The shard's index must say: one inner chunk at offset 0 of e.nbytes bytes (crc32c-checked)."""
+def _check_index(e: _Entry, idx: tuple, index: bytes) -> None:
+    """A shard's index must say: one inner chunk at offset 0 of e.chunk_nbytes bytes (crc32c-checked)."""
     if len(index) != _INDEX_BYTES or _crc32c(index[:16]).to_bytes(4, "little") != index[16:]:
-        raise _Unsupported(f"{e.name}: shard index checksum mismatch")
+        raise _Unsupported(f"{e.name}: shard index checksum mismatch (chunk {idx})")
     off, n = int.from_bytes(index[:8], "little"), int.from_bytes(index[8:16], "little")
-    if (off, n) != (0, e.nbytes):
-        raise _Unsupported(f"{e.name}: shard index ({off}, {n}) is not one raw chunk of {e.nbytes} bytes")
+    if (off, n) != (0, e.chunk_nbytes):
+        raise _Unsupported(f"{e.name}: shard index ({off}, {n}) of chunk {idx} is not one raw chunk of "
+                           f"{e.chunk_nbytes} bytes")
 
 
 def _empty(e: _Entry) -> np.ndarray:
@@ -348,26 +367,44 @@ def _read_direct(entries: list[_Entry], consume, workers: int, window: int) -> N
                                   f"offset {offset})")
 
     def start(e: _Entry):
-        if e.src is None:
-            return np.full(e.shape, e.fill, e.dtype), None, []
-        if isinstance(e.src, bytes):
-            if len(e.src) != e.nbytes + _INDEX_BYTES:
-                raise _Unsupported(f"{e.name}: inline shard of {len(e.src)} bytes")
-            _check_index(e, e.src[e.nbytes:])
-            return np.frombuffer(e.src, e.dtype, count=int(np.prod(e.shape))).reshape(e.shape).copy(), None, []
-        file, off, length = e.src
-        if length != e.nbytes + _INDEX_BYTES:
-            raise _Unsupported(f"{e.name}: shard of {length} bytes for {e.nbytes} data bytes")
-        fd(file)
+        """Allocate e's array and queue the reads of its chunks -> (array, [(idx, index)], futures, copies).
+        A chunk that splits only the leading axis (or is the whole array) is read straight into its rows;
+        any other chunk is read whole into a scratch buffer and its valid part copied in afterwards."""
         arr = _empty(e)
         flat = arr.reshape(-1).view(np.uint8)
-        index = bytearray(_INDEX_BYTES)
-        futs = []
-        for lo in range(0, max(e.nbytes, 1), PIECE_BYTES):
-            hi = min(lo + PIECE_BYTES, e.nbytes)
-            bufs = [flat[lo:hi]] + ([index] if hi == e.nbytes else [])
-            futs.append(pool.submit(read, file, bufs, off + lo))
-        return arr, index, futs
+        cn = e.chunk_nbytes
+        leading = e.chunk_shape[1:] == e.shape[1:]
+        row = int(np.prod(e.shape[1:], dtype=np.int64)) * e.dtype.itemsize
+        indexes, futs, copies = [], [], []
+        for idx, src in e.chunks:
+            region = e.region(idx)
+            valid = tuple(slice(0, r.stop - r.start) for r in region)
+            if src is None:
+                arr[region] = e.fill
+                continue
+            if isinstance(src, bytes):
+                if len(src) != cn + _INDEX_BYTES:
+                    raise _Unsupported(f"{e.name}: inline shard of {len(src)} bytes")
+                _check_index(e, idx, src[cn:])
+                arr[region] = np.frombuffer(src, e.dtype, count=cn // e.dtype.itemsize).reshape(e.chunk_shape)[valid]
+                continue
+            file, off, length = src
+            if length != cn + _INDEX_BYTES:
+                raise _Unsupported(f"{e.name}: shard of {length} bytes for {cn} data bytes (chunk {idx})")
+            fd(file)
+            index = bytearray(_INDEX_BYTES)
+            indexes.append((idx, index))
+            futs.append(pool.submit(read, file, [index], off + cn))
+            if leading:  # the chunk's valid rows are one contiguous range of the array
+                r0 = region[0].start if region else 0
+                dst = flat[r0 * row:(r0 * row) + (e.nbytes if not region else (region[0].stop - r0) * row)]
+            else:
+                scratch = np.empty(cn, np.uint8)
+                dst = scratch
+                copies.append((region, valid, scratch))
+            for lo in range(0, len(dst), PIECE_BYTES):
+                futs.append(pool.submit(read, file, [dst[lo:lo + PIECE_BYTES]], off + lo))
+        return arr, indexes, futs, copies
 
     try:
         with ThreadPoolExecutor(max(1, workers), thread_name_prefix="jaxddtree-restore") as pool:
@@ -380,18 +417,20 @@ def _read_direct(entries: list[_Entry], consume, workers: int, window: int) -> N
                     inflight.append(start(entries[nxt]))
                     nbytes += entries[nxt].nbytes
                     nxt += 1
-                arr, index, futs = inflight.pop(0)
+                arr, indexes, futs, copies = inflight.pop(0)
                 try:
                     for f in futs:
                         f.result()
                 except BaseException:
-                    for _, _, fs in inflight:
+                    for _, _, fs, _ in inflight:
                         for f in fs:
                             f.cancel()
                     raise
                 e = entries[done]
-                if index is not None:
-                    _check_index(e, bytes(index))
+                for idx, index in indexes:
+                    _check_index(e, idx, bytes(index))
+                for region, valid, scratch in copies:
+                    arr[region] = scratch.view(e.dtype).reshape(e.chunk_shape)[valid]
                 nbytes -= e.nbytes
                 consume(done, arr)
                 done += 1
