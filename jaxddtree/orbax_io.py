@@ -14,7 +14,8 @@ marker's dtype), nested dicts keyed by the parameter path with layer indices as 
 
 It is written incrementally with orbax's partial-save API (`ocp.partial.save` per batch of tensors, then
 `ocp.partial.finalize`), so the writer never holds more than one batch (about one largest tensor) in host
-memory. Every array is one uncompressed zarr3 chunk, i.e. one contiguous byte range of an OCDBT data file;
+memory. Every array is stored uncompressed as one zarr3 chunk (several along its largest axis past orbax's
+2 GiB chunk limit), i.e. contiguous byte ranges of OCDBT data files;
 `restore_flat` reads those ranges directly into the final buffers (see "restoring" below; `ocp.load` is
 the fallback). Any orbax reader restores it too: `ocp.load(DST/params)` gives the nested dict of numpy
 arrays.
