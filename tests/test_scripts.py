@@ -1,0 +1,33 @@
+"""The benchmark scripts (run on the H200 by hand) still run end to end: tiny shapes on the CPU."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, JAX_PLATFORMS="cpu")
+
+
+def _run(args, timeout=600):
+    p = subprocess.run([sys.executable] + args, capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=timeout)
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-3000:])
+    return p
+
+
+def test_bench_smoke_writes_every_key(tmp_path):
+    out = tmp_path / "bench.json"
+    _run(["scripts/bench.py", "--smoke", "--sections", "bandwidth,ar,verify,parts,round", "--verify-nodes", "8",
+          "--budgets", "8", "--out", str(out)])
+    res = json.loads(out.read_text())
+    for key in ("weight_stream_tb_s", "floor_ms", "ar_step_ms", "draft_ms", "tree_build_ms", "commit_ms",
+                "chain_round_ms", "device", "date", "jax"):
+        assert key in res, key
+    assert res["verify_ms"]["9"] > 0 and res["round_ms"]["8"] > 0
+
+
+def test_kernel_benches_dry(tmp_path):
+    _run(["scripts/bench_kernels.py", "--dry", "--sections", "tree,attn,decode,prefill",
+          "--out", str(tmp_path / "k.json")])
+    _run(["scripts/bench_gemv.py", "--dry", "--out", str(tmp_path / "g.json")])
+    assert json.loads((tmp_path / "g.json").read_text())["dry"] is True
