@@ -6,7 +6,7 @@ out_proj. Value head h reads key head h // (Hv/Hk).
 
 Sequence pass: T = 1 uses the recurrent step, T > 1 the chunked WY form (chunk 64); both update the
 cache. Tree pass: the conv runs along each node's ancestor chain and the delta rule in the
-ancestor-masked WY form; nothing is written, and the stash (k̂, W, G, x) lets `verify.commit` rebuild
+ancestor-masked WY form; nothing is written, and the stash (k̂, W, g, x) lets `verify.commit` rebuild
 the state of any accepted path without per-node states.
 """
 
@@ -28,7 +28,7 @@ from jaxddtree.norms import gated_rms_norm
 class GDNStash:
     k: jax.Array  # [B, N, Hk, dk] fp32, l2-normalised keys
     W: jax.Array  # [B, N, Hv, dv] fp32, pseudo-values
-    G: jax.Array  # [B, N, Hv] fp32, path cumsum of the log decay
+    g: jax.Array  # [B, N, Hv] fp32, per-node log decay
     x: jax.Array  # [B, N, conv_dim] pre-conv inputs
 
 
@@ -95,9 +95,9 @@ class GatedDeltaNet(nnx.Module):
 
         stash = None
         if layout.is_tree:
-            o, W, G = ops.gdn_masked_block(q, k, v, g, beta, layout.mask, cache.recurrent,
+            o, W, _ = ops.gdn_masked_block(q, k, v, g, beta, layout.mask, cache.recurrent,
                                               layout.kernels)
-            stash = GDNStash(k=k, W=W, G=G, x=xin)
+            stash = GDNStash(k=k, W=W, g=g, x=xin)
             new_cache = cache
         else:
             valid = (jnp.arange(T) < layout.num_valid)[None, :, None]

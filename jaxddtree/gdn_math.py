@@ -14,6 +14,8 @@ relation), with G = M g (path cumsum) and Γ_ij = exp(G_i − G_j) for M_ij:
     (I + L) W = beta⊙v − beta⊙exp(G)⊙(K S0),   L_ij = beta_i Γ_ij (k_i·k_j) for strict ancestors j,
     o_i = exp(G_i) q_iᵀ S0 + Σ_j M_ij Γ_ij (q_i·k_j) W_j,
     S after node a = exp(G_a) S0 + Σ_{j on a's path} Γ_aj k_j W_jᵀ.
+Γ is evaluated from segment sums of g (Σ over the path nodes strictly below j down to i), never as a
+difference G_i − G_j of large cumulative sums, which loses digits under strong decay.
 """
 
 from __future__ import annotations
@@ -53,8 +55,11 @@ def gdn_masked_block(q, k, v, g, beta, mask, state):
     r = hv // k.shape[2]
     maskf = mask.astype(jnp.float32)
     G = jnp.einsum("bij,bjh->bih", maskf, g, precision=HIGHEST)  # [B,N,Hv] path cumsum
-    diff = G[:, :, None, :] - G[:, None, :, :]  # [B,N,N,Hv] G_i - G_j
-    gamma = jnp.exp(jnp.where(mask[..., None], diff, -jnp.inf))  # 0 off the ancestor relation
+    # log decay from j to i = Σ g over the path nodes below j down to i: Σ_k M_ik (1 - M_jk) g_k, summed
+    # directly (all terms ≤ 0) rather than as G_i - G_j, a difference of large sums under strong decay
+    seg = jnp.einsum("bikh,bjk->bijh", maskf[..., None] * g[:, None, :, :], 1.0 - maskf,
+                     precision=HIGHEST)  # [B,N,N,Hv]
+    gamma = jnp.exp(jnp.where(mask[..., None], seg, -jnp.inf))  # 0 off the ancestor relation
     strict = mask & ~jnp.eye(mask.shape[-1], dtype=bool)[None]
     kk = jnp.einsum("bihd,bjhd->bijh", k, k, precision=HIGHEST)  # [B,N,N,Hk]
     qk = jnp.einsum("bihd,bjhd->bijh", q, k, precision=HIGHEST)
@@ -76,17 +81,21 @@ def gdn_masked_block(q, k, v, g, beta, mask, state):
     return o, W, G
 
 
-def gdn_state_after(state, k, W, G, path_mask, leaf):
-    """State after node `leaf`, whose root path (leaf included) is `path_mask` [B,N] bool.
+def gdn_state_after(state, k, W, g, path_mask):
+    """State after the deepest node of a root path, `path_mask` [B,N] bool (nodes in topological order, so
+    along the path a larger index is deeper).
 
-    k [B,N,Hk,dk]; W [B,N,Hv,dv]; G [B,N,Hv]; leaf [B] int -> [B,Hv,dk,dv].
+    k [B,N,Hk,dk]; W [B,N,Hv,dv]; g [B,N,Hv] per-node log decay -> [B,Hv,dk,dv].
+    S = exp(Σ_path g) S0 + Σ_{j on path} exp(Σ_{path nodes after j} g) k_j W_jᵀ (suffix sums: no cancellation).
     """
     hv = W.shape[2]
-    Ga = jnp.take_along_axis(G, leaf[:, None, None], axis=1)  # [B,1,Hv]
-    coef = jnp.where(path_mask[..., None], jnp.exp(jnp.minimum(Ga - G, 0.0)), 0.0)  # [B,N,Hv]
+    gp = jnp.where(path_mask[..., None], g, 0.0)  # [B,N,Hv]
+    suffix = jnp.flip(jnp.cumsum(jnp.flip(gp, 1), axis=1), 1)  # Σ_{k ≥ j} gp_k
+    after = jnp.concatenate([suffix[:, 1:], jnp.zeros_like(suffix[:, :1])], axis=1)  # Σ_{k > j}: path below j
+    coef = jnp.where(path_mask[..., None], jnp.exp(after), 0.0)  # [B,N,Hv]
     ke = expand_kv_heads(k, hv)
     upd = jnp.einsum("bnhk,bnh,bnhv->bhkv", ke, coef, W, precision=HIGHEST)
-    return jnp.exp(Ga[:, 0])[..., None, None] * state + upd
+    return jnp.exp(jnp.sum(gp, axis=1))[..., None, None] * state + upd
 
 
 def gdn_chunked(q, k, v, g, beta, state, chunk: int = 64):
@@ -104,13 +113,12 @@ def gdn_chunked(q, k, v, g, beta, state, chunk: int = 64):
     to_chunks = lambda x: jnp.moveaxis(x.reshape((B, n, C) + x.shape[2:]), 1, 0)  # [n,B,C,...]
     xs = tuple(map(to_chunks, (q, k, v, g, beta)))
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((C, C), bool)), (B, C, C))
-    last = jnp.zeros((B,), jnp.int32) + (C - 1)
     all_on = jnp.ones((B, C), bool)
 
     def body(s, x):
         qc, kc, vc, gc, bc = x
         o, W, G = gdn_masked_block(qc, kc, vc, gc, bc, causal, s)
-        return gdn_state_after(s, kc, W, G, all_on, last), o
+        return gdn_state_after(s, kc, W, gc, all_on), o
 
     state, o = jax.lax.scan(body, state, xs)
     o = jnp.moveaxis(o, 0, 1).reshape((B, n * C) + o.shape[3:])[:, :T]

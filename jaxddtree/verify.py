@@ -52,9 +52,8 @@ def commit(cache: ModelCache, stashes, path: jax.Array, path_len: jax.Array) -> 
         else:
             assert isinstance(stash, GDNStash)
             n = stash.W.shape[1]
-            leaf = jnp.take_along_axis(path, (path_len - 1)[:, None], axis=1)[:, 0]  # [B]
-            state = gdn_math.gdn_state_after(entry.recurrent, stash.k, stash.W, stash.G,
-                                             path_mask(path, path_len, n), leaf)
+            state = gdn_math.gdn_state_after(entry.recurrent, stash.k, stash.W, stash.g,
+                                             path_mask(path, path_len, n))
             xp = jnp.take_along_axis(stash.x, path[:, :, None], axis=1).astype(entry.conv.dtype)  # [B,P,C]
             rows = jnp.concatenate([entry.conv, xp], axis=1)  # [B, K-1+P, C]
             conv = jax.lax.dynamic_slice_in_dim(rows, n_acc, entry.conv.shape[1], axis=1)
