@@ -19,17 +19,12 @@ are skipped; the reference and the default always run while the global budget la
 from __future__ import annotations
 
 import argparse
-import collections
 import datetime
 import functools
-import glob
 import json
 import math
 import os
-import shutil
-import statistics
 import sys
-import tempfile
 import time
 import traceback
 import warnings
@@ -42,6 +37,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kernels_pallas import dense as dn  # noqa: E402
+from kernels_pallas._testing import rel_err  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_timing  # noqa: E402
+from gpu_timing import gpu_us, wall_ms  # noqa: E402
 
 DRY = False
 RESULTS: dict = {"shapes": {}}
@@ -60,55 +60,6 @@ def save(path):
 
 def IKW():
     return {"interpret": True} if DRY else {}
-
-
-# ---------------------------------------------------------------- timing (copied from scripts/bench_kernels.py)
-def wall_ms(f, args, reps=20, warmup=2):
-    if DRY:
-        reps, warmup = 1, 0
-    for _ in range(warmup):
-        jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(ts)
-
-
-def gpu_us(f, args, n=10):
-    """GPU time per call (µs), summed over its kernels, from a profiler trace of n calls; and the top
-    kernels. (None, None) on a machine without a GPU plane."""
-    jax.block_until_ready(f(*args))
-    d = tempfile.mkdtemp()
-    try:
-        with jax.profiler.trace(d):
-            for _ in range(n):
-                out = f(*args)
-            jax.block_until_ready(out)
-        files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
-        pdata = jax.profiler.ProfileData.from_file(files[0])
-        per = collections.defaultdict(float)
-        cnt = collections.Counter()
-        for plane in pdata.planes:
-            if not plane.name.startswith("/device:GPU"):
-                continue
-            lines = [ln for ln in plane.lines if ln.name.startswith("Stream")] or list(plane.lines)
-            for ln in lines:
-                for ev in ln.events:
-                    per[ev.name] += ev.duration_ns / 1e3 / n
-                    cnt[ev.name] += 1
-        if not per:
-            return None, None
-        top = sorted(per.items(), key=lambda kv: -kv[1])[:4]
-        return sum(per.values()), [(k[:60], round(v, 2), cnt[k] // n) for k, v in top]
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
-
-
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 # ---------------------------------------------------------------- shapes and variants
@@ -212,7 +163,7 @@ def bench_shape(name, M, deadline, global_deadline, sweep_all):
             rec["compile_s"] = round(time.perf_counter() - t0, 2)
             rec["rel_err"] = rel_err(outs[0], ref)
             rec["rel_err_fp32"] = rel_err(outs[0], ref32)
-            g, top = gpu_us(f, (xs, ws), n=1 if DRY else 10)
+            g, top = gpu_us(f, (xs, ws), n=1 if DRY else 10, top=4, width=60)
             if g is None:
                 rec["wall_us"] = 1e3 * wall_ms(f, (xs, ws)) / R
             else:
@@ -296,7 +247,7 @@ def bench_chain(n_sets, best_by_shape):
             if ref_out is None:
                 ref_out = out
             r["rel_err"] = rel_err(out, ref_out)
-            g, top = gpu_us(f, (x, sets), n=1 if DRY else 10)
+            g, top = gpu_us(f, (x, sets), n=1 if DRY else 10, top=4, width=60)
             r["gpu_ms"] = None if g is None else g / 1e3
             r["kernels"] = top
             r["wall_ms"] = wall_ms(f, (x, sets))
@@ -324,7 +275,7 @@ def main():
     args = ap.parse_args()
     plan = PLAN_27B
     if args.dry:
-        DRY = True
+        DRY = gpu_timing.QUICK = True
         SHAPES = SHAPES_DRY
         plan = PLAN_DRY
         args.chain_sets = 2

@@ -19,16 +19,12 @@ Each section has a time budget (variants past it are skipped); the JSON is rewri
 from __future__ import annotations
 
 import argparse
-import collections
 import datetime
 import functools
-import glob
 import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 import warnings
@@ -42,6 +38,10 @@ import numpy as np  # noqa: E402
 
 from kernels_pallas import gdn_decode, gdn_prefill, gdn_tree, tree_attention  # noqa: E402
 from kernels_pallas._testing import attention_inputs, gdn_inputs, random_tree_mask, rel_err  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_timing  # noqa: E402
+from gpu_timing import gpu_us, wall_ms  # noqa: E402
 
 # 27B shapes
 HK, HV, DK, DV = 16, 48, 128, 128
@@ -66,49 +66,6 @@ def save(path):
     if path:
         with open(path, "w") as fh:
             json.dump(RESULTS, fh, indent=1, default=str)
-
-
-def wall_ms(f, args, reps=30, warmup=3):
-    if DRY:
-        reps, warmup = 1, 0
-    for _ in range(warmup):
-        jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(ts)
-
-
-def gpu_us(f, args, n=20):
-    """GPU time per call (µs), summed over its kernels, from a profiler trace of n calls; and the
-    per-kernel breakdown. None on a machine without a GPU plane."""
-    jax.block_until_ready(f(*args))
-    d = tempfile.mkdtemp()
-    try:
-        with jax.profiler.trace(d):
-            for _ in range(n):
-                out = f(*args)
-            jax.block_until_ready(out)
-        files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
-        pdata = jax.profiler.ProfileData.from_file(files[0])
-        per = collections.defaultdict(float)
-        cnt = collections.Counter()
-        for plane in pdata.planes:
-            if not plane.name.startswith("/device:GPU"):
-                continue
-            lines = [ln for ln in plane.lines if ln.name.startswith("Stream")] or list(plane.lines)
-            for ln in lines:
-                for ev in ln.events:
-                    per[ev.name] += ev.duration_ns / 1e3 / n
-                    cnt[ev.name] += 1
-        if not per:
-            return None, None
-        top = sorted(per.items(), key=lambda kv: -kv[1])[:8]
-        return sum(per.values()), [(k[:80], round(v, 2), cnt[k] // n) for k, v in top]
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def errs(pairs):
@@ -140,7 +97,7 @@ def evaluate(section, variants, make, one, check, deadline, layers_all=None, max
             rec["rel_err"] = check(out)
             rec["gpu_us_per_layer"], rec["kernels"] = gpu_us(f, one, n=n_prof)
             if rec["gpu_us_per_layer"] is None:
-                rec["wall_us_per_layer"] = 1e3 * wall_ms(f, one, reps=reps)
+                rec["wall_us_per_layer"] = 1e3 * wall_ms(f, one, reps=reps, warmup=3)
             us = rec["gpu_us_per_layer"] or rec["wall_us_per_layer"]
             log(f"  [{section}] {name:30s} {us:9.2f} us/layer  err {rec['rel_err']}  compile {rec['compile_s']} s"
                 f"  {rec['kernels'][:3] if rec['kernels'] else ''}")
@@ -159,7 +116,7 @@ def evaluate(section, variants, make, one, check, deadline, layers_all=None, max
                 t0 = time.perf_counter()
                 jax.block_until_ready(f(layers_all))
                 recs[name]["wall_compile_s"] = round(time.perf_counter() - t0, 2)
-                recs[name]["wall_ms_all_layers"] = wall_ms(f, (layers_all,), reps=reps)
+                recs[name]["wall_ms_all_layers"] = wall_ms(f, (layers_all,), reps=reps, warmup=3)
                 log(f"  [{section}] {name:30s} all {len(layers_all)} layers: {recs[name]['wall_ms_all_layers']:.3f} ms"
                     f" wall  (compile {recs[name]['wall_compile_s']} s)")
             except Exception as e:
@@ -325,7 +282,7 @@ def main():
     args = ap.parse_args()
     SELECT = args.select
     if args.dry:
-        DRY = True
+        DRY = gpu_timing.QUICK = True
         HK, HV, DK, DV, H, HKV, HD = 1, 3, 16, 32, 4, 2, 16
         GDN_LAYERS, ATTN_LAYERS, TREE_N, PREFIX, PREFILL_T = 2, 2, 19, 64, 128
     dev = jax.devices()[0]
