@@ -91,19 +91,6 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _random_tree_parents(n: int, seed: int) -> list[int]:
-    """Parents of a random tree of n nodes (node 0 the root, parents before children, depth <= 15)."""
-    rng = np.random.RandomState(seed)
-    parents, depth = [-1], [0]
-    for i in range(1, n):
-        p = int(rng.randint(0, i))
-        while depth[p] >= 15:
-            p = parents[p]
-        parents.append(p)
-        depth.append(depth[p] + 1)
-    return parents
-
-
 def reference_at_scale(raw_cfg: dict, device: str, context: int, nodes: list[int], runs: int, attn: str,
                        seed: int = 0, log=print) -> dict:
     """Time transformers' Qwen3_5ForCausalLM (bf16, random weights made on `device`): AR step and tree verify."""
@@ -112,6 +99,9 @@ def reference_at_scale(raw_cfg: dict, device: str, context: int, nodes: list[int
 
     import torch
     from transformers import DynamicCache, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench import random_tree
 
     raw = dict(raw_cfg.get("text_config", raw_cfg))
     raw.pop("model_type", None)
@@ -168,7 +158,7 @@ def reference_at_scale(raw_cfg: dict, device: str, context: int, nodes: list[int
         neg = torch.finfo(torch.bfloat16).min
         for n in nodes:
             L = n + 1
-            parents = _random_tree_parents(L, seed + n)
+            parents = random_tree(L, 15, seed + n)  # depth <= 15, as DDTree's
             vis = np.zeros((L, L), bool)
             depth = np.zeros(L, np.int64)
             for i in range(L):
