@@ -1,12 +1,12 @@
 """`python -m convert SRC DST`: HF safetensors checkpoint -> orbax checkpoint that `jaxddtree.load_target` /
-`jaxddtree.load_drafter` restore directly (format: `jaxddtree.orbax_io`). Python API: `convert.convert`."""
+`jaxddtree.load_drafter` restore directly (format: `jaxddtree.checkpoint.orbax_format`). Python API: `convert.convert`."""
 
 from __future__ import annotations
 
 
 def convert(src: str, dst: str, **kw) -> dict:
-    """See `convert.core.convert` (imported lazily so `python -m convert --help` stays fast)."""
-    from convert.core import convert as _convert
+    """See `jaxddtree.checkpoint.convert.convert` (imported lazily so `python -m convert --help` stays fast)."""
+    from jaxddtree.checkpoint.convert import convert as _convert
     return _convert(src, dst, **kw)
 
 

@@ -82,7 +82,7 @@ def main(argv=None) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     err = sys.stderr
-    from convert.core import ConvertError, Interrupted, convert, one_line
+    from jaxddtree.checkpoint.convert import ConvertError, Interrupted, convert, one_line
     try:
         summary = convert(args.src, args.dst, dtype=args.dtype, kind=args.kind, overwrite=args.overwrite,
                           progress=not args.quiet, should_stop=lambda: stop["signal"] is not None)

@@ -1,6 +1,6 @@
 """One gated-delta-rule decode step as a Pallas-Triton kernel (state read once, written once, in place).
 
-Same function as `jaxddtree.gdn_math.gdn_step` (re-exported as `gdn_step_reference`). One program per
+Same function as `kernels_pallas.gdn_reference.gdn_step` (re-exported as `gdn_step_reference`). One program per
 (batch, value head, dv tile); the [dk, BV] state tile stays in registers:
     S ← e^g S;  δ = β (v − Sᵀk);  S ← S + k δᵀ;  o = Sᵀq.
 The state output aliases the state input (`input_output_aliases`): under a jit that donates the state
@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxddtree.gdn_math import gdn_step as gdn_step_reference
+from kernels_pallas.gdn_reference import gdn_step as gdn_step_reference
 from kernels_pallas._common import compiler_params, feature_pad, is_pow2, pad_axis, pl
 
 __all__ = ["gdn_step", "gdn_step_reference"]

@@ -1,7 +1,7 @@
 """Chunked gated-delta-rule prefill: intra-chunk WY parts in jnp (batched over all chunks at once),
 the inter-chunk recurrence in ONE Pallas-Triton kernel that loops over the chunks with the state on chip.
 
-Same function as `jaxddtree.gdn_math.gdn_chunked` (re-exported as `gdn_chunked_reference`).
+Same function as `kernels_pallas.gdn_reference.gdn_chunked` (re-exported as `gdn_chunked_reference`).
 
 Per chunk c (C = 64 tokens, G = in-chunk cumsum of g, Γ_ij = e^{G_i − G_j} for j ≤ i, β, K, Q, V):
     L = strict_tril(β Γ ⊙ K Kᵀ);  (I + L) [W0 | U] = [β V | β e^G K]       (jnp, all chunks at once)
@@ -19,7 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxddtree.gdn_math import gdn_chunked as gdn_chunked_reference
+from kernels_pallas.gdn_reference import gdn_chunked as gdn_chunked_reference
 from kernels_pallas._common import HIGHEST, compiler_params, dot_fn, feature_pad, is_pow2, pad_axis, pl, pltr
 
 __all__ = ["gdn_chunked", "gdn_chunked_reference", "intra_chunk"]

@@ -1,6 +1,6 @@
 """Tree (ancestor-masked) gated delta rule, one WY block, as one Pallas-Triton kernel.
 
-Same function as `jaxddtree.gdn_math.gdn_masked_block` (the reference, re-exported here as
+Same function as `kernels_pallas.gdn_reference.gdn_masked_block` (the reference, re-exported here as
 `gdn_masked_block_reference`): for every (batch, value head, dv tile) program, over row blocks (a head
 block of up to 128 rows solved in one piece, then 16-row blocks; the tree is in topological order so the
 mask is lower triangular):
@@ -37,7 +37,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxddtree.gdn_math import gdn_masked_block as gdn_masked_block_reference
+from kernels_pallas.gdn_reference import gdn_masked_block as gdn_masked_block_reference
 from kernels_pallas._common import compiler_params, feature_pad, is_pow2, matmul_fns, next_pow2, pad_axis, pl, pltr
 
 __all__ = ["gdn_masked_block", "gdn_masked_block_reference", "key_grams"]

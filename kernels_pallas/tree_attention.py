@@ -1,6 +1,6 @@
 """Tree attention (verify, decode, or a masked sequence pass) as one Pallas-Triton kernel + an LSE merge.
 
-Same function as `jaxddtree.attention.tree_attention_reference` (re-exported as
+Same function as `kernels_pallas.attention_reference.tree_attention_reference` (re-exported as
 `tree_attention_reference`): query t (all H heads) attends to committed cache rows [0, start) and to the
 new rows j with mask[b, t, j].
 
@@ -25,7 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxddtree.attention import tree_attention_reference
+from kernels_pallas.attention_reference import tree_attention_reference
 from kernels_pallas._common import HIGHEST, compiler_params, feature_pad, next_pow2, pad_axis, pl, pltr
 
 __all__ = ["tree_attention", "tree_attention_reference"]

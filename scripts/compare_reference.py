@@ -21,7 +21,7 @@ Examples:
 --scale times the reference alone at the real Qwen3.6-27B shapes (or --config's) with random bf16 weights made
 on the device (no checkpoint): one AR decode step and one tree verify of N nodes at a --context-token prefix,
 transformers' model as the published DDTree code runs it (a [1, 1, N, start + N] additive tree mask), and
-merges them into --out under "reference" (our side of the comparison comes from scripts/bench.py).
+merges them into --out under "reference" (our side of the comparison comes from benchmarks/bench.py).
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ import sys
 import tempfile
 import time
 import traceback
+
+# the 27B shapes and the random tree live with the benchmarks
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
 try:
     import jaxddtree  # noqa: F401
@@ -100,7 +103,7 @@ def reference_at_scale(raw_cfg: dict, device: str, context: int, nodes: list[int
     import torch
     from transformers import DynamicCache, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, BENCHMARKS)
     from bench import random_tree
 
     raw = dict(raw_cfg.get("text_config", raw_cfg))
@@ -387,7 +390,7 @@ def _main_scale(args) -> int:
             print(f"error: --config {args.config}: {e}", file=sys.stderr)
             return 2
     else:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        sys.path.insert(0, BENCHMARKS)
         from bench import QWEN36_27B
         raw = dict(QWEN36_27B)
     try:

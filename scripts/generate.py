@@ -245,7 +245,7 @@ def run(argv=None) -> int:
     tok, label, ids = None, None, None
     t_load = time.perf_counter()
     if args.target is None:
-        from jaxddtree import builtin
+        from jaxddtree.checkpoint import builtin
         pair = builtin.load(dtype)
         label = pair.label  # printed once the arguments are known to be good (one error line otherwise)
         target, drafter, tok = pair.target, pair.drafter, pair.tokenizer
@@ -253,11 +253,11 @@ def run(argv=None) -> int:
             args.prompt = pair.default_prompt
         cfg = target.config
     else:
-        from jaxddtree import orbax_io
-        from jaxddtree.drafter import check_compatible
-        from jaxddtree.drafter_config import DrafterConfig
+        from jaxddtree.checkpoint import orbax_format
+        from jaxddtree.model.drafter import check_compatible
+        from jaxddtree.model.drafter_config import DrafterConfig
         cfg = None
-        if not orbax_io.is_converted(args.target):  # cheap checks from config.json before loading weights
+        if not orbax_format.is_converted(args.target):  # cheap checks from config.json before loading weights
             cfg = jd.load_config(args.target)
             if args.drafter is not None:
                 check_compatible(DrafterConfig.from_pretrained(args.drafter), _ConfigOnly(cfg), source=args.drafter)

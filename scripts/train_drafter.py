@@ -4,7 +4,7 @@
     JAX_PLATFORMS=cpu nice -n 10 python scripts/train_drafter.py --target demo/target --out demo/drafter
 
 Training data (default): the target's own greedy continuations of prefixes of the training corpus
-(stdlib source, the files `jaxddtree.tokenizer.stdlib_files` does not hold out), generated here in batches
+(stdlib source, the files `jaxddtree.training.tokenizer.stdlib_files` does not hold out), generated here in batches
 and cached in --ckpt; anchors are placed only where the next tokens are the target's greedy output.
 `--corpus PATH` (a text file or a directory of .py/.txt files) trains on that text instead (anchors anywhere).
 Target features: the frozen target's sequence pass over each training row, outputs of the decoder layers
@@ -41,7 +41,7 @@ def make_generated_data(target, ids: np.ndarray, n_seqs: int, seq_len: int, prom
     import jax.numpy as jnp
     from tqdm.auto import tqdm
 
-    from jaxddtree.train import greedy_continue
+    from jaxddtree.training.train import greedy_continue
 
     rng = np.random.default_rng(seed)
     rows, plens = [], []
@@ -58,7 +58,7 @@ def make_generated_data(target, ids: np.ndarray, n_seqs: int, seq_len: int, prom
 
 def heldout_prompts(tok, n: int, length: int, seed: int = 1) -> list[list[int]]:
     """n prompts of `length` tokens from the held-out stdlib files (starting at line starts)."""
-    from jaxddtree import tokenizer as tk
+    from jaxddtree.training import tokenizer as tk
 
     _, held = tk.stdlib_files()
     texts = [t for t in tk.read_texts(held) if len(t) > 4000]
@@ -107,9 +107,9 @@ def main(argv=None):
     import jax.numpy as jnp
 
     from jaxddtree import load_drafter, load_target
-    from jaxddtree import train as tr
-    from jaxddtree.drafter_config import DrafterConfig
-    from jaxddtree.tokenizer import MASK, load_tokenizer
+    from jaxddtree.training import train as tr
+    from jaxddtree.model.drafter_config import DrafterConfig
+    from jaxddtree.training.tokenizer import MASK, load_tokenizer
 
     target = load_target(args.target, dtype="float32")
     tok = load_tokenizer(args.target)

@@ -6,7 +6,7 @@ standard library's own source, with a byte-level BPE tokenizer trained here.
 Writes OUT/config.json + OUT/model.safetensors (HF `qwen3_5_text` layout, `jaxddtree.load_target(OUT)`) and
 the tokenizer (OUT/tokenizer.json, `transformers.AutoTokenizer.from_pretrained(OUT)`). Checkpoints go to
 --ckpt (orbax; rerunning the same command resumes after a crash). Files whose crc32(path) % 25 == 0 are
-held out (`jaxddtree.tokenizer.stdlib_files`).
+held out (`jaxddtree.training.tokenizer.stdlib_files`).
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ def main(argv=None):
     import jax
     import jax.numpy as jnp
 
-    from jaxddtree import tokenizer as tk
-    from jaxddtree import train as tr
+    from jaxddtree.training import tokenizer as tk
+    from jaxddtree.training import train as tr
 
     t0 = time.time()
     os.makedirs(args.cache, exist_ok=True)

@@ -15,7 +15,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-for p in (ROOT, HERE):
+for p in (ROOT, HERE, os.path.join(ROOT, "benchmarks")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
@@ -128,7 +128,7 @@ class JaxHelpers:
         """Per layer, numpy: attention {'k','v': [Hkv, length, hd]} (committed rows only), GDN
         {'conv': [K-1, conv_dim], 'recurrent': [Hv, dk, dv]}; plus the committed length."""
         import numpy as np
-        from jaxddtree.cache import KVCache
+        from jaxddtree.model.cache import KVCache
         n = int(cache.length)
         out = []
         for e in cache.layers:

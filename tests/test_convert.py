@@ -209,7 +209,7 @@ def test_round_trip_bit_identical(hf, converted, dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_drafter_round_trip(drafter_src, converted, dtype):
     import jax
-    from jaxddtree.drafter import load_drafter
+    from jaxddtree import load_drafter
     target = types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=64, num_hidden_layers=6,
                                                                 vocab_size=101))
     ref = load_drafter(drafter_src, target, dtype)
@@ -223,20 +223,20 @@ def test_drafter_round_trip(drafter_src, converted, dtype):
 
 
 def test_direct_reader_matches_ocp_load(converted, monkeypatch):
-    """Restore reads the orbax checkpoint's bytes directly (orbax_io's direct reader); what it returns is
+    """Restore reads the orbax checkpoint's bytes directly (orbax_format's direct reader); what it returns is
     bitwise what plain `ocp.load` returns (the directory stays an ordinary orbax checkpoint), and
     JAXDDTREE_RESTORE=orbax (the fallback reader) restores the same leaves."""
     import jax
     import orbax.checkpoint.experimental.v1 as ocp
 
-    from jaxddtree import orbax_io
+    from jaxddtree.checkpoint import orbax_format
     for key in (("wrapper", "float32"), ("text", "bfloat16")):
         path = converted["paths"][key]
         got = jaxddtree.load_target(path, key[1])
-        assert orbax_io.last_restore["reader"] == "direct", orbax_io.last_restore
-        plain = orbax_io.from_tree(ocp.load(os.path.join(path, "params")))  # no jaxddtree code involved
-        direct = orbax_io.restore_flat(path, orbax_io.stored_abstract(path, orbax_io.read_marker(path)),
-                                       orbax_io.read_marker(path))
+        assert orbax_format.last_restore["reader"] == "direct", orbax_format.last_restore
+        plain = orbax_format.from_tree(ocp.load(os.path.join(path, "params")))  # no jaxddtree code involved
+        direct = orbax_format.restore_flat(path, orbax_format.stored_abstract(path, orbax_format.read_marker(path)),
+                                       orbax_format.read_marker(path))
         assert set(plain) == set(direct)
         for p, x in plain.items():
             y = np.asarray(direct[p])
@@ -245,18 +245,18 @@ def test_direct_reader_matches_ocp_load(converted, monkeypatch):
         monkeypatch.setenv("JAXDDTREE_RESTORE", "orbax")
         ref = jaxddtree.load_target(path, key[1])
         monkeypatch.delenv("JAXDDTREE_RESTORE")
-        assert orbax_io.last_restore["reader"] == "orbax"
+        assert orbax_format.last_restore["reader"] == "orbax"
         for a, b in zip(jax.tree.leaves(ref.leaves), jax.tree.leaves(got.leaves)):
             assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
 
 
 def test_direct_reader_damage(converted, tmp_path):
     """A truncated data file is a CheckpointError naming it; a damaged shard index is left to orbax."""
-    from jaxddtree import orbax_io
+    from jaxddtree.checkpoint import orbax_format
     src = converted["paths"][("text", "float32")]
     cut = tmp_path / "cut"
     shutil.copytree(src, cut)
-    layout = orbax_io._layout(str(cut / "params"))
+    layout = orbax_format._layout(str(cut / "params"))
     e = max(layout.values(), key=lambda e: e.nbytes)
     (_, (file, off, length)), = e.chunks
     with open(file, "r+b") as fh:
@@ -266,7 +266,7 @@ def test_direct_reader_damage(converted, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(src, bad)
     big = max(layout, key=lambda p: layout[p].nbytes)
-    (_, (file, off, length)), = orbax_io._layout(str(bad / "params"))[big].chunks
+    (_, (file, off, length)), = orbax_format._layout(str(bad / "params"))[big].chunks
     with open(file, "r+b") as fh:  # flip a bit of the index's crc32c: the direct reader declines
         fh.seek(off + length - 1)
         b = fh.read(1)
@@ -274,7 +274,7 @@ def test_direct_reader_damage(converted, tmp_path):
         fh.write(bytes([b[0] ^ 1]))
     with pytest.raises(jaxddtree.CheckpointError):
         jaxddtree.load_target(str(bad), "float32")
-    assert orbax_io.last_restore["reader"] == "orbax" and "checksum" in orbax_io.last_restore["reason"]
+    assert orbax_format.last_restore["reader"] == "orbax" and "checksum" in orbax_format.last_restore["reason"]
 
 
 def test_direct_reader_chunked_arrays(tmp_path):
@@ -283,22 +283,22 @@ def test_direct_reader_chunked_arrays(tmp_path):
     import ml_dtypes
     import orbax.checkpoint.experimental.v1 as ocp
 
-    from jaxddtree import orbax_io
+    from jaxddtree.checkpoint import orbax_format
     rng = np.random.default_rng(0)
     tree = {"a": rng.standard_normal((37, 50)).astype(np.float32),
             "b": rng.standard_normal((8, 300)).astype(ml_dtypes.bfloat16),
             "c": rng.standard_normal((5, 6, 70)).astype(np.float32),
             "d": rng.standard_normal((33,)).astype(np.float32),
             "e": np.full((), 3.5, np.float32)}
-    ctx = orbax_io._context()
+    ctx = orbax_format._context()
     ctx.array.saving.storage_options.chunk_byte_size = 1024  # force chunking at test sizes
     with ctx:
         ocp.save_pytree(str(tmp_path / "p"), tree)
-    layout = orbax_io._layout(str(tmp_path / "p"))
+    layout = orbax_format._layout(str(tmp_path / "p"))
     assert len(layout[("a",)].chunks) > 1 and len(layout[("b",)].chunks) > 1 and len(layout[("c",)].chunks) > 1
     assert layout[("b",)].chunk_shape[1] < 300  # split along a trailing axis (read via a scratch buffer)
     keys, out = list(layout), {}
-    orbax_io._read_direct([layout[k] for k in keys], lambda i, arr: out.__setitem__(keys[i], arr), 4, 1 << 30)
+    orbax_format._read_direct([layout[k] for k in keys], lambda i, arr: out.__setitem__(keys[i], arr), 4, 1 << 30)
     for k in keys:
         want = np.asarray(tree[k[0]])
         assert out[k].shape == want.shape and out[k].dtype == want.dtype
@@ -423,7 +423,7 @@ def test_errors(hf, tmp_path):
 @pytest.fixture(scope="module")
 def big(tmp_path_factory):
     """Synthetic fp32 checkpoint: 109 tensors (34 of 8-16 MB), 349 MiB in 64 MiB shards; plus a tiny one."""
-    from convert import bench
+    import bench_convert as bench
 
     def build(d):
         bench.write_synthetic(str(d / "rss"), "rss")
@@ -437,7 +437,7 @@ def test_peak_rss_bounded(big, tmp_path_factory):
     """Streaming: peak RSS growth while converting ~350 MB stays within 3x the largest tensor (16 MiB).
     Measured in a fresh process after a warm-up conversion of a tiny checkpoint (library start-up state is
     not data), from the kernel's VmHWM (reset just before) and a 2 ms RSS poll."""
-    from convert import bench
+    import bench_convert as bench
     out = tmp_path_factory.mktemp("rss")
     r = bench.measure_rss(big["rss"], str(out / "rss-jax"), dtype="float32", warm=big["tiny"],
                           warm_dst=str(out / "tiny-jax"))

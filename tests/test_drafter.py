@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxddtree.drafter import (DraftCache, DrafterConfig, build_target_layer_ids, drafter_forward,
+from jaxddtree.model.drafter import (DraftCache, DrafterConfig, build_target_layer_ids, drafter_forward,
                                init_draft_cache, load_drafter, load_drafter_params)
 from helpers_dflash import random_weights, tiny_config, write_checkpoint
 
@@ -240,7 +240,8 @@ def test_qwen36_27b_config_shapes():
     assert cfg.layer_windows == (2048,) * 4 + (None,) and cfg.num_target_features == 5
     target = types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=5120, num_hidden_layers=64,
                                                                 vocab_size=248320))
-    from jaxddtree.drafter import DrafterLayer, DrafterParams, _GLOBAL, _LAYER, check_compatible, draft_logits
+    from jaxddtree.checkpoint.hf_drafter import _GLOBAL, _LAYER
+    from jaxddtree.model.drafter import DrafterLayer, DrafterParams, check_compatible, draft_logits
     check_compatible(cfg, target)
     # abstract params with the loader's layouts (shape of transform(zeros(torch shape)))
     def spec(table, key):

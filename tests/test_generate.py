@@ -32,7 +32,7 @@ import jax  # noqa: E402
 import helpers_dflash  # noqa: E402
 import hf_models  # noqa: E402
 import jaxddtree  # noqa: E402
-from jaxddtree import loop as loop_lib  # noqa: E402
+from jaxddtree.speculative import loop as loop_lib  # noqa: E402
 
 V = 97
 BLOCK = 8  # drafter block size: a round accepts at most BLOCK tokens (root + BLOCK - 1 drafts)

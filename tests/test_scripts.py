@@ -17,7 +17,7 @@ def _run(args, timeout=600):
 
 def test_bench_smoke_writes_every_key(tmp_path):
     out = tmp_path / "bench.json"
-    _run(["scripts/bench.py", "--smoke", "--sections", "bandwidth,ar,verify,parts,round", "--verify-nodes", "8",
+    _run(["benchmarks/bench.py", "--smoke", "--sections", "bandwidth,ar,verify,parts,round", "--verify-nodes", "8",
           "--budgets", "8", "--out", str(out)])
     res = json.loads(out.read_text())
     for key in ("weight_stream_tb_s", "floor_ms", "ar_step_ms", "draft_ms", "tree_build_ms", "commit_ms",
@@ -27,7 +27,7 @@ def test_bench_smoke_writes_every_key(tmp_path):
 
 
 def test_kernel_benches_dry(tmp_path):
-    _run(["scripts/bench_kernels.py", "--dry", "--sections", "tree,attn,decode,prefill",
+    _run(["benchmarks/bench_kernels.py", "--dry", "--sections", "tree,attn,decode,prefill",
           "--out", str(tmp_path / "k.json")])
-    _run(["scripts/bench_gemv.py", "--dry", "--out", str(tmp_path / "g.json")])
+    _run(["benchmarks/bench_gemv.py", "--dry", "--out", str(tmp_path / "g.json")])
     assert json.loads((tmp_path / "g.json").read_text())["dry"] is True

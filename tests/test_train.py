@@ -1,4 +1,4 @@
-"""Training tooling (jaxddtree.train): loss decreases for the target and the drafter at toy sizes, the drafter's
+"""Training tooling (jaxddtree.training.train): loss decreases for the target and the drafter at toy sizes, the drafter's
 training forward equals its inference forward, checkpoints resume, exports load back, and the shipped demo
 pair decodes exactly (DDTree == DFlash == AR at temperature 0)."""
 
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from jaxddtree import generate, load_drafter, load_target, score
-from jaxddtree import train as tr
-from jaxddtree.drafter import draft_logits, init_draft_cache
-from jaxddtree.drafter_config import DrafterConfig
+from jaxddtree.training import train as tr
+from jaxddtree.model.drafter import draft_logits, init_draft_cache
+from jaxddtree.model.drafter_config import DrafterConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "demo")

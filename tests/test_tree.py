@@ -1,4 +1,4 @@
-"""Tests for jaxddtree.tree (run with JAX_PLATFORMS=cpu)."""
+"""Tests for jaxddtree.speculative.tree (run with JAX_PLATFORMS=cpu)."""
 
 import functools
 import heapq
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxddtree.tree import (PAD_TOKEN, Tree, accept, ancestor_mask, build_tree,
+from jaxddtree.speculative.tree import (PAD_TOKEN, Tree, accept, ancestor_mask, build_tree,
                             posterior_tokens)
 
 

@@ -24,10 +24,10 @@ from flax import nnx
 import hf_models
 import jaxddtree
 from hf_models import rel_err, root_paths
-from jaxddtree import layout as layout_lib
-from jaxddtree.attention import Attention
-from jaxddtree.linear import dense
-from jaxddtree.verify import commit, verify
+from jaxddtree.model import layout as layout_lib
+from jaxddtree.model.attention import Attention
+from jaxddtree.model.linear import dense
+from jaxddtree.speculative.verify import commit, verify
 
 TOL = 1e-4  # vs transformers
 TOL_SELF = 1e-5  # states after commit vs after a linear prefill of the path

@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_gemv", os.path.join(ROOT, "scripts", "bench_gemv.py"))
+    spec = importlib.util.spec_from_file_location("bench_gemv", os.path.join(ROOT, "benchmarks", "bench_gemv.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -114,8 +114,8 @@ def test_lowers_for_h200_at_27b_shapes_all_sweep_variants():
     ("bthe,hed->btd", (1, 2, 4, 16), (4, 16, 64)),
 ])
 def test_ops_dense_dispatch_matches_einsum(monkeypatch, spec, xs, ws):
-    """jaxddtree.ops.dense flattens each projection spec onto the Pallas kernel (interpret mode here)."""
-    from jaxddtree import ops
+    """kernels_pallas.ops.dense flattens each projection spec onto the Pallas kernel (interpret mode here)."""
+    from kernels_pallas import ops
     monkeypatch.setattr(ops, "PALLAS_DENSE_MAX_ROWS", 128)
     monkeypatch.setattr(ops, "PALLAS_DENSE_MIN_COLS", 1)
     calls = []
@@ -135,7 +135,7 @@ def test_ops_dense_dispatch_matches_einsum(monkeypatch, spec, xs, ws):
 
 def test_ops_dense_dispatch_rule():
     """Only single-token passes with wide outputs take the Pallas GEMV (the H200 sweep's winners)."""
-    from jaxddtree import ops
+    from kernels_pallas import ops
     calls = []
     x1 = jnp.ones((1, 1, 64), jnp.bfloat16)
     orig = dn.dense

@@ -57,7 +57,7 @@ def _structs(T, N, S):
 @pytest.mark.parametrize("T,N,S,kw", [(65, 65, 4096 + 64, {}), (1, 1, 8192, {}), (128, 128, 32768, {}),
                                       (65, 65, 4096 + 64, dict(block_m=64, num_warps=4)),
                                       (65, 65, 4096 + 64, dict(block_m=128, num_stages=2, n_split=8)),
-                                      # the bench sweep (scripts/bench_kernels.py)
+                                      # the bench sweep (benchmarks/bench_kernels.py)
                                       (65, 65, 4096 + 64, dict(num_stages=1)),
                                       (65, 65, 4096 + 64, dict(n_split=6)), (65, 65, 4096 + 64, dict(n_split=12)),
                                       (65, 65, 4096 + 64, dict(block_k=32, num_stages=3)),

@@ -1,0 +1,363 @@
+#!/usr/bin/env python
+"""jax.jit benchmarks at Qwen3.6-27B / Qwen3.6-27B-DFlash shapes with random bf16 weights made on the GPU.
+
+Measures (median of many runs after warm-up, one process): weight-streaming bandwidth and the floor per
+token, AR decode step at a 4K context, 8K prefill, verify of N tree nodes, drafter step, tree build,
+commit, full DDTree rounds at several budgets and a chain-DFlash round. Results are merged into
+`--out` (default benchmarks/results/h200.json); `--sections` picks what to run.
+
+    python benchmarks/bench.py --sections bandwidth,ar,verify,round --kernels xla
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+
+try:
+    import jaxddtree  # noqa: F401
+except ImportError:  # run from a checkout without installing
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxddtree.model import layout as layout_lib
+from jaxddtree.speculative import loop as loop_lib
+from jaxddtree.speculative import tree as tree_lib
+from jaxddtree.model.config import text_config_from_dict
+from jaxddtree.model.drafter import Drafter, DrafterLayer, DrafterParams, draft_logits, init_draft_cache
+from jaxddtree.model.drafter_config import DrafterConfig
+from jaxddtree.model.target import random_target
+from jaxddtree.speculative.verify import commit, verify
+
+QWEN36_27B = {
+    "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 5120, "intermediate_size": 17408,
+    "num_hidden_layers": 64, "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6,
+    "full_attention_interval": 4,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+}
+DFLASH_27B = dict(hidden_size=5120, num_layers=5, num_heads=32, num_kv_heads=8, head_dim=128,
+                  intermediate_size=17408, rms_norm_eps=1e-6, rope_theta=1e7, block_size=16,
+                  target_layer_ids=(1, 16, 31, 46, 61), mask_token_id=248070, vocab_size=248320,
+                  num_target_layers=64, layer_windows=(2048, 2048, 2048, 2048, None))
+
+
+def median_ms(fn, n=20, warmup=3):
+    """fn() -> something to block on; returns the median wall time in ms (warm-up excluded)."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        ts.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(ts)
+
+
+def make_decode(target, kernels: str):
+    """Jitted greedy decode step (leaves, cache, tok [1, 1]) -> (next tok [1, 1], cache), cache donated."""
+    gd, td, K = target.graphdef, target.treedef, target.config.linear_conv_kernel_dim
+
+    @functools.partial(jax.jit, donate_argnames=("cache",))
+    def decode(leaves, cache, tok):
+        model = nnx.merge(gd, jax.tree.unflatten(td, leaves))
+        lay = layout_lib.sequence(cache.length, 1, K, kernels=kernels)
+        logits, cache, _, _ = model(tok, cache, lay, logits="all")
+        return jnp.argmax(logits[:, -1], -1).astype(jnp.int32)[:, None], cache
+
+    return decode
+
+
+def random_drafter(cfg: DrafterConfig, dtype, seed=0) -> Drafter:
+    key = jax.random.key(seed)
+    H, nh, nkv, hd, I = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+
+    def w(shape, fan_in):
+        nonlocal key
+        key, sub = jax.random.split(key)
+        return (jax.random.normal(sub, shape, jnp.float32) * fan_in ** -0.5).astype(dtype)
+
+    layers = tuple(DrafterLayer(attn_norm=w((H,), 1), wq=w((H, nh, hd), H), wk=w((H, nkv, hd), H),
+                                wv=w((H, nkv, hd), H), wo=w((nh, hd, H), nh * hd), q_norm=w((hd,), 1),
+                                k_norm=w((hd,), 1), mlp_norm=w((H,), 1), w_gate=w((H, I), H), w_up=w((H, I), H),
+                                w_down=w((I, H), I)) for _ in range(cfg.num_layers))
+    params = DrafterParams(fc=w((cfg.num_target_features * H, H), cfg.num_target_features * H),
+                           hidden_norm=w((H,), 1), layers=layers, norm=w((H,), 1))
+    return Drafter(config=cfg, params=params, path="random")
+
+
+def fill_random(tree, key):
+    leaves, treedef = jax.tree.flatten(tree)
+    out = []
+    for i, x in enumerate(leaves):
+        if x.ndim >= 2:
+            out.append((0.5 * jax.random.normal(jax.random.fold_in(key, i), x.shape, jnp.float32)).astype(x.dtype))
+        else:
+            out.append(x)
+    return jax.tree.unflatten(treedef, out)
+
+
+def random_tree(n_nodes: int, depth: int, seed: int):
+    rs = np.random.RandomState(seed)
+    parents, depths = [-1], [0]
+    for i in range(1, n_nodes):
+        while True:
+            p = int(rs.randint(0, i))
+            if depths[p] < depth:
+                break
+        parents.append(p)
+        depths.append(depths[p] + 1)
+    return np.asarray(parents, np.int32)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sections", default="bandwidth,ar,prefill,verify,parts,round",
+                    help="comma list of: bandwidth, ar, prefill, verify, parts, round (default: all)")
+    ap.add_argument("--kernels", default=None, choices=["xla", "pallas"],
+                    help="kernel path (default: pallas on a GPU, else xla); keys of a non-default path get a suffix")
+    ap.add_argument("--context", type=int, default=4096, help="committed context length for decode/verify")
+    ap.add_argument("--verify-nodes", default="16,32,64,128,256", help="N (non-root) for the verify sweep")
+    ap.add_argument("--budgets", default="16,64,256", help="DDTree budgets for the round timings")
+    ap.add_argument("--runs", type=int, default=20, help="timed runs per measurement (median reported)")
+    ap.add_argument("--out", default="benchmarks/results/h200.json", help="JSON file to merge results into")
+    ap.add_argument("--config", default=None, help="HF config.json for other target shapes")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, few runs: check the script on a CPU")
+    args = ap.parse_args(argv)
+    sections = set(args.sections.split(","))
+
+    raw = json.load(open(args.config)) if args.config else dict(QWEN36_27B)
+    dflash = dict(DFLASH_27B)
+    if args.smoke:
+        raw.update(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=6,
+                   linear_key_head_dim=16, linear_value_head_dim=16)
+        dflash.update(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+                      target_layer_ids=(1, 5), mask_token_id=511, vocab_size=512, num_target_layers=8,
+                      layer_windows=(16, None))
+        args.runs, args.context = 3, 64
+    cfg = text_config_from_dict(raw, where=args.config or "built-in Qwen3.6-27B shapes")
+    dev = jax.devices()[0]
+    res = {}
+    if os.path.exists(args.out):
+        res = json.load(open(args.out))
+    default_kernels = "pallas" if dev.platform == "gpu" else "xla"
+    args.kernels = args.kernels or default_kernels
+    key = "" if args.kernels == default_kernels else f"_{args.kernels}"
+    res["kernels"] = f"{default_kernels} (default here); keys ending in _xla/_pallas: the other path"
+    res.update({"device": dev.device_kind, "date": datetime.date.today().isoformat(), "jax": jax.__version__})
+
+    def save():
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1, sort_keys=True)
+
+    def log(msg):
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    if "bandwidth" in sections:
+        # the largest GEMV of a decode step (the lm_head shape, 2.54 GB), over 4 distinct copies in ONE jit
+        # (nothing stays in L2, one dispatch): the best weight-streaming rate XLA reaches on this GPU
+        cols = raw.get("text_config", raw)["vocab_size"] if not args.smoke else 512
+        d_model = raw.get("text_config", raw)["hidden_size"]
+        Ws = [jax.random.normal(jax.random.key(10 + i), (d_model, cols), jnp.bfloat16) for i in range(4)]
+        x = jax.random.normal(jax.random.key(2), (1, d_model), jnp.bfloat16)
+        chain = jax.jit(lambda x, Ws: [x @ W for W in Ws])
+        ms = median_ms(lambda: chain(x, Ws), n=30)
+        bw = sum(W.size for W in Ws) * 2 / (ms * 1e-3) / 1e12
+        res["weight_stream_tb_s"] = round(bw, 3)
+        res["weight_stream_note"] = f"x[1,{d_model}] @ w[{d_model},{cols}] bf16 (XLA), 4 distinct copies in one jit"
+        del Ws
+        log(f"GEMV bandwidth {bw:.2f} TB/s")
+        save()
+
+    t0 = time.time()
+    target = random_target(cfg, "bfloat16", seed=0)
+    target.kernels = args.kernels
+    n_bytes = sum(x.size * x.dtype.itemsize for x in target.leaves)
+    embed_bytes = cfg.vocab_size * cfg.hidden_size * 2
+    streamed = n_bytes - embed_bytes
+    res["weights_streamed_gb"] = round(streamed / 1e9, 3)
+    if "weight_stream_tb_s" in res:
+        res["floor_ms"] = round(streamed / (res["weight_stream_tb_s"] * 1e12) * 1e3, 3)
+    log(f"target built in {time.time() - t0:.1f}s: {n_bytes / 1e9:.2f} GB ({streamed / 1e9:.2f} GB streamed/token)")
+    gd, td = target.graphdef, target.treedef
+    L = args.context
+    S = L + (8192 if not args.smoke else 512) + 512
+
+    def fresh_cache(length):
+        c = fill_random(target.init_cache(S), jax.random.key(3))
+        return c.replace(length=jnp.int32(length))
+
+    if "ar" in sections:
+        decode = make_decode(target, args.kernels)
+        cache = fresh_cache(L)
+        tok = jnp.ones((1, 1), jnp.int32)
+        t = time.time()
+        tok, cache = decode(target.leaves, cache, tok)
+        jax.block_until_ready(tok)
+        log(f"decode compiled in {time.time() - t:.1f}s")
+        state = [tok, cache]
+
+        def step():
+            state[0], state[1] = decode(target.leaves, state[1], state[0])
+            return state[0]
+
+        res["ar_step_ms" + key] = round(median_ms(step, n=args.runs * 2), 3)
+        log(f"AR step {res['ar_step_ms' + key]} ms")
+        del state, cache
+        save()
+
+    if "prefill" in sections:
+        chunk = 2048 if not args.smoke else 64
+        cache = target.init_cache(4 * chunk + chunk)
+        ids = jnp.asarray(np.random.RandomState(0).randint(0, cfg.vocab_size, (1, chunk)), jnp.int32)
+
+        def prefill_all():
+            c = target.init_cache(4 * chunk + chunk)
+            for _ in range(4):
+                lg, c, _, _ = target.prefill(c, ids, chunk)
+            return lg
+
+        t = time.time()
+        jax.block_until_ready(prefill_all())
+        log(f"prefill compiled+run in {time.time() - t:.1f}s")
+        res["prefill_8k_s" + key] = round(median_ms(prefill_all, n=3, warmup=1) / 1e3, 3)
+        log(f"prefill 8K {res['prefill_8k_s' + key]} s")
+        del cache
+        save()
+
+    if "verify" in sections:
+        @jax.jit
+        def run_verify(leaves, cache, tokens, parents):
+            model = nnx.merge(gd, jax.tree.unflatten(td, leaves))
+            lay = layout_lib.tree(cache.length, parents, cfg.linear_conv_kernel_dim, kernels=args.kernels)
+            logits, feats, stashes = verify(model, cache, tokens, lay, feature_layers=dflash["target_layer_ids"])
+            return jnp.argmax(logits, -1), feats
+
+        cache = fresh_cache(L)
+        out = res.setdefault("verify_ms" + key, {})
+        for n in [int(v) for v in args.verify_nodes.split(",")]:
+            parents = jnp.asarray(random_tree(n + 1, 15, n))
+            tokens = jnp.asarray(np.random.RandomState(n).randint(0, cfg.vocab_size, (1, n + 1)), jnp.int32)
+            t = time.time()
+            jax.block_until_ready(run_verify(target.leaves, cache, tokens, parents))
+            log(f"verify N={n + 1} compiled in {time.time() - t:.1f}s")
+            out[str(n + 1)] = round(median_ms(lambda: run_verify(target.leaves, cache, tokens, parents),
+                                              n=args.runs), 3)
+            log(f"verify N={n + 1}: {out[str(n + 1)]} ms")
+            save()
+        del cache
+
+    dcfg = DrafterConfig(**dflash)
+    drafter = random_drafter(dcfg, jnp.bfloat16)
+
+    if "parts" in sections:
+        dcache = fill_random(init_draft_cache(dcfg, 1, S, jnp.bfloat16), jax.random.key(4))
+        dcache = dataclasses_replace(dcache, length=jnp.int32(L))
+        F = dcfg.num_target_features * cfg.hidden_size
+        ctx = jax.random.normal(jax.random.key(5), (1, dcfg.block_size, F), jnp.bfloat16)
+        embed, head = target.embedding, target.lm_head
+
+        @jax.jit
+        def draft(dp, dc, ctx):
+            lg, _ = draft_logits(dp, dcfg, dc, ctx, jnp.int32(8), jnp.ones((1,), jnp.int32), embed, head)
+            return lg
+
+        jax.block_until_ready(draft(drafter.params, dcache, ctx))
+        res["draft_ms" + key] = round(median_ms(lambda: draft(drafter.params, dcache, ctx), n=args.runs), 3)
+        log(f"draft {res['draft_ms' + key]} ms")
+        dl = draft(drafter.params, dcache, ctx)[0]
+        build = jax.jit(lambda r, d: tree_lib.build_tree(r, d, 64))
+        jax.block_until_ready(build(jnp.int32(1), dl))
+        res["tree_build_ms"] = round(median_ms(lambda: build(jnp.int32(1), dl), n=args.runs), 3)
+        log(f"tree build (budget 64) {res['tree_build_ms']} ms")
+
+        cache = fresh_cache(L)
+        parents = jnp.asarray(random_tree(65, 15, 1))
+        tokens = jnp.ones((1, 65), jnp.int32)
+
+        @jax.jit
+        def stashes_of(leaves, cache):
+            model = nnx.merge(gd, jax.tree.unflatten(td, leaves))
+            lay = layout_lib.tree(cache.length, parents, cfg.linear_conv_kernel_dim, kernels=args.kernels)
+            return verify(model, cache, tokens, lay)[2]
+
+        st = stashes_of(target.leaves, cache)
+        path = jnp.asarray([[0] + [int(i) for i in np.nonzero(np.asarray(parents) == 0)[0][:1]] + [0] * 14], jnp.int32)
+        # the cache is donated, as in the round (otherwise every call copies the whole ~1 GB cache)
+        do_commit = jax.jit(lambda c, s: commit(c, s, path, jnp.asarray([2], jnp.int32)), donate_argnums=0)
+        held = [do_commit(cache, st)]
+
+        def commit_once():
+            held[0] = do_commit(held[0], st)
+            return held[0].length
+
+        jax.block_until_ready(commit_once())
+        res["commit_ms"] = round(median_ms(commit_once, n=args.runs), 3)
+        log(f"commit {res['commit_ms']} ms")
+        del held, st, dcache
+        save()
+
+    if "round" in sections:
+        F = dcfg.num_target_features * cfg.hidden_size
+        out = res.setdefault("round_ms" + key, {})
+        P = dcfg.block_size
+        plans = [("ddtree", b) for b in [int(v) for v in args.budgets.split(",")]] + [("dflash", 15)]
+        for method, budget in plans:
+            plan = loop_lib.Plan(method=method, budget=budget, max_new=100000, temperature=0.0,
+                                 kernels=args.kernels, conv_kernel=cfg.linear_conv_kernel_dim,
+                                 feature_layers=dcfg.target_layer_ids)
+            dcache = dataclasses_replace(fill_random(init_draft_cache(dcfg, 1, S, jnp.bfloat16), jax.random.key(4)),
+                                         length=jnp.int32(L))
+            state = loop_lib.DecodeState(
+                cache=fresh_cache(L), dcache=dcache, ctx=jnp.zeros((1, P, F), jnp.bfloat16), ctx_n=jnp.int32(1),
+                root=jnp.ones((1,), jnp.int32), out=jnp.zeros((1, 100000 + P), jnp.int32), n_out=jnp.int32(1),
+                done=jnp.asarray(False), key=jax.random.key(0), acc=jnp.zeros((100000,), jnp.int32),
+                n_rounds=jnp.int32(0), stop_mask=jnp.zeros((cfg.vocab_size,), bool))
+            holder = [state]
+            oracle = jnp.zeros((1,), jnp.int32)
+
+            def one():
+                holder[0] = loop_lib.run_rounds(target.leaves, drafter.params, holder[0], oracle, graphdef=gd,
+                                                treedef=td, dcfg=dcfg, plan=plan, rounds=1)
+                return holder[0].n_out
+
+            t = time.time()
+            jax.block_until_ready(one())
+            log(f"{method} round (budget {budget}) compiled in {time.time() - t:.1f}s")
+            ms = round(median_ms(one, n=args.runs), 3)
+            if method == "ddtree":
+                out[str(budget)] = ms
+            else:
+                res["chain_round_ms" + key] = ms
+            log(f"{method} round budget {budget}: {ms} ms")
+            del holder, state
+            save()
+        ar = res.get("ar_step_ms" + key)
+        if ar and "64" in out:
+            res["projected_tokens_per_s" + key] = {
+                str(tau): round(tau / (out["64"] * 1e-3), 1) for tau in (4, 6, 8, 10)}
+            res["projection_note"] = "projected tokens/s = tau / DDTree round time at budget 64 (projection)"
+        save()
+    print(json.dumps(res, indent=1, sort_keys=True))
+
+
+def dataclasses_replace(obj, **kw):
+    import dataclasses
+    return dataclasses.replace(obj, **kw)
+
+
+if __name__ == "__main__":
+    main()

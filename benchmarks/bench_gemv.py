@@ -1,0 +1,329 @@
+"""Pallas dense GEMV/skinny GEMM (kernels_pallas.dense) vs XLA's dot at Qwen3.6-27B weight shapes, on one GPU.
+
+    PYTHONUNBUFFERED=1 python benchmarks/bench_gemv.py --out $OUT/gemv.json [--time-budget-s 200]
+    JAX_PLATFORMS=cpu python benchmarks/bench_gemv.py --dry     # tiny shapes, interpret mode: checks the script
+
+Per weight shape [K, N] and M (1 = decode; 65 = verify) — the XLA reference first, then a few Pallas variants:
+  * gpu_us: GPU time of ONE y = x @ w, summed over every kernel it launches (split-K adds one small XLA
+    reduce), read from a jax.profiler trace. Each timed jit runs R calls on R DISTINCT weight copies (and
+    distinct x), R = clamp(256 MB / (K·N·2), 2, 16) ≥ 3x the 50 MB L2, so nothing is served from L2; gpu_us = total / R.
+  * GBps: K·N·2 bytes of w / gpu_us (the floor is the weight stream: ~4.2 TB/s copy bandwidth on an H200);
+  * rel_err vs the bf16 XLA reference and vs an fp32 product of the same bf16 inputs.
+Then a chain: the decode GEMVs of one GDN + MLP layer (w_qkv, w_z, w_ba, w_out, w_gate, w_up, w_down, with
+cheap elementwise glue and data dependencies) for --chain-sets distinct weight sets in one jit, for XLA,
+the Pallas default and the per-shape best Pallas variant: GPU ms (profile) and wall ms per call.
+The JSON is rewritten after each shape; --time-budget-s bounds the whole sweep (variants past a shape's share
+are skipped; the reference and the default always run while the global budget lasts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import math
+import os
+import sys
+import time
+import traceback
+import warnings
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from kernels_pallas import dense as dn  # noqa: E402
+from kernels_pallas._testing import rel_err  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_timing  # noqa: E402
+from gpu_timing import gpu_us, wall_ms  # noqa: E402
+
+DRY = False
+RESULTS: dict = {"shapes": {}}
+L2_BYTES_MIN = 256 << 20  # distinct weight bytes per timed call ≥ 5x L2
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def save(path):
+    if path:
+        with open(path, "w") as fh:
+            json.dump(RESULTS, fh, indent=1, default=str)
+
+
+def IKW():
+    return {"interpret": True} if DRY else {}
+
+
+# ---------------------------------------------------------------- shapes and variants
+# name -> (K, N); the model's weights [in, out]
+SHAPES_27B = {
+    "w_qkv": (5120, 10240),
+    "w_z": (5120, 6144),
+    "w_out|wo": (6144, 5120),
+    "w_gate|w_up": (5120, 17408),
+    "w_down": (17408, 5120),
+    "wq": (5120, 12288),
+    "wk|wv": (5120, 1024),
+    "lm_head": (5120, 248320),
+}
+# (shape name, M, budget share): decode first, then the chain, then verify
+PLAN_27B = [("w_qkv", 1, 12), ("w_gate|w_up", 1, 12), ("w_down", 1, 12), ("w_out|wo", 1, 10), ("w_z", 1, 10),
+            ("wq", 1, 8), ("wk|wv", 1, 8), ("lm_head", 1, 14), ("chain", 1, 30),
+            ("w_qkv", 65, 14), ("w_gate|w_up", 65, 14), ("w_down", 65, 14)]
+SHAPES_DRY = {"w_qkv": (256, 384), "w_z": (256, 128), "w_out|wo": (128, 256), "w_gate|w_up": (256, 512),
+              "w_down": (512, 256), "wq": (256, 384), "wk|wv": (256, 64), "lm_head": (256, 1000), "w_ba": (256, 96)}
+PLAN_DRY = [("w_qkv", 1, 10), ("lm_head", 1, 10), ("wk|wv", 1, 10), ("chain", 1, 10), ("w_down", 65, 10)]
+SHAPES = dict(SHAPES_27B, w_ba=(5120, 96))
+
+
+def variants_for(M, K, N):
+    """≤ 6 Pallas variants: {name: kwargs} ({} = the default heuristic: split-K to 4 programs/SM; tp2x is
+    the earlier 2/SM). The CUDA-core FMA kernel (0.5-0.6x of these at M = 1, gemv_h200.json) is gone."""
+    big = K * N >= 256 << 20  # lm_head: fewer
+    d = dn.default_config(M, K, N)
+    if M == 1:
+        v = {  # most likely winners first (the budget may cut the tail)
+            "default": {},
+            "dot_bn256_bk64_w4_s4": dict(block_n=256, block_k=64, num_warps=4, num_stages=4),
+            "dot_bn128_bk128_w4_s4": dict(block_n=128, block_k=128, num_warps=4, num_stages=4),
+            "dot_default_tp2x": dict(target_programs=2 * dn.N_SM),
+            "dot_bn64_bk256_w4_s3": dict(block_n=64, block_k=256, num_warps=4, num_stages=3),
+            "dot_nosplit_bn64_bk128_w4_s4": dict(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4),
+        }
+        if big:
+            v = {k: v[k] for k in ("default", "dot_bn256_bk64_w4_s4", "dot_bn128_bk128_w4_s4")}
+        if d["split_k"] == 1 and not big:  # split-K variants would equal the default
+            v.pop("dot_default_tp2x")
+    else:
+        v = {
+            "default": {},
+            "dot_bn64_bk64_w4_s3": dict(block_n=64, block_k=64, num_warps=4, num_stages=3),
+            "dot_bn128_bk128_w8_s3": dict(block_n=128, block_k=128, num_warps=8, num_stages=3),
+            "dot_bn128_bk64_w4_s4": dict(block_n=128, block_k=64, num_warps=4, num_stages=4),
+            "dot_bn256_bk64_w8_s3": dict(block_n=256, block_k=64, num_warps=8, num_stages=3),
+            "dot_default_tp2x": dict(target_programs=2 * dn.N_SM),
+        }
+    return v
+
+
+def copies_for(K, N):
+    if DRY:
+        return 2
+    return int(min(16, max(2, math.ceil(L2_BYTES_MIN / (K * N * 2)))))
+
+
+def make_fn(kw):
+    if kw is None:
+        return dn.dense_reference
+    return functools.partial(dn.dense, **kw, **IKW())
+
+
+def bench_shape(name, M, deadline, global_deadline, sweep_all):
+    K, N = SHAPES[name]
+    R = copies_for(K, N)
+    log(f"== {name} M={M} K={K} N={N}: {K * N * 2 / 1e6:.1f} MB of weights, {R} distinct copies per timed call")
+    key = jax.random.PRNGKey(K * 7 + N + M)
+    kx, kw_ = jax.random.split(key)
+    xs = [jax.random.normal(k, (M, K), jnp.bfloat16) for k in jax.random.split(kx, R)]
+    ws = [(jax.random.normal(k, (K, N), jnp.float32) * K ** -0.5).astype(jnp.bfloat16)
+          if DRY else jax.random.normal(k, (K, N), jnp.bfloat16) * jnp.bfloat16(K ** -0.5)
+          for k in jax.random.split(kw_, R)]
+    jax.block_until_ready((xs, ws))
+    ref = np.asarray(jax.jit(dn.dense_reference)(xs[0], ws[0]), np.float32)
+    ref32 = np.asarray(jnp.dot(xs[0].astype(jnp.float32), ws[0].astype(jnp.float32),
+                               precision=jax.lax.Precision.HIGHEST))
+    rec_shape = {"K": K, "N": N, "M": M, "copies": R, "weight_MB": K * N * 2 / 1e6,
+                 "default_config": dn.default_config(M, K, N), "variants": {}}
+    RESULTS["shapes"][f"{name}@M{M}"] = rec_shape
+    variants = {"xla_reference": None, **variants_for(M, K, N)}
+    for vname, kw in variants.items():
+        rec = {"kwargs": kw}
+        rec_shape["variants"][vname] = rec
+        now = time.perf_counter()
+        if now > global_deadline or (now > deadline and vname not in ("xla_reference", "default")):
+            rec["skipped"] = "time budget"
+            log(f"  {vname:32s} skipped (budget)")
+            continue
+        if sweep_all is not None and vname not in sweep_all:
+            rec["skipped"] = "--select"
+            continue
+        try:
+            fn = make_fn(kw)
+            f = jax.jit(lambda xs, ws: [fn(x, w) for x, w in zip(xs, ws)])
+            t0 = time.perf_counter()
+            outs = jax.block_until_ready(f(xs, ws))
+            rec["compile_s"] = round(time.perf_counter() - t0, 2)
+            rec["rel_err"] = rel_err(outs[0], ref)
+            rec["rel_err_fp32"] = rel_err(outs[0], ref32)
+            g, top = gpu_us(f, (xs, ws), n=1 if DRY else 10, top=4, width=60)
+            if g is None:
+                rec["wall_us"] = 1e3 * wall_ms(f, (xs, ws)) / R
+            else:
+                rec["gpu_us"] = g / R
+                rec["kernels"] = top
+            us = rec.get("gpu_us") or rec["wall_us"]
+            rec["GBps"] = K * N * 2 / (us * 1e3)
+            log(f"  {vname:32s} {us:9.2f} us  {rec['GBps']:7.0f} GB/s  err {rec['rel_err']:.2g} "
+                f"(fp32 {rec['rel_err_fp32']:.2g})  compile {rec['compile_s']} s")
+        except Exception as e:
+            rec["error"] = f"{type(e).__name__}: {str(e)[:1500]}"
+            log(f"  {vname:32s} FAILED {rec['error'][:500]}")
+            traceback.print_exc(limit=2)
+    ok = {k: v for k, v in rec_shape["variants"].items() if v["kwargs"] is not None and "GBps" in v
+          and v["rel_err"] < 2e-2}
+    best = max(ok, key=lambda k: ok[k]["GBps"]) if ok else None
+    rec_shape["best"] = best
+    if best:
+        ref_rec = rec_shape["variants"]["xla_reference"]
+        rec_shape["best_kwargs"] = ok[best]["kwargs"]
+        rec_shape["best_GBps"] = ok[best]["GBps"]
+        rec_shape["xla_GBps"] = ref_rec.get("GBps")
+        if ref_rec.get("GBps"):
+            rec_shape["speedup_vs_xla"] = ok[best]["GBps"] / ref_rec["GBps"]
+        log(f"  -> best {best} {ok[best]['GBps']:.0f} GB/s vs XLA {ref_rec.get('GBps') or float('nan'):.0f} GB/s")
+    del xs, ws
+    return best
+
+
+# ---------------------------------------------------------------- chain: one GDN + MLP layer's decode GEMVs
+CHAIN = ["w_qkv", "w_z", "w_ba", "w_out|wo", "w_gate|w_up", "w_gate|w_up", "w_down"]
+
+
+def layer_chain(h, ws, fns):
+    """h [1, D]; ws: 7 weights in CHAIN order; fns: 7 callables (x, w) -> y."""
+    f32 = jnp.float32
+    qkv = fns[0](h, ws[0])
+    z = fns[1](h, ws[1])
+    ba = fns[2](h, ws[2])
+    F = ws[3].shape[0]
+    o = (qkv[:, :F].astype(f32) * jax.nn.sigmoid(z.astype(f32)) * (1 + jnp.mean(ba.astype(f32)))).astype(h.dtype)
+    h = h + fns[3](o, ws[3])
+    g = fns[4](h, ws[4])
+    u = fns[5](h, ws[5])
+    a = (jax.nn.silu(g.astype(f32)) * u.astype(f32)).astype(h.dtype)
+    return h + fns[6](a, ws[6])
+
+
+def bench_chain(n_sets, best_by_shape):
+    D = SHAPES["w_qkv"][0]
+    log(f"== chain: {len(CHAIN)} decode GEMVs of one GDN+MLP layer x {n_sets} distinct weight sets")
+    sets = []
+    for s in range(n_sets):
+        ks = jax.random.split(jax.random.PRNGKey(1000 + s), len(CHAIN))
+        ws = []
+        for k, nm in zip(ks, CHAIN):
+            K, N = SHAPES[nm]
+            ws.append((jax.random.normal(k, (K, N), jnp.float32) * K ** -0.5).astype(jnp.bfloat16) if DRY
+                      else jax.random.normal(k, (K, N), jnp.bfloat16) * jnp.bfloat16(K ** -0.5))
+        sets.append(ws)
+    x = jax.random.normal(jax.random.PRNGKey(7), (1, D), jnp.bfloat16)
+    jax.block_until_ready((x, sets))
+    mb = sum(math.prod(w.shape) * 2 for w in sets[0]) / 1e6
+    rec = {"n_sets": n_sets, "weight_MB_per_set": mb, "gemvs": CHAIN, "variants": {}}
+    RESULTS["chain"] = rec
+    configs = {
+        "xla_reference": [None] * len(CHAIN),
+        "pallas_default": [{}] * len(CHAIN),
+        "pallas_best_per_shape": [best_by_shape.get(nm) or {} for nm in CHAIN],
+    }
+    ref_out = None
+    for cname, kws in configs.items():
+        r = {"kwargs": kws}
+        rec["variants"][cname] = r
+        try:
+            fns = [make_fn(kw) for kw in kws]
+            f = jax.jit(lambda x, sets: functools.reduce(lambda h, ws: layer_chain(h, ws, fns), sets, x))
+            t0 = time.perf_counter()
+            out = np.asarray(jax.block_until_ready(f(x, sets)), np.float32)
+            r["compile_s"] = round(time.perf_counter() - t0, 2)
+            if ref_out is None:
+                ref_out = out
+            r["rel_err"] = rel_err(out, ref_out)
+            g, top = gpu_us(f, (x, sets), n=1 if DRY else 10, top=4, width=60)
+            r["gpu_ms"] = None if g is None else g / 1e3
+            r["kernels"] = top
+            r["wall_ms"] = wall_ms(f, (x, sets))
+            t = r["gpu_ms"] or r["wall_ms"]
+            r["GBps"] = mb * n_sets / 1e3 / t
+            r["gpu_ms_per_layer"] = t / n_sets
+            log(f"  {cname:24s} gpu {r['gpu_ms']} ms  wall {r['wall_ms']:.3f} ms  ({r['gpu_ms_per_layer']:.3f} ms/layer, "
+                f"{r['GBps']:.0f} GB/s)  err {r['rel_err']:.2g}  compile {r['compile_s']} s")
+        except Exception as e:
+            r["error"] = f"{type(e).__name__}: {str(e)[:1500]}"
+            log(f"  {cname} FAILED {r['error'][:500]}")
+            traceback.print_exc(limit=2)
+    del sets
+
+
+def main():
+    global DRY, SHAPES
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="")
+    ap.add_argument("--dry", action="store_true", help="tiny shapes in interpret mode on the CPU")
+    ap.add_argument("--time-budget-s", type=float, default=200.0)
+    ap.add_argument("--chain-sets", type=int, default=8)
+    ap.add_argument("--only", default=None, help="comma list of 'name@M<m>' (e.g. w_qkv@M1,chain@M1)")
+    ap.add_argument("--select", default=None, help="comma list of variant names to run (reference always)")
+    args = ap.parse_args()
+    plan = PLAN_27B
+    if args.dry:
+        DRY = gpu_timing.QUICK = True
+        SHAPES = SHAPES_DRY
+        plan = PLAN_DRY
+        args.chain_sets = 2
+    if args.only:
+        keep = set(args.only.split(","))
+        plan = [p for p in plan if f"{p[0]}@M{p[1]}" in keep]
+    sel = None if not args.select else set(args.select.split(",")) | {"xla_reference"}
+    dev = jax.devices()[0]
+    RESULTS.update(device=getattr(dev, "device_kind", str(dev)), platform=dev.platform, jax=jax.__version__,
+                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), dry=DRY,
+                   method=__doc__.split("XLA reference first, then a few Pallas variants:")[1].strip())
+    log(json.dumps({k: v for k, v in RESULTS.items() if k not in ("method", "shapes")}))
+    t_all = time.perf_counter()
+    global_deadline = t_all + args.time_budget_s
+    total_share = sum(p[2] for p in plan)
+    best_by_shape = {}
+    for i, (name, M, share) in enumerate(plan):
+        now = time.perf_counter()
+        left = global_deadline - now
+        rest = sum(p[2] for p in plan[i:])
+        deadline = now + left * share / rest
+        try:
+            if name == "chain":
+                if now > global_deadline:
+                    RESULTS["chain"] = {"skipped": "time budget"}
+                else:
+                    bench_chain(args.chain_sets, best_by_shape)
+            else:
+                best = bench_shape(name, M, deadline, global_deadline, sel)
+                if M == 1 and best:
+                    best_by_shape[name] = RESULTS["shapes"][f"{name}@M{M}"]["best_kwargs"]
+        except Exception as e:
+            RESULTS[f"{name}@{M}_error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+            log(f"{name}@{M} FAILED: {e}")
+            traceback.print_exc()
+        RESULTS["total_s"] = round(time.perf_counter() - t_all, 1)
+        save(args.out)
+    del total_share
+    log("\n== summary (GB/s of weight stream; best Pallas vs XLA)")
+    for k, r in RESULTS["shapes"].items():
+        log(f"  {k:20s} best {r.get('best')}: {r.get('best_GBps') or 0:.0f} GB/s  XLA {r.get('xla_GBps') or 0:.0f} GB/s"
+            f"  x{r.get('speedup_vs_xla') or 0:.2f}")
+    ch = RESULTS.get("chain", {}).get("variants", {})
+    for k, r in ch.items():
+        log(f"  chain {k:24s} {r.get('gpu_ms_per_layer')} ms/layer  {r.get('GBps')} GB/s")
+    log(f"  total {RESULTS.get('total_s')} s")
+    save(args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,339 @@
+"""Pallas kernels vs their XLA (jnp) references at Qwen3.6-27B shapes, on one GPU.
+
+    PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/kernels.json [--sections tree,attn,decode,prefill]
+    JAX_PLATFORMS=cpu python benchmarks/bench_kernels.py --dry     # tiny shapes, interpret mode: checks the script
+    --select REGEX runs only the variants whose 'section:variant' matches (the reference always runs)
+
+Per kernel and tuning variant (the reference first):
+  * rel_err = ||out − ref|| / ||ref|| vs the jnp reference on fresh random inputs (q,k l2-normalised,
+    g in [-2, 0), beta in (0, 1), random trees with padding rows); attention also vs the reference on
+    fp32-upcast inputs;
+  * gpu_us_per_layer: GPU time of ONE layer's jitted call, summed over every kernel it launches, read
+    from a jax.profiler trace of 20 calls (device events only: no launch gaps, no host time);
+  * for the fastest correct variant and the reference: wall_ms_all_layers = median wall time of ONE
+    jitted call running the op for every layer (48 GDN / 16 attention layers, each with its own inputs,
+    so nothing stays in L2) after warm-up, with block_until_ready (this includes launch gaps).
+Each section has a time budget (variants past it are skipped); the JSON is rewritten after each section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+import warnings
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from kernels_pallas import gdn_decode, gdn_prefill, gdn_tree, tree_attention  # noqa: E402
+from kernels_pallas._testing import attention_inputs, gdn_inputs, random_tree_mask, rel_err  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_timing  # noqa: E402
+from gpu_timing import gpu_us, wall_ms  # noqa: E402
+
+# 27B shapes
+HK, HV, DK, DV = 16, 48, 128, 128
+H, HKV, HD = 24, 4, 256
+GDN_LAYERS, ATTN_LAYERS = 48, 16
+TREE_N, PREFIX, PREFILL_T = 65, 4096, 8192
+DRY = False  # --dry: tiny shapes, interpret mode, CPU (checks this script, not the kernels' speed)
+BUDGET = {"tree": 75, "attn": 50, "decode_attn": 15, "decode": 20, "prefill": 30}  # seconds per section (scaled by --budget-scale)
+
+RESULTS: dict = {}
+
+
+def IKW():
+    return {"interpret": True} if DRY else {}
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def save(path):
+    if path:
+        with open(path, "w") as fh:
+            json.dump(RESULTS, fh, indent=1, default=str)
+
+
+def errs(pairs):
+    return {n: float(f"{rel_err(a, b):.3g}") for n, a, b in pairs}
+
+
+SELECT = None  # --select REGEX: only variants whose name matches (the reference always runs)
+
+
+def evaluate(section, variants, make, one, check, deadline, layers_all=None, max_err=1e-4, reps=30, n_prof=20):
+    """variants {name: kwargs | None (reference)}; make(kw) -> fn(*one_layer_args); one: layer-0 args;
+    check(outputs of fn(*one)) -> errors; layers_all: list of per-layer args for the all-layer wall time."""
+    import re
+    if SELECT:
+        variants = {k: v for k, v in variants.items() if v is None or re.search(SELECT, f"{section}:{k}")}
+    recs = {}
+    for name, kw in variants.items():
+        rec = {"kwargs": None if kw is None else {k: str(v) for k, v in kw.items()}}
+        recs[name] = rec
+        if time.perf_counter() > deadline and kw is not None:
+            rec["skipped"] = "section time budget spent"
+            log(f"  [{section}] {name:30s} skipped (budget)")
+            continue
+        try:
+            t0 = time.perf_counter()
+            f = jax.jit(make(kw))
+            out = jax.block_until_ready(f(*one))
+            rec["compile_s"] = round(time.perf_counter() - t0, 2)
+            rec["rel_err"] = check(out)
+            rec["gpu_us_per_layer"], rec["kernels"] = gpu_us(f, one, n=n_prof)
+            if rec["gpu_us_per_layer"] is None:
+                rec["wall_us_per_layer"] = 1e3 * wall_ms(f, one, reps=reps, warmup=3)
+            us = rec["gpu_us_per_layer"] or rec["wall_us_per_layer"]
+            log(f"  [{section}] {name:30s} {us:9.2f} us/layer  err {rec['rel_err']}  compile {rec['compile_s']} s"
+                f"  {rec['kernels'][:3] if rec['kernels'] else ''}")
+        except Exception as e:  # keep going: one bad variant must not sink the run
+            rec["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+            log(f"  [{section}] {name:30s} FAILED {rec['error'][:600]}")
+            traceback.print_exc(limit=2)
+    ok = {k: v for k, v in recs.items() if v.get("kwargs") is not None and "rel_err" in v
+          and max(v["rel_err"].values()) <= max_err and (v.get("gpu_us_per_layer") or v.get("wall_us_per_layer"))}
+    best = min(ok, key=lambda k: ok[k].get("gpu_us_per_layer") or ok[k]["wall_us_per_layer"]) if ok else None
+    if layers_all is not None:
+        for name in [n for n in ("xla_reference", best) if n]:
+            kw = variants[name]
+            try:
+                f = jax.jit(lambda layers, fn=make(kw): [fn(*a) for a in layers])
+                t0 = time.perf_counter()
+                jax.block_until_ready(f(layers_all))
+                recs[name]["wall_compile_s"] = round(time.perf_counter() - t0, 2)
+                recs[name]["wall_ms_all_layers"] = wall_ms(f, (layers_all,), reps=reps, warmup=3)
+                log(f"  [{section}] {name:30s} all {len(layers_all)} layers: {recs[name]['wall_ms_all_layers']:.3f} ms"
+                    f" wall  (compile {recs[name]['wall_compile_s']} s)")
+            except Exception as e:
+                recs[name]["wall_error"] = f"{type(e).__name__}: {str(e)[:1000]}"
+                log(f"  [{section}] {name} all-layer wall FAILED {recs[name]['wall_error'][:300]}")
+    return recs, best
+
+
+def summarize(prefix, recs, best, n_layers, key):
+    """Summary keys: <prefix>_ms_<n>_layers {key: wall ms of the all-layer call}, plus GPU-time figures."""
+    ref = recs.get("xla_reference", {})
+    b = recs.get(best, {}) if best else {}
+    RESULTS[f"{prefix}_best_variant"] = best
+    RESULTS[f"{prefix}_ms_{n_layers}_layers"] = {key: b.get("wall_ms_all_layers")}
+    RESULTS[f"{prefix}_xla_ms_{n_layers}_layers"] = {key: ref.get("wall_ms_all_layers")}
+    g, gr = b.get("gpu_us_per_layer"), ref.get("gpu_us_per_layer")
+    RESULTS[f"{prefix}_gpu_ms_{n_layers}_layers"] = {key: None if g is None else n_layers * g / 1e3}
+    RESULTS[f"{prefix}_xla_gpu_ms_{n_layers}_layers"] = {key: None if gr is None else n_layers * gr / 1e3}
+
+
+# ----------------------------------------------------------------------------- GDN tree verify
+def section_tree(deadline):
+    N = TREE_N
+    log(f"== GDN tree verify: N={N}, Hv={HV}, Hk={HK}, dk={DK}, dv={DV}, x{GDN_LAYERS} layers")
+    rng = np.random.default_rng(0)
+    layers = []
+    for l in range(GDN_LAYERS):
+        mask, valid = random_tree_mask(rng, 1, N, n_pad=3)
+        q, k, v, g, beta, state = gdn_inputs(jax.random.PRNGKey(l), 1, N, HK, HV, DK, DV, valid=valid)
+        layers.append((q, k, v, g, beta, mask, state))
+    layers = jax.device_put(layers)
+    ref0 = [np.asarray(x) for x in jax.jit(gdn_tree.gdn_masked_block_reference)(*layers[0])]
+    # tuning neighbours of the default (head block 128, bv 64, 8 warps, bf16x3m, grams by XLA); rounds 4-5
+    # (2026-11-29) are in the gdn_tree docstring and benchmarks/results/kernels{,5}_h200.json
+    variants = {
+        "xla_reference": None,
+        "default": {},
+        "md16": dict(max_depth=16),  # the model passes max_depth (the drafter's block size)
+        "bv32": dict(block_v=32),
+        "bv128": dict(block_v=128),
+        "bh64": dict(head_block=64),
+        "tf32": dict(precision="tf32"),
+    }
+    make = lambda kw: (gdn_tree.gdn_masked_block_reference if kw is None
+                       else functools.partial(gdn_tree.gdn_masked_block, **kw, **IKW()))
+    recs, best = evaluate("tree", variants, make, layers[0], lambda out: errs(zip("oWG", out, ref0)), deadline,
+                          layers_all=layers)
+    RESULTS["gdn_tree"] = recs
+    summarize("gdn_tree_verify", recs, best, GDN_LAYERS, str(N))
+
+
+# ----------------------------------------------------------------------------- tree attention
+def section_attn(T, variants, tag, deadline):
+    S = PREFIX + 64
+    log(f"== attention ({tag}): T=N={T}, H={H}, Hkv={HKV}, hd={HD}, prefix {PREFIX} (cache {S}), x{ATTN_LAYERS}")
+    rng = np.random.default_rng(1)
+    layers = [attention_inputs(jax.random.PRNGKey(100 + l), rng if T > 1 else None, 1, T, H, HKV, HD, S, PREFIX,
+                               dtype=jnp.bfloat16, n_pad=3 if T > 1 else 0) for l in range(ATTN_LAYERS)]
+    layers = jax.device_put(layers)
+    a0 = layers[0]
+    ref0 = np.asarray(jax.jit(tree_attention.tree_attention_reference)(*a0).astype(jnp.float32))
+    up = tuple(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x for x in a0)
+    ref32 = np.asarray(jax.jit(tree_attention.tree_attention_reference)(*up))
+
+    def check(out):
+        o = np.asarray(out.astype(jnp.float32))
+        return errs([("vs_bf16_ref", o, ref0), ("vs_fp32_ref", o, ref32)])
+
+    make = lambda kw: (tree_attention.tree_attention_reference if kw is None
+                       else functools.partial(tree_attention.tree_attention, **kw, **IKW()))
+    return evaluate(tag, variants, make, a0, check, deadline, layers_all=layers, max_err=2e-2)
+
+
+# ----------------------------------------------------------------------------- GDN decode
+def section_decode(deadline):
+    log(f"== GDN decode step x{GDN_LAYERS} layers")
+    xs, states0 = [], []
+    for l in range(GDN_LAYERS):
+        q, k, v, g, beta, state = gdn_inputs(jax.random.PRNGKey(200 + l), 1, 1, HK, HV, DK, DV)
+        xs.append((q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0]))
+        states0.append(state)
+    xs, states0 = jax.device_put(xs), jax.device_put(states0)
+    r0 = [np.asarray(x) for x in jax.jit(gdn_decode.gdn_step_reference)(*xs[0], states0[0])]
+    variants = {
+        "xla_reference": None,
+        "bv64_w4": dict(block_v=64, num_warps=4),
+        "bv32_w4": dict(block_v=32, num_warps=4),
+        "bv128_w4": dict(block_v=128, num_warps=4),
+        "bv16_w2": dict(block_v=16, num_warps=2),
+    }
+    make = lambda kw: (gdn_decode.gdn_step_reference if kw is None
+                       else functools.partial(gdn_decode.gdn_step, **kw, **IKW()))
+    # per-layer GPU time without donation: XLA copies the state before the in-place kernel; that copy
+    # shows as its own kernel in the breakdown (the model donates its caches, so it has no such copy)
+    recs, best = evaluate("decode", variants, make, xs[0] + (states0[0],),
+                          lambda out: errs([("o", out[0], r0[0]), ("state", out[1], r0[1])]), deadline,
+                          max_err=1e-4, n_prof=50)
+    # all-layer wall time with the states donated (in place), reference and best
+    for name in [n for n in ("xla_reference", best) if n]:
+        kw = variants[name]
+        try:
+            fn = make(kw)
+            f = jax.jit(lambda xs, states: [fn(*a, s) for a, s in zip(xs, states)], donate_argnums=1)
+            states = [jnp.array(s) for s in states0]
+            outs = jax.block_until_ready(f(xs, states))
+            states = [s for _, s in outs]
+            reps, warmup = (1, 0) if DRY else (50, 3)
+            ts = []
+            for i in range(warmup + reps):
+                t = time.perf_counter()
+                outs = jax.block_until_ready(f(xs, states))
+                if i >= warmup:
+                    ts.append(time.perf_counter() - t)
+                states = [s for _, s in outs]
+            recs[name]["wall_ms_all_layers"] = 1e3 * statistics.median(ts)
+            log(f"  [decode] {name:30s} all {GDN_LAYERS} layers (donated): {recs[name]['wall_ms_all_layers']:.3f} ms wall")
+        except Exception as e:
+            recs[name]["wall_error"] = f"{type(e).__name__}: {str(e)[:1000]}"
+    RESULTS["gdn_decode"] = recs
+    summarize("gdn_decode", recs, best, GDN_LAYERS, "1")
+    mib = GDN_LAYERS * 2 * HV * DK * DV * 4 / 2**20
+    RESULTS["gdn_decode_state_traffic_MiB_48_layers"] = mib
+    RESULTS["gdn_decode_floor_ms_48_layers"] = {"at_3.31TBps_elementwise": mib * 2**20 / 3.31e12 * 1e3,
+                                                "at_4.2TBps_copy": mib * 2**20 / 4.2e12 * 1e3}
+
+
+# ----------------------------------------------------------------------------- GDN prefill
+def section_prefill(deadline):
+    T = PREFILL_T
+    log(f"== GDN chunked prefill: T={T}, one layer (x{GDN_LAYERS} projected)")
+    args = jax.device_put(gdn_inputs(jax.random.PRNGKey(300), 1, T, HK, HV, DK, DV))
+    ref = [np.asarray(x) for x in jax.jit(gdn_prefill.gdn_chunked_reference)(*args)]
+    variants = {
+        "xla_reference": None,
+        "bv64_w4_tf32x3": dict(block_v=64),
+        "bv32_w4_tf32x3": dict(block_v=32),
+        "bv64_w4_s3_tf32x3": dict(block_v=64, num_stages=3),
+    }
+    make = lambda kw: (gdn_prefill.gdn_chunked_reference if kw is None
+                       else functools.partial(gdn_prefill.gdn_chunked, **kw, **IKW()))
+    recs, best = evaluate("prefill", variants, make, args,
+                          lambda out: errs([("o", out[0], ref[0]), ("state", out[1], ref[1])]), deadline,
+                          reps=5, n_prof=3)
+    RESULTS["gdn_prefill"] = recs
+    b, r = recs.get(best, {}), recs["xla_reference"]
+    RESULTS["gdn_prefill_best_variant"] = best
+    g, gr = b.get("gpu_us_per_layer"), r.get("gpu_us_per_layer")
+    RESULTS["gdn_prefill_gpu_ms_8k_1_layer"] = None if g is None else g / 1e3
+    RESULTS["gdn_prefill_xla_gpu_ms_8k_1_layer"] = None if gr is None else gr / 1e3
+    RESULTS["gdn_prefill_gpu_ms_8k_48_layers_projected"] = None if g is None else 48 * g / 1e3
+    RESULTS["gdn_prefill_xla_gpu_ms_8k_48_layers_projected"] = None if gr is None else 48 * gr / 1e3
+
+
+def main():
+    global DRY, HK, HV, DK, DV, H, HKV, HD, GDN_LAYERS, ATTN_LAYERS, TREE_N, PREFIX, PREFILL_T, SELECT
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="")
+    ap.add_argument("--sections", default="tree,attn,decode,prefill")
+    ap.add_argument("--dry", action="store_true", help="tiny shapes in interpret mode on the CPU")
+    ap.add_argument("--budget-scale", type=float, default=1.0)
+    ap.add_argument("--select", default=None, help="regex on 'section:variant' (the reference always runs)")
+    ap.add_argument("--no-decode-attn", action="store_true")
+    args = ap.parse_args()
+    SELECT = args.select
+    if args.dry:
+        DRY = gpu_timing.QUICK = True
+        HK, HV, DK, DV, H, HKV, HD = 1, 3, 16, 32, 4, 2, 16
+        GDN_LAYERS, ATTN_LAYERS, TREE_N, PREFIX, PREFILL_T = 2, 2, 19, 64, 128
+    dev = jax.devices()[0]
+    RESULTS.update(device=getattr(dev, "device_kind", str(dev)), platform=dev.platform, jax=jax.__version__,
+                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), dry=DRY,
+                   method=__doc__.split("Per kernel and tuning variant (the reference first):")[1].split("Each section")[0]
+                   .strip())
+    log(json.dumps({k: v for k, v in RESULTS.items() if k != "method"}))
+    t_all = time.perf_counter()
+    for sec in args.sections.split(","):
+        deadline = time.perf_counter() + BUDGET.get(sec, 60) * args.budget_scale
+        try:
+            if sec == "tree":
+                section_tree(deadline)
+            elif sec == "attn":
+                # tuning neighbours of the default (128x64 tiles, 8 warps, 2 stages, splits for ~132
+                # programs, jnp merge); rounds 4-5 are in the tree_attention docstring
+                attn_variants = {
+                    "xla_reference": None,
+                    "default": {},
+                    "s1": dict(num_stages=1),
+                    "ns6": dict(n_split=6),
+                    "ns12": dict(n_split=12),
+                    "bk32_s3": dict(block_k=32, num_stages=3),
+                    "bm64_bk32_w4_s3_ns9": dict(block_m=64, block_k=32, num_warps=4, num_stages=3, n_split=9),
+                }
+                recs, best = section_attn(TREE_N, attn_variants, "tree_attn", deadline)
+                RESULTS["tree_attention"] = recs
+                summarize("tree_attention", recs, best, ATTN_LAYERS, str(TREE_N))
+                save(args.out)
+                if args.no_decode_attn:
+                    continue
+                recs1, best1 = section_attn(1, {"xla_reference": None, "default": {}, "s1": dict(num_stages=1)},
+                                            "decode_attn", time.perf_counter() + BUDGET["decode_attn"] * args.budget_scale)
+                RESULTS["decode_attention"] = recs1
+                summarize("decode_attention", recs1, best1, ATTN_LAYERS, "1")
+            elif sec == "decode":
+                section_decode(deadline)
+            elif sec == "prefill":
+                section_prefill(deadline)
+        except Exception as e:
+            RESULTS[f"{sec}_section_error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+            log(f"section {sec} FAILED: {e}")
+            traceback.print_exc()
+        RESULTS["total_s"] = round(time.perf_counter() - t_all, 1)
+        save(args.out)
+    log("\n== summary")
+    for k, v in RESULTS.items():
+        if isinstance(v, (dict, str, float, int, type(None))) and ("_ms_" in k or k.endswith("variant")):
+            log(f"  {k}: {v}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,392 @@
+"""HF safetensors directory -> converted orbax directory (see `jaxddtree.checkpoint.orbax_format` for the format).
+
+Plan first (the loaders' key maps: `jaxddtree.checkpoint.hf_target`'s for a target, `jaxddtree.model.drafter`'s for a DFlash
+drafter; unknown / duplicate / missing tensors, then every shard's header and every tensor's shape are
+checked before anything is written). Then stream tensor by tensor: read one tensor with positioned reads
+(no memory map: a mapped shard's pages would count in our RSS), cast / transpose / reshape it on the host
+with numpy, hand it to an `orbax_format.PartialWriter` (which saves a batch of at most about one largest tensor
+per orbax partial save), drop it. Everything goes into a temporary directory next to DST, renamed to DST
+only once complete; any failure or stop request removes it.
+
+numpy's float32 -> bfloat16 cast (ml_dtypes) rounds exactly like XLA's on the CPU (checked on all 2**32
+float32 bit patterns), and casts commute with transposes, so converted weights are bit-identical to what the
+loaders compute on device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import tempfile
+import time
+from typing import Callable, Iterator
+
+import numpy as np
+
+TMP_TAG = ".jaxddtree-tmp-"
+OLD_TAG = ".jaxddtree-old-"
+MIN_FLUSH_BYTES = 4 << 20
+MARKER = "jaxddtree_checkpoint.json"  # == jaxddtree.checkpoint.orbax_format.MARKER (not imported here: cheap checks first)
+DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
+# Small files copied along with config.json when the source has them (tokenizer, generation defaults).
+EXTRA_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+               "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+               "preprocessor_config.json", "video_preprocessor_config.json")
+
+
+class ConvertError(Exception):
+    """A conversion that cannot proceed; the message is one line naming the file / tensor."""
+
+
+class Interrupted(ConvertError):
+    pass
+
+
+def one_line(msg: str, limit: int = 800) -> str:
+    msg = " ".join(str(msg).split())
+    return msg if len(msg) <= limit else msg[:limit] + " ..."
+
+
+# ----------------------------------------------------------------------------------------------- config
+def read_config(src: str) -> dict:
+    file = os.path.join(src, "config.json")
+    try:
+        with open(file) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise ConvertError(f"{file}: not found (expected an HF model directory with config.json)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConvertError(f"{file}: unreadable ({e})") from None
+    except json.JSONDecodeError as e:
+        raise ConvertError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConvertError(f"{file}: expected a JSON object")
+    return raw
+
+
+def detect_kind(raw: dict) -> str:
+    """'drafter' for DFlash drafter configs (`dflash_config` / `block_size`), else 'target'."""
+    return "drafter" if ("dflash_config" in raw or "block_size" in raw) else "target"
+
+
+# ----------------------------------------------------------------------------------------------- sources
+def _header(file: str) -> tuple[int, dict]:
+    """(offset of the data section, tensor name -> {dtype, shape, data_offsets}) of a safetensors file."""
+    with open(file, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > 1 << 28:
+            raise ValueError("header too large")
+        h = json.loads(f.read(n))
+    h.pop("__metadata__", None)
+    return 8 + n, h
+
+
+def _st_dtypes() -> dict:
+    import ml_dtypes
+    return {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+            "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+
+
+class Shard:
+    """One safetensors file. The header is validated by `safetensors.safe_open` (truncated / corrupt files
+    fail here, with the loaders' message); tensors are then read with plain positioned reads into fresh
+    arrays, never through a memory map, so a shard's pages do not accumulate in our RSS."""
+
+    def __init__(self, file: str):
+        from jaxddtree.checkpoint.hf_target import _open
+        from jaxddtree.checkpoint.params import CheckpointError
+        self.file = file
+        with _open(file) as f:  # CheckpointError naming the file if missing / truncated / corrupt
+            names = set(f.keys())
+        try:
+            self.base, self.entries = _header(file)
+        except Exception as e:
+            raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
+        if set(self.entries) != names:
+            raise CheckpointError(f"{file}: inconsistent safetensors header")
+        self._err = CheckpointError
+
+    def info(self, name: str) -> tuple[np.dtype, tuple, int, int]:
+        """(dtype, shape, byte offset, nbytes) of tensor `name`."""
+        e = self.entries.get(name)
+        if e is None:
+            raise self._err(f"{self.file}: tensor '{name}' listed in the index is absent from the file")
+        dt = _st_dtypes().get(e["dtype"])
+        if dt is None:
+            raise self._err(f"{self.file}: tensor '{name}' has unsupported dtype {e['dtype']}")
+        start, stop = (int(x) for x in e["data_offsets"])
+        return np.dtype(dt), tuple(int(d) for d in e["shape"]), self.base + start, stop - start
+
+    def read(self, name: str) -> np.ndarray:
+        dt, shape, offset, nbytes = self.info(name)
+        arr = np.empty(shape, dt)
+        if arr.nbytes != nbytes:
+            raise self._err(f"{self.file}: tensor '{name}' spans {nbytes} bytes, expected {arr.nbytes} "
+                            f"for {dt.name}{list(shape)}")
+        view = memoryview(arr.reshape(-1).view(np.uint8))
+        try:
+            with open(self.file, "rb", buffering=0) as f:
+                f.seek(offset)
+                got = 0
+                while got < nbytes:
+                    n = f.readinto(view[got:])
+                    if not n:
+                        raise EOFError(f"file ends after {got} of {nbytes} bytes")
+                    got += n
+        except OSError as e:
+            raise self._err(f"{self.file}: cannot read tensor '{name}' ({e})") from None
+        except EOFError as e:
+            raise self._err(f"{self.file}: cannot read tensor '{name}' ({e})") from None
+        return arr
+
+
+Plan = list  # [(param path, tensor name, file, HF shape, transform or None)], in reading order
+
+
+def plan_target(cfg, src: str) -> Plan:
+    """The target's tensors with `jaxddtree.checkpoint.hf_target`'s key map, coverage and duplicate checks (the same
+    ones `iter_tensors` applies; the shape check happens per tensor, before it is read)."""
+    from jaxddtree.checkpoint.hf_target import plan_tensors
+
+    return plan_tensors(cfg, src)
+
+
+def plan_drafter(cfg, src: str) -> Plan:
+    """The drafter's tensors with the drafter loader's key map (`jaxddtree.checkpoint.hf_drafter._GLOBAL/_LAYER`) and
+    its checks (unexpected, duplicate, missing)."""
+    from jaxddtree.checkpoint.hf_drafter import _GLOBAL, _LAYER, _LAYER_RE
+    from jaxddtree.checkpoint.hf_target import checkpoint_files
+    from jaxddtree.checkpoint.params import CheckpointError
+
+    files = checkpoint_files(src)
+    plan: dict[tuple, tuple] = {}
+    for name, file in files.items():
+        short = name[len("model."):] if name.startswith("model.") else name
+        m = _LAYER_RE.match(short)
+        if m and m.group(2) in _LAYER and int(m.group(1)) < cfg.num_layers:
+            field, shape_fn, transform = _LAYER[m.group(2)]
+            path = ("layers", int(m.group(1)), field)
+        elif not m and short in _GLOBAL:
+            field, shape_fn, transform = _GLOBAL[short]
+            path = (field,)
+        else:
+            raise CheckpointError(f"unexpected tensor '{name}' in {file} (not a drafter weight for a "
+                                  f"{cfg.num_layers}-layer DFlash drafter)")
+        if path in plan:
+            raise CheckpointError(f"tensor '{name}' in {file} duplicates '{plan[path][0]}' in {plan[path][1]}")
+        plan[path] = (name, file, tuple(shape_fn(cfg)), (lambda w, t=transform: t(w, cfg)))
+    needed = [(spec[0],) for spec in _GLOBAL.values()] + [
+        ("layers", i, spec[0]) for i in range(cfg.num_layers) for spec in _LAYER.values()]
+    missing = [p for p in needed if p not in plan]
+    if missing:
+        hf = {spec[0]: k for k, spec in {**_GLOBAL, **_LAYER}.items()}
+        p = missing[0]
+        name = hf[p[-1]] if len(p) == 1 else f"layers.{p[1]}.{hf[p[-1]]}"
+        raise CheckpointError(f"{src}: drafter checkpoint lacks tensor '{name}' ({len(missing)} missing in all)")
+    return sorted(((p, *v) for p, v in plan.items()), key=lambda e: (e[2], e[1]))
+
+
+def transform(arr: np.ndarray, fn, out_dtype: np.dtype) -> np.ndarray:
+    """fn(arr) cast to out_dtype, C-contiguous. Narrowing casts go first (cast and transpose / reshape
+    commute exactly), so at most the input plus one smaller copy are alive at a time."""
+    if fn is None:
+        return np.asarray(arr, dtype=out_dtype, order="C")
+    if out_dtype.itemsize <= arr.dtype.itemsize:
+        return np.asarray(fn(np.asarray(arr, dtype=out_dtype)), order="C")
+    return np.asarray(fn(arr), dtype=out_dtype, order="C")
+
+
+# ----------------------------------------------------------------------------------------------- dirs
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale(parent: str, name: str) -> None:
+    """Remove leftovers of earlier runs for the same DST whose process is gone (e.g. killed -9)."""
+    for tag in (TMP_TAG, OLD_TAG):
+        prefix = f".{name}{tag}"
+        try:
+            entries = os.listdir(parent)
+        except OSError:
+            return
+        for entry in entries:
+            if not entry.startswith(prefix):
+                continue
+            pid = entry[len(prefix):].split("-")[0]
+            if pid.isdigit() and not _pid_alive(int(pid)):
+                shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+
+
+def _makedirs(path: str) -> list[str]:
+    """mkdir -p; returns the directories it created (deepest last)."""
+    created = []
+    head = path
+    while head and not os.path.exists(head):
+        created.append(head)
+        head = os.path.dirname(head)
+    for d in reversed(created):
+        os.mkdir(d)
+    return list(reversed(created))
+
+
+def _inside(child: str, parent: str) -> bool:
+    child, parent = os.path.realpath(child), os.path.realpath(parent)
+    return child == parent or child.startswith(parent.rstrip(os.sep) + os.sep)
+
+
+def check_paths(src: str, dst: str, overwrite: bool) -> None:
+    if not os.path.exists(src):
+        raise ConvertError(f"{src}: source directory not found")
+    if not os.path.isdir(src):
+        raise ConvertError(f"{src}: not a directory (expected an HF model directory)")
+    if _inside(src, dst):
+        raise ConvertError(f"{dst}: destination is (or contains) the source directory {src}")
+    if os.path.lexists(dst):
+        if not overwrite:
+            raise ConvertError(f"{dst}: already exists (pass --overwrite to replace it)")
+        if not os.path.isdir(dst) or os.path.islink(dst) or not (
+                os.path.exists(os.path.join(dst, MARKER)) or not os.listdir(dst)):
+            raise ConvertError(f"{dst}: exists and is not a converted checkpoint or an empty directory; "
+                               "refusing to replace it even with --overwrite")
+
+
+# ----------------------------------------------------------------------------------------------- convert
+def convert(src: str, dst: str, *, dtype: str = "bfloat16", kind: str | None = None, overwrite: bool = False,
+            progress: bool = False, should_stop: Callable[[], bool] | None = None,
+            flush_bytes: int | None = None) -> dict:
+    """Convert HF directory `src` into a converted directory `dst` (atomically). Returns a summary dict.
+
+    Raises ConvertError (one-line message) on any problem, Interrupted if `should_stop()` turns true;
+    in both cases nothing is left at `dst` (an existing `dst` is untouched) and no temporary directory
+    remains."""
+    t0 = time.perf_counter()
+    src, dst = os.path.abspath(src), os.path.abspath(dst.rstrip(os.sep) or dst)
+    check_paths(src, dst, overwrite)  # cheap checks first: no jax import before them
+    raw = read_config(src)
+    kind = kind or detect_kind(raw)
+    if kind not in ("target", "drafter"):
+        raise ConvertError(f"unknown kind '{kind}' (use target or drafter)")
+    if dtype not in DTYPES:
+        raise ConvertError(f"unsupported dtype '{dtype}' (use bfloat16 or float32)")
+    dname = DTYPES[dtype]
+
+    from jaxddtree.checkpoint import orbax_format
+    from jaxddtree.model.config import ConfigError, load_config
+    from jaxddtree.checkpoint.params import CheckpointError
+
+    assert orbax_format.MARKER == MARKER
+    out_dtype = orbax_format.np_dtype(dname)
+    stop = should_stop or (lambda: False)
+
+    try:
+        if kind == "target":
+            cfg = load_config(src)
+            plan = plan_target(cfg, src)
+        else:
+            from jaxddtree.model.drafter_config import DrafterConfig
+            cfg = DrafterConfig.from_dict(raw, source=os.path.join(src, "config.json"))
+            plan = plan_drafter(cfg, src)
+        shards = {file: Shard(file) for file in sorted({e[2] for e in plan})}  # every header, up front
+        sizes = []
+        for path, tname, file, shape, fn in plan:
+            _, got, _, nbytes = shards[file].info(tname)
+            if got != tuple(shape):
+                raise CheckpointError(f"{file}: tensor '{tname}' has shape {got}, expected {tuple(shape)}")
+            sizes.append((nbytes, int(np.prod(shape, dtype=np.int64)) * out_dtype.itemsize))
+    except (ConfigError, ValueError, NotImplementedError) as e:  # CheckpointError is a ValueError
+        raise ConvertError(one_line(e)) from None
+    total = sum(s for s, _ in sizes)
+    flush = flush_bytes or max(MIN_FLUSH_BYTES, max((o for _, o in sizes), default=0))
+
+    parent, name = os.path.dirname(dst), os.path.basename(dst)
+    created = _makedirs(parent)
+    tmp = None
+    bar = None
+    try:
+        _remove_stale(parent, name)
+        tmp = tempfile.mkdtemp(prefix=f".{name}{TMP_TAG}{os.getpid()}-", dir=parent)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; DST gets the usual permissions
+        if progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=total or None, unit="B", unit_scale=True, unit_divisor=1024, disable=None,
+                       desc=f"convert {os.path.basename(src)} -> {name}", dynamic_ncols=True)
+        writer = orbax_format.PartialWriter(os.path.join(tmp, orbax_format.PARAMS_DIR), flush)
+        out_bytes = 0
+        for i, ((path, tname, file, shape, fn), (src_bytes, nbytes)) in enumerate(zip(plan, sizes)):
+            writer.reserve(nbytes)  # flush the batch first if this tensor would overflow it
+            try:
+                arr = shards[file].read(tname)
+            except CheckpointError as e:
+                raise ConvertError(one_line(e)) from None
+            y = transform(arr, fn, out_dtype)
+            del arr
+            out_bytes += y.nbytes
+            writer.add(path, y)
+            del y
+            if bar is not None:
+                bar.update(src_bytes)
+                bar.set_postfix_str(f"{i + 1}/{len(plan)} tensors", refresh=False)
+            if stop():
+                raise Interrupted("interrupted")
+        writer.finalize()
+        if stop():
+            raise Interrupted("interrupted")
+        for fname in ("config.json",) + EXTRA_FILES:
+            if os.path.isfile(os.path.join(src, fname)):
+                shutil.copyfile(os.path.join(src, fname), os.path.join(tmp, fname))
+        meta = orbax_format.write_marker(tmp, kind, dname, source=src, num_tensors=len(plan), num_bytes=out_bytes,
+                                     orbax_partial_saves=writer.saves)
+        if bar is not None:
+            bar.close()
+            bar = None
+        if stop():
+            raise Interrupted("interrupted")
+        _install(tmp, dst)
+        tmp = None
+    except BaseException:
+        if bar is not None:
+            bar.close()
+        if tmp is not None:
+            _rmtree(tmp)
+        for d in reversed(created):  # parents we made, if still empty
+            try:
+                os.rmdir(d)
+            except OSError:
+                break
+        raise
+    return dict(meta, dst=dst, seconds=time.perf_counter() - t0)
+
+
+def _rmtree(path: str) -> None:
+    for _ in range(3):  # a straggling writer thread could recreate a file; retry
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.exists(path):
+            return
+        time.sleep(0.1)
+
+
+def _install(tmp: str, dst: str) -> None:
+    """Rename the finished temporary directory to dst (replacing a previous converted dst)."""
+    if not os.path.lexists(dst):
+        os.rename(tmp, dst)
+        return
+    old = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}{OLD_TAG}{os.getpid()}-",
+                           dir=os.path.dirname(dst))
+    os.rmdir(old)
+    os.rename(dst, old)
+    try:
+        os.rename(tmp, dst)
+    except BaseException:
+        os.rename(old, dst)
+        raise
+    _rmtree(old)

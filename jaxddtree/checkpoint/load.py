@@ -1,0 +1,44 @@
+"""Loading checkpoints into runnable models: `load_target` and `load_drafter` accept an HF directory
+(safetensors) or a directory written by `python -m convert` (orbax), and pick the reader."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from jaxddtree.checkpoint import orbax_format
+from jaxddtree.checkpoint.hf_drafter import load_drafter_params
+from jaxddtree.checkpoint.hf_target import load_params
+from jaxddtree.checkpoint.params import CheckpointError, target_from_params
+from jaxddtree.model.config import load_config
+from jaxddtree.model.drafter import Drafter, check_compatible
+from jaxddtree.model.drafter_config import DrafterConfig
+from jaxddtree.model.target import Target, as_dtype
+
+
+def load_target(path: str, dtype="bfloat16", progress: bool = False) -> Target:
+    """Load a Qwen3.5/3.6 checkpoint: an HF directory (config.json + safetensors, wrapper or text-only,
+    single or sharded) or a directory written by `python -m convert`."""
+    dt = as_dtype(dtype)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: not a directory")
+    if orbax_format.is_converted(path):
+        return orbax_format.restore_target(path, dt)
+    cfg = load_config(path)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(unit="B", unit_scale=True, desc=f"loading {os.path.basename(path)}")
+    params = load_params(cfg, path, dt, progress=(lambda n, b: bar.update(b)) if bar else None)
+    if bar:
+        bar.close()
+    return target_from_params(cfg, params, dt, source=path)
+
+
+def load_drafter(path: str, target: Any, dtype: Any = "bfloat16") -> Drafter:
+    """Parse + validate config, check compatibility with `target`, load weights strictly."""
+    cfg = DrafterConfig.from_pretrained(path)
+    check_compatible(cfg, target, source=path)
+    if orbax_format.is_converted(path):
+        return Drafter(config=cfg, params=orbax_format.restore_drafter_params(path, cfg, dtype), path=path)
+    return Drafter(config=cfg, params=load_drafter_params(path, cfg, dtype), path=path)

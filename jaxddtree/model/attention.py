@@ -1,0 +1,67 @@
+"""Gated full attention (Qwen3.5/3.6): per-head [query | gate] split, q/k RMSNorm (1+w), partial RoPE,
+GQA over a preallocated KV cache, output times sigmoid(gate), o_proj.
+
+Sequence pass: K/V of the new tokens are written at `start ..` and every query attends causally over the
+cache. Tree pass: nodes attend to the committed prefix `[0, start)` and to their tree ancestors; their
+K/V are returned as the stash (already final: computed at position start + depth).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from kernels_pallas import ops
+from jaxddtree.model.cache import KVCache
+from jaxddtree.model.config import TextConfig
+from jaxddtree.model.layout import TokenLayout
+from jaxddtree.model.linear import dense, f32, init_weight, rounded, sigmoid32
+from jaxddtree.model.norms import rms_norm_1p
+from jaxddtree.model.rope import apply_rope, rope_cos_sin
+
+@struct.dataclass
+class AttentionStash:
+    k: jax.Array  # [B, N, Hkv, hd]
+    v: jax.Array  # [B, N, Hkv, hd]
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: TextConfig, dtype, rngs: nnx.Rngs):
+        d, h, hkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.cfg = cfg
+        self.wq = nnx.Param(init_weight(rngs, (d, h, 2 * hd), d, dtype))  # [D, H, query|gate]
+        self.wk = nnx.Param(init_weight(rngs, (d, hkv, hd), d, dtype))  # [D, Hkv, hd]
+        self.wv = nnx.Param(init_weight(rngs, (d, hkv, hd), d, dtype))  # [D, Hkv, hd]
+        self.wo = nnx.Param(init_weight(rngs, (h, hd, d), h * hd, dtype))  # [H, hd, D]
+        self.q_norm = nnx.Param(0.1 * jax.random.normal(rngs.params(), (hd,)).astype(dtype))
+        self.k_norm = nnx.Param(0.1 * jax.random.normal(rngs.params(), (hd,)).astype(dtype))
+
+    def project(self, x, layout: TokenLayout):
+        cfg = self.cfg
+        hd = cfg.head_dim
+        qg = dense("btd,dhe->bthe", x, self.wq[...], layout.kernels)  # [B,T,H,2hd]
+        q, gate = qg[..., :hd], qg[..., hd:]
+        q = rms_norm_1p(q, self.q_norm[...], cfg.rms_norm_eps)
+        k = rms_norm_1p(dense("btd,dhe->bthe", x, self.wk[...], layout.kernels), self.k_norm[...],
+                        cfg.rms_norm_eps)
+        v = dense("btd,dhe->bthe", x, self.wv[...], layout.kernels)  # [B,T,Hkv,hd]
+        cos, sin = rope_cos_sin(layout.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
+
+    def output(self, o, gate, kernels: str = "xla"):
+        B, T = o.shape[:2]
+        # transformers: `attn_output * torch.sigmoid(gate)`, both rounded in the activations' dtype
+        o = rounded(f32(o) * f32(rounded(sigmoid32(gate), o.dtype)), o.dtype)  # [B,T,H,hd]
+        return dense("bthe,hed->btd", o, self.wo[...], kernels)
+
+    def __call__(self, x, cache: KVCache, layout: TokenLayout):
+        q, k, v, gate = self.project(x, layout)
+        o = ops.tree_attention(q, cache.k, cache.v, layout.start, k, v, layout.mask, layout.kernels)
+        out = self.output(o, gate, layout.kernels)
+        if layout.is_tree:
+            return out, cache, AttentionStash(k=k, v=v)
+        idx = (0, 0, layout.start, 0)
+        kc = jax.lax.dynamic_update_slice(cache.k, jnp.swapaxes(k, 1, 2).astype(cache.k.dtype), idx)
+        vc = jax.lax.dynamic_update_slice(cache.v, jnp.swapaxes(v, 1, 2).astype(cache.v.dtype), idx)
+        return out, KVCache(k=kc, v=vc), None

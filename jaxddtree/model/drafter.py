@@ -1,0 +1,233 @@
+"""DFlash block-diffusion drafter (z-lab `DFlashDraftModel`) in pure JAX.
+
+Shapes: B batch, C context rows per call (static; only the first `num_ctx` are real), Bs block size,
+S = S_max cache length, H hidden, nT target layers, nh/nkv/hd heads / kv heads / head dim, g = nh // nkv,
+I intermediate, V vocab.
+
+Conventions (see tests/test_drafter.py for the torch cross-check):
+  * Positions: the cache holds context K/V at absolute positions [0, length) (cache row s = position s).
+    New context row i sits at `length + i`, block slot j at `length + num_ctx + j`.
+  * Block queries attend NON-causally to every valid context key and all Bs block keys.
+  * Sliding-window layers (window w): a query at position p sees a key at position k iff |p - k| < w,
+    i.e. keys p-w+1 .. p on the left (transformers' `kv_idx > q_idx - sliding_window`), and the same
+    reach on the right: this is exactly flash_attn's `window_size=(w-1, w-1)` with `causal=False`, which
+    is what the published drafter runs (transformers `_process_flash_attention_kwargs`, only applied when
+    key_length > w, where the rule is a no-op anyway). With Bs <= w every block key is visible.
+  * Only context K/V are cached (post k_norm, post RoPE); block K/V are transient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxddtree.model.drafter_config import DrafterConfig, build_target_layer_ids
+from jaxddtree.model.rope import apply_rope, rope_cos_sin
+
+__all__ = ["DrafterConfig", "DrafterLayer", "DrafterParams", "DraftCache", "Drafter", "build_target_layer_ids",
+           "init_draft_cache", "drafter_forward", "draft_logits", "check_compatible"]
+
+Array = jax.Array
+
+
+# ----------------------------------------------------------------------------------------------- pytrees
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DrafterLayer:
+    attn_norm: Array  # [H]
+    wq: Array  # [H, nh, hd]
+    wk: Array  # [H, nkv, hd]
+    wv: Array  # [H, nkv, hd]
+    wo: Array  # [nh, hd, H]
+    q_norm: Array  # [hd]
+    k_norm: Array  # [hd]
+    mlp_norm: Array  # [H]
+    w_gate: Array  # [H, I]
+    w_up: Array  # [H, I]
+    w_down: Array  # [I, H]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DrafterParams:
+    fc: Array  # [nT*H, H]
+    hidden_norm: Array  # [H]
+    layers: tuple[DrafterLayer, ...]
+    norm: Array  # [H]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DraftCache:
+    k: tuple[Array, ...]  # per layer [B, nkv, S, hd], post k_norm + RoPE
+    v: tuple[Array, ...]  # per layer [B, nkv, S, hd]
+    length: Array  # int32 scalar: rows [0, length) are valid context
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[2]
+
+
+def init_draft_cache(cfg: DrafterConfig, batch_size: int, max_len: int, dtype: Any = jnp.bfloat16) -> DraftCache:
+    """Empty cache. `max_len` must be >= final context length + the static C of any call (slack for padding)."""
+    shape = (batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
+    return DraftCache(k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+                      v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+                      length=jnp.zeros((), jnp.int32))
+
+
+# ----------------------------------------------------------------------------------------------- math
+def rms_norm(x: Array, w: Array, eps: float) -> Array:
+    """Qwen3RMSNorm: normalise in fp32, cast back to x.dtype, then multiply by the weight."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return w * y.astype(x.dtype)
+
+
+def _window_ok(q_pos: Array, k_pos: Array, window: int | None) -> Array:
+    """[Tq, Tk] visibility from the sliding window (|q - k| < w), all True for full attention."""
+    if window is None:
+        return jnp.ones((q_pos.shape[0], k_pos.shape[0]), bool)
+    return jnp.abs(q_pos[:, None] - k_pos[None, :]) < window
+
+
+def _layer(lp: DrafterLayer, cfg: DrafterConfig, window: int | None, h: Array, ctx: Array,
+           k_cache: Array, v_cache: Array, length: Array, num_ctx: Array,
+           ctx_rope: tuple[Array, Array], blk_rope: tuple[Array, Array], ctx_pos: Array, blk_pos: Array):
+    """One decoder layer. h [B, Bs, H], ctx [B, C, H]; returns (h, k_cache, v_cache) with ctx K/V written."""
+    B, Bs, _ = h.shape
+    S = k_cache.shape[2]
+    nkv, g, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+    eps = cfg.rms_norm_eps
+
+    x = rms_norm(h, lp.attn_norm, eps)  # [B, Bs, H]
+    q = rms_norm(jnp.einsum("bth,hnd->btnd", x, lp.wq), lp.q_norm, eps)  # [B, Bs, nh, hd]
+    q = apply_rope(q, *blk_rope)
+    k_c = apply_rope(rms_norm(jnp.einsum("bch,hkd->bckd", ctx, lp.wk), lp.k_norm, eps), *ctx_rope)  # [B,C,nkv,hd]
+    k_b = apply_rope(rms_norm(jnp.einsum("bth,hkd->btkd", x, lp.wk), lp.k_norm, eps), *blk_rope)  # [B,Bs,nkv,hd]
+    v_c = jnp.einsum("bch,hkd->bckd", ctx, lp.wv)  # [B, C, nkv, hd]
+    v_b = jnp.einsum("bth,hkd->btkd", x, lp.wv)  # [B, Bs, nkv, hd]
+
+    # Append all C rows at [length, length + C); rows >= length + num_ctx are padding: masked below and
+    # overwritten by the next call.
+    at = (0, 0, length, 0)
+    k_cache = jax.lax.dynamic_update_slice(k_cache, k_c.transpose(0, 2, 1, 3).astype(k_cache.dtype), at)
+    v_cache = jax.lax.dynamic_update_slice(v_cache, v_c.transpose(0, 2, 1, 3).astype(v_cache.dtype), at)
+
+    # Scores over [cache rows 0..S) ++ [block keys], one softmax.
+    qg = q.reshape(B, Bs, nkv, g, hd)  # [B, Bs, nkv, g, hd]
+    scale = hd ** -0.5
+    s_c = jnp.einsum("btkgd,bksd->bkgts", qg, k_cache.astype(q.dtype), preferred_element_type=jnp.float32) * scale
+    s_b = jnp.einsum("btkgd,bskd->bkgts", qg, k_b, preferred_element_type=jnp.float32) * scale  # [B,nkv,g,Bs,Bs]
+    cache_pos = jnp.arange(S, dtype=jnp.int32)
+    ok_c = (cache_pos < length + num_ctx)[None, :] & _window_ok(blk_pos, cache_pos, window)  # [Bs, S]
+    ok_b = _window_ok(blk_pos, blk_pos, window)  # [Bs, Bs]
+    neg = jnp.float32(-jnp.inf)
+    scores = jnp.concatenate([jnp.where(ok_c, s_c, neg), jnp.where(ok_b, s_b, neg)], axis=-1)  # [B,nkv,g,Bs,S+Bs]
+    p = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    o = (jnp.einsum("bkgts,bksd->btkgd", p[..., :S], v_cache.astype(q.dtype))
+         + jnp.einsum("bkgts,bskd->btkgd", p[..., S:], v_b))  # [B, Bs, nkv, g, hd]
+    o = o.reshape(B, Bs, nkv * g, hd)  # [B, Bs, nh, hd]
+    h = h + jnp.einsum("btnd,ndh->bth", o, lp.wo)
+
+    y = rms_norm(h, lp.mlp_norm, eps)
+    gate = jnp.einsum("bth,hi->bti", y, lp.w_gate)  # [B, Bs, I]
+    up = jnp.einsum("bth,hi->bti", y, lp.w_up)
+    h = h + jnp.einsum("bti,ih->bth", jax.nn.silu(gate) * up, lp.w_down)
+    return h, k_cache, v_cache
+
+
+def drafter_forward(params: DrafterParams, cfg: DrafterConfig, cache: DraftCache, target_hidden: Array,
+                    num_ctx: Array | int, block_embeds: Array) -> tuple[Array, DraftCache]:
+    """One drafter call.
+
+    target_hidden [B, C, nT*H]: new context features (first `num_ctx` rows real, rest padding);
+    block_embeds [B, Bs, H]: target-embedded block tokens. Returns (hidden [B, Bs, H] after the final norm,
+    new cache with the num_ctx real context rows appended). Requires cache.length + C <= S_max.
+    """
+    dtype = params.norm.dtype
+    C = target_hidden.shape[1]
+    Bs = block_embeds.shape[1]
+    length = cache.length.astype(jnp.int32)
+    num_ctx = jnp.asarray(num_ctx, jnp.int32)
+    if C > cache.max_len:
+        raise ValueError(f"target_hidden has C={C} rows but the draft cache holds only S_max={cache.max_len}")
+
+    ctx = jnp.einsum("bcf,fh->bch", target_hidden.astype(dtype), params.fc)  # [B, C, H]
+    ctx = rms_norm(ctx, params.hidden_norm, cfg.rms_norm_eps)
+    ctx_pos = length + jnp.arange(C, dtype=jnp.int32)  # [C]
+    blk_pos = length + num_ctx + jnp.arange(Bs, dtype=jnp.int32)  # [Bs]
+    ctx_rope = rope_cos_sin(ctx_pos, cfg.head_dim, cfg.rope_theta, dtype)
+    blk_rope = rope_cos_sin(blk_pos, cfg.head_dim, cfg.rope_theta, dtype)
+
+    h = block_embeds.astype(dtype)  # [B, Bs, H]
+    ks, vs = [], []
+    for i, lp in enumerate(params.layers):
+        h, k_i, v_i = _layer(lp, cfg, cfg.layer_windows[i], h, ctx, cache.k[i], cache.v[i], length, num_ctx,
+                             ctx_rope, blk_rope, ctx_pos, blk_pos)
+        ks.append(k_i)
+        vs.append(v_i)
+    h = rms_norm(h, params.norm, cfg.rms_norm_eps)
+    return h, DraftCache(k=tuple(ks), v=tuple(vs), length=length + num_ctx)
+
+
+def draft_logits(params: DrafterParams, cfg: DrafterConfig, cache: DraftCache, target_hidden: Array,
+                 num_ctx: Array | int, root_token: Array, embed_table: Array, lm_head: Array
+                 ) -> tuple[Array, DraftCache]:
+    """Block [root, MASK x (Bs-1)] -> fp32 logits [B, Bs-1, V] for block slots 1..Bs-1 (slot j predicts the
+    token at position length+num_ctx+j). root_token [B] int; embed_table [V, H]; lm_head [H, V]."""
+    B, Bs = root_token.shape[0], cfg.block_size
+    ids = jnp.concatenate([root_token.astype(jnp.int32)[:, None],
+                           jnp.full((B, Bs - 1), cfg.mask_token_id, jnp.int32)], axis=1)  # [B, Bs]
+    h, cache = drafter_forward(params, cfg, cache, target_hidden, num_ctx, jnp.take(embed_table, ids, axis=0))
+    logits = jnp.einsum("bth,hv->btv", h[:, 1:], lm_head.astype(h.dtype), preferred_element_type=jnp.float32)
+    return logits, cache
+
+
+# ----------------------------------------------------------------------------------------------- Drafter
+_forward_jit = jax.jit(drafter_forward, static_argnums=(1,), donate_argnums=(2,))
+_logits_jit = jax.jit(draft_logits, static_argnums=(1,), donate_argnums=(2,))
+
+
+@dataclasses.dataclass
+class Drafter:
+    config: DrafterConfig
+    params: DrafterParams
+    path: str = ""
+
+    @property
+    def dtype(self):
+        return self.params.norm.dtype
+
+    def init_cache(self, batch_size: int, max_len: int) -> DraftCache:
+        return init_draft_cache(self.config, batch_size, max_len, self.dtype)
+
+    def forward(self, cache, target_hidden, num_ctx, block_embeds):
+        """Jitted `drafter_forward`; `cache` is donated (do not reuse it)."""
+        return _forward_jit(self.params, self.config, cache, target_hidden, num_ctx, block_embeds)
+
+    def logits(self, cache, target_hidden, num_ctx, root_token, embed_table, lm_head):
+        """Jitted `draft_logits`; `cache` is donated (do not reuse it)."""
+        return _logits_jit(self.params, self.config, cache, target_hidden, num_ctx, root_token, embed_table,
+                           lm_head)
+
+
+def check_compatible(cfg: DrafterConfig, target: Any, source: str = "drafter") -> None:
+    """ValueError naming the mismatch if the drafter cannot run on `target` (uses only target.config.*)."""
+    tc = target.config
+    H, L, V = int(tc.hidden_size), int(tc.num_hidden_layers), int(tc.vocab_size)
+    if cfg.hidden_size != H:
+        raise ValueError(f"{source}: hidden_size={cfg.hidden_size} != target hidden_size={H}")
+    bad = [i for i in cfg.target_layer_ids if i >= L]
+    if bad:
+        raise ValueError(f"{source}: target_layer_ids {list(cfg.target_layer_ids)} include {bad}, but the target "
+                         f"has only {L} layers")
+    if cfg.num_target_layers is not None and cfg.num_target_layers != L:
+        raise ValueError(f"{source}: num_target_layers={cfg.num_target_layers} != target num_hidden_layers={L}")
+    if cfg.vocab_size is not None and cfg.vocab_size != V:
+        raise ValueError(f"{source}: vocab_size={cfg.vocab_size} != target vocab_size={V}")
+    if cfg.mask_token_id >= V:
+        raise ValueError(f"{source}: mask_token_id={cfg.mask_token_id} >= target vocab_size={V}")

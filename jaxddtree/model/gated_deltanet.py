@@ -1,0 +1,116 @@
+"""Gated DeltaNet mixer (Qwen3.5/3.6 `linear_attention` layers).
+
+in_proj_qkv -> causal depthwise conv (kernel K, SiLU) over the [q|k|v] channels -> l2-normalised q,k;
+beta = sigmoid(b); g = -exp(A_log) softplus(a + dt_bias) -> gated delta rule -> gated RMSNorm with z ->
+out_proj. Value head h reads key head h // (Hv/Hk).
+
+Sequence pass: T = 1 uses the recurrent step, T > 1 the chunked WY form (chunk 64); both update the
+cache. Tree pass: the conv runs along each node's ancestor chain and the delta rule in the
+ancestor-masked WY form; nothing is written, and the stash (k̂, W, g, x) lets `verify.commit` rebuild
+the state of any accepted path without per-node states.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from kernels_pallas import ops
+from jaxddtree.model.cache import GDNState
+from jaxddtree.model.config import TextConfig
+from jaxddtree.model.layout import TokenLayout
+from jaxddtree.model.linear import dense, f32, init_weight, rounded, sigmoid32, silu32
+from jaxddtree.model.norms import gated_rms_norm
+
+
+@struct.dataclass
+class GDNStash:
+    k: jax.Array  # [B, N, Hk, dk] fp32, l2-normalised keys
+    W: jax.Array  # [B, N, Hv, dv] fp32, pseudo-values
+    g: jax.Array  # [B, N, Hv] fp32, per-node log decay
+    x: jax.Array  # [B, N, conv_dim] pre-conv inputs
+
+
+def softplus_torch(x):
+    return jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
+
+
+def l2norm(x, eps=1e-6):
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def tree_conv(conv_state, x, conv_src, w):
+    """Causal depthwise conv with SiLU along each token's predecessor chain.
+
+    conv_state [B, K-1, C]; x [B, T, C]; conv_src [B, T, K-1] rows of concat(conv_state, x) (oldest
+    first); w [K, C] (tap K-1 hits the current token). Sums in fp32, rounded to the activations' dtype,
+    SiLU in fp32, rounded (transformers' `causal_conv1d_fn` / `causal_conv1d_update` torch fallback:
+    `F.conv1d` in the activations' dtype, then `ACT2FN["silu"]` on it).
+    """
+    rows = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
+    taps = jax.vmap(lambda r, s: r[s])(rows, conv_src)  # [B, T, K-1, C]
+    wf = w.astype(jnp.float32)
+    acc = jnp.einsum("btsc,sc->btc", taps.astype(jnp.float32), wf[:-1]) + x.astype(jnp.float32) * wf[-1]
+    return rounded(silu32(rounded(acc, x.dtype)), x.dtype)
+
+
+class GatedDeltaNet(nnx.Module):
+    def __init__(self, cfg: TextConfig, dtype, rngs: nnx.Rngs):
+        d, hv, dv = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+        self.cfg = cfg
+        self.w_qkv = nnx.Param(init_weight(rngs, (d, cfg.conv_dim), d, dtype))  # [D, q|k|v]
+        self.w_z = nnx.Param(init_weight(rngs, (d, hv, dv), d, dtype))  # [D, Hv, dv]
+        self.w_b = nnx.Param(init_weight(rngs, (d, hv), d, dtype))  # [D, Hv]
+        self.w_a = nnx.Param(init_weight(rngs, (d, hv), d, dtype))  # [D, Hv]
+        self.conv = nnx.Param(init_weight(rngs, (cfg.linear_conv_kernel_dim, cfg.conv_dim),
+                                          cfg.linear_conv_kernel_dim, dtype))  # [K, conv_dim]
+        self.dt_bias = nnx.Param(jax.random.uniform(rngs.params(), (hv,), minval=-1, maxval=1).astype(dtype))
+        self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (hv,), minval=1, maxval=16))
+                               .astype(dtype))
+        self.norm = nnx.Param((1.0 + 0.1 * jax.random.normal(rngs.params(), (dv,))).astype(dtype))
+        self.w_out = nnx.Param(init_weight(rngs, (hv, dv, d), hv * dv, dtype))  # [Hv, dv, D]
+
+    def __call__(self, x, cache: GDNState, layout: TokenLayout):
+        cfg = self.cfg
+        B, T, _ = x.shape
+        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        km1 = cfg.linear_conv_kernel_dim - 1
+
+        xin = dense("btd,dc->btc", x, self.w_qkv[...], layout.kernels)  # [B,T,conv_dim] pre-conv
+        z = dense("btd,dhe->bthe", x, self.w_z[...], layout.kernels)  # [B,T,Hv,dv]
+        b = dense("btd,dh->bth", x, self.w_b[...], layout.kernels)  # [B,T,Hv]
+        a = dense("btd,dh->bth", x, self.w_a[...], layout.kernels)
+
+        xc = tree_conv(cache.conv, xin, layout.conv_src, self.conv[...])
+        q, k, v = jnp.split(xc, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
+        q = l2norm(q.reshape(B, T, hk, dk).astype(jnp.float32)) * dk ** -0.5
+        k = l2norm(k.reshape(B, T, hk, dk).astype(jnp.float32))
+        v = v.reshape(B, T, hv, dv).astype(jnp.float32)
+        # transformers: `beta = b.sigmoid()` in the activations' dtype (fp32 math, rounded), fp32 in the rule
+        beta = f32(rounded(sigmoid32(b), x.dtype))
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * softplus_torch(
+            a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+
+        stash = None
+        if layout.is_tree:
+            o, W, _ = ops.gdn_masked_block(q, k, v, g, beta, layout.mask, cache.recurrent,
+                                              layout.kernels)
+            stash = GDNStash(k=k, W=W, g=g, x=xin)
+            new_cache = cache
+        else:
+            valid = (jnp.arange(T) < layout.num_valid)[None, :, None]
+            beta, g = jnp.where(valid, beta, 0.0), jnp.where(valid, g, 0.0)  # padding: no effect
+            if T == 1:
+                o, state = ops.gdn_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], cache.recurrent,
+                                        layout.kernels)
+                o = o[:, None]
+            else:
+                o, state = ops.gdn_chunked(q, k, v, g, beta, cache.recurrent, layout.kernels)
+            rows = jnp.concatenate([cache.conv, xin.astype(cache.conv.dtype)], axis=1)
+            conv = jax.lax.dynamic_slice_in_dim(rows, layout.num_valid, km1, axis=1)
+            new_cache = GDNState(conv=conv, recurrent=state)
+
+        o = gated_rms_norm(rounded(o, x.dtype), z, self.norm[...], cfg.rms_norm_eps)  # [B,T,Hv,dv]
+        return dense("bthe,hed->btd", o, self.w_out[...], layout.kernels), new_cache, stash

@@ -1,0 +1,41 @@
+"""Projections: einsum in the activations' dtype with fp32 accumulation (exact fp32 when fp32), and the
+elementwise helpers that reproduce transformers' (PyTorch's) roundings in low precision.
+
+PyTorch runs every bf16 elementwise op as fp32 math with one rounding of its result (`silu`, `sigmoid`,
+`a * b`, `a + b`, ...); a chain of them rounds after every op. XLA instead may expand a bf16 op into
+several bf16 steps (jax.nn.silu / sigmoid: exp, add, div each rounded) or, inside a fusion, drop a
+bf16 round-trip and keep the fp32 value (excess precision). So the low-precision paths compute in fp32
+and round explicitly with `rounded`, whose `reduce_precision` XLA never elides. All of it is the
+identity (plain fp32 math) for fp32 activations.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kernels_pallas import ops
+from kernels_pallas.numerics import f32, rounded  # noqa: F401  (re-exported: the model rounds with these)
+
+
+def silu32(x: jax.Array) -> jax.Array:
+    """SiLU in fp32 as PyTorch's CPU kernel computes it: x / (1 + exp(-x))."""
+    x = f32(x)
+    return x / (1.0 + jnp.exp(-x))
+
+
+def sigmoid32(x: jax.Array) -> jax.Array:
+    """Sigmoid in fp32 as PyTorch's CPU kernel computes it: 1 / (1 + exp(-x))."""
+    return 1.0 / (1.0 + jnp.exp(-f32(x)))
+
+
+def dense(spec: str, x: jax.Array, w: jax.Array, kernels: str = "xla") -> jax.Array:
+    """einsum(spec, x, w) accumulated in fp32, rounded once to x's dtype (`ops.dense` picks the kernel)."""
+    return rounded(ops.dense(spec, x, w, kernels), x.dtype)
+
+
+def init_weight(rngs: nnx.Rngs, shape, fan_in: int, dtype, scale: float = 1.0) -> jax.Array:
+    """Random init for built-in models (loading overwrites it); abstract under nnx.eval_shape."""
+    std = scale / (fan_in ** 0.5)
+    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)

@@ -1,0 +1,40 @@
+"""RMSNorms of the Qwen3.5/3.6 family.
+
+- Zero-centred ("1 + w") for the decoder, final, q and k norms: fp32 math, one rounding back
+  (transformers' `Qwen3_5RMSNorm`: `(x.float() * rsqrt(..) * (1 + w.float())).type_as(x)`).
+- Plain-weight gated norm after the GDN core: normalise in fp32, round, times w (rounded: a product in
+  the activations' dtype), times silu(z) in fp32, round (the casts of `Qwen3_5RMSNormGated.forward`:
+  `self.weight * hidden_states.to(input_dtype)`, then `* silu(gate.to(torch.float32))`, `.to(input_dtype)`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxddtree.model.linear import f32, rounded, silu32
+
+
+def rms_norm_1p(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    xf = f32(x)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return rounded(y * (1.0 + f32(w)), x.dtype)
+
+
+def gated_rms_norm(x: jax.Array, z: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    xf = f32(x)
+    y = rounded(xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps), x.dtype)
+    y = rounded(f32(w) * f32(y), jnp.promote_types(w.dtype, x.dtype))
+    return rounded(f32(y) * silu32(z), x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """Zero-centred RMSNorm: identity at w = 0."""
+
+    def __init__(self, dim: int, eps: float, dtype, rngs: nnx.Rngs):
+        self.eps = eps
+        self.weight = nnx.Param(0.1 * jax.random.normal(rngs.params(), (dim,), jnp.float32).astype(dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm_1p(x, self.weight[...], self.eps)

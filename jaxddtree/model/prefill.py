@@ -1,0 +1,58 @@
+"""Prompts into the cache: token-id validation and the fixed-size chunked prefill (one compilation per
+chunk size) that scoring and generation share."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxddtree.model.target import Target
+
+PREFILL_CHUNK = 256
+
+
+def round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def check_ids(token_ids, name="token_ids") -> np.ndarray:
+    ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+    if ids.size == 0:
+        raise ValueError(f"{name} is empty")
+    return ids
+
+
+def check_vocab(target: Target, ids: np.ndarray, name: str):
+    if ids.min() < 0 or ids.max() >= target.config.vocab_size:
+        raise ValueError(f"{name} must lie in [0, {target.config.vocab_size}); got {ids.min()}..{ids.max()}")
+
+
+def padded_chunks(ids: np.ndarray, chunk: int = PREFILL_CHUNK):
+    """Yield (tokens [1, size] int32, n real) for `ids` cut into chunks of one fixed size (one compilation
+    per size): size = min(chunk, len(ids) rounded up to 8); the last chunk is zero-padded."""
+    size = min(chunk, round_up(len(ids), 8))
+    for s in range(0, len(ids), size):
+        part = ids[s:s + size]
+        padded = np.zeros((1, size), np.int32)
+        padded[0, :len(part)] = part
+        yield jnp.asarray(padded), len(part)
+
+
+def prefill_ids(target: Target, cache, ids: np.ndarray, feature_layers=(), logits="last",
+                chunk: int = PREFILL_CHUNK):
+    """Prefill a prompt in fixed-size chunks (one compilation per chunk size). Returns the last chunk's
+    logits, the cache, and the features of every prompt position (concatenated) or None."""
+    T = len(ids)
+    size = min(chunk, round_up(T, 8))
+    # every chunk is written whole (padding included): a write past the cache end would be clamped by
+    # dynamic_update_slice onto earlier rows, silently corrupting the cache
+    need = int(cache.length) + round_up(T, size)
+    if need > cache.max_len:
+        raise ValueError(f"cache too small: prefilling {T} tokens in chunks of {size} after "
+                         f"{int(cache.length)} committed tokens writes {need} rows, the cache has {cache.max_len}")
+    feats, out = [], None
+    for padded, n in padded_chunks(ids, chunk):
+        out, cache, f, _ = target.prefill(cache, padded, num_valid=n, feature_layers=feature_layers, logits=logits)
+        if f is not None:
+            feats.append(f[:, :n])
+    return out, cache, (jnp.concatenate(feats, axis=1) if feats else None)

@@ -1,0 +1,203 @@
+"""DDTree draft tree: device-side construction, ancestor mask, posterior sampling and acceptance.
+
+Everything here is pure `jax.numpy`/`lax`, jit-able, static-shaped and free of host syncs.
+
+Shape letters: N = 1 + budget tree nodes (static), B = budget, D = draft depth (rows of the draft
+logits, 15 in production), V = vocabulary, K = min(B, V) top tokens kept per depth.
+
+Tree conventions (see `Tree`):
+  * node 0 is the root (the last committed token); nodes 1..N-1 are drafted tokens;
+  * `parents[0] = -1`, `parents[i] < i` (topological order), `depths[i] = depths[parents[i]] + 1`;
+  * valid nodes come first, in order of non-increasing draft score (ties: shallower first);
+  * padding nodes (unused budget) have `valid = False`, `tokens = -1` (equals no posterior token),
+    `parents = 0`, `depths = 1`; their ancestor-mask row is self-only and they are nobody's ancestor,
+    and `accept` never accepts them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxddtree.model import layout as layout_lib
+
+PAD_TOKEN = -1
+GREEDY_EPS = 1e-5  # temperatures below this are greedy (same threshold as the reference `sample`)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Tree:
+    tokens: jax.Array   # [N] int32, tokens[0] = root token, padding = -1
+    parents: jax.Array  # [N] int32, parents[0] = -1, parents[i] < i; padding -> 0
+    depths: jax.Array   # [N] int32, depths[0] = 0; padding -> 1
+    valid: jax.Array    # [N] bool, valid[0] = True
+    max_depth: int = dataclasses.field(metadata=dict(static=True))  # D: static bound on depths
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[0]
+
+    @staticmethod
+    def from_parents(tokens, parents, valid=None, max_depth=None) -> "Tree":
+        """Host-side helper (numpy) for hand-built trees: computes depths from `parents`.
+
+        Invalid nodes are normalised to the padding convention (token -1, parent 0, depth 1).
+        """
+        tokens = np.asarray(tokens, np.int32).copy()
+        parents = np.asarray(parents, np.int32).copy()
+        n = tokens.shape[0]
+        valid = np.ones(n, bool) if valid is None else np.asarray(valid, bool).copy()
+        valid[0] = True
+        parents[0] = -1
+        tokens[~valid] = PAD_TOKEN
+        parents[1:][~valid[1:]] = 0
+        depths = np.zeros(n, np.int32)
+        for i in range(1, n):
+            assert 0 <= parents[i] < i, "parents must satisfy 0 <= parents[i] < i"
+            assert not valid[i] or valid[parents[i]], "a valid node needs a valid parent"
+            depths[i] = depths[parents[i]] + 1 if valid[i] else 1
+        if max_depth is None:
+            max_depth = int(depths[valid].max(initial=0))
+        return Tree(jnp.asarray(tokens), jnp.asarray(parents), jnp.asarray(depths),
+                    jnp.asarray(valid), max_depth=int(max_depth))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Acceptance:
+    leaf: jax.Array          # [] int32, index of the deepest accepted node (0 = root only)
+    num_accepted: jax.Array  # [] int32, depths[leaf] + 1 = tokens committed (root included)
+    path: jax.Array          # [D+1] int32, root->leaf node indices; entries past depths[leaf] = leaf
+    bonus: jax.Array         # [] int32, posterior[leaf]: next round's root token
+
+
+def _candidate_pairs(b: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Static (prefix slot i, token rank r) pairs that can be in the top-b of kept[i] + top[r].
+
+    Both lists are sorted descending, so candidate (i, r) is beaten or tied by the (i+1)(r+1) - 1
+    candidates (i' <= i, r' <= r); it can only make the top b when (i+1)(r+1) <= b. This keeps
+    O(b log b) of the b*k products (exact up to ties).
+    """
+    i, r = np.meshgrid(np.arange(b), np.arange(k), indexing="ij")  # [b, k]
+    keep = (i + 1) * (r + 1) <= b
+    return i[keep].astype(np.int32), r[keep].astype(np.int32)  # [C], [C], C >= b
+
+
+def build_tree(root_token, draft_logits, budget: int) -> Tree:
+    """Exact device version of the reference best-first heap (`build_ddtree_tree`).
+
+    Returns the `budget` prefixes with the highest summed draft log-probability (per-depth
+    log_softmax in fp32, top-K tokens per depth, K = min(budget, V)), ordered by (score desc,
+    depth asc) so that parents precede children. If fewer than `budget` prefixes exist (V**1 + ... +
+    V**D < budget) or some have log-prob -inf, the remaining slots are padding nodes.
+
+    root_token: [] int; draft_logits: [D, V] (depth d+1 marginals in row d); budget: static int.
+    """
+    d_max, vocab = draft_logits.shape
+    b = int(budget)
+    k = min(b, vocab)
+    neg_inf = jnp.float32(-jnp.inf)
+
+    logp = jax.nn.log_softmax(draft_logits.astype(jnp.float32), axis=-1)  # [D, V]
+    top_lp, top_id = jax.lax.top_k(logp, k)                                 # [D, K] sorted desc
+
+    # Depth 1: the top-K tokens under the root, padded to B slots with -inf.
+    score1 = jnp.full((b,), neg_inf).at[:k].set(top_lp[0])               # [B]
+    token1 = jnp.full((b,), PAD_TOKEN, jnp.int32).at[:k].set(top_id[0])  # [B]
+    slot1 = jnp.zeros((b,), jnp.int32)                                    # [B] parent slot (root)
+
+    cand_i, cand_r = map(jnp.asarray, _candidate_pairs(b, k))  # [C] (static values)
+
+    def step(kept, xs):  # kept [B] sorted desc -> top-B prefixes one depth deeper
+        lp_d, id_d = xs                                   # [K], [K]
+        cand = kept[cand_i] + lp_d[cand_r]                # [C] = kept[i] + logp_d[r]
+        score, sel = jax.lax.top_k(cand, b)               # [B] sorted desc, [B]
+        return score, (score, cand_i[sel], id_d[cand_r[sel]])
+
+    _, (score_r, slot_r, token_r) = jax.lax.scan(step, score1, (top_lp[1:], top_id[1:]))
+    score = jnp.concatenate([score1[None], score_r])  # [D, B]
+    slot = jnp.concatenate([slot1[None], slot_r])     # [D, B] parent's slot at depth d-1
+    token = jnp.concatenate([token1[None], token_r])  # [D, B]
+
+    # Global top B over all depths; a stable sort of the depth-major flattening breaks score ties
+    # by depth (asc), so a parent (score >= child's) always precedes its children.
+    order = jnp.argsort(-score.reshape(-1), stable=True)[:b]  # [B] flat (depth-1)*B + slot
+    node_score = score.reshape(-1)[order]                     # [B]
+    valid = node_score > neg_inf                              # [B]
+    depth = (order // b + 1).astype(jnp.int32)                # [B] 1..D
+    # Final position (1..B) of every kept candidate; parents are remapped through it.
+    pos = jnp.zeros((d_max * b,), jnp.int32).at[order].set(jnp.arange(1, b + 1, dtype=jnp.int32))
+    parent_flat = jnp.maximum(depth - 2, 0) * b + slot.reshape(-1)[order]  # [B]
+    parent = jnp.where(depth == 1, 0, pos[parent_flat])
+
+    root = jnp.asarray(root_token, jnp.int32).reshape(1)
+    return Tree(
+        tokens=jnp.concatenate([root, jnp.where(valid, token.reshape(-1)[order], PAD_TOKEN)]),
+        parents=jnp.concatenate([jnp.full((1,), -1, jnp.int32), jnp.where(valid, parent, 0)]),
+        depths=jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.where(valid, depth, 1)]),
+        valid=jnp.concatenate([jnp.ones((1,), bool), valid]),
+        max_depth=d_max,
+    )
+
+
+def ancestor_mask(tree: Tree) -> jax.Array:
+    """M [N, N] bool: M[i, j] iff j == i or j is an ancestor of i. Padding rows/columns: self only."""
+    return layout_lib.ancestor_mask(tree.parents, tree.valid, tree.max_depth)
+
+
+def posterior_tokens(logits, temperature, key, top_k: int | None = None,
+                     top_p: float | None = None) -> jax.Array:
+    """[N, V] target logits -> [N] int32 posterior token per node.
+
+    Greedy (argmax) when temperature < 1e-5; otherwise one independent sample per node from
+    softmax(logits / T) (optionally restricted to the top_k tokens (static int) and/or the top_p
+    nucleus). `temperature` may be a Python float (branch chosen at trace time) or a traced scalar.
+    """
+    logits = logits.astype(jnp.float32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [N]
+    if isinstance(temperature, (int, float)) and temperature < GREEDY_EPS:
+        return greedy
+    t = jnp.maximum(jnp.asarray(temperature, jnp.float32), GREEDY_EPS)
+    z = logits / t  # [N, V]
+    if top_k is not None:
+        kth = jax.lax.top_k(z, top_k)[0][:, -1:]                  # [N, 1]
+        z = jnp.where(z >= kth, z, -jnp.inf)
+    if top_p is not None:
+        z_sorted = jnp.sort(z, axis=-1)[:, ::-1]                  # [N, V] desc
+        p_sorted = jax.nn.softmax(z_sorted, axis=-1)
+        mass_before = jnp.cumsum(p_sorted, axis=-1) - p_sorted    # [N, V] mass of better tokens
+        n_keep = jnp.sum(mass_before < top_p, axis=-1, keepdims=True)  # [N, 1] >= 1
+        thresh = jnp.take_along_axis(z_sorted, n_keep - 1, axis=-1)
+        z = jnp.where(z >= thresh, z, -jnp.inf)
+    sample = jax.random.categorical(key, z, axis=-1).astype(jnp.int32)  # [N], rows independent
+    if isinstance(temperature, (int, float)):
+        return sample
+    return jnp.where(jnp.asarray(temperature) < GREEDY_EPS, greedy, sample)
+
+
+def accept(tree: Tree, posterior, mask=None) -> Acceptance:
+    """Accepted root->leaf path for posterior tokens [N] (one per node). `mask`: optional
+    precomputed ancestor_mask(tree).
+
+    Node j >= 1 is good iff valid and tokens[j] == posterior[parents[j]]; the root is good.
+    ok_i = no non-good node among i and its ancestors; siblings carry distinct tokens, so the ok
+    nodes form one chain and the leaf is the deepest of them.
+    """
+    m = ancestor_mask(tree) if mask is None else mask           # [N, N]
+    n = tree.num_nodes
+    idx = jnp.arange(n, dtype=jnp.int32)
+    posterior = posterior.astype(jnp.int32)
+    parent_post = posterior[jnp.maximum(tree.parents, 0)]        # [N] posterior at the parent
+    good = (idx == 0) | (tree.valid & (tree.tokens == parent_post))
+    ok = ~jnp.any(m & ~good[None, :], axis=-1)                  # [N]: sum_j M[i,j](1-good_j) == 0
+    leaf = jnp.argmax(jnp.where(ok, tree.depths, -1)).astype(jnp.int32)
+    # path[d] = the node at depth d on the leaf's ancestor row; leaf for d > depths[leaf].
+    d = jnp.arange(tree.max_depth + 1, dtype=jnp.int32)
+    on_path = m[leaf][None, :] & (tree.depths[None, :] == d[:, None])  # [D+1, N]
+    path = jnp.where(jnp.any(on_path, -1), jnp.argmax(on_path, -1), leaf).astype(jnp.int32)
+    return Acceptance(leaf=leaf, num_accepted=tree.depths[leaf] + 1, path=path,
+                      bonus=posterior[leaf])

@@ -1,0 +1,61 @@
+"""Exact tree verification on the hybrid model, and the commit of the accepted path.
+
+`verify` runs the N = 1 + budget tree nodes through the target in one pass (attention: committed prefix
++ ancestor mask; GDN: tree conv + ancestor-masked WY form) without touching the cache, and returns each
+node's logits, the drafter features of each node, and a stash. `commit` writes the accepted path into
+the cache: attention K/V at `start .. start + depth`, the GDN recurrent state rebuilt for the accepted
+leaf from the stash (no per-node states), the conv state from the path's pre-conv inputs.
+See ../shared/docs/tree_verify.md for the math.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas import gdn_reference
+from jaxddtree.model.attention import AttentionStash
+from jaxddtree.model.cache import GDNState, KVCache, ModelCache
+from jaxddtree.model.gated_deltanet import GDNStash
+from jaxddtree.model.layout import TokenLayout
+
+
+def verify(model, cache: ModelCache, tokens: jax.Array, layout: TokenLayout, feature_layers=()):
+    """tokens [B, N] laid out by a tree layout -> (logits [B, N, V] fp32, features [B, N, F] | None,
+    stashes). `model` is a merged `Qwen35` (call inside jit)."""
+    assert layout.is_tree, "verify needs a tree layout (jaxddtree.model.layout.tree)"
+    logits, _, features, stashes = model(tokens, cache, layout, feature_layers=feature_layers, logits="all")
+    return logits, features, stashes
+
+
+def path_mask(path: jax.Array, path_len: jax.Array, n: int) -> jax.Array:
+    """path [B, P] node indices (root first), path_len [B] -> [B, N] bool: nodes on the path."""
+    on = jnp.arange(path.shape[1])[None, :] < path_len[:, None]  # [B, P]
+    hit = (path[:, :, None] == jnp.arange(n)[None, None, :]) & on[:, :, None]  # [B, P, N]
+    return hit.any(axis=1)
+
+
+def commit(cache: ModelCache, stashes, path: jax.Array, path_len: jax.Array) -> ModelCache:
+    """Commit the accepted root->leaf path (path [B, P] node indices in depth order, padded; path_len [B]
+    tokens, root included; the same for every batch row today) into the cache. Fixed shapes."""
+    start = cache.length
+    n_acc = path_len[0]
+    entries = []
+    for entry, stash in zip(cache.layers, stashes):
+        if isinstance(entry, KVCache):
+            assert isinstance(stash, AttentionStash)
+            take = lambda x: jnp.take_along_axis(x, path[:, :, None, None], axis=1)  # [B, P, Hkv, hd]
+            k = jnp.swapaxes(take(stash.k), 1, 2).astype(entry.k.dtype)  # [B, Hkv, P, hd]
+            v = jnp.swapaxes(take(stash.v), 1, 2).astype(entry.v.dtype)
+            entries.append(KVCache(k=jax.lax.dynamic_update_slice(entry.k, k, (0, 0, start, 0)),
+                                   v=jax.lax.dynamic_update_slice(entry.v, v, (0, 0, start, 0))))
+        else:
+            assert isinstance(stash, GDNStash)
+            n = stash.W.shape[1]
+            state = gdn_reference.gdn_state_after(entry.recurrent, stash.k, stash.W, stash.g,
+                                             path_mask(path, path_len, n))
+            xp = jnp.take_along_axis(stash.x, path[:, :, None], axis=1).astype(entry.conv.dtype)  # [B,P,C]
+            rows = jnp.concatenate([entry.conv, xp], axis=1)  # [B, K-1+P, C]
+            conv = jax.lax.dynamic_slice_in_dim(rows, n_acc, entry.conv.shape[1], axis=1)
+            entries.append(GDNState(conv=conv, recurrent=state))
+    return ModelCache(layers=tuple(entries), length=start + n_acc)

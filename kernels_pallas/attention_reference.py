@@ -1,0 +1,56 @@
+"""Tree attention in plain jnp: the specification of `kernels_pallas.tree_attention` (same signature) and
+the `kernels="xla"` path of the model. A sequence pass (prefill, decode) is the same call with a causal mask."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas.numerics import f32, rounded
+
+NEG_INF = -1e30
+
+
+def tree_attention_reference(q, k_cache, v_cache, start, k_new, v_new, mask):
+    """Queries attend to the committed cache rows [0, start) and to the new rows their mask allows.
+
+    q [B,T,H,hd]; k/v_cache [B,Hkv,S,hd]; start int32 scalar; k/v_new [B,N,Hkv,hd]; mask [B,T,N] bool
+    -> [B,T,H,hd]. GQA: query head h reads kv head h // (H/Hkv). Logits in the activations' dtype,
+    softmax in fp32 (transformers' eager attention). A sequence pass is the same call with a causal mask.
+    """
+    S = k_cache.shape[2]
+    visible = jnp.broadcast_to(jnp.arange(S) < start, q.shape[:2] + (S,))
+    return attend(q, k_cache, v_cache, visible, k_new, v_new, mask)
+
+
+def attend(q, k_cache, v_cache, cache_visible, k_new=None, v_new=None, new_visible=None):
+    """Softmax attention over cached keys (cache_visible [B,T,S]) and optional new keys (new_visible).
+
+    Rounds like transformers' `eager_attention_forward` in the activations' dtype: logits
+    `matmul(q, k^T)` rounded, `* scaling` rounded, softmax in fp32 rounded, `matmul(p, v)` rounded once
+    (the cache and new-key halves are accumulated in fp32 before that rounding). The matmuls take their
+    operands upcast to fp32 (products of bf16 values are exact in fp32, so this is bf16 x bf16 with fp32
+    accumulation; XLA:CPU has no batched bf16 x bf16 -> f32 dot)."""
+    B, T, H, hd = q.shape
+    dt = q.dtype
+    hkv = k_cache.shape[1]
+    qg = q.reshape(B, T, hkv, H // hkv, hd)
+    prec = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None
+    scale = hd ** -0.5
+
+    def logits(spec, k):
+        s = jnp.einsum(spec, f32(qg), f32(k), precision=prec)
+        return f32(rounded(f32(rounded(s, dt)) * scale, dt))
+
+    s = logits("btkgd,bksd->btkgs", k_cache)  # [B,T,Hkv,G,S]
+    s = jnp.where(cache_visible[:, :, None, None, :], s, NEG_INF)
+    if k_new is not None:
+        s2 = logits("btkgd,bnkd->btkgn", k_new)  # [B,T,Hkv,G,N]
+        s2 = jnp.where(new_visible[:, :, None, None, :], s2, NEG_INF)
+        s = jnp.concatenate([s, s2], axis=-1)
+    p = rounded(jax.nn.softmax(s, axis=-1), dt)
+    S = k_cache.shape[2]
+    o = jnp.einsum("btkgs,bksd->btkgd", f32(p[..., :S]), f32(v_cache), precision=prec)
+    if k_new is not None:
+        o = o + jnp.einsum("btkgn,bnkd->btkgd", f32(p[..., S:]), f32(v_new), precision=prec)
+    return rounded(o, dt).reshape(B, T, H, hd)

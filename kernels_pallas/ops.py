@@ -1,0 +1,86 @@
+"""Kernel dispatch: the model calls these with `kernels="xla"` (plain jnp references, the spec) or
+`kernels="pallas"` (the GPU kernels in `kernels_pallas/`, same signatures, same results)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas import gdn_reference
+
+KERNELS = ("xla", "pallas")
+
+# The Pallas weight-streaming GEMV runs the projections of single-token passes (the AR decode step) with at
+# least PALLAS_DENSE_MIN_COLS outputs. H200 sweep (benchmarks/bench_gemv.py, 2026-11-29): 1.04-1.22x XLA's GEMVs
+# for the 27B projections at M = 1, 0.97x for the 1024-wide k/v, and 0.79-0.86x at M = 65 (verify), so
+# everything else stays on XLA's GEMMs.
+PALLAS_DENSE_MAX_ROWS = 1
+PALLAS_DENSE_MIN_COLS = 2048
+
+
+def _check(kernels: str):
+    if kernels not in KERNELS:
+        raise ValueError(f"unknown kernels '{kernels}' (choose one of {KERNELS})")
+
+
+def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, kernels="xla"):
+    """q [B,T,H,hd] attends to cache rows [0, start) and to new rows j with mask[b,i,j] -> [B,T,H,hd]."""
+    _check(kernels)
+    if kernels == "pallas":
+        from kernels_pallas import tree_attention as ta
+        return ta.tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask)
+    from kernels_pallas.attention_reference import tree_attention_reference
+    return tree_attention_reference(q, k_cache, v_cache, start, k_new, v_new, mask)
+
+
+def gdn_step(q, k, v, g, beta, state, kernels="xla"):
+    _check(kernels)
+    if kernels == "pallas":
+        from kernels_pallas import gdn_decode
+        return gdn_decode.gdn_step(q, k, v, g, beta, state)
+    return gdn_reference.gdn_step(q, k, v, g, beta, state)
+
+
+def gdn_chunked(q, k, v, g, beta, state, kernels="xla"):
+    _check(kernels)
+    if kernels == "pallas":
+        from kernels_pallas import gdn_prefill
+        return gdn_prefill.gdn_chunked(q, k, v, g, beta, state)
+    return gdn_reference.gdn_chunked(q, k, v, g, beta, state)
+
+
+def gdn_masked_block(q, k, v, g, beta, mask, state, kernels="xla", max_depth: int | None = None):
+    """max_depth (optional, static): no root path of `mask` has more nodes (DDTree: the drafter's block
+    size); the Pallas kernel uses it only to bound its solve loop. The result does not depend on it."""
+    _check(kernels)
+    if kernels == "pallas":
+        from kernels_pallas import gdn_tree
+        return gdn_tree.gdn_masked_block(q, k, v, g, beta, mask, state, max_depth=max_depth)
+    return gdn_reference.gdn_masked_block(q, k, v, g, beta, mask, state)
+
+
+def dense(spec: str, x, w, kernels="xla"):
+    """einsum(spec, x, w) with fp32 accumulation, returned UNROUNDED in fp32 (the caller rounds), for specs
+    that contract x's trailing axes with w's leading axes (every projection of the model), e.g.
+    "btd,dhe->bthe" or "bthe,hed->btd". With kernels="pallas", bf16 operands and few rows, it runs the Pallas
+    weight-streaming GEMV on the flattened [rows, K] x [K, N] problem (one bf16 rounding of the fp32 sum, as the
+    caller's rounding would give)."""
+    _check(kernels)
+    lhs, out = spec.split("->")
+    xs, ws = lhs.split(",")
+    contracted = [c for c in xs if c in ws and c not in out]
+    nc = len(contracted)
+    rows = math.prod(x.shape[:x.ndim - nc])
+    cols = math.prod(w.shape[nc:])
+    flat = (xs.endswith("".join(contracted)) and ws.startswith("".join(contracted))
+            and out == xs[:len(xs) - nc] + ws[nc:])
+    if (kernels == "pallas" and flat and x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16
+            and 0 < rows <= PALLAS_DENSE_MAX_ROWS and cols >= PALLAS_DENSE_MIN_COLS):
+        from kernels_pallas import dense as dense_kernel
+        K = math.prod(w.shape[:nc])
+        y = dense_kernel.dense(x.reshape(rows, K), w.reshape(K, -1))
+        return y.reshape(x.shape[:x.ndim - nc] + w.shape[nc:]).astype(jnp.float32)
+    prec = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    return jnp.einsum(spec, x, w.astype(x.dtype), precision=prec, preferred_element_type=jnp.float32)
