@@ -12,6 +12,7 @@ commit, full DDTree rounds at several budgets and a chain-DFlash round. Results 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -106,6 +107,30 @@ def fill_random(tree, key):
         else:
             out.append(x)
     return jax.tree.unflatten(treedef, out)
+
+
+def make_round(target, drafter: Drafter, plan, cache, rounds: int = 1, runner=None):
+    """A closure running `rounds` rounds of `plan` (loop.run_rounds, state donated) on a random state whose
+    target cache is `cache` (committed length = cache.length) and whose drafter cache holds as many random
+    context rows; returns the emitted-token count to block on. `runner`: another run_rounds (A/B timing)."""
+    dcfg, cfg = drafter.config, target.config
+    F, P = dcfg.num_target_features * cfg.hidden_size, dcfg.block_size
+    dcache = fill_random(init_draft_cache(dcfg, 1, cache.max_len, jnp.bfloat16), jax.random.key(4))
+    state = loop_lib.DecodeState(
+        cache=cache, dcache=dataclasses.replace(dcache, length=jnp.copy(cache.length)), ctx=jnp.zeros((1, P, F), jnp.bfloat16),
+        ctx_n=jnp.int32(1), root=jnp.ones((1,), jnp.int32), out=jnp.zeros((1, 100000 + P), jnp.int32),
+        n_out=jnp.int32(1), done=jnp.asarray(False), key=jax.random.key(0), acc=jnp.zeros((100000,), jnp.int32),
+        n_rounds=jnp.int32(0), stop_mask=jnp.zeros((cfg.vocab_size,), bool))
+    holder = [state]
+    oracle = jnp.zeros((1,), jnp.int32)
+
+    def one():
+        holder[0] = (runner or loop_lib.run_rounds)(target.leaves, drafter.params, holder[0], oracle,
+                                                    graphdef=target.graphdef, treedef=target.treedef, dcfg=dcfg,
+                                                    plan=plan, rounds=rounds)
+        return holder[0].n_out
+
+    return one
 
 
 def random_tree(n_nodes: int, depth: int, seed: int):
@@ -265,7 +290,7 @@ def main(argv=None):
 
     if "parts" in sections:
         dcache = fill_random(init_draft_cache(dcfg, 1, S, jnp.bfloat16), jax.random.key(4))
-        dcache = dataclasses_replace(dcache, length=jnp.int32(L))
+        dcache = dataclasses.replace(dcache, length=jnp.int32(L))
         F = dcfg.num_target_features * cfg.hidden_size
         ctx = jax.random.normal(jax.random.key(5), (1, dcfg.block_size, F), jnp.bfloat16)
         embed, head = target.embedding, target.lm_head
@@ -311,29 +336,13 @@ def main(argv=None):
         save()
 
     if "round" in sections:
-        F = dcfg.num_target_features * cfg.hidden_size
         out = res.setdefault("round_ms" + key, {})
-        P = dcfg.block_size
         plans = [("ddtree", b) for b in [int(v) for v in args.budgets.split(",")]] + [("dflash", 15)]
         for method, budget in plans:
             plan = loop_lib.Plan(method=method, budget=budget, max_new=100000, temperature=0.0,
                                  kernels=args.kernels, conv_kernel=cfg.linear_conv_kernel_dim,
                                  feature_layers=dcfg.target_layer_ids)
-            dcache = dataclasses_replace(fill_random(init_draft_cache(dcfg, 1, S, jnp.bfloat16), jax.random.key(4)),
-                                         length=jnp.int32(L))
-            state = loop_lib.DecodeState(
-                cache=fresh_cache(L), dcache=dcache, ctx=jnp.zeros((1, P, F), jnp.bfloat16), ctx_n=jnp.int32(1),
-                root=jnp.ones((1,), jnp.int32), out=jnp.zeros((1, 100000 + P), jnp.int32), n_out=jnp.int32(1),
-                done=jnp.asarray(False), key=jax.random.key(0), acc=jnp.zeros((100000,), jnp.int32),
-                n_rounds=jnp.int32(0), stop_mask=jnp.zeros((cfg.vocab_size,), bool))
-            holder = [state]
-            oracle = jnp.zeros((1,), jnp.int32)
-
-            def one():
-                holder[0] = loop_lib.run_rounds(target.leaves, drafter.params, holder[0], oracle, graphdef=gd,
-                                                treedef=td, dcfg=dcfg, plan=plan, rounds=1)
-                return holder[0].n_out
-
+            one = make_round(target, drafter, plan, fresh_cache(L))
             t = time.time()
             jax.block_until_ready(one())
             log(f"{method} round (budget {budget}) compiled in {time.time() - t:.1f}s")
@@ -343,20 +352,26 @@ def main(argv=None):
             else:
                 res["chain_round_ms" + key] = ms
             log(f"{method} round budget {budget}: {ms} ms")
-            del holder, state
+            del one
             save()
         ar = res.get("ar_step_ms" + key)
+        verify65 = res.get("verify_ms" + key, {}).get("65")
+        if verify65 and "64" in out:
+            res["round_overhead_ms" + key] = round(out["64"] - verify65, 3)
+            log(f"round overhead (round 64 - verify 65): {res['round_overhead_ms' + key]} ms")
+        if ar:  # the goals' ratios, all from this run
+            res["ratios" + key] = {k: round(v / ar, 3) for k, v in (
+                ("verify65_over_ar", verify65), ("verify129_over_ar", res.get("verify_ms" + key, {}).get("129")),
+                ("round64_over_ar", out.get("64")), ("chain_round_over_ar", res.get("chain_round_ms" + key)))
+                if v}
+            if res.get("floor_ms"):
+                res["ratios" + key]["floor_over_ar"] = round(res["floor_ms"] / ar, 3)
         if ar and "64" in out:
             res["projected_tokens_per_s" + key] = {
                 str(tau): round(tau / (out["64"] * 1e-3), 1) for tau in (4, 6, 8, 10)}
             res["projection_note"] = "projected tokens/s = tau / DDTree round time at budget 64 (projection)"
         save()
     print(json.dumps(res, indent=1, sort_keys=True))
-
-
-def dataclasses_replace(obj, **kw):
-    import dataclasses
-    return dataclasses.replace(obj, **kw)
 
 
 if __name__ == "__main__":

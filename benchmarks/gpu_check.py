@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """End-to-end check on the GPU: the model with kernels="pallas" gives the same tokens as kernels="xla"
-(tiny fp32 built-in pair; AR, chain DFlash and DDTree), then the same pair in bf16 (where the Pallas GEMV of
+(tiny fp32 built-in pair; AR, chain DFlash and DDTree), and DDTree == DFlash == AR on the Pallas path, then the same pair in bf16 (where the Pallas GEMV of
 the decode step and the kernels' summation order may flip near-ties: agreement reported, not asserted);
 prints a JSON summary."""
 import json, os, sys, time
@@ -22,6 +22,7 @@ def main():
     target, drafter = m.target, m.drafter
     prompt = np.random.RandomState(0).randint(0, 256, 37)
     out = {"device": jax.devices()[0].device_kind}
+    pallas_tokens = {}
     for method, kw in [("ar", {}), ("dflash", {"drafter": drafter}), ("ddtree", {"drafter": drafter, "tree_budget": 32})]:
         toks = {}
         for k in ("xla", "pallas"):
@@ -31,7 +32,10 @@ def main():
             toks[k] = g.tokens
             out[f"{method}_{k}_s"] = round(time.time() - t, 2)
         out[f"{method}_identical"] = toks["xla"] == toks["pallas"]
+        pallas_tokens[method] = toks["pallas"]
         print(method, "identical:", toks["xla"] == toks["pallas"], flush=True)
+    out["speculative_equals_ar"] = pallas_tokens["dflash"] == pallas_tokens["ar"] == pallas_tokens["ddtree"]
+    print("pallas: DDTree == DFlash == AR tokens:", out["speculative_equals_ar"], flush=True)
     # bf16, wide enough (hidden 1024, MLP 4096, vocab 8192) that the decode step's projections take the
     # Pallas GEMV (kernels_pallas.ops.PALLAS_DENSE_MIN_COLS)
     from jaxddtree.model.config import text_config_from_dict

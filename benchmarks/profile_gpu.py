@@ -1,8 +1,11 @@
 #!/usr/bin/env python
-"""Where the time goes: profile the AR decode step and a verify pass at 27B shapes, and summarise the GPU
-kernels (total time per kernel name, busy time vs wall time) from the jax profiler trace.
+"""Where the time goes: profile the AR decode step, a verify pass and a whole DDTree round (bench.py's
+round: draft, tree build, verify, accept, commit) at 27B shapes, and summarise the GPU kernels per step:
+count and time by category (GEMM, Pallas, XLA fusion, copy), busy time vs span, the top kernels, and the
+copies of >= 1 MB. The jax profiler disables command buffers: read the gaps with care, time unprofiled.
 
-    python benchmarks/profile_gpu.py --out prof.json [--kernels xla|pallas]
+    python benchmarks/profile_gpu.py --out prof.json [--kernels xla|pallas] [--context 4096]
+        [--merge-into benchmarks/results/h200.json]   # adds decode/verify/round_kernels_per_step
 """
 from __future__ import annotations
 
@@ -23,7 +26,9 @@ from jaxddtree.model.config import text_config_from_dict
 from jaxddtree.model.target import random_target
 from jaxddtree.speculative.verify import verify
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import QWEN36_27B, fill_random, make_decode, random_tree  # noqa: E402
+from bench import DFLASH_27B, QWEN36_27B, fill_random, make_decode, make_round, random_drafter, random_tree  # noqa: E402
+from jaxddtree.model.drafter_config import DrafterConfig  # noqa: E402
+from jaxddtree.speculative import loop as loop_lib  # noqa: E402
 
 
 PALLAS_NAMES = ("gdn_tree", "tree_attention", "gdn_decode", "gdn_prefill", "decode_attention", "pallas")
@@ -44,12 +49,24 @@ def category(name: str) -> str:
     return "other"
 
 
+def copy_bytes(ev):
+    """A memcpy event's size from its stats (XLA GPU traces: `memcpy_details` = "... size:N ..."), else None."""
+    for k, v in ev.stats:
+        if "memcpy_details" in str(k) and "size:" in str(v):
+            digits = str(v).split("size:")[1].split()[0].strip(",;")
+            return int(digits) if digits.isdigit() else None
+        if str(k) in ("bytes", "size", "num_bytes") and isinstance(v, int):
+            return v
+    return None
+
+
 def summarise(trace_dir, n_steps):
     from jax.profiler import ProfileData
     fn = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
     pd = ProfileData.from_file(fn)
     per = collections.defaultdict(lambda: [0.0, 0])
     starts, ends, busy = [], [], 0.0
+    big_copies = collections.Counter()
     for plane in pd.planes:
         if not plane.name.startswith("/device:GPU"):
             continue
@@ -59,6 +76,10 @@ def summarise(trace_dir, n_steps):
             for ev in line.events:
                 per[ev.name][0] += ev.duration_ns / 1e3
                 per[ev.name][1] += 1
+                if category(ev.name) == "copy":
+                    nbytes = copy_bytes(ev)
+                    if nbytes is None or nbytes >= 1 << 20:  # unknown size counts as big: look at it
+                        big_copies[f"{ev.name} ({'?' if nbytes is None else f'{nbytes / 2**20:.1f} MiB'})"] += 1
                 busy += ev.duration_ns / 1e3
                 starts.append(ev.start_ns)
                 ends.append(ev.start_ns + ev.duration_ns)
@@ -73,24 +94,31 @@ def summarise(trace_dir, n_steps):
             "by_category": {c: {"us_per_step": round(v[0] / n_steps, 1), "kernels_per_step": v[1] / n_steps}
                             for c, v in sorted(cats.items(), key=lambda kv: -kv[1][0])},
             "kernels_per_step": sum(v[1] for v in per.values()) / n_steps,
+            "copies_ge_1mb_per_step": {k: v / n_steps for k, v in big_copies.most_common(20)},
             "top": [{"name": k[:120], "us_per_step": round(v[0] / n_steps, 1), "count_per_step": v[1] / n_steps}
                     for k, v in top]}
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="prof.json")
     ap.add_argument("--kernels", default="pallas", choices=["xla", "pallas"])
-    ap.add_argument("--nodes", type=int, default=65)
+    ap.add_argument("--nodes", type=int, default=65, help="tree nodes of the verify pass")
+    ap.add_argument("--budget", type=int, default=64, help="DDTree budget of the profiled round")
+    ap.add_argument("--context", type=int, default=4096, help="committed context length")
+    ap.add_argument("--parts", default="decode,verify,round", help="comma list of: decode, verify, round")
+    ap.add_argument("--merge-into", default=None,
+                    help="also write <part>_kernels_per_step into this bench JSON (e.g. benchmarks/results/h200.json)")
     args = ap.parse_args()
+    parts = args.parts.split(",")
     cfg = text_config_from_dict(QWEN36_27B)
     target = random_target(cfg, "bfloat16", 0)
+    target.kernels = args.kernels
     gd, td = target.graphdef, target.treedef
-    L, S = 4096, 4096 + 1024
-    cache = fill_random(target.init_cache(S), jax.random.key(3)).replace(length=jnp.int32(L))
-    res = {}
+    L, S = args.context, args.context + 1024
 
-    decode = make_decode(target, args.kernels)
+    def fresh_cache():
+        return fill_random(target.init_cache(S), jax.random.key(3)).replace(length=jnp.int32(L))
 
     parents = jnp.asarray(random_tree(args.nodes, 15, 0))
     tokens = jnp.ones((1, args.nodes), jnp.int32)
@@ -99,30 +127,51 @@ def main():
     def run_verify(leaves, cache):
         model = nnx.merge(gd, jax.tree.unflatten(td, leaves))
         lay = layout_lib.tree(cache.length, parents, cfg.linear_conv_kernel_dim, kernels=args.kernels)
-        logits, feats, _ = verify(model, cache, tokens, lay, feature_layers=(1, 16, 31, 46, 61))
+        logits, feats, _ = verify(model, cache, tokens, lay, feature_layers=DFLASH_27B["target_layer_ids"])
         return jnp.argmax(logits, -1), feats
 
-    tok = jnp.ones((1, 1), jnp.int32)
-    for _ in range(3):
-        tok, cache = decode(target.leaves, cache, tok)
-    jax.block_until_ready(run_verify(target.leaves, cache))
-    for name, fn in [("decode", None), ("verify", None)]:
+    steps = {}
+    if "decode" in parts:
+        decode = make_decode(target, args.kernels)
+        holder = [jnp.ones((1, 1), jnp.int32), fresh_cache()]
+
+        def decode_step():
+            holder[0], holder[1] = decode(target.leaves, holder[1], holder[0])
+            return holder[0]
+        steps["decode"] = decode_step
+    if "verify" in parts:
+        vcache = fresh_cache()
+        steps["verify"] = lambda: run_verify(target.leaves, vcache)
+    if "round" in parts:
+        dcfg = DrafterConfig(**DFLASH_27B)
+        plan = loop_lib.Plan(method="ddtree", budget=args.budget, max_new=100000, temperature=0.0,
+                             kernels=args.kernels, conv_kernel=cfg.linear_conv_kernel_dim,
+                             feature_layers=dcfg.target_layer_ids)
+        steps["round"] = make_round(target, random_drafter(dcfg, jnp.bfloat16), plan, fresh_cache())
+
+    res = {"context": L, "kernels": args.kernels, "nodes": args.nodes, "budget": args.budget,
+           "device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d")}
+    for name, fn in steps.items():
+        for _ in range(3):  # compile + warm up
+            jax.block_until_ready(fn())
         d = tempfile.mkdtemp()
         n = 5
         t = time.perf_counter()
         with jax.profiler.trace(d):
             for _ in range(n):
-                if name == "decode":
-                    tok, cache = decode(target.leaves, cache, tok)
-                    jax.block_until_ready(tok)
-                else:
-                    jax.block_until_ready(run_verify(target.leaves, cache))
+                jax.block_until_ready(fn())
         res[name] = summarise(d, n)
         res[name]["wall_ms_per_step_profiled"] = (time.perf_counter() - t) * 1e3 / n
         print(name, json.dumps({k: v for k, v in res[name].items() if k != "top"}), flush=True)
         for e in res[name]["top"][:25]:
             print("   ", e, flush=True)
     json.dump(res, open(args.out, "w"), indent=1)
+    if args.merge_into:
+        merged = json.load(open(args.merge_into)) if os.path.exists(args.merge_into) else {}
+        suffix = "" if args.context == 4096 else f"_{args.context // 1024}k"
+        for name in steps:
+            merged[f"{name}_kernels_per_step{suffix}"] = res[name]["kernels_per_step"]
+        json.dump(merged, open(args.merge_into, "w"), indent=1, sort_keys=True)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxddtree.model.drafter import (DraftCache, DrafterConfig, build_target_layer_ids, drafter_forward,
-                               init_draft_cache, load_drafter, load_drafter_params)
+from jaxddtree.checkpoint.hf_drafter import load_drafter_params
+from jaxddtree.checkpoint.load import load_drafter
+from jaxddtree.model.drafter import DraftCache, DrafterConfig, build_target_layer_ids, drafter_forward, init_draft_cache
 from helpers_dflash import random_weights, tiny_config, write_checkpoint
 
 H, N_TARGET_LAYERS, VOCAB = 64, 6, 101

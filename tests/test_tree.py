@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxddtree.speculative.tree import (PAD_TOKEN, Tree, accept, ancestor_mask, build_tree,
-                            posterior_tokens)
+from jaxddtree.speculative.tree import (PAD_TOKEN, Tree, accept, ancestor_mask, build_tree, posterior_tokens,
+                                        top_k_rows)
 
 
 # ----------------------------------------------------------------------------- oracles (host)
@@ -86,9 +86,9 @@ def python_walk(tree, posterior):
 
 # ----------------------------------------------------------------------------- jitted fns (one compile per shape)
 
-@functools.partial(jax.jit, static_argnames="budget")
-def _build(root, logits, budget):
-    tree = build_tree(root, logits, budget)
+@functools.partial(jax.jit, static_argnames=("budget", "block"))
+def _build(root, logits, budget, block=128):
+    tree = build_tree(root, logits, budget, block)
     return tree, ancestor_mask(tree)
 
 
@@ -127,12 +127,13 @@ def check_structure(tree, mask):
 
 # ----------------------------------------------------------------------------- build_tree vs heap
 
-@pytest.mark.parametrize("budget", [1, 2, 3, 7, 16, 64, 128, 512])
+@pytest.mark.parametrize("budget,block", [(1, 128), (2, 128), (3, 128), (7, 128), (16, 128), (64, 128), (128, 128),
+                                          (512, 128), (7, 8), (16, 8), (61, 8)])  # block 8: the blocked top-k
 @pytest.mark.parametrize("kind", ["peaky", "flat"])
-def test_build_tree_matches_heap(budget, kind):
+def test_build_tree_matches_heap(budget, block, kind):
     d, v = 15, 1000
     logits = draft_logits(1000 * budget + (kind == "flat"), d, v, kind)
-    tree, mask = _build(jnp.int32(7), jnp.asarray(logits), budget)
+    tree, mask = _build(jnp.int32(7), jnp.asarray(logits), budget, block)
     check_structure(tree, mask)
     t = jax.tree.map(np.asarray, tree)
     assert t.tokens[0] == 7 and t.valid.all() and len(t.tokens) == budget + 1
@@ -157,6 +158,18 @@ def test_build_tree_matches_heap(budget, kind):
         assert t.depths.max() >= 8  # long chains exercised
     if kind == "flat" and budget >= 64:
         assert (t.parents == 0).sum() >= 8  # bushy
+
+
+@pytest.mark.parametrize("shape,k,block", [((3, 1000), 16, 8), ((2, 997), 5, 16), ((4, 300), 7, 4), ((2, 64), 40, 8)])
+def test_top_k_rows_equals_lax_top_k(shape, k, block):
+    rng = np.random.default_rng(k)
+    x = rng.normal(size=shape).astype(np.float32)
+    x[0, ::7] = x[0, 3]  # exact ties, across blocks
+    x[-1, -3:] = -np.inf
+    vals, ids = top_k_rows(jnp.asarray(x), k, block)
+    ref_vals, ref_ids = jax.lax.top_k(jnp.asarray(x), k)
+    np.testing.assert_array_equal(np.asarray(vals), np.asarray(ref_vals))
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref_ids))
 
 
 @pytest.mark.parametrize("v,budget,d,expected", [(5, 64, 3, 64), (3, 64, 2, 12), (2, 16, 1, 2)])

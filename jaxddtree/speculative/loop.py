@@ -159,21 +159,20 @@ _STATIC = ("graphdef", "treedef", "dcfg", "plan")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("rounds",), donate_argnames=("state",))
-def run_rounds(leaves, dparams, state, oracle, *, graphdef, treedef, dcfg, plan, rounds: int):
-    """`rounds` rounds (no-ops once done), for the host-driven loop."""
+def run_rounds(leaves, dparams, state, oracle, *, graphdef, treedef, dcfg, plan, rounds: int | None):
+    """Rounds until done, at most `rounds` of them (None: no limit), inside one `lax.while_loop`.
+
+    The loop's condition skips the rounds after `done`, so no `lax.cond` wraps a round (its pass-through
+    branch can make XLA copy the carried caches; issue 15)."""
     body = functools.partial(_round, graphdef=graphdef, treedef=treedef, dcfg=dcfg, plan=plan)
+    limit = jnp.iinfo(jnp.int32).max if rounds is None else rounds
 
-    def one(_, s):
-        return jax.lax.cond(s.done, lambda s: s, lambda s: body(leaves, dparams, s, oracle), s)
+    def cond(carry):
+        i, s = carry
+        return (i < limit) & ~s.done
 
-    return jax.lax.fori_loop(0, rounds, one, state)
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
-def run_to_end(leaves, dparams, state, oracle, *, graphdef, treedef, dcfg, plan):
-    """All rounds inside one `lax.while_loop`."""
-    body = functools.partial(_round, graphdef=graphdef, treedef=treedef, dcfg=dcfg, plan=plan)
-    return jax.lax.while_loop(lambda s: ~s.done, lambda s: body(leaves, dparams, s, oracle), state)
+    return jax.lax.while_loop(cond, lambda c: (c[0] + 1, body(leaves, dparams, c[1], oracle)),
+                              (jnp.int32(0), state))[1]
 
 
 def _max_len(prompt_len: int, max_new: int, slack: int) -> int:
@@ -265,7 +264,7 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     t1 = time.perf_counter()
     shown = 1
     if loop == "device":
-        state = run_to_end(target.leaves, dparams, state, oracle, **static)
+        state = run_rounds(target.leaves, dparams, state, oracle, rounds=None, **static)
     else:
         while True:
             state = run_rounds(target.leaves, dparams, state, oracle, rounds=sync_every, **static)

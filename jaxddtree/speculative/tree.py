@@ -87,7 +87,27 @@ def _candidate_pairs(b: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     return i[keep].astype(np.int32), r[keep].astype(np.int32)  # [C], [C], C >= b
 
 
-def build_tree(root_token, draft_logits, budget: int) -> Tree:
+def top_k_rows(x: jax.Array, k: int, block: int = 128) -> tuple[jax.Array, jax.Array]:
+    """`lax.top_k(x, k)` over the last axis of x [R, V], without a top-k over the whole row when V is large.
+
+    The k largest entries of a row lie in the k blocks (of `block` consecutive entries) with the largest
+    maxima, so: block maxima [R, V/block] -> top-k blocks -> top-k of their k*block entries, taken in index
+    order (ties resolve towards the lower index, as `lax.top_k`). Falls back to `lax.top_k` when the row
+    has fewer than 2k blocks."""
+    R, V = x.shape
+    nb = -(-V // block)
+    if nb < 2 * k:
+        return jax.lax.top_k(x, k)
+    xp = jnp.pad(x, ((0, 0), (0, nb * block - V)), constant_values=-jnp.inf).reshape(R, nb, block)
+    _, best = jax.lax.top_k(xp.max(axis=-1), k)  # [R, k] block ids
+    best = jnp.sort(best, axis=-1)  # index order
+    cand = jnp.take_along_axis(xp, best[:, :, None], axis=1).reshape(R, k * block)  # [R, k*block]
+    vals, pos = jax.lax.top_k(cand, k)
+    ids = (best[:, :, None] * block + jnp.arange(block, dtype=best.dtype)).reshape(R, k * block)
+    return vals, jnp.take_along_axis(ids, pos, axis=1).astype(jnp.int32)
+
+
+def build_tree(root_token, draft_logits, budget: int, topk_block: int = 128) -> Tree:
     """Exact device version of the reference best-first heap (`build_ddtree_tree`).
 
     Returns the `budget` prefixes with the highest summed draft log-probability (per-depth
@@ -95,15 +115,20 @@ def build_tree(root_token, draft_logits, budget: int) -> Tree:
     depth asc) so that parents precede children. If fewer than `budget` prefixes exist (V**1 + ... +
     V**D < budget) or some have log-prob -inf, the remaining slots are padding nodes.
 
-    root_token: [] int; draft_logits: [D, V] (depth d+1 marginals in row d); budget: static int.
+    root_token: [] int; draft_logits: [D, V] (depth d+1 marginals in row d); budget: static int;
+    topk_block: block size of the per-depth top-K (`top_k_rows`).
     """
     d_max, vocab = draft_logits.shape
     b = int(budget)
     k = min(b, vocab)
     neg_inf = jnp.float32(-jnp.inf)
 
-    logp = jax.nn.log_softmax(draft_logits.astype(jnp.float32), axis=-1)  # [D, V]
-    top_lp, top_id = jax.lax.top_k(logp, k)                                 # [D, K] sorted desc
+    # log_softmax of the K best tokens only (jax.nn.log_softmax's formula: x - max - log Σ exp(x - max))
+    x = draft_logits.astype(jnp.float32)                                     # [D, V]
+    m = jnp.max(x, axis=-1, keepdims=True)
+    lse = jnp.log(jnp.sum(jnp.exp(x - m), axis=-1, keepdims=True))
+    top_x, top_id = top_k_rows(x, k, topk_block)                           # [D, K] sorted desc
+    top_lp = (top_x - m) - lse
 
     # Depth 1: the top-K tokens under the root, padded to B slots with -inf.
     score1 = jnp.full((b,), neg_inf).at[:k].set(top_lp[0])               # [B]

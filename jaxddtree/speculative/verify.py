@@ -28,33 +28,26 @@ def verify(model, cache: ModelCache, tokens: jax.Array, layout: TokenLayout, fea
     return logits, features, stashes
 
 
-def path_mask(path: jax.Array, path_len: jax.Array, n: int) -> jax.Array:
-    """path [B, P] node indices (root first), path_len [B] -> [B, N] bool: nodes on the path."""
-    on = jnp.arange(path.shape[1])[None, :] < path_len[:, None]  # [B, P]
-    hit = (path[:, :, None] == jnp.arange(n)[None, None, :]) & on[:, :, None]  # [B, P, N]
-    return hit.any(axis=1)
-
-
 def commit(cache: ModelCache, stashes, path: jax.Array, path_len: jax.Array) -> ModelCache:
     """Commit the accepted root->leaf path (path [B, P] node indices in depth order, padded; path_len [B]
     tokens, root included; the same for every batch row today) into the cache. Fixed shapes."""
     start = cache.length
     n_acc = path_len[0]
+    # the path's rows of a stash [B, N, ...] -> [B, P, ...], in depth order (a later row is deeper)
+    take = lambda x: jnp.take_along_axis(x, path.reshape(path.shape + (1,) * (x.ndim - 2)), axis=1)
+    on = jnp.arange(path.shape[1])[None, :] < path_len[:, None]  # [B, P] rows of the path proper
     entries = []
     for entry, stash in zip(cache.layers, stashes):
         if isinstance(entry, KVCache):
             assert isinstance(stash, AttentionStash)
-            take = lambda x: jnp.take_along_axis(x, path[:, :, None, None], axis=1)  # [B, P, Hkv, hd]
             k = jnp.swapaxes(take(stash.k), 1, 2).astype(entry.k.dtype)  # [B, Hkv, P, hd]
             v = jnp.swapaxes(take(stash.v), 1, 2).astype(entry.v.dtype)
             entries.append(KVCache(k=jax.lax.dynamic_update_slice(entry.k, k, (0, 0, start, 0)),
                                    v=jax.lax.dynamic_update_slice(entry.v, v, (0, 0, start, 0))))
         else:
             assert isinstance(stash, GDNStash)
-            n = stash.W.shape[1]
-            state = gdn_reference.gdn_state_after(entry.recurrent, stash.k, stash.W, stash.g,
-                                             path_mask(path, path_len, n))
-            xp = jnp.take_along_axis(stash.x, path[:, :, None], axis=1).astype(entry.conv.dtype)  # [B,P,C]
+            state = gdn_reference.gdn_state_after(entry.recurrent, take(stash.k), take(stash.W), take(stash.g), on)
+            xp = take(stash.x).astype(entry.conv.dtype)  # [B, P, C]
             rows = jnp.concatenate([entry.conv, xp], axis=1)  # [B, K-1+P, C]
             conv = jax.lax.dynamic_slice_in_dim(rows, n_acc, entry.conv.shape[1], axis=1)
             entries.append(GDNState(conv=conv, recurrent=state))
