@@ -31,3 +31,14 @@ def test_kernel_benches_dry(tmp_path):
           "--out", str(tmp_path / "k.json")])
     _run(["benchmarks/bench_gemv.py", "--dry", "--out", str(tmp_path / "g.json")])
     assert json.loads((tmp_path / "g.json").read_text())["dry"] is True
+
+
+def test_skinny_bench_dry(tmp_path):
+    """bench_skinny.py --dry: the sweep's plumbing (XLA, Mosaic plain + warp-specialized, Triton) in interpret mode."""
+    out = tmp_path / "s.json"
+    _run(["benchmarks/bench_skinny.py", "--dry", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert res["dry"] is True and len(res["runs"]) == 2
+    for run in res["runs"].values():
+        assert run["best_mosaic"] and run["best_triton"] and run["xla_us"] > 0
+        assert not any(v.get("error") or v.get("wrong") for v in run["variants"].values()), run["variants"]
