@@ -74,7 +74,9 @@ class SkinnyConfig:
     (128/64/32) or None = the widest N allows; backend: "mosaic" or "triton" (kernels_pallas.dense with
     the kwargs in `triton`). warp_specialized: one producer warpgroup + `wgs` compute warpgroups (each its own
     block_n columns of a wgs·block_n CTA stripe, sharing the x tiles), and `cluster` CTAs along N that
-    multicast the x tiles (x is read from L2 once per cluster instead of once per CTA)."""
+    multicast the x tiles (x is read from L2 once per cluster instead of once per CTA). epilogue "yT": the
+    accumulator goes to SMEM as laid out and the kernel writes y^T [N, Mp]; the transpose back is one XLA fusion
+    (with split-K's reduce) — the fallback if the in-kernel transposed store ("t") misbehaves on a GPU."""
     block_n: int = 128
     block_k: int = 64
     stages: int = 4
@@ -84,6 +86,7 @@ class SkinnyConfig:
     warp_specialized: bool = False  # a producer warpgroup issues the TMA copies (emit_pipeline_warp_specialized)
     wgs: int = 1  # compute warpgroups per CTA (warp_specialized only): CTA columns = wgs * block_n
     cluster: int = 1  # CTAs per cluster along N sharing (multicasting) the x tiles (warp_specialized only)
+    epilogue: str = "t"  # "t": y [M, N] stored transposed by the kernel; "yT": the kernel writes y^T, XLA transposes
     triton: tuple = ()  # (("block_n", 128), ...) for backend="triton"
 
     def replace(self, **kw) -> "SkinnyConfig":
@@ -254,6 +257,8 @@ def _check(M, K, N, cfg: SkinnyConfig):
         raise ValueError("wgs > 1 and cluster > 1 need warp_specialized=True")
     if cfg.wgs not in (1, 2, 3) or cfg.cluster not in (1, 2, 4):
         raise ValueError(f"wgs={cfg.wgs} (1..3), cluster={cfg.cluster} (1, 2, 4)")
+    if cfg.epilogue not in ("t", "yT"):
+        raise ValueError(f"epilogue={cfg.epilogue!r}: 't' or 'yT'")
     if cfg.wgs * bn > 256:
         raise ValueError(f"wgs * block_n = {cfg.wgs * bn} > 256 (one TMA box per w tile)")
     return sw, swe
@@ -290,9 +295,17 @@ def _mosaic(x, w, cfg: SkinnyConfig, interpret: bool):
                    for c in range(chunks)]
         return [w_spec, *x_specs]
 
-    def store_tile(o_smem, y, dst):
-        """y [cols, Mc] (WGMMA layout, out dtype) -> o_smem [Mc, cols] transposed -> dst by one TMA store."""
-        o_smem.T[...] = plgpu.layout_cast(y, plgpu.Layout.WGMMA_TRANSPOSED)
+    yT = cfg.epilogue == "yT"
+
+    def store_tile(o_smem, y, dst, rows, cols):
+        """y [cols, Mc] (WGMMA layout, out dtype) -> o_smem [Mc, cols] transposed (or [cols, Mc] as is, "yT")
+        -> dst[rows, cols] (or dst[cols, rows]) by one TMA store."""
+        if yT:
+            o_smem[...] = y
+            dst = dst.at[cols, rows]
+        else:
+            o_smem.T[...] = plgpu.layout_cast(y, plgpu.Layout.WGMMA_TRANSPOSED)
+            dst = dst.at[rows, cols]
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, dst)
 
@@ -320,10 +333,10 @@ def _mosaic(x, w, cfg: SkinnyConfig, interpret: bool):
             for c, acc in enumerate(accs):
                 if c:
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                store_tile(o_smem, acc.astype(out_dtype), dst.at[pl.ds(c * Mc, Mc), pl.ds(j * bn, bn)])
+                store_tile(o_smem, acc.astype(out_dtype), dst, pl.ds(c * Mc, Mc), pl.ds(j * bn, bn))
             plgpu.wait_smem_to_gmem(0)
 
-        pl.run_scoped(epilogue, plgpu.SMEM((Mc, bn), out_dtype))
+        pl.run_scoped(epilogue, plgpu.SMEM((bn, Mc) if yT else (Mc, bn), out_dtype))
 
     def body_ws(x_gmem, w_gmem, o_gmem):
         j = lax.axis_index("n") * cl + (lax.axis_index("cluster") if cl > 1 else 0)
@@ -359,8 +372,8 @@ def _mosaic(x, w, cfg: SkinnyConfig, interpret: bool):
                             if not first:
                                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                             first = False
-                            store_tile(o_smem.at[wg], acc[t * 64:(t + 1) * 64],
-                                       dst.at[pl.ds(c * Mc, Mc), pl.ds(col0 + t * 64, 64)])
+                            store_tile(o_smem.at[wg], acc[t * 64:(t + 1) * 64], dst,
+                                       pl.ds(c * Mc, Mc), pl.ds(col0 + t * 64, 64))
                     plgpu.wait_smem_to_gmem(0)
 
                 pl.run_scoped(acc_scope, *[plgpu.ACC((bn, Mc), f32) for _ in range(chunks)])
@@ -368,9 +381,10 @@ def _mosaic(x, w, cfg: SkinnyConfig, interpret: bool):
             pipeline(step, compute_context)(w_gmem, *([x_gmem] * chunks), allocations=allocs)
 
         pl.run_scoped(scope, allocs=pipeline(ignore, ignore).get_allocations(w_gmem, *([x_gmem] * chunks)),
-                      o_smem=plgpu.SMEM((wgs, Mc, 64), out_dtype), collective_axes="wg")
+                      o_smem=plgpu.SMEM((wgs, 64, Mc) if yT else (wgs, Mc, 64), out_dtype), collective_axes="wg")
 
-    out_shape = (Mp, N) if split == 1 else (split, Mp, N)
+    out_shape = (N, Mp) if yT else (Mp, N)
+    out_shape = out_shape if split == 1 else (split, *out_shape)
     kw = dict(grid=(nn, split), grid_names=("n", "s"))
     if ws:
         kw = dict(grid=(ncl, split), grid_names=("n", "s"), num_threads=wgs + 1, thread_name="wg")
@@ -386,6 +400,8 @@ def _mosaic(x, w, cfg: SkinnyConfig, interpret: bool):
     y = f(xp, w)
     if split > 1:
         y = y.sum(0)
+    if yT:
+        y = y.T
     return y[:M].astype(x.dtype)
 
 

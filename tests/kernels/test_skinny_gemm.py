@@ -63,12 +63,15 @@ CASES = [
     (129, 128, 128, None),
     (257, 128, 96, C(block_n=64, block_k=64, stages=2, split_k=2)),  # two row chunks (wgmma n ≤ 256), N tail
     (33, 200, 112, None),  # K % 64 != 0 (x padded), N % 32 != 0 (32 B swizzle), N < block_n
+    (65, 256, 160, C(block_n=128, stages=2, epilogue="yT")),  # y^T from the kernel, XLA transposes
+    (129, 320, 192, C(block_n=64, block_k=64, stages=2, split_k=2, epilogue="yT")),
 ]
 WS_CASES = [
     (17, 256, 192, WS(block_n=64, stages=2)),
     (65, 320, 160, WS(wgs=2, block_n=64, block_k=32, stages=3, split_k=3)),
     (40, 256, 256, WS(cluster=2, block_n=64, stages=2)),  # x multicast to 2 CTAs
     (129, 256, 320, WS(wgs=2, cluster=2, block_n=64, stages=2, split_k=2)),  # 320 = 2.5 CTA stripes
+    (65, 128, 256, WS(wgs=2, block_n=128, stages=2, epilogue="yT")),
 ]
 
 
@@ -135,7 +138,8 @@ def test_lowers_for_h200_sweep_variants(M, name):
     kinds = {}
     for vname, cfg in b.variants_for(M, K, N).items():
         if cfg is not None and cfg.backend == "mosaic":
-            kinds.setdefault((cfg.warp_specialized, cfg.wgs, cfg.cluster, cfg.split_k > 1, cfg.block_k), cfg)
+            kinds.setdefault((cfg.warp_specialized, cfg.wgs, cfg.cluster, cfg.split_k > 1, cfg.block_k,
+                              cfg.epilogue), cfg)
     assert len(kinds) >= 4
     for cfg in kinds.values():
         txt = lower_for_h200(functools.partial(sg.skinny_gemm, config=cfg), S((M, K), bf), S((K, N), bf))
