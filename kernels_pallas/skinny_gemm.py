@@ -31,7 +31,8 @@ Design ("swap AB": the weight is the wgmma A operand, so M is the cheap dimensio
     summed (+ cast, + the row slice) by one XLA fusion after the kernel.
   * Shapes: K % 8 == 0, N % 16 == 0 (TMA tiling of w's rows; the swizzle is the widest that N allows: 128 B
     when N % 64 == 0, else 64 B / 32 B), M ≤ 512. x is padded (rows to Mp = m_chunks·Mc, columns to the
-    split K range) by a tiny XLA pad; w is never copied: its K and N tails come from the TMA's zero fill.
+    swizzle span) by a tiny XLA pad (which XLA can fuse into x's producer in a model); w is never copied: the K
+    and N tails of both come from the TMA's zero fill.
   * `config=SkinnyConfig(backend="triton", ...)` runs the Pallas-Triton kernel of kernels_pallas.dense
     instead (the fallback; dense kwargs in `triton`), so one benchmark compares both.
 
@@ -275,7 +276,7 @@ def _mosaic(x, w, cfg: SkinnyConfig, interpret: bool):
     cbn = wgs * bn  # columns per CTA
     chunks, Mc = _rows(M, cl)
     Mp = chunks * Mc
-    split, steps, Kp = _k_plan(K, bk, cfg.split_k)
+    split, steps, _ = _k_plan(K, bk, cfg.split_k)
     stages = max(1, min(cfg.stages, steps))
     delay = 1 if stages > 1 else 0  # a single-step range: no ring, wait for the wgmma at once
     nn = _cdiv(N, cbn)
@@ -284,7 +285,10 @@ def _mosaic(x, w, cfg: SkinnyConfig, interpret: bool):
     need = smem_bytes(M, cfg.replace(stages=stages), jnp.dtype(out_dtype).itemsize)
     if need > SMEM_BYTES:
         raise ValueError(f"config {cfg} needs {need} bytes of SMEM > {SMEM_BYTES}")
-    xp = jnp.pad(x, ((0, Mp - M), (0, Kp - K))) if (Mp, Kp) != (M, K) else x
+    # x's rows to Mp and columns to the swizzle span (TMA tiling); the K tail of the last split is zero-filled
+    # by the TMA like w's (no copy of w, and no x copy at all when M % 8 == 0)
+    Kx = _round_up(K, swe)
+    xp = jnp.pad(x, ((0, Mp - M), (0, Kx - K))) if (Mp, Kx) != (M, K) else x
     tr = (plgpu.TilingTransform((8, swe)), plgpu.SwizzleTransform(sw))
     f32 = jnp.float32
 
