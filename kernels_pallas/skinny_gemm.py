@@ -28,7 +28,8 @@ Design ("swap AB": the weight is the wgmma A operand, so M is the cheap dimensio
   * Epilogue: the accumulator [block_n, Mc] is cast (bf16, or fp32 partials when split_k > 1), relaid out to
     the transposed WGMMA layout (one shuffle), stored transposed into an SMEM tile [Mc, block_n] and written to
     y[rows, cols] by one TMA store (clipped by the hardware at N). split_k > 1: fp32 partials [S, Mp, N]
-    summed (+ cast, + the row slice) by one XLA fusion after the kernel.
+    summed (+ cast, + the row slice) by one XLA fusion after the kernel. epilogue="yT" (fallback): the kernel
+    writes y^T [N, Mp] from an SMEM tile as laid out, and XLA transposes.
   * Shapes: K % 8 == 0, N % 16 == 0 (TMA tiling of w's rows; the swizzle is the widest that N allows: 128 B
     when N % 64 == 0, else 64 B / 32 B), M ≤ 512. x is padded (rows to Mp = m_chunks·Mc, columns to the
     swizzle span) by a tiny XLA pad (which XLA can fuse into x's producer in a model); w is never copied: the K
@@ -38,6 +39,9 @@ Design ("swap AB": the weight is the wgmma A operand, so M is the cheap dimensio
 
 `default_config(M, K, N)` is a first guess (not yet measured on the H200: benchmarks/bench_skinny.py sweeps
 the alternatives); `supports(M, K, N)` says whether the Mosaic kernel takes a shape.
+
+Status (2026-11-30): exact vs the reference in the Mosaic GPU interpreter (tests/kernels/test_skinny_gemm.py) and
+lowers for CUDA against an abstract H200 at every 27B shape; NOT yet compiled (ptxas) or run on a GPU.
 """
 
 from __future__ import annotations
@@ -51,8 +55,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["SkinnyConfig", "skinny_gemm", "skinny_gemm_reference", "default_config", "supports", "N_SM",
-           "SMEM_BYTES", "MAX_ROWS"]
+__all__ = ["SkinnyConfig", "skinny_gemm", "skinny_gemm_reference", "default_config", "supports", "candidates",
+           "estimate_cost", "best_split", "max_stages", "smem_bytes", "widest_swizzle", "N_SM", "SMEM_BYTES",
+           "MAX_ROWS"]
 
 N_SM = 132  # H200
 SMEM_BYTES = 232448  # per block on the H200 (sm_90: 227 KiB)
