@@ -16,12 +16,17 @@ relation), with G = M g (path cumsum) and Γ_ij = exp(G_i − G_j) for M_ij:
     S after node a = exp(G_a) S0 + Σ_{j on a's path} Γ_aj k_j W_jᵀ.
 Γ is evaluated from segment sums of g (Σ over the path nodes strictly below j down to i), never as a
 difference G_i − G_j of large cumulative sums, which loses digits under strong decay.
+
+Around the rule, the mixer's elementwise ops as the model computes them (it imports them from here):
+`tree_conv` (causal depthwise conv + SiLU), `l2norm`, `softplus_torch`, `gated_rms_norm`.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from kernels_pallas.numerics import f32, rounded, silu32
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -123,3 +128,38 @@ def gdn_chunked(q, k, v, g, beta, state, chunk: int = 64):
     state, o = jax.lax.scan(body, state, xs)
     o = jnp.moveaxis(o, 0, 1).reshape((B, n * C) + o.shape[3:])[:, :T]
     return o, state
+
+
+# ----------------------------------------------------------------------------- the mixer's elementwise ops
+def softplus_torch(x):
+    return jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
+
+
+def l2norm(x, eps=1e-6):
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def tree_conv(conv_state, x, conv_src, w):
+    """Causal depthwise conv with SiLU along each token's predecessor chain.
+
+    conv_state [B, K-1, C]; x [B, T, C]; conv_src [B, T, K-1] rows of concat(conv_state, x) (oldest
+    first); w [K, C] (tap K-1 hits the current token). Sums in fp32, rounded to the activations' dtype,
+    SiLU in fp32, rounded (transformers' `causal_conv1d_fn` / `causal_conv1d_update` torch fallback:
+    `F.conv1d` in the activations' dtype, then `ACT2FN["silu"]` on it).
+    """
+    rows = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
+    taps = jax.vmap(lambda r, s: r[s])(rows, conv_src)  # [B, T, K-1, C]
+    wf = w.astype(jnp.float32)
+    acc = jnp.einsum("btsc,sc->btc", taps.astype(jnp.float32), wf[:-1]) + x.astype(jnp.float32) * wf[-1]
+    return rounded(silu32(rounded(acc, x.dtype)), x.dtype)
+
+
+def gated_rms_norm(x: jax.Array, z: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """Plain-weight gated RMSNorm after the GDN core: normalise in fp32, round, times w (rounded: a product
+    in the activations' dtype), times silu(z) in fp32, round (the casts of `Qwen3_5RMSNormGated.forward`:
+    `self.weight * hidden_states.to(input_dtype)`, then `* silu(gate.to(torch.float32))`, `.to(input_dtype)`)."""
+    xf = f32(x)
+    y = rounded(xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps), x.dtype)
+    y = rounded(f32(w) * f32(y), jnp.promote_types(w.dtype, x.dtype))
+    return rounded(f32(y) * silu32(z), x.dtype)
+
