@@ -1,6 +1,6 @@
 """Pallas kernels vs their XLA (jnp) references at Qwen3.6-27B shapes, on one GPU.
 
-    PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/kernels.json [--sections tree,attn,decode,prefill]
+    PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/kernels.json [--sections tree,attn,decode,prefill,decode_fused]
     JAX_PLATFORMS=cpu python benchmarks/bench_kernels.py --dry     # tiny shapes, interpret mode: checks the script
     --select REGEX runs only the variants whose 'section:variant' matches (the reference always runs)
 
@@ -13,6 +13,9 @@ Per kernel and tuning variant (the reference first):
   * for the fastest correct variant and the reference: wall_ms_all_layers = median wall time of ONE
     jitted call running the op for every layer (48 GDN / 16 attention layers, each with its own inputs,
     so nothing stays in L2) after warm-up, with block_until_ready (this includes launch gaps).
+decode_fused (the whole GDN decode step of a layer, proj row -> gated-norm output, bf16; see
+section_decode_fused) times every variant with the recurrent state donated (in place, as in the model):
+gpu_us_per_layer / kernels_per_layer from a trace of 50 one-layer calls, wall_ms_all_layers for 48 layers.
 Each section has a time budget (variants past it are skipped); the JSON is rewritten after each section.
 """
 
@@ -36,20 +39,21 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kernels_pallas import gdn_decode, gdn_prefill, gdn_tree, tree_attention  # noqa: E402
-from kernels_pallas._testing import attention_inputs, gdn_inputs, random_tree_mask, rel_err  # noqa: E402
+from kernels_pallas import gdn_decode, gdn_decode_fused, gdn_prefill, gdn_reference, gdn_tree, tree_attention  # noqa: E402
+from kernels_pallas._testing import (attention_inputs, gdn_decode_fused_inputs, gdn_inputs, random_tree_mask,  # noqa: E402
+                                     rel_err)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_timing  # noqa: E402
-from gpu_timing import gpu_us, wall_ms  # noqa: E402
+from gpu_timing import gpu_profile, gpu_us, wall_ms  # noqa: E402
 
 # 27B shapes
-HK, HV, DK, DV = 16, 48, 128, 128
+HK, HV, DK, DV, CONV_K = 16, 48, 128, 128, 4
 H, HKV, HD = 24, 4, 256
 GDN_LAYERS, ATTN_LAYERS = 48, 16
 TREE_N, PREFIX, PREFILL_T = 65, 4096, 8192
 DRY = False  # --dry: tiny shapes, interpret mode, CPU (checks this script, not the kernels' speed)
-BUDGET = {"tree": 75, "attn": 50, "decode_attn": 15, "decode": 20, "prefill": 30}  # seconds per section (scaled by --budget-scale)
+BUDGET = {"tree": 75, "attn": 50, "decode_attn": 15, "decode": 20, "prefill": 30, "decode_fused": 60}  # seconds per section (scaled by --budget-scale)
 
 RESULTS: dict = {}
 
@@ -243,6 +247,116 @@ def section_decode(deadline):
                                                 "at_4.2TBps_copy": mib * 2**20 / 4.2e12 * 1e3}
 
 
+# ----------------------------------------------------------------------------- GDN decode, fused
+def section_decode_fused(deadline):
+    """One GDN decode step from the fused projection row to the gated-norm output (conv + SiLU, l2norm,
+    beta/g, recurrent step, o rounding, gated RMSNorm, conv-state shift), bf16, at 27B shapes:
+      xla_reference   the model's ops in jnp (kernels="xla" today), gdn_reference.gdn_decode_fused;
+      xla_ops_pallas_step  the same ops with the Pallas recurrent step (kernels="pallas" today);
+      the rest        kernels_pallas.gdn_decode_fused (one Pallas kernel) with tuning variants.
+    Every call donates the recurrent state (in place; fed back from call to call), so no state copy is
+    timed. rel_err vs the reference (o in bf16, conv state, fp32 state) and o_bf16_differ_frac, the
+    fraction of o's bf16 values that are not bitwise those of the reference."""
+    d = dict(num_k_heads=HK, num_v_heads=HV, head_k_dim=DK, head_v_dim=DV, conv_kernel=CONV_K, eps=1e-6)
+    cd = 2 * HK * DK + HV * DV
+    log(f"== GDN decode step, fused: Hk={HK}, Hv={HV}, dk={DK}, dv={DV}, conv_dim={cd}, K={CONV_K}, bf16,"
+        f" x{GDN_LAYERS} layers")
+    layers = [gdn_decode_fused_inputs(jax.random.PRNGKey(400 + l), 1, HK, HV, DK, DV, CONV_K, dtype=jnp.bfloat16)
+              for l in range(GDN_LAYERS)]
+    xs = jax.device_put([a[:6] for a in layers])
+    states0 = jax.device_put([a[6] for a in layers])
+    ref_fn = functools.partial(gdn_reference.gdn_decode_fused, **d)
+    r0 = [np.asarray(x.astype(jnp.float32)) for x in jax.jit(ref_fn)(*xs[0], states0[0])]
+    step = functools.partial(gdn_decode.gdn_step, **IKW())
+    variants = {
+        "xla_reference": ref_fn,
+        "xla_ops_pallas_step": functools.partial(gdn_reference.gdn_decode_composed, **d, step=step),
+        "default": {},  # whole head per program (block_v = dv), 8 warps
+        "w4": dict(num_warps=4),
+        "w16": dict(num_warps=16),
+        "bv64_w4": dict(block_v=64, num_warps=4),
+        "bv64_w8": dict(block_v=64, num_warps=8),
+        "bv32_w4": dict(block_v=32, num_warps=4),
+    }
+    if DRY:  # interpret mode on the CPU: check the script, not the tuning
+        variants = {k: variants[k] for k in ("xla_reference", "xla_ops_pallas_step", "default")}
+        variants["bv16_w4"] = dict(block_v=16, num_warps=4)
+    if SELECT:
+        import re
+        variants = {k: v for k, v in variants.items() if callable(v) or re.search(SELECT, f"decode_fused:{k}")}
+    make = lambda v: v if callable(v) else functools.partial(gdn_decode_fused.gdn_decode_fused, **d, **v, **IKW())
+    reps, warmup = (1, 0) if DRY else (50, 3)
+
+    def wall_fed(f, x, states):
+        """Median wall ms of f(x, states) (states donated, fed back from the previous call's outputs)."""
+        ts = []
+        for i in range(warmup + reps):
+            t = time.perf_counter()
+            out = jax.block_until_ready(f(x, states))
+            if i >= warmup:
+                ts.append(time.perf_counter() - t)
+            states = out[2] if isinstance(out, tuple) else [o_[2] for o_ in out]
+        return 1e3 * statistics.median(ts)
+
+    recs = {}
+    for name, v in variants.items():  # one layer: errors, GPU time and kernels per call
+        rec = recs[name] = {"kwargs": None if callable(v) else {k: str(x) for k, x in v.items()}}
+        if time.perf_counter() > deadline and not name.startswith("xla"):
+            rec["skipped"] = "section time budget spent"
+            log(f"  [decode_fused] {name:30s} skipped (budget)")
+            continue
+        try:
+            fn = make(v)
+            one = jax.jit(lambda x, s, fn=fn: fn(*x, s), donate_argnums=1)
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(one(xs[0], jnp.array(states0[0])))
+            rec["compile_s"] = round(time.perf_counter() - t0, 2)
+            o, conv, st = (np.asarray(x.astype(jnp.float32)) for x in out)
+            rec["rel_err"] = errs([("o", o, r0[0]), ("conv_state", conv, r0[1]), ("state", st, r0[2])])
+            rec["o_bf16_differ_frac"] = float(np.mean(o != r0[0]))
+            prof = gpu_profile(one, (xs[0], jnp.array(states0[0])), n=50, feed=lambda args, out: (args[0], out[2]))
+            if prof is not None:
+                rec["gpu_us_per_layer"] = prof["us"]
+                rec["kernels_per_layer"] = prof["launches"]
+                rec["kernels"] = prof["top"]
+            else:
+                rec["wall_us_per_layer"] = 1e3 * wall_fed(one, xs[0], jnp.array(states0[0]))
+            us = rec.get("gpu_us_per_layer")
+            log(f"  [decode_fused] {name:22s} {'n/a' if us is None else f'{us:8.2f}'} us/layer GPU,"
+                f" {rec.get('kernels_per_layer')} kernels/layer  err {rec['rel_err']}"
+                f"  o differs {rec['o_bf16_differ_frac']:.2e}  compile {rec['compile_s']} s  {rec.get('kernels', '')}")
+        except Exception as e:  # keep going: one bad variant must not sink the run
+            rec["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+            log(f"  [decode_fused] {name:30s} FAILED {rec['error'][:600]}")
+            traceback.print_exc(limit=2)
+    key = lambda r: r.get("gpu_us_per_layer") or r.get("wall_us_per_layer")
+    ok = {k: r for k, r in recs.items() if not k.startswith("xla") and "rel_err" in r
+          and max(r["rel_err"].values()) <= 1e-3 and key(r)}
+    best = min(ok, key=lambda k: key(ok[k])) if ok else None
+    for name in [n for n in ("xla_reference", "xla_ops_pallas_step", best) if n in recs and "rel_err" in recs[n]]:
+        try:  # all layers in one call (each its own inputs), states donated and fed back
+            fn = make(variants[name])
+            allf = jax.jit(lambda xs, states, fn=fn: [fn(*x, s) for x, s in zip(xs, states)], donate_argnums=1)
+            t0 = time.perf_counter()
+            outs = jax.block_until_ready(allf(xs, [jnp.array(s) for s in states0]))
+            recs[name]["wall_compile_s"] = round(time.perf_counter() - t0, 2)
+            recs[name]["wall_ms_all_layers"] = wall_fed(allf, xs, [o_[2] for o_ in outs])
+            log(f"  [decode_fused] {name:22s} all {GDN_LAYERS} layers (donated): {recs[name]['wall_ms_all_layers']:.3f}"
+                f" ms wall  (compile {recs[name]['wall_compile_s']} s)")
+        except Exception as e:
+            recs[name]["wall_error"] = f"{type(e).__name__}: {str(e)[:1000]}"
+            log(f"  [decode_fused] {name} all-layer wall FAILED {recs[name]['wall_error'][:300]}")
+    RESULTS["gdn_decode_fused"] = recs
+    RESULTS["gdn_decode_fused_best_variant"] = best
+    for tag, name in (("fused", best), ("xla", "xla_reference"), ("xla_ops_pallas_step", "xla_ops_pallas_step")):
+        r = recs.get(name, {}) if name else {}
+        g = r.get("gpu_us_per_layer")
+        RESULTS[f"gdn_decode_fused_{tag}_gpu_ms_{GDN_LAYERS}_layers"] = None if g is None else GDN_LAYERS * g / 1e3
+        RESULTS[f"gdn_decode_fused_{tag}_kernels_{GDN_LAYERS}_layers"] = (
+            None if r.get("kernels_per_layer") is None else GDN_LAYERS * r["kernels_per_layer"])
+        RESULTS[f"gdn_decode_fused_{tag}_wall_ms_{GDN_LAYERS}_layers"] = r.get("wall_ms_all_layers")
+
+
 # ----------------------------------------------------------------------------- GDN prefill
 def section_prefill(deadline):
     T = PREFILL_T
@@ -271,10 +385,10 @@ def section_prefill(deadline):
 
 
 def main():
-    global DRY, HK, HV, DK, DV, H, HKV, HD, GDN_LAYERS, ATTN_LAYERS, TREE_N, PREFIX, PREFILL_T, SELECT
+    global DRY, HK, HV, DK, DV, CONV_K, H, HKV, HD, GDN_LAYERS, ATTN_LAYERS, TREE_N, PREFIX, PREFILL_T, SELECT
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="")
-    ap.add_argument("--sections", default="tree,attn,decode,prefill")
+    ap.add_argument("--sections", default="tree,attn,decode,prefill,decode_fused")
     ap.add_argument("--dry", action="store_true", help="tiny shapes in interpret mode on the CPU")
     ap.add_argument("--budget-scale", type=float, default=1.0)
     ap.add_argument("--select", default=None, help="regex on 'section:variant' (the reference always runs)")
@@ -283,7 +397,7 @@ def main():
     SELECT = args.select
     if args.dry:
         DRY = gpu_timing.QUICK = True
-        HK, HV, DK, DV, H, HKV, HD = 1, 3, 16, 32, 4, 2, 16
+        HK, HV, DK, DV, H, HKV, HD = 1, 3, 16, 32, 4, 2, 16  # CONV_K stays 4
         GDN_LAYERS, ATTN_LAYERS, TREE_N, PREFIX, PREFILL_T = 2, 2, 19, 64, 128
     dev = jax.devices()[0]
     RESULTS.update(device=getattr(dev, "device_kind", str(dev)), platform=dev.platform, jax=jax.__version__,
@@ -323,6 +437,10 @@ def main():
                 section_decode(deadline)
             elif sec == "prefill":
                 section_prefill(deadline)
+            elif sec == "decode_fused":
+                section_decode_fused(deadline)
+            else:
+                raise ValueError(f"unknown section '{sec}'")
         except Exception as e:
             RESULTS[f"{sec}_section_error"] = f"{type(e).__name__}: {str(e)[:2000]}"
             log(f"section {sec} FAILED: {e}")

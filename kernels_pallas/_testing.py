@@ -43,6 +43,22 @@ def gdn_inputs(key, B, N, Hk, Hv, dk, dv, *, valid=None, dtype=jnp.float32):
     return tuple(x.astype(dtype) for x in (q, k, v, g, beta)) + (state.astype(jnp.float32),)
 
 
+def gdn_decode_fused_inputs(key, B, Hk, Hv, dk, dv, K=4, *, dtype=jnp.bfloat16):
+    """One GDN layer's decode-step inputs as `gdn_decode_fused` takes them (never zeros): the fused
+    projection row [B, conv_dim + Hv·dv + 2·Hv], conv state [B, K-1, conv_dim], conv weights [K, conv_dim],
+    A_log (decay rates 1..16), dt_bias, gated-norm weight (≈ 1), all in `dtype`, and an fp32 state."""
+    cd = 2 * Hk * dk + Hv * dv
+    ks = jax.random.split(key, 7)
+    proj = jax.random.normal(ks[0], (B, cd + Hv * dv + 2 * Hv)).astype(dtype)
+    conv_state = jax.random.normal(ks[1], (B, K - 1, cd)).astype(dtype)
+    conv_w = (0.5 * jax.random.normal(ks[2], (K, cd))).astype(dtype)
+    A_log = jnp.log(jax.random.uniform(ks[3], (Hv,), minval=1, maxval=16)).astype(dtype)
+    dt_bias = jax.random.uniform(ks[4], (Hv,), minval=-1, maxval=1).astype(dtype)
+    norm_w = (1.0 + 0.1 * jax.random.normal(ks[5], (dv,))).astype(dtype)
+    state = 0.1 * jax.random.normal(ks[6], (B, Hv, dk, dv), jnp.float32)
+    return proj, conv_state, conv_w, A_log, dt_bias, norm_w, state
+
+
 def rel_err(a, b):
     a = np.asarray(a, np.float64)
     b = np.asarray(b, np.float64)

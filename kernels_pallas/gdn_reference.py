@@ -16,12 +16,19 @@ relation), with G = M g (path cumsum) and Γ_ij = exp(G_i − G_j) for M_ij:
     S after node a = exp(G_a) S0 + Σ_{j on a's path} Γ_aj k_j W_jᵀ.
 Γ is evaluated from segment sums of g (Σ over the path nodes strictly below j down to i), never as a
 difference G_i − G_j of large cumulative sums, which loses digits under strong decay.
+
+Around the rule, the mixer's elementwise ops as the model computes them (it imports them from here):
+`tree_conv` (causal depthwise conv + SiLU), `l2norm`, `softplus_torch`, `gated_rms_norm`; and
+`gdn_decode_fused`, one whole decode step of a GDN layer from its fused projection row to the gated-norm
+output (the spec of `kernels_pallas.gdn_decode_fused`).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from kernels_pallas.numerics import f32, rounded, sigmoid32, silu32
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -123,3 +130,93 @@ def gdn_chunked(q, k, v, g, beta, state, chunk: int = 64):
     state, o = jax.lax.scan(body, state, xs)
     o = jnp.moveaxis(o, 0, 1).reshape((B, n * C) + o.shape[3:])[:, :T]
     return o, state
+
+
+# ----------------------------------------------------------------------------- the mixer's elementwise ops
+def softplus_torch(x):
+    return jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
+
+
+def l2norm(x, eps=1e-6):
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def tree_conv(conv_state, x, conv_src, w):
+    """Causal depthwise conv with SiLU along each token's predecessor chain.
+
+    conv_state [B, K-1, C]; x [B, T, C]; conv_src [B, T, K-1] rows of concat(conv_state, x) (oldest
+    first); w [K, C] (tap K-1 hits the current token). Sums in fp32, rounded to the activations' dtype,
+    SiLU in fp32, rounded (transformers' `causal_conv1d_fn` / `causal_conv1d_update` torch fallback:
+    `F.conv1d` in the activations' dtype, then `ACT2FN["silu"]` on it).
+    """
+    rows = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
+    taps = jax.vmap(lambda r, s: r[s])(rows, conv_src)  # [B, T, K-1, C]
+    wf = w.astype(jnp.float32)
+    acc = jnp.einsum("btsc,sc->btc", taps.astype(jnp.float32), wf[:-1]) + x.astype(jnp.float32) * wf[-1]
+    return rounded(silu32(rounded(acc, x.dtype)), x.dtype)
+
+
+def gated_rms_norm(x: jax.Array, z: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """Plain-weight gated RMSNorm after the GDN core: normalise in fp32, round, times w (rounded: a product
+    in the activations' dtype), times silu(z) in fp32, round (the casts of `Qwen3_5RMSNormGated.forward`:
+    `self.weight * hidden_states.to(input_dtype)`, then `* silu(gate.to(torch.float32))`, `.to(input_dtype)`)."""
+    xf = f32(x)
+    y = rounded(xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps), x.dtype)
+    y = rounded(f32(w) * f32(y), jnp.promote_types(w.dtype, x.dtype))
+    return rounded(f32(y) * silu32(z), x.dtype)
+
+
+# ----------------------------------------------------------------------------- one fused decode step
+def split_proj(proj, *, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int):
+    """The fused projection row [B, conv_dim + Hv·dv + 2·Hv] -> (xin [B, conv_dim] pre-conv q|k|v,
+    z [B, Hv, dv], b [B, Hv], a [B, Hv])."""
+    B = proj.shape[0]
+    cd = 2 * num_k_heads * head_k_dim + num_v_heads * head_v_dim
+    zd = num_v_heads * head_v_dim
+    assert proj.shape[-1] == cd + zd + 2 * num_v_heads, (proj.shape, cd, zd, num_v_heads)
+    return (proj[:, :cd], proj[:, cd:cd + zd].reshape(B, num_v_heads, head_v_dim),
+            proj[:, cd + zd:cd + zd + num_v_heads], proj[:, cd + zd + num_v_heads:])
+
+
+def gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, *, num_k_heads: int,
+                     num_v_heads: int, head_k_dim: int, head_v_dim: int, conv_kernel: int, eps: float):
+    """One token through a GDN layer, from its projection row to the gated-norm output (before out_proj).
+
+    proj [B, conv_dim + Hv·dv + 2·Hv]: columns [q|k|v pre-conv (conv_dim = 2·Hk·dk + Hv·dv) | z (Hv·dv,
+    head-major) | b (Hv) | a (Hv)], in the activations' dtype; conv_state [B, K-1, conv_dim]; conv_w
+    [K, conv_dim]; A_log, dt_bias [Hv]; norm_w [dv]; state [B, Hv, dk, dv] fp32.
+    Returns (o [B, Hv, dv] in proj's dtype, conv_state [B, K-1, conv_dim], state [B, Hv, dk, dv]).
+
+    The ops (and roundings) of `GatedDeltaNet.__call__` at T = 1: conv over the K-1 state rows and the
+    token; q,k l2-normalised (q·dk^-1/2), beta = round(sigmoid(b)), g = -exp(A_log)·softplus(a + dt_bias);
+    the recurrent step (`gdn_step`); o rounded; gated RMSNorm with z; conv state shifted by one row.
+    """
+    return gdn_decode_composed(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, num_k_heads=num_k_heads,
+                               num_v_heads=num_v_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim,
+                               conv_kernel=conv_kernel, eps=eps)
+
+
+def gdn_decode_composed(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, *, num_k_heads: int,
+                        num_v_heads: int, head_k_dim: int, head_v_dim: int, conv_kernel: int, eps: float,
+                        step=gdn_step):
+    """`gdn_decode_fused` with the recurrent step as a parameter (`step(q, k, v, g, beta, state) -> (o, state)`,
+    e.g. the Pallas `gdn_decode.gdn_step`: the model's kernels="pallas" decode path today)."""
+    hk, hv, dk, dv, K = num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel
+    B = proj.shape[0]
+    dtype = proj.dtype
+    km1 = K - 1
+    assert conv_state.shape[1] == km1 and conv_w.shape[0] == K, (conv_state.shape, conv_w.shape, K)
+    xin, z, b, a = split_proj(proj, num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv)
+    # the single token sits at row K-1 of concat(conv_state, x); its taps are rows 0..K-2
+    src = jnp.broadcast_to(jnp.arange(km1, dtype=jnp.int32)[None, None], (B, 1, km1))
+    xc = tree_conv(conv_state, xin[:, None], src, conv_w)  # [B, 1, conv_dim]
+    q, k, v = jnp.split(xc[:, 0], [hk * dk, 2 * hk * dk], axis=-1)
+    q = l2norm(q.reshape(B, hk, dk).astype(jnp.float32)) * dk ** -0.5
+    k = l2norm(k.reshape(B, hk, dk).astype(jnp.float32))
+    v = v.reshape(B, hv, dv).astype(jnp.float32)
+    beta = f32(rounded(sigmoid32(b), dtype))
+    g = -jnp.exp(A_log.astype(jnp.float32)) * softplus_torch(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
+    o, state = step(q, k, v, g, beta, state)
+    o = gated_rms_norm(rounded(o, dtype), z, norm_w, eps)
+    conv = jnp.concatenate([conv_state, xin[:, None].astype(conv_state.dtype)], axis=1)[:, 1:]
+    return o, conv, state

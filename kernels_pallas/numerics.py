@@ -1,5 +1,6 @@
 """Rounding helpers shared by the jnp references and the model: transformers' (PyTorch's) low-precision
-semantics are fp32 math with one rounding per op, and `rounded`'s `reduce_precision` is never elided by XLA."""
+semantics are fp32 math with one rounding per op, and `rounded`'s `reduce_precision` is never elided by XLA.
+`silu32` / `sigmoid32` are the fp32 formulas of PyTorch's kernels (round their result with `rounded`)."""
 
 from __future__ import annotations
 
@@ -19,3 +20,14 @@ def rounded(x: jax.Array, dtype) -> jax.Array:
 
 def f32(x: jax.Array) -> jax.Array:
     return x.astype(jnp.float32)
+
+
+def silu32(x: jax.Array) -> jax.Array:
+    """SiLU in fp32 as PyTorch's CPU kernel computes it: x / (1 + exp(-x))."""
+    x = f32(x)
+    return x / (1.0 + jnp.exp(-x))
+
+
+def sigmoid32(x: jax.Array) -> jax.Array:
+    """Sigmoid in fp32 as PyTorch's CPU kernel computes it: 1 / (1 + exp(-x))."""
+    return 1.0 / (1.0 + jnp.exp(-f32(x)))

@@ -61,6 +61,21 @@ def gdn_masked_block(q, k, v, g, beta, mask, state, kernels="xla", max_depth: in
     return gdn_reference.gdn_masked_block(q, k, v, g, beta, mask, state)
 
 
+def gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, kernels="xla", *,
+                     num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, conv_kernel: int,
+                     eps: float):
+    """One GDN decode step (T = 1) from the layer's fused projection row [q|k|v pre-conv | z | b | a] to the
+    gated-norm output: conv + SiLU, l2norm, beta/g, the recurrent step, gated RMSNorm; -> (o [B,Hv,dv],
+    conv_state [B,K-1,conv_dim], state [B,Hv,dk,dv]). See `gdn_reference.gdn_decode_fused`."""
+    _check(kernels)
+    dims = dict(num_k_heads=num_k_heads, num_v_heads=num_v_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim,
+                conv_kernel=conv_kernel, eps=eps)
+    if kernels == "pallas":
+        from kernels_pallas import gdn_decode_fused as fused
+        return fused.gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, **dims)
+    return gdn_reference.gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, **dims)
+
+
 def dense(spec: str, x, w, kernels="xla"):
     """einsum(spec, x, w) with fp32 accumulation, returned UNROUNDED in fp32 (the caller rounds), for specs
     that contract x's trailing axes with w's leading axes (every projection of the model), e.g.

@@ -27,7 +27,12 @@ def test_bench_smoke_writes_every_key(tmp_path):
 
 
 def test_kernel_benches_dry(tmp_path):
-    _run(["benchmarks/bench_kernels.py", "--dry", "--sections", "tree,attn,decode,prefill",
+    _run(["benchmarks/bench_kernels.py", "--dry", "--sections", "tree,attn,decode,prefill,decode_fused",
           "--out", str(tmp_path / "k.json")])
+    k = json.loads((tmp_path / "k.json").read_text())
+    assert k["dry"] is True and "decode_fused_section_error" not in k
+    fused = k["gdn_decode_fused"]
+    assert all("error" not in r and "rel_err" in r for r in fused.values()), fused
+    assert k["gdn_decode_fused_best_variant"] is not None
     _run(["benchmarks/bench_gemv.py", "--dry", "--out", str(tmp_path / "g.json")])
     assert json.loads((tmp_path / "g.json").read_text())["dry"] is True

@@ -17,10 +17,11 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from kernels_pallas import ops
+from kernels_pallas.gdn_reference import l2norm, softplus_torch, tree_conv  # noqa: F401  (re-exported)
 from jaxddtree.model.cache import GDNState
 from jaxddtree.model.config import TextConfig
 from jaxddtree.model.layout import TokenLayout
-from jaxddtree.model.linear import dense, f32, init_weight, rounded, sigmoid32, silu32
+from jaxddtree.model.linear import dense, f32, init_weight, rounded, sigmoid32
 from jaxddtree.model.norms import gated_rms_norm
 
 
@@ -30,29 +31,6 @@ class GDNStash:
     W: jax.Array  # [B, N, Hv, dv] fp32, pseudo-values
     g: jax.Array  # [B, N, Hv] fp32, per-node log decay
     x: jax.Array  # [B, N, conv_dim] pre-conv inputs
-
-
-def softplus_torch(x):
-    return jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
-
-
-def l2norm(x, eps=1e-6):
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
-
-
-def tree_conv(conv_state, x, conv_src, w):
-    """Causal depthwise conv with SiLU along each token's predecessor chain.
-
-    conv_state [B, K-1, C]; x [B, T, C]; conv_src [B, T, K-1] rows of concat(conv_state, x) (oldest
-    first); w [K, C] (tap K-1 hits the current token). Sums in fp32, rounded to the activations' dtype,
-    SiLU in fp32, rounded (transformers' `causal_conv1d_fn` / `causal_conv1d_update` torch fallback:
-    `F.conv1d` in the activations' dtype, then `ACT2FN["silu"]` on it).
-    """
-    rows = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
-    taps = jax.vmap(lambda r, s: r[s])(rows, conv_src)  # [B, T, K-1, C]
-    wf = w.astype(jnp.float32)
-    acc = jnp.einsum("btsc,sc->btc", taps.astype(jnp.float32), wf[:-1]) + x.astype(jnp.float32) * wf[-1]
-    return rounded(silu32(rounded(acc, x.dtype)), x.dtype)
 
 
 class GatedDeltaNet(nnx.Module):

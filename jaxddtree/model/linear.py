@@ -16,18 +16,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kernels_pallas import ops
-from kernels_pallas.numerics import f32, rounded  # noqa: F401  (re-exported: the model rounds with these)
-
-
-def silu32(x: jax.Array) -> jax.Array:
-    """SiLU in fp32 as PyTorch's CPU kernel computes it: x / (1 + exp(-x))."""
-    x = f32(x)
-    return x / (1.0 + jnp.exp(-x))
-
-
-def sigmoid32(x: jax.Array) -> jax.Array:
-    """Sigmoid in fp32 as PyTorch's CPU kernel computes it: 1 / (1 + exp(-x))."""
-    return 1.0 / (1.0 + jnp.exp(-f32(x)))
+# re-exported: the model rounds with these (they live with the kernels' references)
+from kernels_pallas.numerics import f32, rounded, sigmoid32, silu32  # noqa: F401
 
 
 def dense(spec: str, x: jax.Array, w: jax.Array, kernels: str = "xla") -> jax.Array:

@@ -13,20 +13,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxddtree.model.linear import f32, rounded, silu32
+from kernels_pallas.gdn_reference import gated_rms_norm  # noqa: F401  (re-exported; the GDN kernels share it)
+from jaxddtree.model.linear import f32, rounded
 
 
 def rms_norm_1p(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     xf = f32(x)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return rounded(y * (1.0 + f32(w)), x.dtype)
-
-
-def gated_rms_norm(x: jax.Array, z: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    xf = f32(x)
-    y = rounded(xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps), x.dtype)
-    y = rounded(f32(w) * f32(y), jnp.promote_types(w.dtype, x.dtype))
-    return rounded(f32(y) * silu32(z), x.dtype)
 
 
 class RMSNorm(nnx.Module):

@@ -1,0 +1,155 @@
+"""Fused GDN decode step (kernels_pallas.gdn_decode_fused): the Pallas kernel (interpret mode) vs the jnp
+reference, the reference vs the model's own T = 1 path, and the kernel's CUDA lowering for an H200."""
+
+import functools
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kernels_pallas import gdn_decode_fused as F
+from kernels_pallas import ops
+from kernels_pallas._common import lower_for_h200
+from kernels_pallas._testing import gdn_decode_fused_inputs, rel_err
+
+K = 4
+EPS = 1e-6
+
+
+def dims(hk, hv, dk, dv):
+    return dict(num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv, conv_kernel=K, eps=EPS)
+
+
+def fused_inputs(key, B, hk, hv, dk, dv, dtype):
+    return gdn_decode_fused_inputs(key, B, hk, hv, dk, dv, K, dtype=dtype)
+
+
+def test_signature_matches_reference():
+    ref = list(inspect.signature(F.gdn_decode_fused_reference).parameters)
+    ker = inspect.signature(F.gdn_decode_fused).parameters
+    assert list(ker)[:len(ref)] == ref and ker["interpret"].default is False
+    disp = inspect.signature(ops.gdn_decode_fused).parameters
+    assert sorted(disp) == sorted(ref + ["kernels"]) and disp["kernels"].default == "xla"
+    kw_only = lambda ps: [n for n, p in ps.items() if p.kind == p.KEYWORD_ONLY]
+    assert kw_only(disp) == kw_only(inspect.signature(F.gdn_decode_fused_reference).parameters)
+
+
+@pytest.mark.parametrize("dtype,B,hk,hv,dk,dv,kw", [
+    (jnp.float32, 2, 2, 6, 16, 32, {}),
+    (jnp.bfloat16, 2, 2, 6, 16, 32, {}),
+    (jnp.bfloat16, 1, 2, 6, 32, 32, dict(block_v=16)),  # two state tiles per program
+    (jnp.float32, 1, 1, 2, 24, 20, {}),  # head dims padded to powers of two (masked loads)
+], ids=["fp32", "bf16", "bf16-bv16", "fp32-padded"])
+def test_kernel_matches_reference(dtype, B, hk, hv, dk, dv, kw):
+    args = fused_inputs(jax.random.PRNGKey(dk + dv), B, hk, hv, dk, dv, dtype)
+    d = dims(hk, hv, dk, dv)
+    ref = jax.jit(functools.partial(F.gdn_decode_fused_reference, **d))(*args)
+    out = F.gdn_decode_fused(*args, **d, interpret=True, **kw)
+    for name, a, b in zip(("o", "conv_state", "state"), out, ref):
+        assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, b.shape, a.dtype, b.dtype)
+    o, conv, state = (np.asarray(x.astype(jnp.float32)) for x in out)
+    o_r, conv_r, state_r = (np.asarray(x.astype(jnp.float32)) for x in ref)
+    np.testing.assert_array_equal(conv, conv_r)  # a copy: exact
+    assert rel_err(state, state_r) < 1e-5
+    if dtype == jnp.float32:
+        assert rel_err(o, o_r) < 1e-5
+    else:  # every rounding reproduced: at most a rare last-bit flip from fp32 summation order
+        assert np.mean(o != o_r) < 0.01 and rel_err(o, o_r) < 1e-2
+
+
+def test_kernel_two_steps_in_place():
+    """Outputs fed back (conv and recurrent state), the state donated: the in-place update is right."""
+    B, hk, hv, dk, dv = 1, 2, 4, 16, 16
+    proj, cs, cw, A_log, dtb, nw, state = fused_inputs(jax.random.PRNGKey(7), B, hk, hv, dk, dv, jnp.float32)
+    d = dims(hk, hv, dk, dv)
+    ker = jax.jit(functools.partial(F.gdn_decode_fused, **d, interpret=True), donate_argnums=(1, 6))
+    ref = jax.jit(functools.partial(F.gdn_decode_fused_reference, **d))
+    cs_k, s_k, cs_r, s_r = jnp.array(cs), jnp.array(state), cs, state
+    for i in range(2):
+        p = proj * (1.0 - 0.5 * i)
+        o_k, cs_k, s_k = ker(p, cs_k, cw, A_log, dtb, nw, s_k)
+        o_r, cs_r, s_r = ref(p, cs_r, cw, A_log, dtb, nw, s_r)
+    np.testing.assert_array_equal(np.asarray(cs_k), np.asarray(cs_r))
+    assert rel_err(o_k, o_r) < 1e-5 and rel_err(s_k, s_r) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_reference_matches_model_decode_step(dtype):
+    """The reference on the fused row [xin | z | b | a] (the model's own projections, concatenated) gives
+    the model's T = 1 output (after the same out_proj) and caches: bitwise."""
+    from jaxddtree.model import layout as L
+    from jaxddtree.model.cache import GDNState
+    from jaxddtree.model.config import TextConfig
+    from jaxddtree.model.gated_deltanet import GatedDeltaNet
+    from jaxddtree.model.linear import dense
+
+    hk, hv, dk, dv, D, B = 2, 6, 16, 32, 64, 1
+    cfg = TextConfig(vocab_size=32, hidden_size=D, intermediate_size=96, num_hidden_layers=1,
+                     layer_types=("linear_attention",), num_attention_heads=2, num_key_value_heads=1,
+                     head_dim=16, rope_theta=1e4, partial_rotary_factor=0.25, linear_num_key_heads=hk,
+                     linear_num_value_heads=hv, linear_key_head_dim=dk, linear_value_head_dim=dv,
+                     linear_conv_kernel_dim=K, rms_norm_eps=EPS)
+    m = GatedDeltaNet(cfg, dtype, nnx.Rngs(3))
+    ks = jax.random.split(jax.random.PRNGKey(11), 3)
+    x = jax.random.normal(ks[0], (B, 1, D)).astype(dtype)
+    cache = GDNState(conv=jax.random.normal(ks[1], (B, K - 1, cfg.conv_dim)).astype(dtype),
+                     recurrent=0.1 * jax.random.normal(ks[2], (B, hv, dk, dv), jnp.float32))
+    lay = L.sequence(5, 1, K, batch=B)
+
+    @jax.jit
+    def model_step(x, cache):
+        y, new, _ = m(x, cache, lay)
+        return y, new
+
+    @jax.jit
+    def fused_step(x, cache):
+        xin = dense("btd,dc->btc", x, m.w_qkv[...])
+        z = dense("btd,dhe->bthe", x, m.w_z[...])
+        b = dense("btd,dh->bth", x, m.w_b[...])
+        a = dense("btd,dh->bth", x, m.w_a[...])
+        proj = jnp.concatenate([xin, z.reshape(B, 1, hv * dv), b, a], axis=-1)[:, 0]
+        o, conv, rec = ops.gdn_decode_fused(proj, cache.conv, m.conv[...], m.A_log[...], m.dt_bias[...],
+                                            m.norm[...], cache.recurrent, **dims(hk, hv, dk, dv), kernels="xla")
+        return dense("bthe,hed->btd", o[:, None], m.w_out[...]), GDNState(conv=conv, recurrent=rec)
+
+    y_m, c_m = model_step(x, cache)
+    y_f, c_f = fused_step(x, cache)
+    np.testing.assert_array_equal(np.asarray(c_f.conv), np.asarray(c_m.conv))
+    np.testing.assert_array_equal(np.asarray(c_f.recurrent), np.asarray(c_m.recurrent))
+    np.testing.assert_array_equal(np.asarray(y_f.astype(jnp.float32)), np.asarray(y_m.astype(jnp.float32)))
+
+
+def test_ops_dispatch():
+    B, hk, hv, dk, dv = 1, 1, 2, 16, 16
+    args = fused_inputs(jax.random.PRNGKey(5), B, hk, hv, dk, dv, jnp.float32)
+    d = dims(hk, hv, dk, dv)
+    ref = jax.jit(functools.partial(F.gdn_decode_fused_reference, **d))(*args)
+    for a, b in zip(jax.jit(functools.partial(ops.gdn_decode_fused, **d, kernels="xla"))(*args), ref):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError):
+        ops.gdn_decode_fused(*args, **d, kernels="cuda")
+
+
+@pytest.mark.parametrize("kw", [{}, dict(block_v=32, num_warps=4)])
+def test_lowers_for_h200_at_27b_shapes(kw):
+    S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    hk, hv, dk, dv = 16, 48, 128, 128
+    cd = 2 * hk * dk + hv * dv  # 10240
+    structs = [S((1, cd + hv * dv + 2 * hv), bf), S((1, K - 1, cd), bf), S((K, cd), bf), S((hv,), bf),
+               S((hv,), bf), S((dv,), bf), S((1, hv, dk, dv), jnp.float32)]
+    f = functools.partial(F.gdn_decode_fused, **dims(hk, hv, dk, dv), **kw)
+    txt = lower_for_h200(f, *structs)
+    assert "__gpu$xla.gpu.triton" in txt and txt.count("__gpu$xla.gpu.triton") == 1
+
+
+def test_lowers_for_h200_padded_head_dims():
+    S, f32 = jax.ShapeDtypeStruct, jnp.float32
+    hk, hv, dk, dv = 1, 2, 24, 20
+    cd = 2 * hk * dk + hv * dv
+    structs = [S((2, cd + hv * dv + 2 * hv), f32), S((2, K - 1, cd), f32), S((K, cd), f32), S((hv,), f32),
+               S((hv,), f32), S((dv,), f32), S((2, hv, dk, dv), f32)]
+    assert "__gpu$xla.gpu.triton" in lower_for_h200(functools.partial(F.gdn_decode_fused, **dims(hk, hv, dk, dv)),
+                                                     *structs)
