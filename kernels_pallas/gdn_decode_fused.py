@@ -162,12 +162,15 @@ def _kernel(proj_ref, cs_ref, cw_ref, alog_ref, dtb_ref, nw_ref, s_ref, o_ref, c
                                              "num_stages"))
 def gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, *, num_k_heads: int,
                      num_v_heads: int, head_k_dim: int, head_v_dim: int, conv_kernel: int, eps: float,
-                     interpret: bool = False, block_v: int | None = None, num_warps: int = 8,
+                     interpret: bool = False, block_v: int | None = None, num_warps: int = 4,
                      num_stages: int = 1):
     """One token through a GDN layer (see `gdn_decode_fused_reference` for the arguments).
 
     block_v: state columns per step of the program's static loop (a power of two; default the whole
-    head, padded to a power of two); num_warps / num_stages: Triton's."""
+    head, padded to a power of two); num_warps / num_stages: Triton's. Defaults from the H200 sweep
+    (benchmarks/results/kernels_decode_fused_h200.json, 2026-11-30, 27B shapes, bf16): whole head with 4
+    warps 4.38 µs/layer (8 warps 7.11, 16 warps 7.17, block_v 64 / 32 with 4 warps 5.44 / 6.91) vs 11.51 µs
+    and 9 kernels for the XLA ops + the Pallas step; 48 layers 1.58 vs 3.47 ms wall."""
     hk, hv, dk, dv, K = num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel
     B, P = proj.shape
     cd = 2 * hk * dk + hv * dv
