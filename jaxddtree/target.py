@@ -124,7 +124,8 @@ def _flatten_pure(d, prefix=()):
 
 def load_target(path: str, dtype="bfloat16", progress: bool = False) -> Target:
     """Load a Qwen3.5/3.6 checkpoint: an HF directory (config.json + safetensors, wrapper or text-only,
-    single or sharded) or a directory written by `python -m convert`."""
+    single or sharded) or a directory written by `python -m convert`. `progress`: a bar on stderr while an HF
+    directory's tensors load."""
     dt = as_dtype(dtype)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: not a directory")
@@ -132,11 +133,4 @@ def load_target(path: str, dtype="bfloat16", progress: bool = False) -> Target:
     if orbax_io.is_converted(path):
         return orbax_io.restore_target(path, dt)
     cfg = load_config(path)
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-        bar = tqdm(unit="B", unit_scale=True, desc=f"loading {os.path.basename(path)}")
-    params = load_params(cfg, path, dt, progress=(lambda n, b: bar.update(b)) if bar else None)
-    if bar:
-        bar.close()
-    return target_from_params(cfg, params, dt, source=path)
+    return target_from_params(cfg, load_params(cfg, path, dt, progress=progress), dt, source=path)
