@@ -477,7 +477,11 @@ def plan_restore(path: str, meta: dict) -> dict[tuple, _Entry] | None:
 def restore_flat(path: str, abstract: dict[tuple, Any], meta: dict, layout=False) -> dict[tuple, Any]:
     """Restore the params tree of converted directory `path` into arrays on the default device, shaped like
     `abstract` ({param path: jax.ShapeDtypeStruct in the stored dtype}); CheckpointError on any mismatch.
-    `layout`: `plan_restore`'s result when the caller already has it."""
+    `layout`: `plan_restore`'s result when the caller already has it.
+
+    The arrays are placed as the HF loader places them, `jax.device_put` without a device (uncommitted):
+    committed parameters would make jit's outputs committed, so a decode state built from fresh arrays
+    would change placement after the first call and compile every jitted loop twice."""
     import jax
 
     params_dir = _params_dir(path, meta)
@@ -492,7 +496,7 @@ def restore_flat(path: str, abstract: dict[tuple, Any], meta: dict, layout=False
         out: list = [None] * len(keys)
 
         def consume(i, arr):
-            out[i] = arr if on_cpu else jax.device_put(arr, device)  # accelerators: transfer right away
+            out[i] = arr if on_cpu else jax.device_put(arr)  # accelerators: transfer right away
 
         workers = min(32, max(8, os.cpu_count() or 1))
         try:
@@ -503,7 +507,7 @@ def restore_flat(path: str, abstract: dict[tuple, Any], meta: dict, layout=False
             last_restore.update(reader="direct", arrays=len(keys), bytes=sum(e.nbytes for e in entries),
                                 workers=workers)
             if on_cpu:
-                out = jax.device_put(out, device)
+                out = jax.device_put(out)
             return dict(zip(keys, out))
     return _restore_orbax(params_dir, abstract, device)
 
@@ -532,7 +536,7 @@ def _restore_orbax(params_dir: str, abstract: dict[tuple, Any], device) -> dict[
         return flat
     _check_names(params_dir, abstract, flat)
     keys = list(flat)
-    return dict(zip(keys, jax.device_put([flat.pop(k) for k in keys], device)))
+    return dict(zip(keys, jax.device_put([flat.pop(k) for k in keys])))
 
 
 def _cast(flat: dict[tuple, Any], stored: str, dtype, path: str) -> dict[tuple, Any]:
