@@ -21,10 +21,15 @@ def _round_up(n: int, m: int) -> int:
 
 
 def _ids(token_ids, name="token_ids") -> np.ndarray:
-    ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+    """`token_ids` as a flat int64 array; TypeError for text or non-integer values (never truncated)."""
+    if isinstance(token_ids, (str, bytes)):
+        raise TypeError(f"{name} must be integer token ids, not a string (tokenize the text first)")
+    ids = np.asarray(token_ids)
+    if ids.size and ids.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be integers, got {ids.dtype} values")
     if ids.size == 0:
         raise ValueError(f"{name} is empty")
-    return ids
+    return ids.astype(np.int64).reshape(-1)
 
 
 def _check_vocab(target: Target, ids: np.ndarray, name: str):
@@ -89,7 +94,7 @@ def score_tree(target: Target, prefix_ids, tree_tokens, parents) -> np.ndarray:
     parents[i] < i; node 0 is the token right after the prefix), return every node's logits [N, vocab]."""
     prefix = _ids(prefix_ids, "prefix_ids")
     toks = _ids(tree_tokens, "tree_tokens")
-    par = np.asarray(parents, np.int64).reshape(-1)
+    par = _ids(parents, "parents")
     if len(par) != len(toks):
         raise ValueError(f"parents has {len(par)} entries for {len(toks)} tree tokens")
     if par[0] != -1 or any(not (0 <= par[i] < i) for i in range(1, len(par))):
