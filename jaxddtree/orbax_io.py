@@ -477,11 +477,9 @@ def plan_restore(path: str, meta: dict) -> dict[tuple, _Entry] | None:
 def restore_flat(path: str, abstract: dict[tuple, Any], meta: dict, layout=False) -> dict[tuple, Any]:
     """Restore the params tree of converted directory `path` into arrays on the default device, shaped like
     `abstract` ({param path: jax.ShapeDtypeStruct in the stored dtype}); CheckpointError on any mismatch.
-    `layout`: `plan_restore`'s result when the caller already has it.
-
-    The arrays are placed as the HF loader places them, `jax.device_put` without a device (uncommitted):
-    committed parameters would make jit's outputs committed, so a decode state built from fresh arrays
-    would change placement after the first call and compile every jitted loop twice."""
+    `layout`: `plan_restore`'s result when the caller already has it. The arrays are uncommitted, as the HF
+    loader's are: with committed parameters, jit outputs are committed, so state that starts from fresh arrays
+    changes placement after one call and every jitted loop compiles twice."""
     import jax
 
     params_dir = _params_dir(path, meta)
@@ -513,8 +511,9 @@ def restore_flat(path: str, abstract: dict[tuple, Any], meta: dict, layout=False
 
 
 def _restore_orbax(params_dir: str, abstract: dict[tuple, Any], device) -> dict[tuple, Any]:
-    """`ocp.load` (every orbax checkpoint). Accelerators: orbax restores straight into device arrays;
-    CPU: host numpy arrays adopted with one batched `jax.device_put` (faster than orbax's placement there)."""
+    """`ocp.load` (every orbax checkpoint). Accelerators: orbax restores straight into device arrays (committed:
+    orbax places by sharding); CPU: host numpy arrays adopted with one batched `jax.device_put` (faster than
+    orbax's placement there)."""
     import jax
     import orbax.checkpoint.experimental.v1 as ocp
 

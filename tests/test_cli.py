@@ -208,8 +208,9 @@ def start_tty(*args) -> tuple[subprocess.Popen, int]:
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
     env = {k: v for k, v in ENV.items() if k != "NO_COLOR"}
-    proc = subprocess.Popen([sys.executable, SCRIPT, *map(str, args)], cwd=ROOT, env=dict(env, XLA_FLAGS=FAST_COMPILE),
-                            stdin=slave, stdout=slave, stderr=slave)
+    env["XLA_FLAGS"] = FAST_COMPILE
+    proc = subprocess.Popen([sys.executable, SCRIPT, *map(str, args)], cwd=ROOT, env=env, stdin=slave, stdout=slave,
+                            stderr=slave)
     os.close(slave)
     return proc, master
 
