@@ -41,7 +41,7 @@ def score_tree(target: Target, prefix_ids, tree_tokens, parents) -> np.ndarray:
     parents[i] < i; node 0 is the token right after the prefix), return every node's logits [N, vocab]."""
     prefix = check_ids(prefix_ids, "prefix_ids")
     toks = check_ids(tree_tokens, "tree_tokens")
-    par = np.asarray(parents, np.int64).reshape(-1)
+    par = check_ids(parents, "parents")
     if len(par) != len(toks):
         raise ValueError(f"parents has {len(par)} entries for {len(toks)} tree tokens")
     if par[0] != -1 or any(not (0 <= par[i] < i) for i in range(1, len(par))):

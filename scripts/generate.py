@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -14,13 +15,17 @@ PROG = "generate.py"
 
 EPILOG = """\
 examples:
-  # built-in random demo pair (no files needed; the output is noise)
+  # the demo pair in demo/ (a tiny target trained on Python source + its trained DFlash drafter)
   python scripts/generate.py
   python scripts/generate.py --max-new-tokens 32 --json
 
   # a real target + DFlash drafter (HF directories or `python -m convert` outputs)
   python scripts/generate.py --target ~/models/Qwen3.6-27B --drafter ~/models/Qwen3.6-27B-DFlash \\
       --prompt "Write a haiku about trees." --budget 64 --max-new-tokens 256
+
+  # a chat turn: the tokenizer's chat template, a system turn, Qwen's thinking mode off
+  python scripts/generate.py --target DIR --drafter DDIR --chat --system "Be brief." --no-think \\
+      --prompt "What is speculative decoding?"
 
   # token ids in, JSON out (the JSON object is the last stdout line)
   python scripts/generate.py --target DIR --prompt-ids 1,2,3 --method ar --json
@@ -51,13 +56,13 @@ def positive_int(text: str) -> int:
     return v
 
 
-def non_negative_float(text: str) -> float:
+def finite_non_negative(text: str) -> float:
     try:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    if not 0 <= v < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return v
 
 
@@ -73,22 +78,31 @@ def build_parser() -> Parser:
     p = Parser(prog=PROG, description="Generate tokens with a Qwen3.5/3.6 target: autoregressive (ar), DFlash "
                "chain (dflash) or DDTree tree (ddtree) speculative decoding; at temperature 0 all three give the "
                "same tokens. Text is streamed as it is accepted, then a summary (tokens/s, mean acceptance "
-               "length tau, rounds, time to first token) goes to stderr. With no --target, a built-in random "
-               "demo pair runs (its output is noise).", epilog=EPILOG,
+               "length tau, rounds, time to first token) goes to stderr. With no --target, the demo pair in demo/ "
+               "runs: a tiny Qwen3.6-style target trained on Python source and its trained DFlash drafter (a "
+               "random pair if demo/ is absent).", epilog=EPILOG,
                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", metavar="DIR", help="target checkpoint: HF directory (config.json + safetensors, "
-                   "wrapper or text-only) or a converted directory. Default: the built-in random demo model.")
+                   "wrapper or text-only) or a converted directory. Default: the demo pair's target, demo/target.")
     p.add_argument("--drafter", metavar="DIR", help="DFlash drafter directory (config.json + model.safetensors). "
-                   "Default: none (the built-in model brings its own random drafter).")
-    g = p.add_argument_group("prompt (exactly one; the built-in model has a default prompt)")
+                   "Default: none; demo/drafter with the demo pair.")
+    g = p.add_argument_group("prompt (exactly one; the demo pair has a default prompt)")
     g.add_argument("--prompt", metavar="TEXT", help="prompt text, tokenised with the target directory's tokenizer "
                    "and, when it has one, its chat template (a single user turn)")
     g.add_argument("--prompt-ids", metavar="IDS", type=id_list, help="prompt token ids, comma-separated "
                    "(e.g. 1,2,3); no tokenizer or template is applied")
+    g.add_argument("--chat", action="store_true", help="apply the chat template to --prompt as one user turn; a "
+                   "tokenizer without one (the demo's) gets a minimal ChatML template (default: applied when the "
+                   "tokenizer has a template)")
+    g.add_argument("--system", metavar="TEXT", help="a system turn before the user turn (implies --chat)")
+    think = g.add_mutually_exclusive_group()
+    think.add_argument("--no-think", action="store_true", help="pass enable_thinking=False to the chat template: "
+                       "Qwen3.6 answers without a thinking block first (implies --chat; default: neither flag, the "
+                       "template's own default, which thinks for Qwen3.6)")
+    think.add_argument("--enable-thinking", action="store_true", help="pass enable_thinking=True to the chat "
+                       "template (implies --chat)")
     g.add_argument("--no-chat-template", action="store_true", help="tokenise --prompt as plain text "
                    "(default: apply the chat template when the tokenizer has one)")
-    g.add_argument("--enable-thinking", action="store_true", help="pass enable_thinking=True to the chat "
-                   "template (default: False)")
     d = p.add_argument_group("decoding")
     d.add_argument("--method", choices=("ar", "dflash", "ddtree"), default=None, help="ar: autoregressive; "
                    "dflash: verify the drafter's block as a chain; ddtree: verify the best tree of --budget "
@@ -96,8 +110,8 @@ def build_parser() -> Parser:
     d.add_argument("--budget", type=positive_int, default=64, metavar="N", help="DDTree node budget: drafted "
                    "tokens verified per round, 1 <= N < vocab size (default: 64)")
     d.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N", help="tokens to generate "
-                   "at most (default: 256; 64 for the built-in model)")
-    d.add_argument("--temperature", type=non_negative_float, default=0.0, metavar="T", help="sampling "
+                   "at most (default: 256; 64 for the demo pair)")
+    d.add_argument("--temperature", type=finite_non_negative, default=0.0, metavar="T", help="sampling "
                    "temperature; 0 = greedy, identical tokens for all methods (default: 0.0)")
     d.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed (default: 0)")
     d.add_argument("--stop-ids", type=str, default=None, metavar="IDS", help="comma-separated token ids that "
@@ -118,7 +132,9 @@ def build_parser() -> Parser:
                    help="persistent XLA compilation cache directory: later runs with the same shapes skip "
                    "compilation (default: $JAXDDTREE_COMPILE_CACHE, else off)")
     r.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line: tokens, "
-                   "prompt_ids, text (when a tokenizer exists), acceptance_lengths, stats (no streaming)")
+                   "prompt_ids, text (when a tokenizer exists), acceptance_lengths, stats (no streaming). "
+                   "Otherwise, on a terminal, the prompt is shown before the streamed text and stderr shows "
+                   "what is loading or compiling")
     return p
 
 
@@ -132,8 +148,21 @@ def import_jaxddtree():
     return sys.modules["jaxddtree"]
 
 
+_status = False  # a transient status line is on the terminal
+
+
+def status(msg: str):
+    """A transient 'doing X ...' line on the terminal's stderr, replaced by the next output line."""
+    global _status
+    sys.stderr.write(f"\r\x1b[K{msg}")
+    sys.stderr.flush()
+    _status = True
+
+
 def log(msg: str):
-    print(msg, file=sys.stderr, flush=True)
+    global _status
+    print(("\r\x1b[K" if _status else "") + msg, file=sys.stderr, flush=True)
+    _status = False
 
 
 def has_tokenizer(path: str) -> bool:
@@ -150,14 +179,40 @@ def load_hf_tokenizer(path: str):
         raise ValueError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
 
 
-def encode_prompt(tok, text: str, chat: bool, thinking: bool) -> list[int]:
+# --chat with a tokenizer that has no chat template (the demo's): ChatML, as plain text where the vocabulary
+# lacks <|im_start|> / <|im_end|>
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def ensure_chat_template(tok, flag: str):
+    """Give a tokenizer without a chat template the minimal ChatML one (`flag` asked for a template)."""
+    if getattr(tok, "chat_template", None):
+        return
+    if not hasattr(tok, "apply_chat_template"):
+        raise UsageError(f"{flag} needs a transformers tokenizer (the random pair's byte tokenizer has no "
+                         "chat template)")
+    tok.chat_template = CHATML
+
+
+def encode_prompt(tok, text: str, chat: bool, system: str | None = None, thinking: bool | None = None) -> list[int]:
+    """Token ids of `text`: one user turn (after a `system` turn) through the chat template when `chat` and
+    the tokenizer has one; `thinking` (None: the template's default) is passed as enable_thinking."""
     if chat and getattr(tok, "chat_template", None):
-        text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                       add_generation_prompt=True, enable_thinking=thinking)
+        turns = [{"role": "system", "content": system}] if system is not None else []
+        kw = {} if thinking is None else {"enable_thinking": thinking}
+        text = tok.apply_chat_template(turns + [{"role": "user", "content": text}], tokenize=False,
+                                       add_generation_prompt=True, **kw)
         return list(tok(text, add_special_tokens=False)["input_ids"])
     if hasattr(tok, "apply_chat_template"):  # HF tokenizer without a template
         return list(tok(text)["input_ids"])
     return tok.encode(text)
+
+
+def show_prompt(text: str, out=sys.stdout):
+    """The prompt before its streamed continuation, dimmed (plain with NO_COLOR set)."""
+    out.write(text if os.environ.get("NO_COLOR") else f"\x1b[2m{text}\x1b[0m")
+    out.flush()
 
 
 class StreamPrinter:
@@ -215,10 +270,17 @@ def run(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.prompt is not None and args.prompt_ids is not None:
         raise UsageError("give only one of --prompt and --prompt-ids")
+    if args.prompt == "":
+        raise UsageError("argument --prompt: empty prompt")
     if args.prompt_ids is not None and not args.prompt_ids:
         raise UsageError("argument --prompt-ids: no ids given")
+    chat = _chat_flag(args)
+    if chat and args.no_chat_template:
+        raise UsageError(f"{chat} applies the chat template, --no-chat-template turns it off: give one of them")
+    if chat and args.prompt_ids is not None:
+        raise UsageError(f"{chat} applies to --prompt text, not to --prompt-ids")
     if args.target is None and args.drafter is not None:
-        raise UsageError("--drafter needs --target (the built-in model brings its own drafter)")
+        raise UsageError("--drafter needs --target (the demo pair brings its own drafter)")
     if args.target is not None and args.prompt is None and args.prompt_ids is None:
         raise UsageError("give a prompt: --prompt TEXT or --prompt-ids 1,2,3")
     for flag, path in (("--target", args.target), ("--drafter", args.drafter)):
@@ -241,51 +303,55 @@ def run(argv=None) -> int:
         raise UsageError("--kernels pallas needs a GPU (the Pallas kernels do not run on the CPU backend); "
                          "use --kernels xla")
 
-    # ---- the model pair and tokenizer
-    tok, label, ids = None, None, None
-    t_load = time.perf_counter()
-    if args.target is None:
-        from jaxddtree.checkpoint import builtin
-        pair = builtin.load(dtype)
-        label = pair.label  # printed once the arguments are known to be good (one error line otherwise)
-        target, drafter, tok = pair.target, pair.drafter, pair.tokenizer
+    # ---- configs and tokenizer first: every check they allow comes before the weights load
+    from jaxddtree.checkpoint import builtin
+    from jaxddtree.model.drafter import check_compatible
+    from jaxddtree.model.drafter_config import DrafterConfig
+    label, tdir, ddir = None, args.target, args.drafter
+    if tdir is None:  # the demo pair in demo/, else the random pair built in code
+        demo = builtin.demo_dirs()
+        label = builtin.DEMO_LABEL if demo else builtin.LABEL
+        tdir, ddir = demo or (None, None)
         if args.prompt is None and args.prompt_ids is None:
-            args.prompt = pair.default_prompt
-        cfg = target.config
+            args.prompt = builtin.DEMO_PROMPT if demo else builtin.DEFAULT_PROMPT
+    if tdir is None:
+        cfg, dcfg, tok = builtin.target_config(), builtin.drafter_config(), builtin.ByteTokenizer()
     else:
-        from jaxddtree.checkpoint import orbax_format
-        from jaxddtree.model.drafter import check_compatible
-        from jaxddtree.model.drafter_config import DrafterConfig
-        cfg = None
-        if not orbax_format.is_converted(args.target):  # cheap checks from config.json before loading weights
-            cfg = jd.load_config(args.target)
-            if args.drafter is not None:
-                check_compatible(DrafterConfig.from_pretrained(args.drafter), _ConfigOnly(cfg), source=args.drafter)
-            _check_budget(args, cfg, args.drafter is not None)
-            _check_stops(stops, cfg)
-        if has_tokenizer(args.target):
-            tok = load_hf_tokenizer(args.target)
-        elif args.prompt is not None:
-            raise UsageError(f"--prompt needs a tokenizer, and {args.target} has none: use --prompt-ids")
-        ids = _prompt_ids(args, tok)
-        if cfg is not None:
-            _check_prompt(args, cfg, ids)
-        target = jd.load_target(args.target, dtype, progress=sys.stderr.isatty() and not args.json)
-        drafter = jd.load_drafter(args.drafter, target, dtype) if args.drafter else None
-        cfg = target.config
-    target.kernels = kernels
-    load_s = time.perf_counter() - t_load
-
-    method = args.method or ("ddtree" if drafter is not None else "ar")
-    _check_budget(args, cfg, drafter is not None, method)
-    if ids is None:
-        ids = _prompt_ids(args, tok)
+        cfg = jd.load_config(tdir)
+        dcfg = DrafterConfig.from_pretrained(ddir) if ddir else None
+        tok = load_hf_tokenizer(tdir) if has_tokenizer(tdir) else None
+        if tok is None and args.prompt is not None:
+            raise UsageError(f"--prompt needs a tokenizer, and {tdir} has none: use --prompt-ids")
+    if chat:
+        ensure_chat_template(tok, chat)
+    if dcfg is not None:
+        check_compatible(dcfg, _ConfigOnly(cfg), source=ddir or "built-in drafter")
+    method = args.method or ("ddtree" if dcfg is not None else "ar")
+    _check_budget(args, cfg, method)
+    ids = _prompt_ids(args, tok)
     _check_prompt(args, cfg, ids)
     stops = default_stop_ids(cfg, tok) if stops is None else stops
     _check_stops(stops, cfg)
 
+    # ---- the weights
+    tty = sys.stderr.isatty() and not args.json
+    say = status if tty else (lambda msg: None)
     if label:
         log(label)
+    t_load = time.perf_counter()
+    if tdir is None:
+        pair = builtin.load_random(dtype)
+        target, drafter = pair.target, pair.drafter
+    else:
+        say(f"loading {tdir} ...")
+        target = jd.load_target(tdir, dtype, progress=tty)
+        drafter = None
+        if ddir:
+            say(f"loading {ddir} ...")
+            drafter = jd.load_drafter(ddir, target, dtype)
+    target.kernels = kernels
+    load_s = time.perf_counter() - t_load
+
     kw = dict(drafter=drafter if method != "ar" else None, method=method, max_new_tokens=max_new,
               tree_budget=args.budget, temperature=args.temperature, seed=args.seed, loop=args.loop,
               sync_every=args.sync_every)
@@ -295,6 +361,7 @@ def run(argv=None) -> int:
             f"{backend} (loaded in {load_s:.1f} s)")
     compile_s = None
     if not args.no_warmup:  # same shapes; every token is a stop id, so only the first is produced
+        say("compiling ...")
         t = time.perf_counter()
         jd.generate(target, ids, **kw, stop_ids=range(cfg.vocab_size))
         compile_s = time.perf_counter() - t
@@ -302,6 +369,8 @@ def run(argv=None) -> int:
             log(f"compiled in {compile_s:.1f} s")
 
     printer = StreamPrinter(tok) if (tok is not None and not args.json) else None
+    if printer is not None and sys.stdout.isatty():  # the text continues the prompt: show it first, dimmed
+        show_prompt(tok.decode(ids))
     t = time.perf_counter()
     gen = jd.generate(target, ids, **kw, stop_ids=stops, on_tokens=printer)
     wall = time.perf_counter() - t
@@ -336,8 +405,7 @@ class _ConfigOnly:
         self.config = cfg
 
 
-def _check_budget(args, cfg, have_drafter: bool, method: str | None = None):
-    method = method or args.method or ("ddtree" if have_drafter else "ar")
+def _check_budget(args, cfg, method: str):
     if method == "ddtree" and args.budget >= cfg.vocab_size:
         raise UsageError(f"argument --budget: must be < the vocabulary size {cfg.vocab_size}, got {args.budget}")
 
@@ -348,10 +416,18 @@ def _check_stops(stops, cfg):
         raise UsageError(f"argument --stop-ids: {bad} outside the vocabulary [0, {cfg.vocab_size})")
 
 
+def _chat_flag(args) -> str | None:
+    """The first flag that asks for the chat template, if any."""
+    flags = (("--chat", args.chat), ("--system", args.system is not None), ("--no-think", args.no_think),
+             ("--enable-thinking", args.enable_thinking))
+    return next((f for f, on in flags if on), None)
+
+
 def _prompt_ids(args, tok) -> list[int]:
     if args.prompt_ids is not None:
         return list(args.prompt_ids)
-    ids = encode_prompt(tok, args.prompt, chat=not args.no_chat_template, thinking=args.enable_thinking)
+    thinking = False if args.no_think else (True if args.enable_thinking else None)
+    ids = encode_prompt(tok, args.prompt, chat=not args.no_chat_template, system=args.system, thinking=thinking)
     if not ids:
         raise UsageError("the prompt is empty after tokenisation")
     return ids
@@ -374,12 +450,12 @@ def main(argv=None) -> int:
     try:
         return run(argv)
     except UsageError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
+        log(f"{PROG}: error: {e}")
     except (ValueError, FileNotFoundError, NotImplementedError) as e:  # ConfigError, CheckpointError too
         msg = " ".join(str(e).split()) or type(e).__name__
-        print(f"{PROG}: error: {msg}", file=sys.stderr)
+        log(f"{PROG}: error: {msg}")
     except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
+        log(f"{PROG}: interrupted")
         return 130
     return 2
 

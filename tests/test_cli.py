@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
+import shutil
 import string
 import subprocess
 import sys
@@ -30,6 +32,7 @@ import helpers_dflash  # noqa: E402
 import hf_models  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "scripts", "generate.py")
+DEMO = os.path.join(ROOT, "demo")
 V = 97
 PROMPT_IDS = np.random.RandomState(5).randint(0, V - 1, 12).tolist()
 MAX_NEW = 16
@@ -118,6 +121,14 @@ def test_help_lists_every_flag():
     assert "examples:" in out and out.count("(default") >= 10
 
 
+def test_help_describes_the_demo_pair():
+    """The default pair is the trained pair in demo/ (--help once called it random, its output noise)."""
+    rc, out, err = cli("--help")
+    assert rc == 0, err
+    assert "noise" not in out and "random demo" not in out
+    assert "the demo pair in demo/ runs" in out and "demo/target" in out and "demo/drafter" in out
+
+
 def test_builtin_default(dirs):
     """No --target: the built-in (trained demo) pair; --json puts one JSON object on the last stdout line, and
     the streamed text (no --json) is the same text."""
@@ -159,8 +170,9 @@ def test_tiny_hf_dir_matches_api(dirs):
 
 
 def test_prompt_text_chat_template(dirs):
-    """--prompt goes through the directory's tokenizer and chat template (enable_thinking off unless
-    --enable-thinking; --no-chat-template: plain text); default stop ids = the tokenizer's EOS."""
+    """--prompt goes through the directory's tokenizer and chat template (enable_thinking: the template's
+    default, off for this one, unless --enable-thinking; --no-chat-template: plain text); default stop ids =
+    the tokenizer's EOS."""
     tok = dirs["tokenizer"]
     msg = [{"role": "user", "content": "Hi there"}]
 
@@ -184,6 +196,119 @@ def test_prompt_text_chat_template(dirs):
     assert 1 <= len(res["tokens"]) <= MAX_NEW and res["text"] == tok.decode(res["tokens"])
     if len(res["tokens"]) < MAX_NEW:
         assert res["tokens"][-1] == tok.eos_token_id
+
+
+def start_tty(*args) -> tuple[subprocess.Popen, int]:
+    """Like `start(..., fast=True)`, with stdin, stdout and stderr on a pseudo-terminal of 120 columns (tqdm
+    sizes its bar from it). Returns the process and the terminal's master end."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    env = {k: v for k, v in ENV.items() if k != "NO_COLOR"}
+    env["XLA_FLAGS"] = FAST_COMPILE
+    proc = subprocess.Popen([sys.executable, SCRIPT, *map(str, args)], cwd=ROOT, env=env, stdin=slave, stdout=slave,
+                            stderr=slave)
+    os.close(slave)
+    return proc, master
+
+
+def finish_tty(proc: subprocess.Popen, master: int, timeout: float = 300) -> tuple[int, str]:
+    """Everything the process wrote to the terminal (line ends as "\n") and its exit code."""
+    chunks = []
+    while True:
+        try:
+            b = os.read(master, 65536)
+        except OSError:  # EIO: the process closed the terminal
+            break
+        if not b:
+            break
+        chunks.append(b)
+    os.close(master)
+    return proc.wait(timeout=timeout), b"".join(chunks).decode("utf-8", errors="replace").replace("\r\n", "\n")
+
+
+CHAT = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\ndef f(x):<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_terminal():
+    """Under a pseudo-terminal (where the loading bar once crashed): the demo pair as --target / --drafter
+    directories (with --chat) and as the default pair run without a traceback; stderr shows each phase (the
+    loading bar, then 'compiling ...' replaced by its time) and stdout the prompt, dimmed, before the
+    generated text. (AR, the cheapest round to compile: the phases are the same for every method.)"""
+    from jaxddtree.checkpoint import builtin
+    runs = {CHAT: start_tty("--target", "demo/target", "--drafter", "demo/drafter", "--chat", "--system",
+                            "Be brief.", "--no-think", "--prompt", "def f(x):", "--method", "ar",
+                            "--max-new-tokens", 8, "--stop-ids", "none"),
+            builtin.DEMO_PROMPT: start_tty("--method", "ar", "--max-new-tokens", 8, "--stop-ids", "none")}
+    with ThreadPoolExecutor(2) as pool:
+        results = dict(zip(runs, pool.map(lambda r: finish_tty(*r), runs.values())))
+    for prompt, (rc, out) in results.items():
+        assert rc == 0 and "Traceback" not in out, out
+        assert re.search(r"loading target: 100%\|.*\| (\d+)/\1 ", out), out
+        assert "compiling ...\r\x1b[Kcompiled in" in out, out
+        shown = f"\x1b[2m{prompt}\x1b[0m"
+        assert out.index("compiled in") < out.index(shown) < out.index("-- 8 tokens"), out
+
+
+def test_chat_template(dirs):
+    """--chat on the demo pair, whose tokenizer has no chat template: a minimal ChatML one (plain text: its
+    vocabulary has no <|im_start|>), with --system; a tokenizer's own template is kept, and --no-think
+    passes enable_thinking=False to it."""
+    from transformers import AutoTokenizer
+    mod = load_script()
+    demo = AutoTokenizer.from_pretrained(os.path.join(DEMO, "target"))
+    assert not demo.chat_template and "<|im_start|>" not in demo.get_vocab()
+    mod.ensure_chat_template(demo, "--chat")
+    args = mod.build_parser().parse_args(["--chat", "--system", "Be brief.", "--prompt", "def f(x):"])
+    assert mod._prompt_ids(args, demo) == demo(CHAT)["input_ids"]
+    assert demo.decode(demo(CHAT)["input_ids"]) == CHAT  # what the terminal shows (test_terminal)
+    own = AutoTokenizer.from_pretrained(dirs["target"])
+    template = own.chat_template
+    mod.ensure_chat_template(own, "--chat")
+    assert own.chat_template == template
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}]
+    for flag, thinking in (("--no-think", False), ("--enable-thinking", True)):
+        want = own(own.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True,
+                                           enable_thinking=thinking), add_special_tokens=False)["input_ids"]
+        args = mod.build_parser().parse_args(["--target", dirs["target"], "--system", "S", "--prompt", "Hi", flag])
+        assert mod._prompt_ids(args, own) == want, flag
+
+
+def test_errors_before_loading(dirs, tmp_path, capsys):
+    """What the configs and the tokenizer can show is reported before any weights load: these target
+    directories have none (the demo target without its safetensors, and as a converted directory without
+    params), yet each run fails with its argument error (one line, exit code 2). In process: no weights,
+    no compilation."""
+    hf, conv = tmp_path / "hf", tmp_path / "conv"
+    shutil.copytree(os.path.join(DEMO, "target"), hf, ignore=shutil.ignore_patterns("*.safetensors"))
+    shutil.copytree(hf, conv)
+    with open(conv / "jaxddtree_checkpoint.json", "w") as f:
+        json.dump({"format": "jaxddtree-orbax", "format_version": 1, "kind": "target", "dtype": "float32"}, f)
+    demo_drafter = os.path.join(DEMO, "drafter")
+    cases = [
+        (["--temperature", "inf"], "--temperature: must be a finite number >= 0, got inf"),
+        (["--temperature", "nan"], "--temperature: must be a finite number >= 0, got nan"),
+        (["--prompt", ""], "--prompt: empty prompt"),
+        (["--chat", "--no-chat-template"], "--no-chat-template"),
+        (["--no-think", "--enable-thinking"], "not allowed with"),
+        (["--target", hf, "--prompt-ids", "1,2", "--system", "S"], "--system applies to --prompt text"),
+        (["--budget", "100000"], "vocabulary size 2048"),  # the demo pair (its weights exist)
+        (["--target", hf, "--drafter", demo_drafter, "--prompt", "x", "--budget", "5000"], "vocabulary size 2048"),
+        (["--target", conv, "--drafter", demo_drafter, "--prompt", "x", "--budget", "5000"], "vocabulary size 2048"),
+        (["--target", conv, "--prompt", "x", "--max-new-tokens", "5000"], "maximum length"),
+        (["--target", hf, "--prompt-ids", "1,2", "--stop-ids", "4096"], "outside the vocabulary"),
+        (["--target", conv, "--drafter", dirs["wide_drafter"], "--prompt-ids", "1"], "hidden_size"),
+        (["--target", hf, "--prompt", "x"], "safetensors"),  # the weights are indeed missing
+        (["--target", conv, "--prompt", "x"], "params"),
+    ]
+    mod = load_script()
+    for args, needle in cases:
+        assert mod.main([str(a) for a in args]) == 2, args
+        lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        assert len(lines) == 1 and lines[0].startswith("generate.py: error: ") and needle in lines[0], (args, lines)
 
 
 def bad_cases(d):

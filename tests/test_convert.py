@@ -222,6 +222,36 @@ def test_drafter_round_trip(drafter_src, converted, dtype):
         assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
 
 
+def test_converted_round_compiles_once(hf, converted, tmp_path, monkeypatch):
+    """Converted parameters are placed as the HF loader places them (uncommitted; committed ones once made
+    the decode state change placement after the first `run_rounds` call: a second compilation inside the
+    timed generation). The first generate on a converted pair compiles its round once, and converted and HF
+    targets / drafters mix freely on that one compilation."""
+    import jax
+
+    import helpers_dflash
+    from convert import convert
+    from jaxddtree.speculative import loop
+    cfg = helpers_dflash.tiny_config(vocab=97, mask_token_id=96, num_target_layers=4, target_layer_ids=(1, 2))
+    helpers_dflash.write_checkpoint(str(tmp_path / "hf"), cfg, helpers_dflash.random_weights(cfg, seed=3))
+    convert(str(tmp_path / "hf"), str(tmp_path / "conv"), dtype="float32")
+    targets = {"conv": jaxddtree.load_target(converted["paths"][("text", "float32")], "float32"),
+               "hf": jaxddtree.load_target(hf["text"], "float32")}
+    drafters = {k: jaxddtree.load_drafter(str(tmp_path / k), targets["hf"], "float32") for k in ("conv", "hf")}
+    monkeypatch.setenv("JAXDDTREE_RESTORE", "orbax")  # the fallback reader places its arrays the same way
+    fallback = jaxddtree.load_target(converted["paths"][("text", "float32")], "float32")
+    for x in jax.tree.leaves((targets["conv"].leaves, drafters["conv"].params, fallback.leaves)):
+        assert not x.committed
+    kw = dict(method="dflash", max_new_tokens=29, sync_every=1)  # a configuration no other test compiles
+    before = loop.run_rounds._cache_size()
+    first = jaxddtree.generate(targets["conv"], IDS, drafter=drafters["conv"], **kw)
+    assert first.stats["rounds"] >= 3  # several run_rounds calls
+    assert loop.run_rounds._cache_size() - before == 1
+    for t, d in (("conv", "hf"), ("hf", "conv"), ("hf", "hf")):
+        assert jaxddtree.generate(targets[t], IDS, drafter=drafters[d], **kw).tokens == first.tokens, (t, d)
+    assert loop.run_rounds._cache_size() - before == 1
+
+
 def test_direct_reader_matches_ocp_load(converted, monkeypatch):
     """Restore reads the orbax checkpoint's bytes directly (orbax_format's direct reader); what it returns is
     bitwise what plain `ocp.load` returns (the directory stays an ordinary orbax checkpoint), and

@@ -264,3 +264,25 @@ def test_sampling_distribution(small_pair, exact_joint, method, n):
         wrong = exact_joint.sum(-1, keepdims=True) * (exact_joint / exact_joint.sum(-1, keepdims=True))[
             :, (np.arange(VS) + 1) % VS]
         assert chi_square_p(counts, wrong)[0] < 1e-3
+
+
+# ------------------------------------------------------------------------- bad values
+@pytest.mark.parametrize("call,error,match", [
+    (lambda t, d: jaxddtree.generate(t, [1, 2], temperature=float("nan")), ValueError, "finite number >= 0"),
+    (lambda t, d: jaxddtree.generate(t, [1, 2], temperature=float("inf")), ValueError, "finite number >= 0"),
+    (lambda t, d: jaxddtree.generate(t, [1, 2], temperature=-0.5), ValueError, "finite number >= 0"),
+    (lambda t, d: jaxddtree.generate(t, "hello"), TypeError, "prompt_ids must be integer token ids, not a string"),
+    (lambda t, d: jaxddtree.generate(t, [1.5, 2.7], drafter=d, method="ddtree"), TypeError,
+     "prompt_ids must be integers, got float64"),
+    (lambda t, d: jaxddtree.score(t, [1.5, 2.7]), TypeError, "token_ids must be integers, got float64"),
+    (lambda t, d: jaxddtree.score(t, "hello"), TypeError, "token_ids must be integer token ids, not a string"),
+    (lambda t, d: jaxddtree.score(t, [True, False]), TypeError, "token_ids must be integers, got bool"),
+    (lambda t, d: jaxddtree.score_tree(t, "hello", [1, 2], [-1, 0]), TypeError, "prefix_ids .* not a string"),
+    (lambda t, d: jaxddtree.score_tree(t, [1, 2], [1.0, 2.5], [-1, 0]), TypeError, "tree_tokens must be integers"),
+    (lambda t, d: jaxddtree.score_tree(t, [1, 2], [1, 2], [-1, 0.5]), TypeError, "parents must be integers"),
+])
+def test_bad_values_rejected(pair, call, error, match):
+    """Values that once got through (NaN/inf temperature: zeros or uniform noise; float ids: truncated; a
+    string: a numpy error) raise one clear error before anything is compiled."""
+    with pytest.raises(error, match=match):
+        call(*pair)

@@ -13,7 +13,7 @@ from safetensors.numpy import load_file, save_file
 
 import hf_models
 import jaxddtree
-from jaxddtree import CheckpointError, ConfigError, load_config, load_target
+from jaxddtree import CheckpointError, ConfigError, load_config, load_target, loading
 from hf_models import rel_err
 
 INDEX = "model.safetensors.index.json"
@@ -108,6 +108,18 @@ def test_bf16_load_casts_every_parameter(ckpts, zoo):
     assert all(x.dtype == jnp.bfloat16 for x in t16.leaves)
     for a, b in zip(t16.leaves, t32.leaves):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b.astype(jnp.bfloat16)))
+
+
+def test_progress_bar(ckpts, zoo, capsys):
+    """progress=True: a tqdm bar on stderr that counts the tensors up to its total (a bar without a total
+    once crashed `load_target`: such a bar has no truth value); the parameters are unchanged."""
+    path = ckpts["wrapper_sharded"]
+    t = load_target(path, "float32", progress=True)
+    n = len(loading.plan_tensors(t.config, path))
+    err = capsys.readouterr().err
+    assert f"{n}/{n}" in err and "100%" in err and "loading wrapper" in err, err
+    for a, b in zip(t.leaves, zoo.target("base").leaves):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 # ----------------------------------------------------------------------------- config errors

@@ -138,11 +138,17 @@ class BuiltinModel:
     default_prompt: str = DEFAULT_PROMPT
 
 
+def demo_dirs() -> tuple[str, str] | None:
+    """The trained demo pair's (target, drafter) directories in demo/, or None when they are absent."""
+    dirs = os.path.join(DEMO_DIR, "target"), os.path.join(DEMO_DIR, "drafter")
+    return dirs if all(os.path.isdir(d) for d in dirs) else None
+
+
 def load(dtype: str = "float32", seed: int = 0) -> BuiltinModel:
     """The trained demo pair from demo/ when present, else the random pair."""
-    target_dir, drafter_dir = os.path.join(DEMO_DIR, "target"), os.path.join(DEMO_DIR, "drafter")
-    if not (os.path.isdir(target_dir) and os.path.isdir(drafter_dir)):
+    if demo_dirs() is None:
         return load_random(dtype, seed)
+    target_dir, drafter_dir = demo_dirs()
     from jaxddtree.checkpoint.load import load_drafter, load_target
     from transformers import AutoTokenizer
 

@@ -161,11 +161,11 @@ def plan_tensors(c: TextConfig, path: str) -> list[tuple]:
     return sorted(((p, *v) for p, v in plan.items()), key=lambda e: (e[2], e[1]))
 
 
-def iter_tensors(c: TextConfig, path: str) -> Iterator[tuple[tuple, np.ndarray, Callable | None, str, str]]:
-    """Yield (param path, host array, transform, tensor name, file) one tensor at a time, after the
-    shape assert; raises CheckpointError for missing/unknown/misshapen tensors."""
+def iter_tensors(plan: list[tuple]) -> Iterator[tuple[tuple, np.ndarray, Callable | None, str, str]]:
+    """Yield (param path, host array, transform, tensor name, file) for `plan_tensors`' entries one tensor
+    at a time, after the shape assert; raises CheckpointError for unreadable/misshapen tensors."""
     by_file: dict[str, list] = {}
-    for p, name, file, shape, fn in plan_tensors(c, path):
+    for p, name, file, shape, fn in plan:
         by_file.setdefault(file, []).append((p, name, shape, fn))
     for file in sorted(by_file):
         with _open(file) as f:
@@ -180,14 +180,18 @@ def iter_tensors(c: TextConfig, path: str) -> Iterator[tuple[tuple, np.ndarray, 
                 yield p, arr, fn, name, file
 
 
-def load_params(c: TextConfig, path: str, dtype, progress: Callable | None = None) -> dict[tuple, jax.Array]:
-    """param path -> device array in `dtype`, tensor by tensor."""
+def load_params(c: TextConfig, path: str, dtype, progress: bool = False) -> dict[tuple, jax.Array]:
+    """param path -> device array in `dtype`, tensor by tensor; `progress`: a tqdm bar (tensors) on stderr."""
+    from tqdm.auto import tqdm
+
+    plan = plan_tensors(c, path)
     out = {}
-    for p, arr, fn, name, file in iter_tensors(c, path):
-        x = jax.device_put(arr)
-        x = (fn(x) if fn is not None else x).astype(dtype)
-        out[p] = x
-        if progress is not None:
-            progress(name, arr.nbytes)
-        del arr
+    with tqdm(total=len(plan), unit=" tensors", desc=f"loading {os.path.basename(os.path.normpath(path))}",
+              disable=not progress, dynamic_ncols=True) as bar:
+        for p, arr, fn, _, _ in iter_tensors(plan):
+            x = jax.device_put(arr)
+            x = (fn(x) if fn is not None else x).astype(dtype)
+            out[p] = x
+            bar.update()
+            del arr
     return out

@@ -18,21 +18,15 @@ from jaxddtree.model.target import Target, as_dtype
 
 def load_target(path: str, dtype="bfloat16", progress: bool = False) -> Target:
     """Load a Qwen3.5/3.6 checkpoint: an HF directory (config.json + safetensors, wrapper or text-only,
-    single or sharded) or a directory written by `python -m convert`."""
+    single or sharded) or a directory written by `python -m convert`. `progress`: a bar on stderr while an HF
+    directory's tensors load."""
     dt = as_dtype(dtype)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: not a directory")
     if orbax_format.is_converted(path):
         return orbax_format.restore_target(path, dt)
     cfg = load_config(path)
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-        bar = tqdm(unit="B", unit_scale=True, desc=f"loading {os.path.basename(path)}")
-    params = load_params(cfg, path, dt, progress=(lambda n, b: bar.update(b)) if bar else None)
-    if bar:
-        bar.close()
-    return target_from_params(cfg, params, dt, source=path)
+    return target_from_params(cfg, load_params(cfg, path, dt, progress=progress), dt, source=path)
 
 
 def load_drafter(path: str, target: Any, dtype: Any = "bfloat16") -> Drafter:

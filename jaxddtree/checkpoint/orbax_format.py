@@ -477,7 +477,9 @@ def plan_restore(path: str, meta: dict) -> dict[tuple, _Entry] | None:
 def restore_flat(path: str, abstract: dict[tuple, Any], meta: dict, layout=False) -> dict[tuple, Any]:
     """Restore the params tree of converted directory `path` into arrays on the default device, shaped like
     `abstract` ({param path: jax.ShapeDtypeStruct in the stored dtype}); CheckpointError on any mismatch.
-    `layout`: `plan_restore`'s result when the caller already has it."""
+    `layout`: `plan_restore`'s result when the caller already has it. The arrays are uncommitted, as the HF
+    loader's are: with committed parameters, jit outputs are committed, so state that starts from fresh arrays
+    changes placement after one call and every jitted loop compiles twice."""
     import jax
 
     params_dir = _params_dir(path, meta)
@@ -492,7 +494,7 @@ def restore_flat(path: str, abstract: dict[tuple, Any], meta: dict, layout=False
         out: list = [None] * len(keys)
 
         def consume(i, arr):
-            out[i] = arr if on_cpu else jax.device_put(arr, device)  # accelerators: transfer right away
+            out[i] = arr if on_cpu else jax.device_put(arr)  # accelerators: transfer right away
 
         workers = min(32, max(8, os.cpu_count() or 1))
         try:
@@ -503,14 +505,15 @@ def restore_flat(path: str, abstract: dict[tuple, Any], meta: dict, layout=False
             last_restore.update(reader="direct", arrays=len(keys), bytes=sum(e.nbytes for e in entries),
                                 workers=workers)
             if on_cpu:
-                out = jax.device_put(out, device)
+                out = jax.device_put(out)
             return dict(zip(keys, out))
     return _restore_orbax(params_dir, abstract, device)
 
 
 def _restore_orbax(params_dir: str, abstract: dict[tuple, Any], device) -> dict[tuple, Any]:
-    """`ocp.load` (every orbax checkpoint). Accelerators: orbax restores straight into device arrays;
-    CPU: host numpy arrays adopted with one batched `jax.device_put` (faster than orbax's placement there)."""
+    """`ocp.load` (every orbax checkpoint). Accelerators: orbax restores straight into device arrays (committed:
+    orbax places by sharding); CPU: host numpy arrays adopted with one batched `jax.device_put` (faster than
+    orbax's placement there)."""
     import jax
     import orbax.checkpoint.experimental.v1 as ocp
 
@@ -532,7 +535,7 @@ def _restore_orbax(params_dir: str, abstract: dict[tuple, Any], device) -> dict[
         return flat
     _check_names(params_dir, abstract, flat)
     keys = list(flat)
-    return dict(zip(keys, jax.device_put([flat.pop(k) for k in keys], device)))
+    return dict(zip(keys, jax.device_put([flat.pop(k) for k in keys])))
 
 
 def _cast(flat: dict[tuple, Any], stored: str, dtype, path: str) -> dict[tuple, Any]:

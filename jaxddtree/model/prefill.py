@@ -16,10 +16,15 @@ def round_up(n: int, m: int) -> int:
 
 
 def check_ids(token_ids, name="token_ids") -> np.ndarray:
-    ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+    """`token_ids` as a flat int64 array; TypeError for text or non-integer values (never truncated)."""
+    if isinstance(token_ids, (str, bytes)):
+        raise TypeError(f"{name} must be integer token ids, not a string (tokenize the text first)")
+    ids = np.asarray(token_ids)
+    if ids.size and ids.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be integers, got {ids.dtype} values")
     if ids.size == 0:
         raise ValueError(f"{name} is empty")
-    return ids
+    return ids.astype(np.int64).reshape(-1)
 
 
 def check_vocab(target: Target, ids: np.ndarray, name: str):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 from typing import Any, Callable
 
@@ -203,8 +204,9 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     max_new = int(max_new_tokens)
     if max_new < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    temperature = float(temperature)
+    if not 0 <= temperature < math.inf:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
     budget = int(tree_budget)
     if method == "ddtree" and not 1 <= budget < cfg.vocab_size:
         raise ValueError(f"tree_budget must be in [1, vocab_size={cfg.vocab_size}), got {tree_budget}")
@@ -227,7 +229,7 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     feature_layers = tuple(dcfg.target_layer_ids) if dcfg else ()
     # budget only shapes DDTree rounds: normalised for the others so that it does not split their compilations
     plan = Plan(method=method, budget=budget if method == "ddtree" else 0, max_new=max_new,
-                temperature=float(temperature),
+                temperature=temperature,
                 kernels=target.kernels, conv_kernel=cfg.linear_conv_kernel_dim, feature_layers=feature_layers,
                 inject=_oracle_tokens is not None)
 
@@ -244,7 +246,7 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     logits = logits[:, 0]  # [1, V]: the last prompt position
     key = jax.random.key(seed)
     key, sub = jax.random.split(key)
-    first = tree_lib.posterior_tokens(logits, float(temperature), sub)  # [1]
+    first = tree_lib.posterior_tokens(logits, temperature, sub)  # [1]
     F = len(feature_layers) * cfg.hidden_size
     state = DecodeState(
         cache=cache, dcache=dcache,
