@@ -13,7 +13,8 @@ from safetensors.numpy import load_file, save_file
 
 import hf_models
 import jaxddtree
-from jaxddtree import CheckpointError, ConfigError, load_config, load_target, loading
+from jaxddtree import CheckpointError, ConfigError, load_config, load_target
+from jaxddtree.checkpoint import hf_target
 from hf_models import rel_err
 
 INDEX = "model.safetensors.index.json"
@@ -115,7 +116,7 @@ def test_progress_bar(ckpts, zoo, capsys):
     once crashed `load_target`: such a bar has no truth value); the parameters are unchanged."""
     path = ckpts["wrapper_sharded"]
     t = load_target(path, "float32", progress=True)
-    n = len(loading.plan_tensors(t.config, path))
+    n = len(hf_target.plan_tensors(t.config, path))
     err = capsys.readouterr().err
     assert f"{n}/{n}" in err and "100%" in err and "loading wrapper" in err, err
     for a, b in zip(t.leaves, zoo.target("base").leaves):
