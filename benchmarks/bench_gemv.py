@@ -9,9 +9,11 @@ Per weight shape [K, N] and M (1 = decode; 65 = verify) — the XLA reference fi
     distinct x), R = clamp(256 MB / (K·N·2), 2, 16) ≥ 3x the 50 MB L2, so nothing is served from L2; gpu_us = total / R.
   * GBps: K·N·2 bytes of w / gpu_us (the floor is the weight stream: ~4.2 TB/s copy bandwidth on an H200);
   * rel_err vs the bf16 XLA reference and vs an fp32 product of the same bf16 inputs.
-Then a chain: the decode GEMVs of one GDN + MLP layer (w_qkv, w_z, w_ba, w_out, w_gate, w_up, w_down, with
-cheap elementwise glue and data dependencies) for --chain-sets distinct weight sets in one jit, for XLA,
-the Pallas default and the per-shape best Pallas variant: GPU ms (profile) and wall ms per call.
+Then a chain: the decode GEMVs of one GDN + MLP layer in the fused parameter layout (w_in = qkv|z|b|a, w_out,
+w_gate_up, w_down, with cheap elementwise glue and data dependencies) for --chain-sets distinct weight sets in
+one jit, for XLA, the Pallas default and the per-shape best Pallas variant: GPU ms (profile) and wall ms per call.
+(benchmarks/results/gemv_h200.json, 2026-11-29, predates the fused layout: its shapes are the unfused
+projections w_qkv 10240, w_z 6144, w_ba 96, wq 12288, wk|wv 1024, w_gate|w_up 17408, and its chain has 7 GEMVs.)
 The JSON is rewritten after each shape; --time-budget-s bounds the whole sweep (variants past a shape's share
 are skipped; the reference and the default always run while the global budget lasts).
 """
@@ -63,25 +65,24 @@ def IKW():
 
 
 # ---------------------------------------------------------------- shapes and variants
-# name -> (K, N); the model's weights [in, out]
+# name -> (K, N); the model's weights [in, out] flattened to 2-D (the fused layout: every projection of a
+# 27B layer, see NOTES.md "Design")
 SHAPES_27B = {
-    "w_qkv": (5120, 10240),
-    "w_z": (5120, 6144),
+    "w_in": (5120, 16480),  # GDN qkv 10240 | z 6144 | b 48 | a 48
     "w_out|wo": (6144, 5120),
-    "w_gate|w_up": (5120, 17408),
+    "w_gate_up": (5120, 34816),  # MLP [D, 2, F]: gate | up
     "w_down": (17408, 5120),
-    "wq": (5120, 12288),
-    "wk|wv": (5120, 1024),
+    "attn_w_qkv": (5120, 14336),  # attention q(+gate) 12288 | k 1024 | v 1024
     "lm_head": (5120, 248320),
 }
 # (shape name, M, budget share): decode first, then the chain, then verify
-PLAN_27B = [("w_qkv", 1, 12), ("w_gate|w_up", 1, 12), ("w_down", 1, 12), ("w_out|wo", 1, 10), ("w_z", 1, 10),
-            ("wq", 1, 8), ("wk|wv", 1, 8), ("lm_head", 1, 14), ("chain", 1, 30),
-            ("w_qkv", 65, 14), ("w_gate|w_up", 65, 14), ("w_down", 65, 14)]
-SHAPES_DRY = {"w_qkv": (256, 384), "w_z": (256, 128), "w_out|wo": (128, 256), "w_gate|w_up": (256, 512),
-              "w_down": (512, 256), "wq": (256, 384), "wk|wv": (256, 64), "lm_head": (256, 1000), "w_ba": (256, 96)}
-PLAN_DRY = [("w_qkv", 1, 10), ("lm_head", 1, 10), ("wk|wv", 1, 10), ("chain", 1, 10), ("w_down", 65, 10)]
-SHAPES = dict(SHAPES_27B, w_ba=(5120, 96))
+PLAN_27B = [("w_in", 1, 12), ("w_gate_up", 1, 12), ("w_down", 1, 12), ("w_out|wo", 1, 10),
+            ("attn_w_qkv", 1, 10), ("lm_head", 1, 14), ("chain", 1, 30),
+            ("w_in", 65, 14), ("w_gate_up", 65, 14), ("w_down", 65, 14)]
+SHAPES_DRY = {"w_in": (256, 424), "w_out|wo": (128, 256), "w_gate_up": (256, 1024), "w_down": (512, 256),
+              "attn_w_qkv": (256, 448), "lm_head": (256, 1000)}
+PLAN_DRY = [("w_in", 1, 10), ("lm_head", 1, 10), ("attn_w_qkv", 1, 10), ("chain", 1, 10), ("w_down", 65, 10)]
+SHAPES = dict(SHAPES_27B)
 
 
 def variants_for(M, K, N):
@@ -194,26 +195,24 @@ def bench_shape(name, M, deadline, global_deadline, sweep_all):
 
 
 # ---------------------------------------------------------------- chain: one GDN + MLP layer's decode GEMVs
-CHAIN = ["w_qkv", "w_z", "w_ba", "w_out|wo", "w_gate|w_up", "w_gate|w_up", "w_down"]
+CHAIN = ["w_in", "w_out|wo", "w_gate_up", "w_down"]
 
 
 def layer_chain(h, ws, fns):
-    """h [1, D]; ws: 7 weights in CHAIN order; fns: 7 callables (x, w) -> y."""
+    """h [1, D]; ws: 4 weights in CHAIN order; fns: 4 callables (x, w) -> y."""
     f32 = jnp.float32
-    qkv = fns[0](h, ws[0])
-    z = fns[1](h, ws[1])
-    ba = fns[2](h, ws[2])
-    F = ws[3].shape[0]
-    o = (qkv[:, :F].astype(f32) * jax.nn.sigmoid(z.astype(f32)) * (1 + jnp.mean(ba.astype(f32)))).astype(h.dtype)
-    h = h + fns[3](o, ws[3])
-    g = fns[4](h, ws[4])
-    u = fns[5](h, ws[5])
-    a = (jax.nn.silu(g.astype(f32)) * u.astype(f32)).astype(h.dtype)
-    return h + fns[6](a, ws[6])
+    proj = fns[0](h, ws[0]).astype(f32)  # qkv | z | b | a
+    F = ws[1].shape[0]
+    o = (proj[:, :F] * jax.nn.sigmoid(proj[:, F:2 * F]) * (1 + jnp.mean(proj[:, 2 * F:]))).astype(h.dtype)
+    h = h + fns[1](o, ws[1])
+    gu = fns[2](h, ws[2]).astype(f32)  # gate | up
+    i = ws[3].shape[0]
+    a = (jax.nn.silu(gu[:, :i]) * gu[:, i:]).astype(h.dtype)
+    return h + fns[3](a, ws[3])
 
 
 def bench_chain(n_sets, best_by_shape):
-    D = SHAPES["w_qkv"][0]
+    D = SHAPES["w_in"][0]
     log(f"== chain: {len(CHAIN)} decode GEMVs of one GDN+MLP layer x {n_sets} distinct weight sets")
     sets = []
     for s in range(n_sets):
@@ -270,7 +269,7 @@ def main():
     ap.add_argument("--dry", action="store_true", help="tiny shapes in interpret mode on the CPU")
     ap.add_argument("--time-budget-s", type=float, default=200.0)
     ap.add_argument("--chain-sets", type=int, default=8)
-    ap.add_argument("--only", default=None, help="comma list of 'name@M<m>' (e.g. w_qkv@M1,chain@M1)")
+    ap.add_argument("--only", default=None, help="comma list of 'name@M<m>' (e.g. w_in@M1,chain@M1)")
     ap.add_argument("--select", default=None, help="comma list of variant names to run (reference always)")
     args = ap.parse_args()
     plan = PLAN_27B

@@ -15,13 +15,14 @@ Convert a Hugging Face checkpoint directory (config.json + safetensors, single f
 model.safetensors.index.json; the Qwen3.6 multimodal wrapper layout or the text-only layout) into an
 orbax checkpoint directory that jaxddtree.load_target / jaxddtree.load_drafter accept in place of the
 HF directory. Vision-tower and MTP tensors are skipped. The same key maps and shape checks as the
-loaders apply; weights are stored already transposed into the model's layout and cast to --dtype, so
-loading does no transposes or casts (see NOTES.md, "Converter", for restore timings).
+loaders apply; weights are stored already transposed into the model's layout (same-input projections
+fused into one matrix) and cast to --dtype, so loading does no transposes or casts (see NOTES.md,
+"Converter", for restore timings).
 
-Tensors are streamed one at a time, so host memory stays within a small multiple of the largest
-tensor. Output is written to a temporary directory next to DST and renamed to DST only when
-complete: on any error or Ctrl-C nothing is left behind (an existing DST is untouched) and the
-command exits non-zero with one line on stderr."""
+Parameters are streamed one at a time (a fused one assembled from its tensors), so host memory stays
+within a small multiple of the largest parameter. Output is written to a temporary directory next to
+DST and renamed to DST only when complete: on any error or Ctrl-C nothing is left behind (an existing
+DST is untouched) and the command exits non-zero with one line on stderr."""
 
 EPILOG = """\
 examples:

@@ -15,7 +15,9 @@ KERNELS = ("xla", "pallas")
 # The Pallas weight-streaming GEMV runs the projections of single-token passes (the AR decode step) with at
 # least PALLAS_DENSE_MIN_COLS outputs. H200 sweep (benchmarks/bench_gemv.py, 2026-11-29): 1.04-1.22x XLA's GEMVs
 # for the 27B projections at M = 1, 0.97x for the 1024-wide k/v, and 0.79-0.86x at M = 65 (verify), so
-# everything else stays on XLA's GEMMs.
+# everything else stays on XLA's GEMMs. (That sweep predates the fused parameter layout; since then every 27B
+# projection is at least 5120 wide — the narrow k/v, b, a are columns of the fused w_qkv / w_in — so the whole
+# decode step takes the GEMV.)
 PALLAS_DENSE_MAX_ROWS = 1
 PALLAS_DENSE_MIN_COLS = 2048
 

@@ -123,6 +123,64 @@ def test_progress_bar(ckpts, zoo, capsys):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def _pure(target):
+    import jax
+    from flax import nnx
+    return nnx.to_pure_dict(jax.tree.unflatten(target.treedef, target.leaves))
+
+
+def test_fused_projections_are_the_hf_tensors(ckpts):
+    """Same-input projections load as one matrix each (GDN w_in, MLP w_gate_up, attention w_qkv) whose column
+    blocks are exactly the individual HF tensors, transposed (and reshaped to the model's head axes)."""
+    path = ckpts["text_single"]
+    c = load_config(path)
+    hf = load_file(os.path.join(path, "model.safetensors"))
+    pure = _pure(load_target(path, "float32"))
+    D, F = c.hidden_size, c.intermediate_size
+    H, Hkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    Hv, dv = c.linear_num_value_heads, c.linear_value_head_dim
+    eq = np.testing.assert_array_equal
+    for i, t in enumerate(c.layer_types):
+        L, p = pure["layers"][i], f"model.layers.{i}."
+        gu = np.asarray(L["mlp"]["w_gate_up"])
+        assert gu.shape == (D, 2, F)
+        eq(gu[:, 0], hf[p + "mlp.gate_proj.weight"].T)
+        eq(gu[:, 1], hf[p + "mlp.up_proj.weight"].T)
+        m = L["mixer"]
+        if t == "full_attention":
+            w = np.asarray(m["w_qkv"])
+            assert w.shape == (D, H * 2 * hd + 2 * Hkv * hd) and set(m) == {"w_qkv", "wo", "q_norm", "k_norm"}
+            q, k, v = np.split(w, [H * 2 * hd, (H * 2 + Hkv) * hd], axis=1)
+            eq(q.reshape(D, H, 2 * hd), hf[p + "self_attn.q_proj.weight"].T.reshape(D, H, 2 * hd))
+            eq(k, hf[p + "self_attn.k_proj.weight"].T)
+            eq(v, hf[p + "self_attn.v_proj.weight"].T)
+        else:
+            w = np.asarray(m["w_in"])
+            assert w.shape == (D, c.conv_dim + Hv * dv + 2 * Hv)
+            assert not {"w_qkv", "w_z", "w_b", "w_a"} & set(m)
+            qkv, z, b, a = np.split(w, [c.conv_dim, c.conv_dim + Hv * dv, c.conv_dim + Hv * dv + Hv], axis=1)
+            g = p + "linear_attn."
+            eq(qkv, hf[g + "in_proj_qkv.weight"].T)
+            eq(z.reshape(D, Hv, dv), hf[g + "in_proj_z.weight"].T.reshape(D, Hv, dv))
+            eq(b, hf[g + "in_proj_b.weight"].T)
+            eq(a, hf[g + "in_proj_a.weight"].T)
+
+
+def test_training_export_splits_fused_params_back(ckpts):
+    """`target_hf_tensors` (the trainer's HF export) splits the fused parameters back: exporting a loaded
+    checkpoint gives back its tensors, names, shapes and values."""
+    from jaxddtree.training import train as tr
+    path = ckpts["text_single"]
+    t = load_target(path, "float32")
+    params = tr.leaves_to_dict(t.leaves)
+    out = tr.target_hf_tensors(t.config, t.graphdef, t.treedef, params)
+    hf = load_file(os.path.join(path, "model.safetensors"))
+    assert set(out) == set(hf)
+    for k, v in hf.items():
+        assert out[k].shape == v.shape and out[k].flags.c_contiguous, k
+        np.testing.assert_array_equal(out[k], v, err_msg=k)
+
+
 # ----------------------------------------------------------------------------- config errors
 
 @pytest.mark.parametrize("layout", ["text_single", "wrapper_sharded"])
@@ -207,6 +265,45 @@ def test_missing_tensor_in_single_file(copy_ckpt):
     _rewrite(os.path.join(path, "model.safetensors"), lambda t: {k: v for k, v in t.items() if k != name})
     with pytest.raises(CheckpointError, match=r"parameter layers\.3\.mixer\.k_norm"):
         load_target(path, "float32")
+
+
+@pytest.mark.parametrize("layout", ["text_single", "wrapper_sharded"])
+@pytest.mark.parametrize("part,param,where", [
+    ("layers.1.linear_attn.in_proj_b.weight", "layers.1.mixer.w_in", "part 3 of 4"),
+    ("layers.3.self_attn.v_proj.weight", "layers.3.mixer.w_qkv", "part 3 of 3"),
+    ("layers.2.mlp.gate_proj.weight", "layers.2.mlp.w_gate_up", "part 1 of 2"),
+])
+def test_missing_part_of_fused_parameter(copy_ckpt, layout, part, param, where):
+    """One HF tensor of a fused parameter missing: the error names that tensor (with the checkpoint's
+    prefix), the fused parameter and which part of it is unfilled."""
+    path = copy_ckpt(layout)
+    name = (WRAP if layout.startswith("wrapper") else "model.") + part
+    if layout.startswith("wrapper"):
+        _rewrite(os.path.join(path, _shard_of(path, name)), lambda t: {k: v for k, v in t.items() if k != name})
+        _edit_index(path, lambda wm: wm.pop(name))
+    else:
+        _rewrite(os.path.join(path, "model.safetensors"), lambda t: {k: v for k, v in t.items() if k != name})
+    with pytest.raises(CheckpointError) as e:
+        load_target(path, "float32")
+    msg = str(e.value)
+    assert f"lacks tensor '{name}'" in msg and f"parameter {param}," in msg and where in msg, msg
+    assert "(1 missing in all)" in msg
+
+
+@pytest.mark.parametrize("part,param", [
+    ("layers.0.linear_attn.in_proj_z.weight", "layers.0.mixer.w_in"),
+    ("layers.3.self_attn.q_proj.weight", "layers.3.mixer.w_qkv"),
+    ("layers.1.mlp.up_proj.weight", "layers.1.mlp.w_gate_up"),
+])
+def test_duplicated_part_of_fused_parameter(copy_ckpt, part, param):
+    """The same part of a fused parameter provided twice (under both prefixes): rejected by name."""
+    path = copy_ckpt("text_single")
+    _rewrite(os.path.join(path, "model.safetensors"),
+             lambda t: {**t, WRAP + part: t["model." + part].copy()})
+    with pytest.raises(CheckpointError, match="already provided") as e:
+        load_target(path, "float32")
+    msg = str(e.value)
+    assert "model." + part in msg and WRAP + part in msg and f"parameter {param}," in msg, msg
 
 
 def test_tensor_listed_in_index_but_absent_from_shard(copy_ckpt):

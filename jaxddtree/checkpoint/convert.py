@@ -1,16 +1,19 @@
 """HF safetensors directory -> converted orbax directory (see `jaxddtree.checkpoint.orbax_format` for the format).
 
-Plan first (the loaders' key maps: `jaxddtree.checkpoint.hf_target`'s for a target, `jaxddtree.model.drafter`'s for a DFlash
-drafter; unknown / duplicate / missing tensors, then every shard's header and every tensor's shape are
-checked before anything is written). Then stream tensor by tensor: read one tensor with positioned reads
-(no memory map: a mapped shard's pages would count in our RSS), cast / transpose / reshape it on the host
-with numpy, hand it to an `orbax_format.PartialWriter` (which saves a batch of at most about one largest tensor
-per orbax partial save), drop it. Everything goes into a temporary directory next to DST, renamed to DST
-only once complete; any failure or stop request removes it.
+Plan first (the loaders' key maps: `jaxddtree.checkpoint.hf_target`'s for a target,
+`jaxddtree.checkpoint.hf_drafter`'s for a DFlash drafter; unknown / duplicate / missing tensors, then every
+shard's header and every tensor's shape are checked before anything is written). Then stream parameter by
+parameter: read its tensor(s) with positioned reads (no memory map: a mapped shard's pages would count in our
+RSS), cast / transpose / reshape on the host with numpy, hand the parameter to an `orbax_format.PartialWriter`
+(which saves a batch of at most about one largest parameter per orbax partial save), drop it. A fused
+parameter (the target's GDN `w_in`, MLP `w_gate_up`, attention `w_qkv`) is assembled from its HF tensors
+first: each is read straight into (or cast into) its row block of one buffer in the output dtype, then the
+whole buffer is transformed, so at most about two copies of one parameter are alive. Everything goes into a
+temporary directory next to DST, renamed to DST only once complete; any failure or stop request removes it.
 
 numpy's float32 -> bfloat16 cast (ml_dtypes) rounds exactly like XLA's on the CPU (checked on all 2**32
-float32 bit patterns), and casts commute with transposes, so converted weights are bit-identical to what the
-loaders compute on device.
+float32 bit patterns), and casts commute with transposes and concatenation, so converted weights are
+bit-identical to what the loaders compute on device.
 """
 
 from __future__ import annotations
@@ -119,9 +122,14 @@ class Shard:
         start, stop = (int(x) for x in e["data_offsets"])
         return np.dtype(dt), tuple(int(d) for d in e["shape"]), self.base + start, stop - start
 
-    def read(self, name: str) -> np.ndarray:
+    def read(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
+        """Tensor `name` as a fresh array, or read into `out` (C-contiguous, its dtype and shape)."""
         dt, shape, offset, nbytes = self.info(name)
-        arr = np.empty(shape, dt)
+        if out is None:
+            arr = np.empty(shape, dt)
+        else:
+            assert out.flags.c_contiguous and out.dtype == dt and out.shape == shape, (out.shape, shape)
+            arr = out
         if arr.nbytes != nbytes:
             raise self._err(f"{self.file}: tensor '{name}' spans {nbytes} bytes, expected {arr.nbytes} "
                             f"for {dt.name}{list(shape)}")
@@ -142,12 +150,12 @@ class Shard:
         return arr
 
 
-Plan = list  # [(param path, tensor name, file, HF shape, transform or None)], in reading order
+Plan = list  # [hf_target.ParamPlan(param path, parts [(tensor name, file, HF shape)], transform)], reading order
 
 
 def plan_target(cfg, src: str) -> Plan:
-    """The target's tensors with `jaxddtree.checkpoint.hf_target`'s key map, coverage and duplicate checks (the same
-    ones `iter_tensors` applies; the shape check happens per tensor, before it is read)."""
+    """The target's parameters with `jaxddtree.checkpoint.hf_target`'s key map, coverage and duplicate checks (the
+    same ones `iter_params` applies; the shape check happens per tensor, before anything is read)."""
     from jaxddtree.checkpoint.hf_target import plan_tensors
 
     return plan_tensors(cfg, src)
@@ -157,7 +165,7 @@ def plan_drafter(cfg, src: str) -> Plan:
     """The drafter's tensors with the drafter loader's key map (`jaxddtree.checkpoint.hf_drafter._GLOBAL/_LAYER`) and
     its checks (unexpected, duplicate, missing)."""
     from jaxddtree.checkpoint.hf_drafter import _GLOBAL, _LAYER, _LAYER_RE
-    from jaxddtree.checkpoint.hf_target import checkpoint_files
+    from jaxddtree.checkpoint.hf_target import ParamPlan, Part, checkpoint_files
     from jaxddtree.checkpoint.params import CheckpointError
 
     files = checkpoint_files(src)
@@ -185,7 +193,27 @@ def plan_drafter(cfg, src: str) -> Plan:
         p = missing[0]
         name = hf[p[-1]] if len(p) == 1 else f"layers.{p[1]}.{hf[p[-1]]}"
         raise CheckpointError(f"{src}: drafter checkpoint lacks tensor '{name}' ({len(missing)} missing in all)")
-    return sorted(((p, *v) for p, v in plan.items()), key=lambda e: (e[2], e[1]))
+    return sorted((ParamPlan(p, (Part(name, file, shape),), fn) for p, (name, file, shape, fn) in plan.items()),
+                  key=lambda e: (e.parts[0].file, e.parts[0].name))
+
+
+def assemble(shards: dict, plan, out_dtype: np.dtype) -> np.ndarray:
+    """The stacked HF array of a fused parameter: its parts read into consecutive row blocks of one buffer in
+    `out_dtype` (straight into the buffer when the dtypes match, else read and cast into it)."""
+    out = np.empty(plan.shape, out_dtype)
+    row = 0
+    for part in plan.parts:
+        shard = shards[part.file]
+        n = int(part.shape[0])
+        if shard.info(part.name)[0] == out_dtype:
+            shard.read(part.name, out=out[row:row + n])
+        else:
+            arr = shard.read(part.name)
+            out[row:row + n] = arr  # numpy's cast, as `transform` does it
+            del arr
+        row += n
+    assert row == plan.shape[0], (plan.path, row, plan.shape)  # every row of the parameter filled
+    return out
 
 
 def transform(arr: np.ndarray, fn, out_dtype: np.dtype) -> np.ndarray:
@@ -294,15 +322,19 @@ def convert(src: str, dst: str, *, dtype: str = "bfloat16", kind: str | None = N
             from jaxddtree.model.drafter_config import DrafterConfig
             cfg = DrafterConfig.from_dict(raw, source=os.path.join(src, "config.json"))
             plan = plan_drafter(cfg, src)
-        shards = {file: Shard(file) for file in sorted({e[2] for e in plan})}  # every header, up front
+        shards = {file: Shard(file) for file in sorted({p.file for e in plan for p in e.parts})}  # every header
         sizes = []
-        for path, tname, file, shape, fn in plan:
-            _, got, _, nbytes = shards[file].info(tname)
-            if got != tuple(shape):
-                raise CheckpointError(f"{file}: tensor '{tname}' has shape {got}, expected {tuple(shape)}")
-            sizes.append((nbytes, int(np.prod(shape, dtype=np.int64)) * out_dtype.itemsize))
+        for e in plan:
+            src_bytes = 0
+            for tname, file, shape in e.parts:
+                _, got, _, nbytes = shards[file].info(tname)
+                if got != tuple(shape):
+                    raise CheckpointError(f"{file}: tensor '{tname}' has shape {got}, expected {tuple(shape)}")
+                src_bytes += nbytes
+            sizes.append((src_bytes, int(np.prod(e.shape, dtype=np.int64)) * out_dtype.itemsize))
     except (ConfigError, ValueError, NotImplementedError) as e:  # CheckpointError is a ValueError
         raise ConvertError(one_line(e)) from None
+    num_tensors = sum(len(e.parts) for e in plan)
     total = sum(s for s, _ in sizes)
     flush = flush_bytes or max(MIN_FLUSH_BYTES, max((o for _, o in sizes), default=0))
 
@@ -321,21 +353,25 @@ def convert(src: str, dst: str, *, dtype: str = "bfloat16", kind: str | None = N
             bar = tqdm(total=total or None, unit="B", unit_scale=True, unit_divisor=1024, disable=None,
                        desc=f"convert {os.path.basename(src)} -> {name}", dynamic_ncols=True)
         writer = orbax_format.PartialWriter(os.path.join(tmp, orbax_format.PARAMS_DIR), flush)
-        out_bytes = 0
-        for i, ((path, tname, file, shape, fn), (src_bytes, nbytes)) in enumerate(zip(plan, sizes)):
-            writer.reserve(nbytes)  # flush the batch first if this tensor would overflow it
+        out_bytes = done = 0
+        for e, (src_bytes, nbytes) in zip(plan, sizes):
+            writer.reserve(nbytes)  # flush the batch first if this parameter would overflow it
             try:
-                arr = shards[file].read(tname)
-            except CheckpointError as e:
-                raise ConvertError(one_line(e)) from None
-            y = transform(arr, fn, out_dtype)
+                if len(e.parts) == 1:
+                    arr = shards[e.parts[0].file].read(e.parts[0].name)
+                else:
+                    arr = assemble(shards, e, out_dtype)
+            except CheckpointError as err:
+                raise ConvertError(one_line(err)) from None
+            y = transform(arr, e.fn, out_dtype)
             del arr
             out_bytes += y.nbytes
-            writer.add(path, y)
+            writer.add(e.path, y)
             del y
+            done += len(e.parts)
             if bar is not None:
                 bar.update(src_bytes)
-                bar.set_postfix_str(f"{i + 1}/{len(plan)} tensors", refresh=False)
+                bar.set_postfix_str(f"{done}/{num_tensors} tensors", refresh=False)
             if stop():
                 raise Interrupted("interrupted")
         writer.finalize()
@@ -344,8 +380,8 @@ def convert(src: str, dst: str, *, dtype: str = "bfloat16", kind: str | None = N
         for fname in ("config.json",) + EXTRA_FILES:
             if os.path.isfile(os.path.join(src, fname)):
                 shutil.copyfile(os.path.join(src, fname), os.path.join(tmp, fname))
-        meta = orbax_format.write_marker(tmp, kind, dname, source=src, num_tensors=len(plan), num_bytes=out_bytes,
-                                     orbax_partial_saves=writer.saves)
+        meta = orbax_format.write_marker(tmp, kind, dname, source=src, num_tensors=num_tensors,
+                                         num_params=len(plan), num_bytes=out_bytes, orbax_partial_saves=writer.saves)
         if bar is not None:
             bar.close()
             bar = None

@@ -1,9 +1,19 @@
-"""HF safetensors -> target parameters: a regex key map with shape asserts and a strict coverage check.
+"""HF safetensors -> target parameters: a key map with shape asserts and a strict coverage check.
 
 Accepts the multimodal wrapper layout (`model.language_model.*`, Qwen3.6-27B as shipped) and the
 text-only layout (`model.*`), single-file or sharded (`model.safetensors.index.json`). `model.visual.*`
-and `mtp.*` tensors are skipped. Tensors are read one at a time, moved to the device and cast there, so
-host memory stays near the size of the largest tensor.
+and `mtp.*` tensors are skipped.
+
+Key map (`_rules`): one rule per model parameter, listing the HF tensors ("parts") it is assembled from.
+Same-input projections are fused into one parameter (GDN `w_in` = in_proj_qkv | in_proj_z | in_proj_b |
+in_proj_a, MLP `w_gate_up` = gate_proj | up_proj, attention `w_qkv` = q_proj | k_proj | v_proj): HF stores
+every projection as [out, in], so the parts of a fused parameter are stacked along their row (output) axis
+in the listed order, and the rule's transform turns the stacked [sum of rows, D] matrix into the model's
+layout (a transpose, plus a reshape for `w_gate_up [D, 2, F]`). Each HF tensor fills exactly one row block
+of one parameter (CheckpointError naming it if it is unknown, duplicated or misshapen, or if any part of a
+parameter is missing). Parameters are assembled one at a time: the parts of a fused one are copied into
+one host buffer in the checkpoint's dtype, then moved to the device, transformed and cast there, so host
+memory stays near the size of the largest parameter.
 """
 
 from __future__ import annotations
@@ -11,10 +21,9 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import safetensors
 
@@ -26,77 +35,131 @@ SKIP = re.compile(r"^(model\.visual\.|mtp\.|model\.mtp\.|visual\.)")
 PREFIXES = ("model.language_model.", "model.")
 
 
-def _rules(c: TextConfig):
-    """(regex on the stripped name, layer type or None, param path template, HF shape, transform)."""
+class Rule(NamedTuple):
+    """One parameter: the layer type it exists in ("*": every layer, None: not per layer), its path (after
+    ("layers", i)), its parts [(HF name template with {i} for the layer, HF shape)] stacked along axis 0 in
+    this order, and the transform of the stacked HF array into the model's layout (None: as is)."""
+    kind: str | None
+    path: tuple
+    parts: tuple
+    fn: Callable | None
+
+
+class Part(NamedTuple):
+    name: str  # HF tensor name
+    file: str  # safetensors file holding it
+    shape: tuple  # its HF shape (asserted when read)
+
+
+class ParamPlan(NamedTuple):
+    """How to build one parameter: read `parts` (in order), stack them along axis 0, apply `fn`."""
+    path: tuple
+    parts: tuple  # of Part
+    fn: Callable | None
+
+    @property
+    def shape(self) -> tuple:
+        """Shape of the stacked HF array (the single part's shape when not fused)."""
+        first = tuple(self.parts[0].shape)
+        if len(self.parts) == 1:
+            return first
+        return (sum(int(p.shape[0]) for p in self.parts),) + first[1:]
+
+
+def _rules(c: TextConfig) -> list[Rule]:
     D, V, F = c.hidden_size, c.vocab_size, c.intermediate_size
     H, Hkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     Hv, dv, K = c.linear_num_value_heads, c.linear_value_head_dim, c.linear_conv_kernel_dim
     T = lambda x: x.T
+    L, A, G = "layers.{i}.", "layers.{i}.self_attn.", "layers.{i}.linear_attn."
     return [
-        (r"embed_tokens\.weight", None, ("embed",), (V, D), None),
-        (r"norm\.weight", None, ("final_norm", "weight"), (D,), None),
-        (r"lm_head\.weight", None, ("lm_head",), (V, D), T),
-        (r"layers\.(\d+)\.input_layernorm\.weight", "*", ("input_norm", "weight"), (D,), None),
-        (r"layers\.(\d+)\.post_attention_layernorm\.weight", "*", ("post_norm", "weight"), (D,), None),
-        (r"layers\.(\d+)\.mlp\.gate_proj\.weight", "*", ("mlp", "w_gate"), (F, D), T),
-        (r"layers\.(\d+)\.mlp\.up_proj\.weight", "*", ("mlp", "w_up"), (F, D), T),
-        (r"layers\.(\d+)\.mlp\.down_proj\.weight", "*", ("mlp", "w_down"), (D, F), T),
-        (r"layers\.(\d+)\.self_attn\.q_proj\.weight", ATTENTION, ("mixer", "wq"), (H * 2 * hd, D),
-         lambda x: x.T.reshape(D, H, 2 * hd)),
-        (r"layers\.(\d+)\.self_attn\.k_proj\.weight", ATTENTION, ("mixer", "wk"), (Hkv * hd, D),
-         lambda x: x.T.reshape(D, Hkv, hd)),
-        (r"layers\.(\d+)\.self_attn\.v_proj\.weight", ATTENTION, ("mixer", "wv"), (Hkv * hd, D),
-         lambda x: x.T.reshape(D, Hkv, hd)),
-        (r"layers\.(\d+)\.self_attn\.o_proj\.weight", ATTENTION, ("mixer", "wo"), (D, H * hd),
-         lambda x: x.T.reshape(H, hd, D)),
-        (r"layers\.(\d+)\.self_attn\.q_norm\.weight", ATTENTION, ("mixer", "q_norm"), (hd,), None),
-        (r"layers\.(\d+)\.self_attn\.k_norm\.weight", ATTENTION, ("mixer", "k_norm"), (hd,), None),
-        (r"layers\.(\d+)\.linear_attn\.in_proj_qkv\.weight", GDN, ("mixer", "w_qkv"), (c.conv_dim, D), T),
-        (r"layers\.(\d+)\.linear_attn\.in_proj_z\.weight", GDN, ("mixer", "w_z"), (Hv * dv, D),
-         lambda x: x.T.reshape(D, Hv, dv)),
-        (r"layers\.(\d+)\.linear_attn\.in_proj_b\.weight", GDN, ("mixer", "w_b"), (Hv, D), T),
-        (r"layers\.(\d+)\.linear_attn\.in_proj_a\.weight", GDN, ("mixer", "w_a"), (Hv, D), T),
-        (r"layers\.(\d+)\.linear_attn\.conv1d\.weight", GDN, ("mixer", "conv"), (c.conv_dim, 1, K),
-         lambda x: x[:, 0, :].T),
-        (r"layers\.(\d+)\.linear_attn\.dt_bias", GDN, ("mixer", "dt_bias"), (Hv,), None),
-        (r"layers\.(\d+)\.linear_attn\.A_log", GDN, ("mixer", "A_log"), (Hv,), None),
-        (r"layers\.(\d+)\.linear_attn\.norm\.weight", GDN, ("mixer", "norm"), (dv,), None),
-        (r"layers\.(\d+)\.linear_attn\.out_proj\.weight", GDN, ("mixer", "w_out"), (D, Hv * dv),
-         lambda x: x.T.reshape(Hv, dv, D)),
+        Rule(None, ("embed",), (("embed_tokens.weight", (V, D)),), None),
+        Rule(None, ("final_norm", "weight"), (("norm.weight", (D,)),), None),
+        Rule(None, ("lm_head",), (("lm_head.weight", (V, D)),), T),
+        Rule("*", ("input_norm", "weight"), ((L + "input_layernorm.weight", (D,)),), None),
+        Rule("*", ("post_norm", "weight"), ((L + "post_attention_layernorm.weight", (D,)),), None),
+        # [D, 2, F]: gate = [:, 0], up = [:, 1]
+        Rule("*", ("mlp", "w_gate_up"), ((L + "mlp.gate_proj.weight", (F, D)), (L + "mlp.up_proj.weight", (F, D))),
+             lambda x: x.T.reshape(D, 2, F)),
+        Rule("*", ("mlp", "w_down"), ((L + "mlp.down_proj.weight", (D, F)),), T),
+        # [D, H*2hd | Hkv*hd | Hkv*hd]: q_proj's rows are per head [query | gate], h-major
+        Rule(ATTENTION, ("mixer", "w_qkv"), ((A + "q_proj.weight", (H * 2 * hd, D)),
+                                             (A + "k_proj.weight", (Hkv * hd, D)),
+                                             (A + "v_proj.weight", (Hkv * hd, D))), T),
+        Rule(ATTENTION, ("mixer", "wo"), ((A + "o_proj.weight", (D, H * hd)),), lambda x: x.T.reshape(H, hd, D)),
+        Rule(ATTENTION, ("mixer", "q_norm"), ((A + "q_norm.weight", (hd,)),), None),
+        Rule(ATTENTION, ("mixer", "k_norm"), ((A + "k_norm.weight", (hd,)),), None),
+        # [D, conv_dim (q|k|v, the conv's channel order) | Hv*dv (z, head-major) | Hv (b) | Hv (a)]
+        Rule(GDN, ("mixer", "w_in"), ((G + "in_proj_qkv.weight", (c.conv_dim, D)),
+                                      (G + "in_proj_z.weight", (Hv * dv, D)),
+                                      (G + "in_proj_b.weight", (Hv, D)),
+                                      (G + "in_proj_a.weight", (Hv, D))), T),
+        Rule(GDN, ("mixer", "conv"), ((G + "conv1d.weight", (c.conv_dim, 1, K)),), lambda x: x[:, 0, :].T),
+        Rule(GDN, ("mixer", "dt_bias"), ((G + "dt_bias", (Hv,)),), None),
+        Rule(GDN, ("mixer", "A_log"), ((G + "A_log", (Hv,)),), None),
+        Rule(GDN, ("mixer", "norm"), ((G + "norm.weight", (dv,)),), None),
+        Rule(GDN, ("mixer", "w_out"), ((G + "out_proj.weight", (D, Hv * dv)),), lambda x: x.T.reshape(Hv, dv, D)),
     ]
+
+
+def _compiled(rules: list[Rule]) -> list[tuple[re.Pattern, int, int]]:
+    """(regex of a part's template on the stripped name, rule index, part index)."""
+    out = []
+    for r, rule in enumerate(rules):
+        for k, (template, _) in enumerate(rule.parts):
+            out.append((re.compile(re.escape(template).replace(r"\{i\}", r"(\d+)")), r, k))
+    return out
+
+
+def _layers(c: TextConfig, rule: Rule) -> list[int | None]:
+    if rule.kind is None:
+        return [None]
+    return [i for i, t in enumerate(c.layer_types) if rule.kind == "*" or rule.kind == t]
+
+
+def _param_path(rule: Rule, layer: int | None) -> tuple:
+    return rule.path if layer is None else ("layers", layer) + rule.path
+
+
+def _part_name(rule: Rule, k: int, layer: int | None, prefix: str = "") -> str:
+    """The HF name of part k of `rule` for `layer` (with the checkpoint's `prefix`)."""
+    template = rule.parts[k][0]
+    return template if template == "lm_head.weight" else prefix + template.replace("{i}", str(layer))
 
 
 def expected_paths(c: TextConfig) -> set[tuple]:
     """Every parameter path the model needs."""
-    out = set()
-    for pattern, kind, path, _, _ in _rules(c):
-        if kind is None:
-            out.add(path)
-        else:
-            for i, t in enumerate(c.layer_types):
-                if kind == "*" or kind == t:
-                    out.add(("layers", i) + path)
-    return out
+    return {_param_path(rule, i) for rule in _rules(c) for i in _layers(c, rule)}
 
 
-def map_name(c: TextConfig, name: str, rules=None):
-    """HF tensor name -> (param path, HF shape, transform), None if skipped; CheckpointError if unknown."""
+class Slot(NamedTuple):
+    """Where one HF tensor goes: part `part` of the parameter built by `rule` for `layer`."""
+    rule: int
+    layer: int | None
+    part: int
+    prefix: str  # the checkpoint's name prefix ("model." or "model.language_model.")
+
+
+def map_name(c: TextConfig, name: str, rules=None, compiled=None) -> Slot | None:
+    """HF tensor name -> its Slot, None if skipped; CheckpointError if unknown."""
     if SKIP.match(name):
         return None
-    stripped = name
+    rules = rules if rules is not None else _rules(c)
+    stripped, prefix = name, ""
     if name != "lm_head.weight":
         for p in PREFIXES:
             if name.startswith(p):
-                stripped = name[len(p):]
+                stripped, prefix = name[len(p):], p
                 break
         else:
             raise CheckpointError(f"unexpected tensor '{name}' (not a Qwen3.5/3.6 text tensor)")
-    for pattern, kind, path, shape, fn in rules or _rules(c):
-        m = re.fullmatch(pattern, stripped)
+    for pattern, r, k in compiled or _compiled(rules):
+        m = pattern.fullmatch(stripped)
         if not m:
             continue
+        kind = rules[r].kind
         if kind is None:
-            return path, shape, fn
+            return Slot(r, None, k, prefix)
         i = int(m.group(1))
         if i >= c.num_hidden_layers:
             raise CheckpointError(f"tensor '{name}' is for layer {i}, but the config has "
@@ -104,8 +167,19 @@ def map_name(c: TextConfig, name: str, rules=None):
         if kind != "*" and c.layer_types[i] != kind:
             raise CheckpointError(f"tensor '{name}' belongs to a {kind} layer, but config.layer_types[{i}] "
                                   f"is {c.layer_types[i]}")
-        return ("layers", i) + path, shape, fn
+        return Slot(r, i, k, prefix)
     raise CheckpointError(f"unexpected tensor '{name}' (no rule maps it)")
+
+
+def _describe_part(rule: Rule, k: int) -> str:
+    """'' for a single-tensor parameter; else which output channels of the fused parameter part k fills."""
+    if len(rule.parts) == 1:
+        return ""
+    rows = [shape[0] for _, shape in rule.parts]
+    lo = sum(rows[:k])
+    names = " | ".join(t.rsplit(".", 2)[-2] if t.endswith(".weight") else t.rsplit(".", 1)[-1]
+                       for t, _ in rule.parts)
+    return f", part {k + 1} of {len(rule.parts)} (output channels {lo}:{lo + rows[k]} of the fused [{names}])"
 
 
 def checkpoint_files(path: str) -> dict[str, str]:
@@ -140,27 +214,50 @@ def _open(file: str):
         raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
 
 
-def plan_tensors(c: TextConfig, path: str) -> list[tuple]:
-    """The checkpoint's tensors as [(param path, tensor name, file, HF shape, transform or None)], sorted by
-    (file, name), after the key map, duplicate and coverage checks (shapes are checked when read)."""
+def plan_tensors(c: TextConfig, path: str) -> list[ParamPlan]:
+    """The checkpoint's parameters as ParamPlans, sorted by (file, name) of their first part, after the key
+    map, duplicate and coverage checks (shapes are checked when read)."""
     files = checkpoint_files(path)
     rules = _rules(c)
-    plan = {}
+    compiled = _compiled(rules)
+    slots: dict[tuple, tuple[str, str]] = {}  # (rule, layer, part) -> (tensor name, file)
+    prefixes = []
     for name, file in files.items():
-        m = map_name(c, name, rules)
-        if m is not None:
-            if m[0] in plan:
-                raise CheckpointError(f"tensor '{name}' ({file}) maps to a parameter already provided by "
-                                      f"'{plan[m[0]][0]}'")
-            plan[m[0]] = (name, file, m[1], m[2])
-    missing = expected_paths(c) - set(plan)
+        s = map_name(c, name, rules, compiled)
+        if s is None:
+            continue
+        key = (s.rule, s.layer, s.part)
+        if key in slots:
+            rule = rules[s.rule]
+            raise CheckpointError(f"tensor '{name}' ({file}) maps to parameter "
+                                  f"{'.'.join(map(str, _param_path(rule, s.layer)))}"
+                                  f"{_describe_part(rule, s.part)}, already provided by "
+                                  f"'{slots[key][0]}'")
+        slots[key] = (name, file)
+        if s.prefix and s.prefix not in prefixes:
+            prefixes.append(s.prefix)
+    prefix = prefixes[0] if prefixes else PREFIXES[-1]
+    plans, missing = [], []
+    for r, rule in enumerate(rules):
+        for i in _layers(c, rule):
+            parts = []
+            for k, (_, shape) in enumerate(rule.parts):
+                got = slots.get((r, i, k))
+                if got is None:
+                    missing.append((rule, i, k))
+                else:
+                    parts.append(Part(got[0], got[1], tuple(shape)))
+            if len(parts) == len(rule.parts):
+                plans.append(ParamPlan(_param_path(rule, i), tuple(parts), rule.fn))
     if missing:
-        p = sorted(missing, key=str)[0]
-        raise CheckpointError(f"{path}: checkpoint lacks the tensor for parameter {'.'.join(map(str, p))} "
+        rule, i, k = missing[0]
+        raise CheckpointError(f"{path}: checkpoint lacks tensor '{_part_name(rule, k, i, prefix)}' for parameter "
+                              f"{'.'.join(map(str, _param_path(rule, i)))}{_describe_part(rule, k)} "
                               f"({len(missing)} missing in all)")
-    return sorted(((p, *v) for p, v in plan.items()), key=lambda e: (e[2], e[1]))
+    return sorted(plans, key=lambda e: (e.parts[0].file, e.parts[0].name))
 
 
+<<<<<<< HEAD
 def iter_tensors(plan: list[tuple]) -> Iterator[tuple[tuple, np.ndarray, Callable | None, str, str]]:
     """Yield (param path, host array, transform, tensor name, file) for `plan_tensors`' entries one tensor
     at a time, after the shape assert; raises CheckpointError for unreadable/misshapen tensors."""
@@ -194,4 +291,72 @@ def load_params(c: TextConfig, path: str, dtype, progress: bool = False) -> dict
             out[p] = x
             bar.update()
             del arr
+=======
+class _Files:
+    """Reads tensors, keeping at most one safetensors file open (a fused parameter's parts are normally in
+    one file; the plan is sorted by file)."""
+
+    def __init__(self):
+        self.file, self.handle = None, None
+
+    def read(self, file: str, name: str, shape: tuple) -> np.ndarray:
+        if file != self.file:
+            self.close()
+            self.handle, self.file = _open(file).__enter__(), file
+        try:
+            arr = self.handle.get_tensor(name)
+        except Exception as e:
+            raise CheckpointError(f"{file}: cannot read tensor '{name}' ({e})") from None
+        if tuple(arr.shape) != tuple(shape):
+            raise CheckpointError(f"{file}: tensor '{name}' has shape {tuple(arr.shape)}, "
+                                  f"expected {tuple(shape)}")
+        return arr
+
+    def close(self):
+        if self.handle is not None:
+            self.handle.__exit__(None, None, None)
+        self.file, self.handle = None, None
+
+
+def iter_params(c: TextConfig, path: str) -> Iterator[tuple[ParamPlan, np.ndarray]]:
+    """Yield (plan, host array of the stacked HF tensors) one parameter at a time, after the shape asserts;
+    raises CheckpointError for missing/unknown/duplicated/misshapen tensors. A fused parameter's parts are
+    copied into one buffer (their common dtype); a single tensor is yielded as read."""
+    files = _Files()
+    try:
+        for plan in plan_tensors(c, path):
+            if len(plan.parts) == 1:
+                p = plan.parts[0]
+                yield plan, files.read(p.file, p.name, p.shape)
+                continue
+            out, row = None, 0
+            for p in plan.parts:
+                arr = files.read(p.file, p.name, p.shape)
+                if out is None:
+                    out = np.empty(plan.shape, arr.dtype)
+                elif arr.dtype != out.dtype:  # mixed dtypes (unusual): widen losslessly
+                    wide = np.empty(plan.shape, np.result_type(out.dtype, arr.dtype))
+                    wide[:row] = out[:row]
+                    out = wide
+                out[row:row + arr.shape[0]] = arr
+                row += arr.shape[0]
+                del arr
+            assert row == plan.shape[0], (plan.path, row, plan.shape)  # every row of the slot filled
+            yield plan, out
+            del out
+    finally:
+        files.close()
+
+
+def load_params(c: TextConfig, path: str, dtype, progress: Callable | None = None) -> dict[tuple, jax.Array]:
+    """param path -> device array in `dtype`, parameter by parameter (transform and cast on device)."""
+    out = {}
+    for plan, arr in iter_params(c, path):
+        x = jax.device_put(arr)
+        x = (plan.fn(x) if plan.fn is not None else x).astype(dtype)
+        out[plan.path] = x
+        if progress is not None:
+            progress(", ".join(p.name for p in plan.parts), arr.nbytes)
+        del arr
+>>>>>>> fused
     return out

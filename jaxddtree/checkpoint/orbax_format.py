@@ -9,8 +9,11 @@ On-disk layout of a converted directory DST::
 
 The params tree holds the parameters already in the model's layout (transposed / reshaped, cast to the
 marker's dtype), nested dicts keyed by the parameter path with layer indices as strings, e.g.
-`{"layers": {"3": {"mixer": {"wq": [D, H, 2hd]}}}, "embed": [V, D], ...}` for a target and
-`{"fc": ..., "layers": {"0": {"wq": ...}}, ...}` (the `DrafterParams` fields) for a drafter.
+`{"layers": {"3": {"mixer": {"w_qkv": [D, H*2hd + 2*Hkv*hd]}}}, "embed": [V, D], ...}` for a target and
+`{"fc": ..., "layers": {"0": {"wq": ...}}, ...}` (the `DrafterParams` fields) for a drafter. Since
+format_version 2 a target's same-input projections are fused (GDN `w_in`, MLP `w_gate_up`, attention `w_qkv`;
+see `jaxddtree.checkpoint.hf_target`); a version-1 target directory is refused with the command that
+reconverts it.
 
 It is written incrementally with orbax's partial-save API (`ocp.partial.save` per batch of tensors, then
 `ocp.partial.finalize`), so the writer never holds more than one batch (about one largest tensor) in host
@@ -36,7 +39,11 @@ from jaxddtree.checkpoint.params import CheckpointError
 
 MARKER = "jaxddtree_checkpoint.json"
 FORMAT = "jaxddtree-orbax"
-FORMAT_VERSION = 1
+# 2: fused same-input projections (GDN `w_in`, MLP `w_gate_up`, attention `w_qkv`) in target checkpoints.
+FORMAT_VERSION = 2
+# The oldest version each kind can be read from: version-1 targets hold the unfused projections (w_qkv, w_z,
+# w_b, w_a; w_gate, w_up; wq, wk, wv) and must be reconverted; the drafter's layout did not change.
+MIN_FORMAT_VERSION = {"target": 2, "drafter": 1}
 PARAMS_DIR = "params"
 KINDS = ("target", "drafter")
 DTYPE_NAMES = ("bfloat16", "float32")
@@ -84,6 +91,11 @@ def read_marker(path: str, kind: str | None = None) -> dict:
         raise CheckpointError(f"{file}: unknown kind {meta.get('kind')!r}")
     if kind is not None and meta["kind"] != kind:
         raise CheckpointError(f"{path}: holds a converted {meta['kind']} checkpoint, not a {kind}")
+    if version < MIN_FORMAT_VERSION[meta["kind"]]:
+        src = meta.get("source")
+        src = src if isinstance(src, str) and src and "\n" not in src else "SRC"
+        raise CheckpointError(f"{path} was converted by an older jaxddtree (format_version {version}, this one "
+                              f"reads {FORMAT_VERSION}): re-run `python -m convert {src} {path} --overwrite`")
     if meta.get("dtype") not in DTYPE_NAMES:
         raise CheckpointError(f"{file}: unsupported dtype {meta.get('dtype')!r}")
     return meta
@@ -101,7 +113,7 @@ def write_marker(path: str, kind: str, dtype: str, **extra) -> dict:
 
 # --------------------------------------------------------------------------------------------- trees
 def to_tree(flat: dict[tuple, Any]) -> dict:
-    """{("layers", 3, "mixer", "wq"): x} -> {"layers": {"3": {"mixer": {"wq": x}}}} (string keys)."""
+    """{("layers", 3, "mixer", "w_qkv"): x} -> {"layers": {"3": {"mixer": {"w_qkv": x}}}} (string keys)."""
     out: dict = {}
     for path, value in flat.items():
         node = out

@@ -1,5 +1,5 @@
-"""Gated full attention (Qwen3.5/3.6): per-head [query | gate] split, q/k RMSNorm (1+w), partial RoPE,
-GQA over a preallocated KV cache, output times sigmoid(gate), o_proj.
+"""Gated full attention (Qwen3.5/3.6): one fused q(+gate)|k|v projection `w_qkv`, per-head [query | gate]
+split, q/k RMSNorm (1+w), partial RoPE, GQA over a preallocated KV cache, output times sigmoid(gate), o_proj.
 
 Sequence pass: K/V of the new tokens are written at `start ..` and every query attends causally over the
 cache. Tree pass: nodes attend to the committed prefix `[0, start)` and to their tree ancestors; their
@@ -30,22 +30,23 @@ class Attention(nnx.Module):
     def __init__(self, cfg: TextConfig, dtype, rngs: nnx.Rngs):
         d, h, hkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.cfg = cfg
-        self.wq = nnx.Param(init_weight(rngs, (d, h, 2 * hd), d, dtype))  # [D, H, query|gate]
-        self.wk = nnx.Param(init_weight(rngs, (d, hkv, hd), d, dtype))  # [D, Hkv, hd]
-        self.wv = nnx.Param(init_weight(rngs, (d, hkv, hd), d, dtype))  # [D, Hkv, hd]
+        # q(+gate) | k | v as one matrix: [D, H*2hd (per head [query|gate], h-major) | Hkv*hd | Hkv*hd]
+        self.w_qkv = nnx.Param(init_weight(rngs, (d, h * 2 * hd + 2 * hkv * hd), d, dtype))
         self.wo = nnx.Param(init_weight(rngs, (h, hd, d), h * hd, dtype))  # [H, hd, D]
         self.q_norm = nnx.Param(0.1 * jax.random.normal(rngs.params(), (hd,)).astype(dtype))
         self.k_norm = nnx.Param(0.1 * jax.random.normal(rngs.params(), (hd,)).astype(dtype))
 
     def project(self, x, layout: TokenLayout):
         cfg = self.cfg
-        hd = cfg.head_dim
-        qg = dense("btd,dhe->bthe", x, self.wq[...], layout.kernels)  # [B,T,H,2hd]
+        B, T, _ = x.shape
+        h, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        qkv = dense("btd,dc->btc", x, self.w_qkv[...], layout.kernels)  # one GEMM / GEMV for q(+gate)|k|v
+        qg, k, v = jnp.split(qkv, [h * 2 * hd, (h * 2 + hkv) * hd], axis=-1)
+        qg = qg.reshape(B, T, h, 2 * hd)
         q, gate = qg[..., :hd], qg[..., hd:]
         q = rms_norm_1p(q, self.q_norm[...], cfg.rms_norm_eps)
-        k = rms_norm_1p(dense("btd,dhe->bthe", x, self.wk[...], layout.kernels), self.k_norm[...],
-                        cfg.rms_norm_eps)
-        v = dense("btd,dhe->bthe", x, self.wv[...], layout.kernels)  # [B,T,Hkv,hd]
+        k = rms_norm_1p(k.reshape(B, T, hkv, hd), self.k_norm[...], cfg.rms_norm_eps)
+        v = v.reshape(B, T, hkv, hd)  # [B,T,Hkv,hd]
         cos, sin = rope_cos_sin(layout.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
 

@@ -1,6 +1,7 @@
 """Gated DeltaNet mixer (Qwen3.5/3.6 `linear_attention` layers).
 
-in_proj_qkv -> causal depthwise conv (kernel K, SiLU) over the [q|k|v] channels -> l2-normalised q,k;
+One fused input projection `w_in` = [in_proj_qkv | in_proj_z | in_proj_b | in_proj_a] (one GEMM / GEMV),
+then: qkv -> causal depthwise conv (kernel K, SiLU) over the [q|k|v] channels -> l2-normalised q,k;
 beta = sigmoid(b); g = -exp(A_log) softplus(a + dt_bias) -> gated delta rule -> gated RMSNorm with z ->
 out_proj. Value head h reads key head h // (Hv/Hk).
 
@@ -33,14 +34,25 @@ class GDNStash:
     x: jax.Array  # [B, N, conv_dim] pre-conv inputs
 
 
+def in_proj_width(cfg: TextConfig) -> int:
+    """Columns of the fused input projection `w_in`: conv_dim + Hv*dv + 2*Hv."""
+    return cfg.conv_dim + cfg.linear_num_value_heads * (cfg.linear_value_head_dim + 2)
+
+
+def in_proj_split(cfg: TextConfig) -> tuple[int, int, int]:
+    """Column boundaries of `w_in` between qkv | z | b | a (for jnp.split)."""
+    z0 = cfg.conv_dim
+    b0 = z0 + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    return z0, b0, b0 + cfg.linear_num_value_heads
+
+
 class GatedDeltaNet(nnx.Module):
     def __init__(self, cfg: TextConfig, dtype, rngs: nnx.Rngs):
         d, hv, dv = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_value_head_dim
         self.cfg = cfg
-        self.w_qkv = nnx.Param(init_weight(rngs, (d, cfg.conv_dim), d, dtype))  # [D, q|k|v]
-        self.w_z = nnx.Param(init_weight(rngs, (d, hv, dv), d, dtype))  # [D, Hv, dv]
-        self.w_b = nnx.Param(init_weight(rngs, (d, hv), d, dtype))  # [D, Hv]
-        self.w_a = nnx.Param(init_weight(rngs, (d, hv), d, dtype))  # [D, Hv]
+        # all four input projections as one matrix: [D, qkv (conv_dim, the conv's channel order) | z (Hv*dv,
+        # head-major) | b (Hv) | a (Hv)] (`in_proj_split` gives the column boundaries)
+        self.w_in = nnx.Param(init_weight(rngs, (d, in_proj_width(cfg)), d, dtype))
         self.conv = nnx.Param(init_weight(rngs, (cfg.linear_conv_kernel_dim, cfg.conv_dim),
                                           cfg.linear_conv_kernel_dim, dtype))  # [K, conv_dim]
         self.dt_bias = nnx.Param(jax.random.uniform(rngs.params(), (hv,), minval=-1, maxval=1).astype(dtype))
@@ -56,10 +68,16 @@ class GatedDeltaNet(nnx.Module):
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         km1 = cfg.linear_conv_kernel_dim - 1
 
-        xin = dense("btd,dc->btc", x, self.w_qkv[...], layout.kernels)  # [B,T,conv_dim] pre-conv
-        z = dense("btd,dhe->bthe", x, self.w_z[...], layout.kernels)  # [B,T,Hv,dv]
-        b = dense("btd,dh->bth", x, self.w_b[...], layout.kernels)  # [B,T,Hv]
-        a = dense("btd,dh->bth", x, self.w_a[...], layout.kernels)
+        proj = dense("btd,dc->btc", x, self.w_in[...], layout.kernels)  # one GEMM/GEMV for qkv|z|b|a
+        if not layout.is_tree and T == 1:  # decode step (one real token): conv ... gated norm in one op
+            o, conv, state = ops.gdn_decode_fused(
+                proj[:, 0], cache.conv, self.conv[...], self.A_log[...], self.dt_bias[...], self.norm[...],
+                cache.recurrent, layout.kernels, num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv,
+                conv_kernel=cfg.linear_conv_kernel_dim, eps=cfg.rms_norm_eps)  # o [B,Hv,dv]
+            out = dense("bthe,hed->btd", o[:, None], self.w_out[...], layout.kernels)
+            return out, GDNState(conv=conv, recurrent=state), None
+        xin, z, b, a = jnp.split(proj, in_proj_split(cfg), axis=-1)  # xin [B,T,conv_dim] pre-conv
+        z = z.reshape(B, T, hv, dv)  # b, a: [B,T,Hv]
 
         xc = tree_conv(cache.conv, xin, layout.conv_src, self.conv[...])
         q, k, v = jnp.split(xc, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
@@ -80,12 +98,7 @@ class GatedDeltaNet(nnx.Module):
         else:
             valid = (jnp.arange(T) < layout.num_valid)[None, :, None]
             beta, g = jnp.where(valid, beta, 0.0), jnp.where(valid, g, 0.0)  # padding: no effect
-            if T == 1:
-                o, state = ops.gdn_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], cache.recurrent,
-                                        layout.kernels)
-                o = o[:, None]
-            else:
-                o, state = ops.gdn_chunked(q, k, v, g, beta, cache.recurrent, layout.kernels)
+            o, state = ops.gdn_chunked(q, k, v, g, beta, cache.recurrent, layout.kernels)
             rows = jnp.concatenate([cache.conv, xin.astype(cache.conv.dtype)], axis=1)
             conv = jax.lax.dynamic_slice_in_dim(rows, layout.num_valid, km1, axis=1)
             new_cache = GDNState(conv=conv, recurrent=state)

@@ -368,34 +368,43 @@ def _to_np(x) -> np.ndarray:
 
 
 def target_hf_tensors(cfg: TextConfig, graphdef, treedef, params: dict) -> dict[str, np.ndarray]:
-    """Our parameters -> HF `Qwen3_5ForCausalLM` (text-only) tensors (inverse of `loading._rules`)."""
+    """Our parameters -> HF `Qwen3_5ForCausalLM` (text-only) tensors (inverse of `hf_target._rules`: the
+    fused projections are split back into their HF tensors, so saved checkpoints keep the HF layout)."""
     pure = nnx.to_pure_dict(jax.tree.unflatten(treedef, dict_to_leaves(params)))
     D = cfg.hidden_size
+
+    def split_rows(w, names_rows):  # fused [D, ...] -> HF [rows, D] blocks in column order
+        hf = _to_np(w).reshape(D, -1).T
+        assert hf.shape[0] == sum(n for _, n in names_rows), (hf.shape, names_rows)
+        lo = 0
+        for name, n in names_rows:
+            out[name] = hf[lo:lo + n]
+            lo += n
+
     out = {"model.embed_tokens.weight": _to_np(pure["embed"]),
            "model.norm.weight": _to_np(pure["final_norm"]["weight"]),
            "lm_head.weight": _to_np(pure["lm_head"]).T}
+    H, Hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    Hv, dv, F = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.intermediate_size
     for i, t in enumerate(cfg.layer_types):
         L = pure["layers"][i]
         p = f"model.layers.{i}."
         out[p + "input_layernorm.weight"] = _to_np(L["input_norm"]["weight"])
         out[p + "post_attention_layernorm.weight"] = _to_np(L["post_norm"]["weight"])
-        for name, key in (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down")):
-            out[p + f"mlp.{name}.weight"] = _to_np(L["mlp"][key]).T
+        split_rows(L["mlp"]["w_gate_up"], [(p + "mlp.gate_proj.weight", F), (p + "mlp.up_proj.weight", F)])
+        out[p + "mlp.down_proj.weight"] = _to_np(L["mlp"]["w_down"]).T
         m = L["mixer"]
         if t == ATTENTION:
             a = p + "self_attn."
-            out[a + "q_proj.weight"] = _to_np(m["wq"]).reshape(D, -1).T
-            out[a + "k_proj.weight"] = _to_np(m["wk"]).reshape(D, -1).T
-            out[a + "v_proj.weight"] = _to_np(m["wv"]).reshape(D, -1).T
+            split_rows(m["w_qkv"], [(a + "q_proj.weight", H * 2 * hd), (a + "k_proj.weight", Hkv * hd),
+                                    (a + "v_proj.weight", Hkv * hd)])
             out[a + "o_proj.weight"] = _to_np(m["wo"]).reshape(-1, D).T
             out[a + "q_norm.weight"] = _to_np(m["q_norm"])
             out[a + "k_norm.weight"] = _to_np(m["k_norm"])
         else:
             g = p + "linear_attn."
-            out[g + "in_proj_qkv.weight"] = _to_np(m["w_qkv"]).T
-            out[g + "in_proj_z.weight"] = _to_np(m["w_z"]).reshape(D, -1).T
-            out[g + "in_proj_b.weight"] = _to_np(m["w_b"]).T
-            out[g + "in_proj_a.weight"] = _to_np(m["w_a"]).T
+            split_rows(m["w_in"], [(g + "in_proj_qkv.weight", cfg.conv_dim), (g + "in_proj_z.weight", Hv * dv),
+                                   (g + "in_proj_b.weight", Hv), (g + "in_proj_a.weight", Hv)])
             out[g + "conv1d.weight"] = _to_np(m["conv"]).T[:, None, :]
             out[g + "dt_bias"] = _to_np(m["dt_bias"])
             out[g + "A_log"] = _to_np(m["A_log"])

@@ -111,6 +111,7 @@ def test_lowers_for_h200_at_27b_shapes_all_sweep_variants():
     ("btd,dc->btc", (1, 1, 64), (64, 96)),
     ("btd,dhe->bthe", (1, 3, 64), (64, 4, 16)),
     ("btd,dh->bth", (1, 5, 64), (64, 6)),
+    ("btd,dgf->btgf", (1, 1, 64), (64, 2, 48)),  # the fused MLP gate|up
     ("bthe,hed->btd", (1, 2, 4, 16), (4, 16, 64)),
 ])
 def test_ops_dense_dispatch_matches_einsum(monkeypatch, spec, xs, ws):
