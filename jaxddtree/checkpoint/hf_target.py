@@ -257,41 +257,6 @@ def plan_tensors(c: TextConfig, path: str) -> list[ParamPlan]:
     return sorted(plans, key=lambda e: (e.parts[0].file, e.parts[0].name))
 
 
-<<<<<<< HEAD
-def iter_tensors(plan: list[tuple]) -> Iterator[tuple[tuple, np.ndarray, Callable | None, str, str]]:
-    """Yield (param path, host array, transform, tensor name, file) for `plan_tensors`' entries one tensor
-    at a time, after the shape assert; raises CheckpointError for unreadable/misshapen tensors."""
-    by_file: dict[str, list] = {}
-    for p, name, file, shape, fn in plan:
-        by_file.setdefault(file, []).append((p, name, shape, fn))
-    for file in sorted(by_file):
-        with _open(file) as f:
-            for p, name, shape, fn in sorted(by_file[file], key=lambda e: e[1]):
-                try:
-                    arr = f.get_tensor(name)
-                except Exception as e:
-                    raise CheckpointError(f"{file}: cannot read tensor '{name}' ({e})") from None
-                if tuple(arr.shape) != tuple(shape):
-                    raise CheckpointError(f"{file}: tensor '{name}' has shape {tuple(arr.shape)}, "
-                                          f"expected {tuple(shape)}")
-                yield p, arr, fn, name, file
-
-
-def load_params(c: TextConfig, path: str, dtype, progress: bool = False) -> dict[tuple, jax.Array]:
-    """param path -> device array in `dtype`, tensor by tensor; `progress`: a tqdm bar (tensors) on stderr."""
-    from tqdm.auto import tqdm
-
-    plan = plan_tensors(c, path)
-    out = {}
-    with tqdm(total=len(plan), unit=" tensors", desc=f"loading {os.path.basename(os.path.normpath(path))}",
-              disable=not progress, dynamic_ncols=True) as bar:
-        for p, arr, fn, _, _ in iter_tensors(plan):
-            x = jax.device_put(arr)
-            x = (fn(x) if fn is not None else x).astype(dtype)
-            out[p] = x
-            bar.update()
-            del arr
-=======
 class _Files:
     """Reads tensors, keeping at most one safetensors file open (a fused parameter's parts are normally in
     one file; the plan is sorted by file)."""
@@ -318,13 +283,13 @@ class _Files:
         self.file, self.handle = None, None
 
 
-def iter_params(c: TextConfig, path: str) -> Iterator[tuple[ParamPlan, np.ndarray]]:
+def iter_params(plans: list[ParamPlan]) -> Iterator[tuple[ParamPlan, np.ndarray]]:
     """Yield (plan, host array of the stacked HF tensors) one parameter at a time, after the shape asserts;
     raises CheckpointError for missing/unknown/duplicated/misshapen tensors. A fused parameter's parts are
     copied into one buffer (their common dtype); a single tensor is yielded as read."""
     files = _Files()
     try:
-        for plan in plan_tensors(c, path):
+        for plan in plans:
             if len(plan.parts) == 1:
                 p = plan.parts[0]
                 yield plan, files.read(p.file, p.name, p.shape)
@@ -348,15 +313,19 @@ def iter_params(c: TextConfig, path: str) -> Iterator[tuple[ParamPlan, np.ndarra
         files.close()
 
 
-def load_params(c: TextConfig, path: str, dtype, progress: Callable | None = None) -> dict[tuple, jax.Array]:
-    """param path -> device array in `dtype`, parameter by parameter (transform and cast on device)."""
+def load_params(c: TextConfig, path: str, dtype, progress: bool = False) -> dict[tuple, jax.Array]:
+    """param path -> device array in `dtype`, parameter by parameter (transform and cast on device);
+    `progress`: a tqdm bar (parameters) on stderr."""
+    from tqdm.auto import tqdm
+
+    plans = plan_tensors(c, path)
     out = {}
-    for plan, arr in iter_params(c, path):
-        x = jax.device_put(arr)
-        x = (plan.fn(x) if plan.fn is not None else x).astype(dtype)
-        out[plan.path] = x
-        if progress is not None:
-            progress(", ".join(p.name for p in plan.parts), arr.nbytes)
-        del arr
->>>>>>> fused
+    with tqdm(total=len(plans), unit=" params", desc=f"loading {os.path.basename(os.path.normpath(path))}",
+              disable=not progress, dynamic_ncols=True) as bar:
+        for plan, arr in iter_params(plans):
+            x = jax.device_put(arr)
+            x = (plan.fn(x) if plan.fn is not None else x).astype(dtype)
+            out[plan.path] = x
+            bar.update()
+            del arr
     return out
