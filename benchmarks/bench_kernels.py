@@ -1,6 +1,6 @@
 """Pallas kernels vs their XLA (jnp) references at Qwen3.6-27B shapes, on one GPU.
 
-    PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/kernels.json [--sections tree,attn,decode,prefill,decode_fused]
+    PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/kernels.json [--sections tree,attn,prefill,decode_fused]
     JAX_PLATFORMS=cpu python benchmarks/bench_kernels.py --dry     # tiny shapes, interpret mode: checks the script
     --select REGEX runs only the variants whose 'section:variant' matches (the reference always runs)
 
@@ -39,7 +39,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kernels_pallas import gdn_decode, gdn_decode_fused, gdn_prefill, gdn_reference, gdn_tree, tree_attention  # noqa: E402
+from kernels_pallas import gdn_decode_fused, gdn_prefill, gdn_reference, gdn_tree, tree_attention  # noqa: E402
 from kernels_pallas._testing import (attention_inputs, gdn_decode_fused_inputs, gdn_inputs, random_tree_mask,  # noqa: E402
                                      rel_err)
 
@@ -53,7 +53,7 @@ H, HKV, HD = 24, 4, 256
 GDN_LAYERS, ATTN_LAYERS = 48, 16
 TREE_N, PREFIX, PREFILL_T = 65, 4096, 8192
 DRY = False  # --dry: tiny shapes, interpret mode, CPU (checks this script, not the kernels' speed)
-BUDGET = {"tree": 75, "attn": 50, "decode_attn": 15, "decode": 20, "prefill": 30, "decode_fused": 60}  # seconds per section (scaled by --budget-scale)
+BUDGET = {"tree": 75, "attn": 50, "decode_attn": 15, "prefill": 30, "decode_fused": 60}  # seconds per section (scaled by --budget-scale)
 
 RESULTS: dict = {}
 
@@ -194,65 +194,11 @@ def section_attn(T, variants, tag, deadline):
     return evaluate(tag, variants, make, a0, check, deadline, layers_all=layers, max_err=2e-2)
 
 
-# ----------------------------------------------------------------------------- GDN decode
-def section_decode(deadline):
-    log(f"== GDN decode step x{GDN_LAYERS} layers")
-    xs, states0 = [], []
-    for l in range(GDN_LAYERS):
-        q, k, v, g, beta, state = gdn_inputs(jax.random.PRNGKey(200 + l), 1, 1, HK, HV, DK, DV)
-        xs.append((q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0]))
-        states0.append(state)
-    xs, states0 = jax.device_put(xs), jax.device_put(states0)
-    r0 = [np.asarray(x) for x in jax.jit(gdn_decode.gdn_step_reference)(*xs[0], states0[0])]
-    variants = {
-        "xla_reference": None,
-        "bv64_w4": dict(block_v=64, num_warps=4),
-        "bv32_w4": dict(block_v=32, num_warps=4),
-        "bv128_w4": dict(block_v=128, num_warps=4),
-        "bv16_w2": dict(block_v=16, num_warps=2),
-    }
-    make = lambda kw: (gdn_decode.gdn_step_reference if kw is None
-                       else functools.partial(gdn_decode.gdn_step, **kw, **IKW()))
-    # per-layer GPU time without donation: XLA copies the state before the in-place kernel; that copy
-    # shows as its own kernel in the breakdown (the model donates its caches, so it has no such copy)
-    recs, best = evaluate("decode", variants, make, xs[0] + (states0[0],),
-                          lambda out: errs([("o", out[0], r0[0]), ("state", out[1], r0[1])]), deadline,
-                          max_err=1e-4, n_prof=50)
-    # all-layer wall time with the states donated (in place), reference and best
-    for name in [n for n in ("xla_reference", best) if n]:
-        kw = variants[name]
-        try:
-            fn = make(kw)
-            f = jax.jit(lambda xs, states: [fn(*a, s) for a, s in zip(xs, states)], donate_argnums=1)
-            states = [jnp.array(s) for s in states0]
-            outs = jax.block_until_ready(f(xs, states))
-            states = [s for _, s in outs]
-            reps, warmup = (1, 0) if DRY else (50, 3)
-            ts = []
-            for i in range(warmup + reps):
-                t = time.perf_counter()
-                outs = jax.block_until_ready(f(xs, states))
-                if i >= warmup:
-                    ts.append(time.perf_counter() - t)
-                states = [s for _, s in outs]
-            recs[name]["wall_ms_all_layers"] = 1e3 * statistics.median(ts)
-            log(f"  [decode] {name:30s} all {GDN_LAYERS} layers (donated): {recs[name]['wall_ms_all_layers']:.3f} ms wall")
-        except Exception as e:
-            recs[name]["wall_error"] = f"{type(e).__name__}: {str(e)[:1000]}"
-    RESULTS["gdn_decode"] = recs
-    summarize("gdn_decode", recs, best, GDN_LAYERS, "1")
-    mib = GDN_LAYERS * 2 * HV * DK * DV * 4 / 2**20
-    RESULTS["gdn_decode_state_traffic_MiB_48_layers"] = mib
-    RESULTS["gdn_decode_floor_ms_48_layers"] = {"at_3.31TBps_elementwise": mib * 2**20 / 3.31e12 * 1e3,
-                                                "at_4.2TBps_copy": mib * 2**20 / 4.2e12 * 1e3}
-
-
 # ----------------------------------------------------------------------------- GDN decode, fused
 def section_decode_fused(deadline):
     """One GDN decode step from the fused projection row to the gated-norm output (conv + SiLU, l2norm,
     beta/g, recurrent step, o rounding, gated RMSNorm, conv-state shift), bf16, at 27B shapes:
       xla_reference   the model's ops in jnp (kernels="xla" today), gdn_reference.gdn_decode_fused;
-      xla_ops_pallas_step  the same ops with the Pallas recurrent step (kernels="pallas" today);
       the rest        kernels_pallas.gdn_decode_fused (one Pallas kernel) with tuning variants.
     Every call donates the recurrent state (in place; fed back from call to call), so no state copy is
     timed. rel_err vs the reference (o in bf16, conv state, fp32 state) and o_bf16_differ_frac, the
@@ -267,19 +213,17 @@ def section_decode_fused(deadline):
     states0 = jax.device_put([a[6] for a in layers])
     ref_fn = functools.partial(gdn_reference.gdn_decode_fused, **d)
     r0 = [np.asarray(x.astype(jnp.float32)) for x in jax.jit(ref_fn)(*xs[0], states0[0])]
-    step = functools.partial(gdn_decode.gdn_step, **IKW())
     variants = {
         "xla_reference": ref_fn,
-        "xla_ops_pallas_step": functools.partial(gdn_reference.gdn_decode_composed, **d, step=step),
-        "default": {},  # whole head per program (block_v = dv), 8 warps
-        "w4": dict(num_warps=4),
+        "default": {},  # whole head per program (block_v = dv), 4 warps
+        "w8": dict(num_warps=8),
         "w16": dict(num_warps=16),
         "bv64_w4": dict(block_v=64, num_warps=4),
         "bv64_w8": dict(block_v=64, num_warps=8),
         "bv32_w4": dict(block_v=32, num_warps=4),
     }
     if DRY:  # interpret mode on the CPU: check the script, not the tuning
-        variants = {k: variants[k] for k in ("xla_reference", "xla_ops_pallas_step", "default")}
+        variants = {k: variants[k] for k in ("xla_reference", "default")}
         variants["bv16_w4"] = dict(block_v=16, num_warps=4)
     if SELECT:
         import re
@@ -333,7 +277,7 @@ def section_decode_fused(deadline):
     ok = {k: r for k, r in recs.items() if not k.startswith("xla") and "rel_err" in r
           and max(r["rel_err"].values()) <= 1e-3 and key(r)}
     best = min(ok, key=lambda k: key(ok[k])) if ok else None
-    for name in [n for n in ("xla_reference", "xla_ops_pallas_step", best) if n in recs and "rel_err" in recs[n]]:
+    for name in [n for n in ("xla_reference", best) if n in recs and "rel_err" in recs[n]]:
         try:  # all layers in one call (each its own inputs), states donated and fed back
             fn = make(variants[name])
             allf = jax.jit(lambda xs, states, fn=fn: [fn(*x, s) for x, s in zip(xs, states)], donate_argnums=1)
@@ -348,7 +292,7 @@ def section_decode_fused(deadline):
             log(f"  [decode_fused] {name} all-layer wall FAILED {recs[name]['wall_error'][:300]}")
     RESULTS["gdn_decode_fused"] = recs
     RESULTS["gdn_decode_fused_best_variant"] = best
-    for tag, name in (("fused", best), ("xla", "xla_reference"), ("xla_ops_pallas_step", "xla_ops_pallas_step")):
+    for tag, name in (("fused", best), ("xla", "xla_reference")):
         r = recs.get(name, {}) if name else {}
         g = r.get("gpu_us_per_layer")
         RESULTS[f"gdn_decode_fused_{tag}_gpu_ms_{GDN_LAYERS}_layers"] = None if g is None else GDN_LAYERS * g / 1e3
@@ -388,7 +332,7 @@ def main():
     global DRY, HK, HV, DK, DV, CONV_K, H, HKV, HD, GDN_LAYERS, ATTN_LAYERS, TREE_N, PREFIX, PREFILL_T, SELECT
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="")
-    ap.add_argument("--sections", default="tree,attn,decode,prefill,decode_fused")
+    ap.add_argument("--sections", default="tree,attn,prefill,decode_fused")
     ap.add_argument("--dry", action="store_true", help="tiny shapes in interpret mode on the CPU")
     ap.add_argument("--budget-scale", type=float, default=1.0)
     ap.add_argument("--select", default=None, help="regex on 'section:variant' (the reference always runs)")
@@ -433,8 +377,6 @@ def main():
                                             "decode_attn", time.perf_counter() + BUDGET["decode_attn"] * args.budget_scale)
                 RESULTS["decode_attention"] = recs1
                 summarize("decode_attention", recs1, best1, ATTN_LAYERS, "1")
-            elif sec == "decode":
-                section_decode(deadline)
             elif sec == "prefill":
                 section_prefill(deadline)
             elif sec == "decode_fused":

@@ -187,20 +187,10 @@ def gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, *,
     [K, conv_dim]; A_log, dt_bias [Hv]; norm_w [dv]; state [B, Hv, dk, dv] fp32.
     Returns (o [B, Hv, dv] in proj's dtype, conv_state [B, K-1, conv_dim], state [B, Hv, dk, dv]).
 
-    The ops (and roundings) of `GatedDeltaNet.__call__` at T = 1: conv over the K-1 state rows and the
+    The ops (and roundings) of the model's GDN layer at T = 1 before the fused op: conv over the K-1 state rows and the
     token; q,k l2-normalised (q·dk^-1/2), beta = round(sigmoid(b)), g = -exp(A_log)·softplus(a + dt_bias);
     the recurrent step (`gdn_step`); o rounded; gated RMSNorm with z; conv state shifted by one row.
     """
-    return gdn_decode_composed(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, num_k_heads=num_k_heads,
-                               num_v_heads=num_v_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim,
-                               conv_kernel=conv_kernel, eps=eps)
-
-
-def gdn_decode_composed(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, *, num_k_heads: int,
-                        num_v_heads: int, head_k_dim: int, head_v_dim: int, conv_kernel: int, eps: float,
-                        step=gdn_step):
-    """`gdn_decode_fused` with the recurrent step as a parameter (`step(q, k, v, g, beta, state) -> (o, state)`,
-    e.g. the Pallas `gdn_decode.gdn_step`: the model's kernels="pallas" decode path today)."""
     hk, hv, dk, dv, K = num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel
     B = proj.shape[0]
     dtype = proj.dtype
@@ -216,7 +206,7 @@ def gdn_decode_composed(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state,
     v = v.reshape(B, hv, dv).astype(jnp.float32)
     beta = f32(rounded(sigmoid32(b), dtype))
     g = -jnp.exp(A_log.astype(jnp.float32)) * softplus_torch(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
-    o, state = step(q, k, v, g, beta, state)
+    o, state = gdn_step(q, k, v, g, beta, state)
     o = gated_rms_norm(rounded(o, dtype), z, norm_w, eps)
     conv = jnp.concatenate([conv_state, xin[:, None].astype(conv_state.dtype)], axis=1)[:, 1:]
     return o, conv, state

@@ -37,14 +37,6 @@ def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, kernels="xla"
     return tree_attention_reference(q, k_cache, v_cache, start, k_new, v_new, mask)
 
 
-def gdn_step(q, k, v, g, beta, state, kernels="xla"):
-    _check(kernels)
-    if kernels == "pallas":
-        from kernels_pallas import gdn_decode
-        return gdn_decode.gdn_step(q, k, v, g, beta, state)
-    return gdn_reference.gdn_step(q, k, v, g, beta, state)
-
-
 def gdn_chunked(q, k, v, g, beta, state, kernels="xla"):
     _check(kernels)
     if kernels == "pallas":

@@ -27,7 +27,7 @@ def test_bench_smoke_writes_every_key(tmp_path):
 
 
 def test_kernel_benches_dry(tmp_path):
-    _run(["benchmarks/bench_kernels.py", "--dry", "--sections", "tree,attn,decode,prefill,decode_fused",
+    _run(["benchmarks/bench_kernels.py", "--dry", "--sections", "tree,attn,prefill,decode_fused",
           "--out", str(tmp_path / "k.json")])
     k = json.loads((tmp_path / "k.json").read_text())
     assert k["dry"] is True and "decode_fused_section_error" not in k
