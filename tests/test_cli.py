@@ -30,6 +30,7 @@ for _p in (ROOT, HERE):
 
 import helpers_dflash  # noqa: E402
 import hf_models  # noqa: E402
+from jaxddtree.checkpoint import orbax_format  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "scripts", "generate.py")
 DEMO = os.path.join(ROOT, "demo")
@@ -286,7 +287,8 @@ def test_errors_before_loading(dirs, tmp_path, capsys):
     shutil.copytree(os.path.join(DEMO, "target"), hf, ignore=shutil.ignore_patterns("*.safetensors"))
     shutil.copytree(hf, conv)
     with open(conv / "jaxddtree_checkpoint.json", "w") as f:
-        json.dump({"format": "jaxddtree-orbax", "format_version": 1, "kind": "target", "dtype": "float32"}, f)
+        json.dump({"format": "jaxddtree-orbax", "format_version": orbax_format.FORMAT_VERSION, "kind": "target",
+                   "dtype": "float32"}, f)
     demo_drafter = os.path.join(DEMO, "drafter")
     cases = [
         (["--temperature", "inf"], "--temperature: must be a finite number >= 0, got inf"),

@@ -78,13 +78,14 @@ def test_kernel_two_steps_in_place():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
 def test_reference_matches_model_decode_step(dtype):
-    """The reference on the fused row [xin | z | b | a] (the model's own projections, concatenated) gives
-    the model's T = 1 output (after the same out_proj) and caches: bitwise."""
+    """The model's decode step (T = 1: one `ops.gdn_decode_fused` on the fused projection row, here the
+    reference) against the same token through the model's other path: a T = 8 sequence pass with one real
+    token (conv over the state rows, the chunked WY form with padding, the gated norm). Output row and both
+    caches must agree to rounding. (The decode step against transformers: tests/test_model.py.)"""
     from jaxddtree.model import layout as L
     from jaxddtree.model.cache import GDNState
     from jaxddtree.model.config import TextConfig
     from jaxddtree.model.gated_deltanet import GatedDeltaNet
-    from jaxddtree.model.linear import dense
 
     hk, hv, dk, dv, D, B = 2, 6, 16, 32, 64, 1
     cfg = TextConfig(vocab_size=32, hidden_size=D, intermediate_size=96, num_hidden_layers=1,
@@ -97,29 +98,18 @@ def test_reference_matches_model_decode_step(dtype):
     x = jax.random.normal(ks[0], (B, 1, D)).astype(dtype)
     cache = GDNState(conv=jax.random.normal(ks[1], (B, K - 1, cfg.conv_dim)).astype(dtype),
                      recurrent=0.1 * jax.random.normal(ks[2], (B, hv, dk, dv), jnp.float32))
-    lay = L.sequence(5, 1, K, batch=B)
 
-    @jax.jit
-    def model_step(x, cache):
-        y, new, _ = m(x, cache, lay)
-        return y, new
+    @functools.partial(jax.jit, static_argnames="t")
+    def step(x, cache, t):
+        xt = jnp.concatenate([x, jnp.ones((B, t - 1, D), x.dtype)], axis=1)  # padding rows: no effect
+        y, new, _ = m(xt, cache, L.sequence(5, t, K, num_valid=1, batch=B))
+        return y[:, :1], new
 
-    @jax.jit
-    def fused_step(x, cache):
-        xin = dense("btd,dc->btc", x, m.w_qkv[...])
-        z = dense("btd,dhe->bthe", x, m.w_z[...])
-        b = dense("btd,dh->bth", x, m.w_b[...])
-        a = dense("btd,dh->bth", x, m.w_a[...])
-        proj = jnp.concatenate([xin, z.reshape(B, 1, hv * dv), b, a], axis=-1)[:, 0]
-        o, conv, rec = ops.gdn_decode_fused(proj, cache.conv, m.conv[...], m.A_log[...], m.dt_bias[...],
-                                            m.norm[...], cache.recurrent, **dims(hk, hv, dk, dv), kernels="xla")
-        return dense("bthe,hed->btd", o[:, None], m.w_out[...]), GDNState(conv=conv, recurrent=rec)
-
-    y_m, c_m = model_step(x, cache)
-    y_f, c_f = fused_step(x, cache)
-    np.testing.assert_array_equal(np.asarray(c_f.conv), np.asarray(c_m.conv))
-    np.testing.assert_array_equal(np.asarray(c_f.recurrent), np.asarray(c_m.recurrent))
-    np.testing.assert_array_equal(np.asarray(y_f.astype(jnp.float32)), np.asarray(y_m.astype(jnp.float32)))
+    (y1, c1), (y8, c8) = step(x, cache, 1), step(x, cache, 8)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2  # (the projection's sums differ with the row count: not bitwise)
+    assert rel_err(c1.conv, c8.conv) < tol  # the same rows, shifted
+    assert rel_err(c1.recurrent, c8.recurrent) < tol
+    assert rel_err(y1, y8) < tol
 
 
 def test_ops_dispatch():
