@@ -186,9 +186,10 @@ def test_dequantize_matches_reference_weights(everything):
     assert n_fp8 > 10
 
 
-def test_generate_lossless(released):
+def test_generate_lossless(everything):
+    """The all-fp8 variant: the drafter also reads the target's fp8 lm_head (dequantized)."""
     import helpers_dflash
-    fp8_dir, _ = released
+    fp8_dir, _ = everything
     target = jaxddtree.load_target(fp8_dir, "float32")
     ddir = os.path.join(os.path.dirname(fp8_dir), "drafter")
     cfg = helpers_dflash.tiny_config(hidden=64, vocab=97, mask_token_id=96, num_target_layers=4,
@@ -276,3 +277,48 @@ def test_layout_everything(everything):
     assert isinstance(m.layers[3].mlp.w_gate_up[...], Fp8Weight)
     qkv = m.layers[3].mixer.w_qkv[...]  # fp8 | plain | fp8: dequantized on load, in the compute dtype
     assert not isinstance(qkv, Fp8Weight) and qkv.dtype == np.dtype("bfloat16")
+
+
+def test_wrapper_sharded(released, tmp_path):
+    """The multimodal wrapper layout (`model.language_model.*`, quantization_config inside text_config),
+    sharded with an index: the same parameters as the text-only FP8 checkpoint."""
+    import jax
+    from flax import nnx
+    from safetensors.torch import load_file, save_file
+    fp8_dir = released[0]
+    sd = load_file(os.path.join(fp8_dir, "model.safetensors"))
+    with open(os.path.join(fp8_dir, "config.json")) as f:
+        text = json.load(f)
+    d = str(tmp_path / "wrapper")
+    os.makedirs(d)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump({"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+                   "text_config": text}, f)
+    names = sorted(sd)
+    weight_map = {}
+    for s, chunk in enumerate((names[::2], names[1::2])):  # a weight and its scale often in different shards
+        fname = f"model-0000{s + 1}-of-00002.safetensors"
+        out = {}
+        for n in chunk:
+            new = n if n == "lm_head.weight" else "model.language_model." + n[len("model."):]
+            out[new] = sd[n]
+            weight_map[new] = fname
+        save_file(out, os.path.join(d, fname))
+    with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    a = nnx.to_pure_dict(nnx.state(jaxddtree.load_target(d, "float32").module()))
+    b = nnx.to_pure_dict(nnx.state(jaxddtree.load_target(fp8_dir, "float32").module()))
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb) and jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(la, lb):
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+
+
+def test_fp8_without_config(released, tmp_path):
+    d = _copy(released[0], str(tmp_path / "noconf"))
+    _edit_config(d, lambda c: c.pop("quantization_config"))
+    _edit_tensors(d, lambda sd: [sd.pop(k) for k in [k for k in sd if k.endswith("_scale_inv")]])
+    with pytest.raises(CheckpointError, match=r"tensor '.*\.weight' is fp8, but config\.json has no fp8 "
+                                              r"quantization_config"):
+        jaxddtree.load_target(d, "float32")

@@ -14,6 +14,12 @@ of one parameter (CheckpointError naming it if it is unknown, duplicated or miss
 parameter is missing). Parameters are assembled one at a time: the parts of a fused one are copied into
 one host buffer in the checkpoint's dtype, then moved to the device, transformed and cast there, so host
 memory stays near the size of the largest parameter.
+
+FP8 checkpoints (config `quantization_config` of transformers' fine-grained FP8: quant_method "fp8", e4m3,
+dynamic activations, `weight_block_size`): a projection part stored as float8_e4m3fn must come with its
+`<module>.weight_scale_inv` [ceil(out/bo), ceil(in/bi)] (fp32 or bf16), and a scale only with an fp8 weight;
+whether a part is quantized is read from its dtype (modules_to_not_convert is not consulted). A parameter
+with fp8 parts becomes a `jaxddtree.model.fp8.Fp8Weight` (fp8 + block scales on device); see `_load_fp8`.
 """
 
 from __future__ import annotations
@@ -474,6 +480,9 @@ class _Files:
         try:
             arr = self.handle.get_tensor(name)
         except Exception as e:
+            if "float8" in str(e):
+                raise CheckpointError(f"{file}: tensor '{name}' is fp8, but config.json has no fp8 "
+                                      f"quantization_config") from None
             raise CheckpointError(f"{file}: cannot read tensor '{name}' ({e})") from None
         if tuple(arr.shape) != tuple(shape):
             raise CheckpointError(f"{file}: tensor '{name}' has shape {tuple(arr.shape)}, "
