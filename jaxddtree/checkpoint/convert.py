@@ -302,6 +302,12 @@ def convert(src: str, dst: str, *, dtype: str = "bfloat16", kind: str | None = N
     kind = kind or detect_kind(raw)
     if kind not in ("target", "drafter"):
         raise ConvertError(f"unknown kind '{kind}' (use target or drafter)")
+    quant = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else None
+        if method == "fp8":
+            raise ConvertError(f"{src}: FP8 checkpoints are not convertible yet; load the HF directory directly")
+        raise ConvertError(f"{src}: quantized checkpoints (quant_method {method!r}) are not supported")
     if dtype not in DTYPES:
         raise ConvertError(f"unsupported dtype '{dtype}' (use bfloat16 or float32)")
     dname = DTYPES[dtype]

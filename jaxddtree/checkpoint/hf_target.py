@@ -14,6 +14,12 @@ of one parameter (CheckpointError naming it if it is unknown, duplicated or miss
 parameter is missing). Parameters are assembled one at a time: the parts of a fused one are copied into
 one host buffer in the checkpoint's dtype, then moved to the device, transformed and cast there, so host
 memory stays near the size of the largest parameter.
+
+FP8 checkpoints (config `quantization_config` of transformers' fine-grained FP8: quant_method "fp8", e4m3,
+dynamic activations, `weight_block_size`): a projection part stored as float8_e4m3fn must come with its
+`<module>.weight_scale_inv` [ceil(out/bo), ceil(in/bi)] (fp32 or bf16), and a scale only with an fp8 weight;
+whether a part is quantized is read from its dtype (modules_to_not_convert is not consulted). A parameter
+with fp8 parts becomes a `jaxddtree.model.fp8.Fp8Weight` (fp8 + block scales on device); see `_load_fp8`.
 """
 
 from __future__ import annotations
@@ -52,10 +58,13 @@ class Part(NamedTuple):
 
 
 class ParamPlan(NamedTuple):
-    """How to build one parameter: read `parts` (in order), stack them along axis 0, apply `fn`."""
+    """How to build one parameter: read `parts` (in order), stack them along axis 0, apply `fn`. In an FP8
+    checkpoint `scales` has one entry per part: (name, file) of its `weight_scale_inv` when the part is
+    stored in float8_e4m3fn, else None; () when no part is quantized."""
     path: tuple
     parts: tuple  # of Part
     fn: Callable | None
+    scales: tuple = ()
 
     @property
     def shape(self) -> tuple:
@@ -218,11 +227,28 @@ def plan_tensors(c: TextConfig, path: str) -> list[ParamPlan]:
     """The checkpoint's parameters as ParamPlans, sorted by (file, name) of their first part, after the key
     map, duplicate and coverage checks (shapes are checked when read)."""
     files = checkpoint_files(path)
+    fp8 = fp8_format(path)
     rules = _rules(c)
     compiled = _compiled(rules)
     slots: dict[tuple, tuple[str, str]] = {}  # (rule, layer, part) -> (tensor name, file)
+    scale_slots: dict[tuple, tuple[str, str]] = {}  # same key -> its weight_scale_inv (FP8 checkpoints)
     prefixes = []
     for name, file in files.items():
+        if name.endswith(".weight_scale_inv") or name.endswith(".activation_scale"):
+            if fp8 is None:
+                raise CheckpointError(f"tensor '{name}' ({file}) is an FP8 scale, but config.json has no fp8 "
+                                      f"quantization_config")
+            if name.endswith(".activation_scale"):
+                raise CheckpointError(f"tensor '{name}' ({file}): static FP8 activation scales are not "
+                                      f"supported (activation_scheme must be 'dynamic')")
+            s = map_name(c, name[:-len("_scale_inv")], rules, compiled)
+            if s is None:
+                continue
+            key = (s.rule, s.layer, s.part)
+            if key in scale_slots:
+                raise CheckpointError(f"tensor '{name}' ({file}) duplicates '{scale_slots[key][0]}'")
+            scale_slots[key] = (name, file)
+            continue
         s = map_name(c, name, rules, compiled)
         if s is None:
             continue
@@ -248,13 +274,196 @@ def plan_tensors(c: TextConfig, path: str) -> list[ParamPlan]:
                 else:
                     parts.append(Part(got[0], got[1], tuple(shape)))
             if len(parts) == len(rule.parts):
-                plans.append(ParamPlan(_param_path(rule, i), tuple(parts), rule.fn))
+                scales = tuple(scale_slots.get((r, i, k)) for k in range(len(parts))) if fp8 else ()
+                plans.append(ParamPlan(_param_path(rule, i), tuple(parts), rule.fn, scales))
     if missing:
         rule, i, k = missing[0]
         raise CheckpointError(f"{path}: checkpoint lacks tensor '{_part_name(rule, k, i, prefix)}' for parameter "
                               f"{'.'.join(map(str, _param_path(rule, i)))}{_describe_part(rule, k)} "
                               f"({len(missing)} missing in all)")
+    if fp8 is not None:
+        _check_fp8_plans(plans, rules)
     return sorted(plans, key=lambda e: (e.parts[0].file, e.parts[0].name))
+
+
+# ------------------------------------------------------------------------------------------------- FP8
+# transformers' fine-grained FP8 (integrations/finegrained_fp8.py, quantizers/quantizer_finegrained_fp8.py,
+# utils/quantization_config.py FineGrainedFP8Config): see jaxddtree/model/fp8.py for the format.
+
+class Fp8Format(NamedTuple):
+    block: tuple  # weight_block_size (rows = output channels, cols = input channels)
+    modules_to_not_convert: tuple
+
+
+def fp8_format(path: str) -> Fp8Format | None:
+    """The checkpoint's FP8 quantization (config.json's `quantization_config`, top level or in
+    `text_config`), None when it has none; CheckpointError for a quantization we cannot load."""
+    file = os.path.join(path, "config.json")
+    try:
+        with open(file) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return None  # load_config reports it
+    q = raw.get("quantization_config") if isinstance(raw, dict) else None
+    if q is None and isinstance(raw.get("text_config"), dict):
+        q = raw["text_config"].get("quantization_config")
+    if q is None:
+        return None
+    where = f"{file}: quantization_config"
+    if not isinstance(q, dict):
+        raise CheckpointError(f"{where} is not an object")
+    if q.get("quant_method") != "fp8":
+        raise CheckpointError(f"{where}: quant_method {q.get('quant_method')!r} is not supported (only 'fp8', "
+                              f"block-wise e4m3)")
+    if q.get("fmt", "e4m3") != "e4m3":
+        raise CheckpointError(f"{where}: fmt {q.get('fmt')!r} is not supported (only 'e4m3')")
+    if str(q.get("activation_scheme", "dynamic")).lower() != "dynamic":
+        raise CheckpointError(f"{where}: activation_scheme {q.get('activation_scheme')!r} is not supported "
+                              f"(only 'dynamic')")
+    if q.get("scale_fmt", "float") != "float":
+        raise CheckpointError(f"{where}: scale_fmt {q.get('scale_fmt')!r} is not supported (only 'float')")
+    if q.get("expert_dtype", "fp8") != "fp8" or q.get("modules_to_convert"):
+        raise CheckpointError(f"{where}: expert_dtype / modules_to_convert (quantized embeddings) are not "
+                              f"supported")
+    bs = q.get("weight_block_size", [128, 128])  # FineGrainedFP8Config's default
+    if (not isinstance(bs, (list, tuple)) or len(bs) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in bs)):
+        raise CheckpointError(f"{where}: weight_block_size {bs!r} is not supported (two positive integers; "
+                              f"per-tensor scales are not supported)")
+    skip = q.get("modules_to_not_convert", q.get("ignored_layers")) or []
+    return Fp8Format(block=(int(bs[0]), int(bs[1])), modules_to_not_convert=tuple(skip))
+
+
+_ST_FP8 = "F8_E4M3"
+
+
+def _st_dtype(code: str):
+    import ml_dtypes
+    table = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "BF16": ml_dtypes.bfloat16, "F16": np.float16,
+             "F32": np.float32, "F64": np.float64}
+    return table.get(code)
+
+
+class _Headers:
+    """safetensors headers (data offset, tensor -> {dtype, shape, data_offsets}), read once per file."""
+
+    def __init__(self):
+        self.cache = {}
+
+    def get(self, file: str) -> tuple[int, dict]:
+        if file not in self.cache:
+            _open(file)  # CheckpointError naming the file if missing / corrupt
+            import struct
+            with open(file, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                self.cache[file] = (8 + n, json.loads(f.read(n)))
+        return self.cache[file]
+
+    def dtype(self, file: str, name: str) -> str:
+        return self.get(file)[1][name]["dtype"]
+
+    def read(self, file: str, name: str, shape: tuple | None = None) -> np.ndarray:
+        """A tensor as numpy (float8_e4m3fn and bfloat16 through ml_dtypes), after the shape check."""
+        start, header = self.get(file)
+        meta = header[name]
+        dt = _st_dtype(meta["dtype"])
+        if dt is None:
+            raise CheckpointError(f"{file}: tensor '{name}' has dtype {meta['dtype']}, not supported in an FP8 "
+                                  f"checkpoint")
+        if shape is not None and tuple(meta["shape"]) != tuple(shape):
+            raise CheckpointError(f"{file}: tensor '{name}' has shape {tuple(meta['shape'])}, "
+                                  f"expected {tuple(shape)}")
+        lo, hi = meta["data_offsets"]
+        with open(file, "rb") as f:
+            f.seek(start + lo)
+            buf = f.read(hi - lo)
+        n = int(np.prod(meta["shape"], dtype=np.int64))
+        if len(buf) != n * np.dtype(dt).itemsize:
+            raise CheckpointError(f"{file}: tensor '{name}' is truncated")
+        return np.frombuffer(buf, dt).reshape(meta["shape"])
+
+
+def _is_linear(rule: Rule) -> bool:
+    return rule.path != ("embed",) and all(len(shape) == 2 for _, shape in rule.parts)
+
+
+def _check_fp8_plans(plans: list[ParamPlan], rules: list[Rule]) -> None:
+    """Every float8_e4m3fn weight has a `weight_scale_inv` and is a projection; every scale has an fp8
+    weight (dtypes from the headers; scale shapes are checked when read)."""
+    linear_paths = {r.path for r in rules if _is_linear(r)}
+    headers = _Headers()
+    for plan in plans:
+        rel = plan.path[2:] if plan.path[0] == "layers" else plan.path
+        for part, scale in zip(plan.parts, plan.scales):
+            code = headers.dtype(part.file, part.name)
+            if code.startswith("F8") and code != _ST_FP8:
+                raise CheckpointError(f"{part.file}: tensor '{part.name}' has dtype {code} (only F8_E4M3 fp8 "
+                                      f"weights are supported)")
+            if code == _ST_FP8 and scale is None:
+                raise CheckpointError(f"{part.file}: fp8 tensor '{part.name}' has no "
+                                      f"'{part.name}_scale_inv' (its block scales)")
+            if scale is not None and code != _ST_FP8:
+                raise CheckpointError(f"{scale[1]}: tensor '{scale[0]}' scales '{part.name}', which is {code}, "
+                                      f"not fp8 (F8_E4M3)")
+            if code == _ST_FP8 and rel not in linear_paths:
+                raise CheckpointError(f"{part.file}: fp8 tensor '{part.name}' is not a projection weight "
+                                      f"(only linear layers can be fp8)")
+
+
+def _load_fp8(plan: ParamPlan, fmt: Fp8Format, headers: _Headers, dtype):
+    """One parameter with fp8 parts -> Fp8Weight (its quantized parts are a prefix of the fused parameter,
+    and the rest, if any, are the trailing columns of a 2-D one), or, for any other mix of fp8 and plain
+    parts, the array dequantized in fp32 and cast to `dtype`."""
+    import jax.numpy as jnp
+    from jaxddtree.model.fp8 import Fp8Weight
+
+    bo, bi = fmt.block
+    K = int(plan.parts[0].shape[1])
+    nbi = -(-K // bi)
+    model_shape = tuple(jax.eval_shape(plan.fn or (lambda x: x), jax.ShapeDtypeStruct(plan.shape, np.float32)).shape)
+    nc = next(n for n in range(1, len(model_shape) + 1) if int(np.prod(model_shape[:n])) == K)
+    qs, rows_scale, plain = [], [], []
+    for part, scale in zip(plan.parts, plan.scales):
+        w = headers.read(part.file, part.name, part.shape)
+        if scale is None:
+            plain.append(w)
+            continue
+        out = int(part.shape[0])
+        sname, sfile = scale
+        code = headers.dtype(sfile, sname)
+        if code not in ("F32", "BF16"):
+            raise CheckpointError(f"{sfile}: tensor '{sname}' has dtype {code} (block scales are float32 or "
+                                  f"bfloat16)")
+        s = headers.read(sfile, sname).astype(np.float32)
+        want = (-(-out // bo), nbi)
+        if tuple(s.shape) != want:
+            raise CheckpointError(f"{sfile}: tensor '{sname}' has shape {tuple(s.shape)}, expected {want} (one "
+                                  f"scale per {bo}x{bi} block of '{part.name}' {tuple(part.shape)})")
+        qs.append(w)
+        rows_scale.append(np.repeat(s, bo, axis=0)[:out])  # [out, nbi]: each output row's block scales
+    flags = [s is not None for s in plan.scales]
+    nq = len(qs)
+    prefix = all(flags[:nq]) and not any(flags[nq:])
+    if prefix and (nq == len(flags) or (len(model_shape) == 2 and nc == 1)):
+        q = jax.device_put(np.concatenate(qs, axis=0) if nq > 1 else qs[0])  # [Rq, K] fp8
+        sr = jax.device_put(np.concatenate(rows_scale, axis=0))  # [Rq, nbi]
+        if nq == len(flags):
+            q = plan.fn(q) if plan.fn is not None else q
+            scale = sr.T.reshape((nbi,) + model_shape[nc:])
+            return Fp8Weight(q=q, scale=scale, tail=None, block_in=bi, nc=nc)
+        assert model_shape == (K, plan.shape[0]), (plan.path, model_shape)  # a transposed [K, R] projection
+        tail = jax.device_put(np.concatenate([p.astype(np.float32) for p in plain], axis=0)).T.astype(dtype)
+        return Fp8Weight(q=q.T, scale=sr.T, tail=tail, block_in=bi, nc=1)
+    # any other mix: dequantize (fp32 product, as the reference) and store in `dtype`
+    full, it_q, it_p = [], iter(zip(qs, rows_scale)), iter(plain)
+    for f in flags:
+        if f:
+            w, sr = next(it_q)
+            full.append(w.astype(np.float32) * np.repeat(sr, bi, axis=1)[:, :K])
+        else:
+            full.append(next(it_p).astype(np.float32))
+    x = jax.device_put(np.concatenate(full, axis=0))
+    return (plan.fn(x) if plan.fn is not None else x).astype(dtype)
 
 
 class _Files:
@@ -271,6 +480,9 @@ class _Files:
         try:
             arr = self.handle.get_tensor(name)
         except Exception as e:
+            if "float8" in str(e):
+                raise CheckpointError(f"{file}: tensor '{name}' is fp8, but config.json has no fp8 "
+                                      f"quantization_config") from None
             raise CheckpointError(f"{file}: cannot read tensor '{name}' ({e})") from None
         if tuple(arr.shape) != tuple(shape):
             raise CheckpointError(f"{file}: tensor '{name}' has shape {tuple(arr.shape)}, "
@@ -319,9 +531,17 @@ def load_params(c: TextConfig, path: str, dtype, progress: bool = False) -> dict
     from tqdm.auto import tqdm
 
     plans = plan_tensors(c, path)
+    fp8_plans = [p for p in plans if any(s is not None for s in p.scales)]
+    plans = [p for p in plans if not any(s is not None for s in p.scales)]
     out = {}
-    with tqdm(total=len(plans), unit=" params", desc=f"loading {os.path.basename(os.path.normpath(path))}",
+    with tqdm(total=len(plans) + len(fp8_plans), unit=" params",
+              desc=f"loading {os.path.basename(os.path.normpath(path))}",
               disable=not progress, dynamic_ncols=True) as bar:
+        if fp8_plans:
+            fmt, headers = fp8_format(path), _Headers()
+            for plan in fp8_plans:
+                out[plan.path] = _load_fp8(plan, fmt, headers, dtype)
+                bar.update()
         for plan, arr in iter_params(plans):
             x = jax.device_put(arr)
             x = (plan.fn(x) if plan.fn is not None else x).astype(dtype)

@@ -16,12 +16,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kernels_pallas import ops
+from jaxddtree.model.fp8 import Fp8Weight
 # re-exported: the model rounds with these (they live with the kernels' references)
 from kernels_pallas.numerics import f32, rounded, sigmoid32, silu32  # noqa: F401
 
 
 def dense(spec: str, x: jax.Array, w: jax.Array, kernels: str = "xla") -> jax.Array:
-    """einsum(spec, x, w) accumulated in fp32, rounded once to x's dtype (`ops.dense` picks the kernel)."""
+    """einsum(spec, x, w) accumulated in fp32, rounded once to x's dtype (`ops.dense` picks the kernel).
+    An FP8 weight (`fp8.Fp8Weight`) is dequantized to x's dtype and contracted on the XLA path, exactly as
+    the same checkpoint dequantized would be (the fp8 Pallas kernels are not written yet)."""
+    if isinstance(w, Fp8Weight):
+        return rounded(ops.dense(spec, x, w.dequantize(x.dtype), "xla"), x.dtype)
     return rounded(ops.dense(spec, x, w, kernels), x.dtype)
 
 

@@ -1,0 +1,324 @@
+"""FP8 (block-wise e4m3, transformers' fine-grained FP8 format) target checkpoints on CPU.
+
+The tests quantize a tiny random transformers model themselves (per block: scale = 448 / max|w|, q =
+clamp(w * scale) in float8_e4m3fn, `weight_scale_inv` = 1 / scale, as transformers' `Fp8Quantize`, plus
+partial edge blocks), write the FP8 checkpoint (config `quantization_config`, `weight` fp8 +
+`weight_scale_inv`) and, as the reference, the same checkpoint dequantized to fp32 (plain layout):
+
+  * loading keeps fp8 weights + block scales on device (`Fp8Weight`), in_proj_b/a as the bf16 tail of
+    GDN `w_in`, and modules left out by `modules_to_not_convert` plain;
+  * fp32 logits equal the dequantized reference's (prefill and decode steps), for blocks that do not
+    divide the matrices, bf16 and fp32 scales, a fused parameter with a plain part in the middle;
+  * DDTree == DFlash == AR tokens at T = 0 on the fp8 target;
+  * malformed checkpoints (missing scale, wrong scale shape, unknown fmt, scale on a plain weight) give
+    a CheckpointError naming the tensor; `python -m convert` refuses FP8 checkpoints with one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import hf_models
+import jaxddtree
+from jaxddtree.checkpoint.params import CheckpointError
+from jaxddtree.model.fp8 import Fp8Weight
+
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+
+
+def quantize(w: torch.Tensor, bo: int, bi: int, scale_dtype=torch.float32):
+    """[out, in] fp32 -> (fp8 [out, in], weight_scale_inv [ceil(out/bo), ceil(in/bi)] in scale_dtype,
+    the dequantized fp32 weight)."""
+    out, inn = w.shape
+    nbo, nbi = -(-out // bo), -(-inn // bi)
+    pad = torch.zeros(nbo * bo, nbi * bi)
+    pad[:out, :inn] = w
+    r = pad.reshape(nbo, bo, nbi, bi)
+    max_abs = r.abs().amax(dim=(1, 3))
+    inv = torch.where(max_abs > 0, max_abs / FP8_MAX, torch.ones_like(max_abs)).to(scale_dtype)
+    scale = 1.0 / inv.float()
+    q = torch.clamp(r * scale[:, None, :, None], -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    q = q.reshape(nbo * bo, nbi * bi)[:out, :inn].contiguous()
+    s = inv.float().repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :inn]
+    return q, inv, q.float() * s
+
+
+def default_skip(name: str) -> bool:
+    """Not quantized in the Qwen3.6 FP8 release (per issue 17): lm_head, in_proj_a/b (and every non-linear
+    tensor)."""
+    return name == "lm_head.weight" or "in_proj_a" in name or "in_proj_b" in name
+
+
+def write_fp8_pair(model, root: str, block=(32, 24), scale_dtype=torch.float32, not_convert=(),
+                   skip=default_skip, fmt="e4m3"):
+    """Write `root/fp8` (FP8 checkpoint) and `root/ref` (the same weights dequantized, fp32). Linear
+    weights (2-D, not embed/conv) are quantized unless `skip(name)` or their module is in `not_convert`."""
+    ref_dir, fp8_dir = os.path.join(root, "ref"), os.path.join(root, "fp8")
+    hf_models.save_text_only(model, ref_dir)
+    from safetensors.torch import save_file
+    sd = {k: v.detach().float().contiguous() for k, v in model.state_dict().items()}
+    fp8_sd, ref_sd = {}, {}
+    for name, w in sd.items():
+        module = name.rsplit(".", 1)[0]
+        linear = name.endswith(".weight") and w.ndim == 2 and "embed_tokens" not in name
+        if linear and not skip(name) and module not in not_convert:
+            q, inv, deq = quantize(w, *block, scale_dtype)
+            fp8_sd[name], fp8_sd[module + ".weight_scale_inv"] = q, inv
+            ref_sd[name] = deq
+        else:
+            fp8_sd[name] = w.to(torch.bfloat16) if linear else w  # plain projections in bf16, as released
+            ref_sd[name] = fp8_sd[name].float()
+    for f in os.listdir(ref_dir):
+        if f.endswith(".safetensors") or f.endswith(".index.json"):
+            os.remove(os.path.join(ref_dir, f))
+    save_file(ref_sd, os.path.join(ref_dir, "model.safetensors"))
+    os.makedirs(fp8_dir)
+    save_file(fp8_sd, os.path.join(fp8_dir, "model.safetensors"))
+    with open(os.path.join(ref_dir, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": fmt, "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block),
+                                  "modules_to_not_convert": sorted(set(not_convert) | {"lm_head"})}
+    with open(os.path.join(fp8_dir, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return fp8_dir, ref_dir
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory):
+    """Qwen-like: 32x24 blocks (partial edge blocks everywhere), bf16 scales, lm_head / in_proj_a|b plain,
+    layer 1's down_proj left out by modules_to_not_convert."""
+    root = str(tmp_path_factory.mktemp("fp8_released"))
+    return write_fp8_pair(hf_models.causal_lm(0), root, block=(32, 24), scale_dtype=torch.bfloat16,
+                          not_convert=("model.layers.1.mlp.down_proj",))
+
+
+@pytest.fixture(scope="module")
+def everything(tmp_path_factory):
+    """16x16 blocks, fp32 scales, every projection fp8 (lm_head, in_proj_a|b too) except layer 3's
+    k_proj: a plain part in the middle of the fused w_qkv (dequantized on load)."""
+    root = str(tmp_path_factory.mktemp("fp8_all"))
+    return write_fp8_pair(hf_models.causal_lm(0), root, block=(16, 16), skip=lambda n: False,
+                          not_convert=("model.layers.3.self_attn.k_proj",))
+
+
+def test_layout_released(released):
+    fp8_dir, _ = released
+    t = jaxddtree.load_target(fp8_dir, "float32")
+    m = t.module()
+    assert t.dtype == np.float32
+    w_in = m.layers[0].mixer.w_in[...]  # GDN layer: qkv|z fp8, b|a the plain tail
+    assert isinstance(w_in, Fp8Weight) and w_in.q.dtype == np.dtype("float8_e4m3fn")
+    cfg = t.config
+    hv = cfg.linear_num_value_heads
+    assert w_in.tail is not None and w_in.tail.shape == (cfg.hidden_size, 2 * hv)
+    assert w_in.shape == (cfg.hidden_size, cfg.conv_dim + hv * cfg.linear_value_head_dim + 2 * hv)
+    assert w_in.scale.shape == (-(-cfg.hidden_size // 24), cfg.conv_dim + hv * cfg.linear_value_head_dim)
+    assert isinstance(m.layers[0].mlp.w_gate_up[...], Fp8Weight)
+    assert m.layers[0].mlp.w_gate_up[...].scale.shape == (-(-cfg.hidden_size // 24), 2, cfg.intermediate_size)
+    wo = m.layers[3].mixer.wo[...]
+    assert isinstance(wo, Fp8Weight) and wo.nc == 2 and wo.shape == (4, 16, cfg.hidden_size)
+    assert not isinstance(m.layers[1].mlp.w_down[...], Fp8Weight)  # modules_to_not_convert
+    assert not isinstance(m.lm_head[...], Fp8Weight)
+    assert m.embed[...].dtype == np.float32
+
+
+def _logits(jx, target, ids, steps):
+    cache = target.init_cache(jx.MAX_LEN)
+    lg, cache, _ = jx.prefill(target, cache, ids)
+    out = [lg]
+    tok = int(np.argmax(lg[-1]))
+    for _ in range(steps):
+        l1, cache = jx.decode(target, cache, tok)
+        out.append(l1[None])
+        tok = int(np.argmax(l1))
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("which", ["released", "everything"])
+def test_logits_match_dequantized(which, request, jx):
+    fp8_dir, ref_dir = request.getfixturevalue(which)
+    ids = np.random.RandomState(0).randint(0, 96, 21)
+    ours = _logits(jx, jaxddtree.load_target(fp8_dir, "float32"), ids, 3)
+    ref = _logits(jx, jaxddtree.load_target(ref_dir, "float32"), ids, 3)
+    err = hf_models.rel_err(ours, ref)
+    assert err <= 1e-6, err  # measured: 0.0 (the same dequantized fp32 weights, the same contractions)
+    # and the dequantized reference is what transformers computes from those weights
+    model = hf_models.Qwen3_5ForCausalLM.from_pretrained(ref_dir, dtype=torch.float32,
+                                                          attn_implementation="eager").eval()
+    assert hf_models.rel_err(ours[:len(ids)], hf_models.hf_logits(model, ids[None])[0]) <= 1e-4
+
+
+def test_bf16_compute_matches_dequantized(released, jx):
+    """`dtype` is the compute dtype: in bf16 the fp8 target computes what the dequantized checkpoint loaded
+    in bf16 does (dequantized in fp32, rounded once to bf16)."""
+    fp8_dir, ref_dir = released
+    ids = np.random.RandomState(2).randint(0, 96, 21)
+    ours = _logits(jx, jaxddtree.load_target(fp8_dir, "bfloat16"), ids, 1)
+    ref = _logits(jx, jaxddtree.load_target(ref_dir, "bfloat16"), ids, 1)
+    assert hf_models.rel_err(ours, ref) <= 1e-6
+
+
+def test_dequantize_matches_reference_weights(everything):
+    """Every parameter, fp8 or not, dequantizes to exactly the reference checkpoint's array."""
+    import jax
+    fp8_dir, ref_dir = everything
+    a = jaxddtree.load_target(fp8_dir, "float32").module()
+    b = jaxddtree.load_target(ref_dir, "float32").module()
+    from flax import nnx
+    sa = nnx.to_pure_dict(nnx.state(a))
+    sb = nnx.to_pure_dict(nnx.state(b))
+    fa = jax.tree.leaves(sa, is_leaf=lambda x: isinstance(x, Fp8Weight))
+    fb = jax.tree.leaves(sb)
+    assert len(fa) == len(fb)
+    n_fp8 = 0
+    for x, y in zip(fa, fb):
+        if isinstance(x, Fp8Weight):
+            n_fp8 += 1
+            x = x.dequantize(np.float32)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert n_fp8 > 10
+
+
+def test_generate_lossless(everything):
+    """The all-fp8 variant: the drafter also reads the target's fp8 lm_head (dequantized)."""
+    import helpers_dflash
+    fp8_dir, _ = everything
+    target = jaxddtree.load_target(fp8_dir, "float32")
+    ddir = os.path.join(os.path.dirname(fp8_dir), "drafter")
+    cfg = helpers_dflash.tiny_config(hidden=64, vocab=97, mask_token_id=96, num_target_layers=4,
+                                     target_layer_ids=(1, 2), block_size=8)
+    helpers_dflash.write_checkpoint(ddir, cfg, helpers_dflash.random_weights(cfg, seed=1))
+    drafter = jaxddtree.load_drafter(ddir, target, "float32")
+    prompt = np.random.RandomState(1).randint(0, 96, 20).tolist()
+    runs = {m: jaxddtree.generate(target, prompt, drafter=drafter, method=m, tree_budget=16,
+                                  max_new_tokens=24).tokens for m in ("ar", "dflash", "ddtree")}
+    assert len(runs["ar"]) == 24
+    assert runs["ddtree"] == runs["ar"] and runs["dflash"] == runs["ar"]
+
+
+# ---------------------------------------------------------------------------------------- malformed
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_tensors(d, fn):
+    from safetensors.torch import load_file, save_file
+    f = os.path.join(d, "model.safetensors")
+    sd = load_file(f)
+    fn(sd)
+    save_file(sd, f)
+
+
+def _edit_config(d, fn):
+    f = os.path.join(d, "config.json")
+    with open(f) as fh:
+        cfg = json.load(fh)
+    fn(cfg)
+    with open(f, "w") as fh:
+        json.dump(cfg, fh)
+
+
+NAME = "model.layers.0.mlp.up_proj.weight_scale_inv"
+
+
+@pytest.mark.parametrize("case,match", [
+    ("missing_scale", r"'model\.layers\.0\.mlp\.up_proj\.weight' has no 'model\.layers\.0\.mlp\.up_proj\."
+                      r"weight_scale_inv'"),
+    ("scale_shape", r"'model\.layers\.0\.mlp\.up_proj\.weight_scale_inv' has shape \(3, 2\), expected \(3, 3\)"),
+    ("unknown_fmt", r"fmt 'e5m2' is not supported"),
+    ("scale_on_plain", r"'model\.layers\.0\.linear_attn\.in_proj_b\.weight_scale_inv' scales"),
+    ("no_config", r"FP8 scale, but config\.json has no fp8 quantization_config"),
+    ("static", r"activation_scheme 'static' is not supported"),
+])
+def test_malformed(released, tmp_path, case, match):
+    d = _copy(released[0], str(tmp_path / case))
+    if case == "missing_scale":
+        _edit_tensors(d, lambda sd: sd.pop(NAME))
+    elif case == "scale_shape":
+        _edit_tensors(d, lambda sd: sd.__setitem__(NAME, sd[NAME][:, :2].contiguous()))
+    elif case == "unknown_fmt":
+        _edit_config(d, lambda c: c["quantization_config"].__setitem__("fmt", "e5m2"))
+    elif case == "scale_on_plain":
+        _edit_tensors(d, lambda sd: sd.__setitem__("model.layers.0.linear_attn.in_proj_b.weight_scale_inv",
+                                                   torch.ones(1, 3)))
+    elif case == "no_config":
+        _edit_config(d, lambda c: c.pop("quantization_config"))
+    elif case == "static":
+        _edit_config(d, lambda c: c["quantization_config"].__setitem__("activation_scheme", "static"))
+    with pytest.raises(CheckpointError, match=match):
+        jaxddtree.load_target(d, "float32")
+
+
+def test_convert_refuses_fp8(released, tmp_path):
+    from jaxddtree.checkpoint.convert import ConvertError, convert
+    with pytest.raises(ConvertError, match="FP8 checkpoints are not convertible yet; load the HF directory "
+                                           "directly") as e:
+        convert(released[0], str(tmp_path / "out"))
+    assert "\n" not in str(e.value)
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_layout_everything(everything):
+    t = jaxddtree.load_target(everything[0], "bfloat16")
+    m = t.module()
+    assert t.dtype == np.dtype("bfloat16")
+    w_in = m.layers[0].mixer.w_in[...]
+    assert isinstance(w_in, Fp8Weight) and w_in.tail is None  # in_proj_b|a fp8 too
+    assert isinstance(m.lm_head[...], Fp8Weight) and m.lm_head[...].shape == (64, 97)
+    assert t.lm_head.dtype == np.dtype("float8_e4m3fn")  # the drafter dequantizes it (`.astype`)
+    assert isinstance(m.layers[3].mlp.w_gate_up[...], Fp8Weight)
+    qkv = m.layers[3].mixer.w_qkv[...]  # fp8 | plain | fp8: dequantized on load, in the compute dtype
+    assert not isinstance(qkv, Fp8Weight) and qkv.dtype == np.dtype("bfloat16")
+
+
+def test_wrapper_sharded(released, tmp_path):
+    """The multimodal wrapper layout (`model.language_model.*`, quantization_config inside text_config),
+    sharded with an index: the same parameters as the text-only FP8 checkpoint."""
+    import jax
+    from flax import nnx
+    from safetensors.torch import load_file, save_file
+    fp8_dir = released[0]
+    sd = load_file(os.path.join(fp8_dir, "model.safetensors"))
+    with open(os.path.join(fp8_dir, "config.json")) as f:
+        text = json.load(f)
+    d = str(tmp_path / "wrapper")
+    os.makedirs(d)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump({"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+                   "text_config": text}, f)
+    names = sorted(sd)
+    weight_map = {}
+    for s, chunk in enumerate((names[::2], names[1::2])):  # a weight and its scale often in different shards
+        fname = f"model-0000{s + 1}-of-00002.safetensors"
+        out = {}
+        for n in chunk:
+            new = n if n == "lm_head.weight" else "model.language_model." + n[len("model."):]
+            out[new] = sd[n]
+            weight_map[new] = fname
+        save_file(out, os.path.join(d, fname))
+    with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    a = nnx.to_pure_dict(nnx.state(jaxddtree.load_target(d, "float32").module()))
+    b = nnx.to_pure_dict(nnx.state(jaxddtree.load_target(fp8_dir, "float32").module()))
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb) and jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(la, lb):
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+
+
+def test_fp8_without_config(released, tmp_path):
+    d = _copy(released[0], str(tmp_path / "noconf"))
+    _edit_config(d, lambda c: c.pop("quantization_config"))
+    _edit_tensors(d, lambda sd: [sd.pop(k) for k in [k for k in sd if k.endswith("_scale_inv")]])
+    with pytest.raises(CheckpointError, match=r"tensor '.*\.weight' is fp8, but config\.json has no fp8 "
+                                              r"quantization_config"):
+        jaxddtree.load_target(d, "float32")
