@@ -103,6 +103,17 @@ def from_pretrained_bf16(path: str) -> Qwen3_5ForCausalLM:
     return model.eval()
 
 
+def edit_config(path: str, fn) -> None:
+    """Rewrite `path`/config.json in place after `fn(config dict)` (tests that break a checkpoint's config)."""
+    import json
+    f = os.path.join(path, "config.json")
+    with open(f) as fh:
+        cfg = json.load(fh)
+    fn(cfg)
+    with open(f, "w") as fh:
+        json.dump(cfg, fh)
+
+
 def save_text_only(model, path: str, max_shard_size: str | None = None) -> str:
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, safe_serialization=True, **kw)

@@ -217,15 +217,6 @@ def _edit_tensors(d, fn):
     save_file(sd, f)
 
 
-def _edit_config(d, fn):
-    f = os.path.join(d, "config.json")
-    with open(f) as fh:
-        cfg = json.load(fh)
-    fn(cfg)
-    with open(f, "w") as fh:
-        json.dump(cfg, fh)
-
-
 NAME = "model.layers.0.mlp.up_proj.weight_scale_inv"
 
 
@@ -245,14 +236,14 @@ def test_malformed(released, tmp_path, case, match):
     elif case == "scale_shape":
         _edit_tensors(d, lambda sd: sd.__setitem__(NAME, sd[NAME][:, :2].contiguous()))
     elif case == "unknown_fmt":
-        _edit_config(d, lambda c: c["quantization_config"].__setitem__("fmt", "e5m2"))
+        hf_models.edit_config(d, lambda c: c["quantization_config"].__setitem__("fmt", "e5m2"))
     elif case == "scale_on_plain":
         _edit_tensors(d, lambda sd: sd.__setitem__("model.layers.0.linear_attn.in_proj_b.weight_scale_inv",
                                                    torch.ones(1, 3)))
     elif case == "no_config":
-        _edit_config(d, lambda c: c.pop("quantization_config"))
+        hf_models.edit_config(d, lambda c: c.pop("quantization_config"))
     elif case == "static":
-        _edit_config(d, lambda c: c["quantization_config"].__setitem__("activation_scheme", "static"))
+        hf_models.edit_config(d, lambda c: c["quantization_config"].__setitem__("activation_scheme", "static"))
     with pytest.raises(CheckpointError, match=match):
         jaxddtree.load_target(d, "float32")
 
@@ -317,7 +308,7 @@ def test_wrapper_sharded(released, tmp_path):
 
 def test_fp8_without_config(released, tmp_path):
     d = _copy(released[0], str(tmp_path / "noconf"))
-    _edit_config(d, lambda c: c.pop("quantization_config"))
+    hf_models.edit_config(d, lambda c: c.pop("quantization_config"))
     _edit_tensors(d, lambda sd: [sd.pop(k) for k in [k for k in sd if k.endswith("_scale_inv")]])
     with pytest.raises(CheckpointError, match=r"tensor '.*\.weight' is fp8, but config\.json has no fp8 "
                                               r"quantization_config"):

@@ -63,15 +63,6 @@ def _edit_index(path, fn):
         json.dump(idx, f)
 
 
-def _edit_config(path, fn):
-    p = os.path.join(path, "config.json")
-    with open(p) as f:
-        cfg = json.load(f)
-    fn(cfg)
-    with open(p, "w") as f:
-        json.dump(cfg, f)
-
-
 # ----------------------------------------------------------------------------- good checkpoints
 
 def test_all_layouts_give_identical_params_and_logits(ckpts, hf_base):
@@ -186,7 +177,7 @@ def test_training_export_splits_fused_params_back(ckpts):
 @pytest.mark.parametrize("layout", ["text_single", "wrapper_sharded"])
 def test_wrong_model_type(copy_ckpt, layout):
     path = copy_ckpt(layout)
-    _edit_config(path, lambda c: c.update(model_type="qwen3_next"))
+    hf_models.edit_config(path, lambda c: c.update(model_type="qwen3_next"))
     with pytest.raises(ConfigError, match=r"model_type 'qwen3_next'") as e:
         load_target(path, "float32")
     assert "config.json" in str(e.value)
@@ -194,7 +185,7 @@ def test_wrong_model_type(copy_ckpt, layout):
 
 def test_wrong_text_config_model_type_in_wrapper(copy_ckpt):
     path = copy_ckpt("wrapper_sharded")
-    _edit_config(path, lambda c: c["text_config"].update(model_type="llama"))
+    hf_models.edit_config(path, lambda c: c["text_config"].update(model_type="llama"))
     with pytest.raises(ConfigError, match=r"text_config\.model_type is 'llama'"):
         load_config(path)
 
@@ -221,7 +212,7 @@ def test_unsupported_config_value(copy_ckpt, layout, case):
     """Each unsupported value is a ConfigError naming the field (and text_config in the wrapper)."""
     fn, pattern = BAD_CONFIG[case]
     path = copy_ckpt(layout)
-    _edit_config(path, lambda c: fn(c["text_config"] if layout.startswith("wrapper") else c))
+    hf_models.edit_config(path, lambda c: fn(c["text_config"] if layout.startswith("wrapper") else c))
     with pytest.raises(ConfigError, match=pattern) as e:
         load_target(path, "float32")
     assert "config.json" in str(e.value)
@@ -231,7 +222,7 @@ def test_unsupported_config_value(copy_ckpt, layout, case):
 
 def test_tied_embeddings_rejected(copy_ckpt):
     path = copy_ckpt("text_single")
-    _edit_config(path, lambda c: c.update(tie_word_embeddings=True))
+    hf_models.edit_config(path, lambda c: c.update(tie_word_embeddings=True))
     with pytest.raises(ConfigError, match="tie_word_embeddings"):
         load_config(path)
 
