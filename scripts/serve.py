@@ -69,7 +69,7 @@ def load_engine(args):
     import jaxddtree as jd
     from jaxddtree.checkpoint import builtin
     from jaxddtree.serving import Engine
-    from jaxddtree.serving.text import encode_text, has_tokenizer, load_hf_tokenizer
+    from jaxddtree.text import encode_text, has_tokenizer, load_hf_tokenizer
 
     if args.compile_cache:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compile_cache))

@@ -31,7 +31,7 @@ def server():
 
     from jaxddtree.checkpoint import builtin
     from jaxddtree.serving import Engine, create_app
-    from jaxddtree.serving.text import encode_text
+    from jaxddtree.text import encode_text
 
     if builtin.demo_dirs() is None:
         pytest.skip("the demo pair (demo/) is absent")

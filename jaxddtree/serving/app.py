@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxddtree.serving.engine import Engine, Job, QueueFull
 from jaxddtree.serving.protocol import APIError, ChatRequest, CompletionRequest, parse
-from jaxddtree.serving.text import encode_chat, encode_text, ensure_chat_template
+from jaxddtree.text import encode_chat, encode_text, ensure_chat_template
 
 MAX_STOPS = 4
 

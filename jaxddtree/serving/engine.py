@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any
 
-from jaxddtree.serving.text import TextStream, default_stop_ids
+from jaxddtree.text import TextStream, default_stop_ids
 from jaxddtree.speculative.loop import generate
 
 

@@ -1,6 +1,6 @@
-"""Tokenizer helpers shared by scripts/generate.py and the server: loading a directory's tokenizer, a minimal
-ChatML template for tokenizers without one (the demo pair's), prompt encoding, the default stop ids, and
-incremental detokenisation with OpenAI-style stop strings (`TextStream`)."""
+"""Tokenizer helpers shared by scripts/generate.py and the server (jaxddtree.serving): loading a directory's
+tokenizer, a minimal ChatML template for tokenizers without one (the demo pair's), prompt encoding, the default
+stop ids, and incremental detokenisation with OpenAI-style stop strings (`TextStream`)."""
 
 from __future__ import annotations
 
