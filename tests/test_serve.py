@@ -187,3 +187,34 @@ def test_disconnect_cancels(server, client):
     assert engine.counts["completed"] == before["completed"]
     r = client.completions.create(model="demo", prompt="def main():\n", max_tokens=8, temperature=0)
     assert r.choices[0].text and r.usage.completion_tokens <= 8
+
+
+def test_queue_full_503(server, client, monkeypatch):
+    """One request runs, `queue` wait, the next gets 503; the waiting ones still complete."""
+    base, engine = server
+    gate, started = threading.Event(), threading.Event()
+    original = engine._generate
+
+    def held(*a, **kw):  # hold the worker until the queue is full
+        started.set()
+        gate.wait(60)
+        return original(*a, **kw)
+
+    monkeypatch.setattr(engine, "_generate", held)
+    monkeypatch.setattr(engine._queue, "maxsize", 1)
+    monkeypatch.setattr(engine, "queue_size", 1)
+    body = {"model": "demo", "prompt": "def main():\n", "max_tokens": 8, "temperature": 0}
+    post = lambda: httpx.post(base + "/v1/completions", json=body, timeout=60)
+    with ThreadPoolExecutor(2) as pool:
+        running = pool.submit(post)
+        assert started.wait(30)
+        waiting = pool.submit(post)
+        for _ in range(200):
+            if engine.waiting() == 1:
+                break
+            time.sleep(0.02)
+        r = post()
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["type"] == "server_error"
+        gate.set()
+        assert running.result().status_code == 200 and waiting.result().status_code == 200
