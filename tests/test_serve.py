@@ -120,15 +120,21 @@ def test_stop_strings(client):
 
 
 def test_concurrent_streams(client):
-    prompts = [f"def function_{i}(x):" for i in range(8)]
+    """32 streaming clients at once (8 prompts x 4): each stream equals its prompt's non-streamed text."""
+    prompts = ["import os\n", "import sys\n", "class A:\n    ", "def main():\n    ", "return ",
+               "for i in x:\n    ", "import re\n", "try:\n    "]
+    kw = dict(model="demo", max_tokens=24, temperature=0)
 
     def stream(p):
-        return _stream_text(_chat(client, p, max_tokens=32, stream=True))[0]
+        return "".join(c.choices[0].text for c in client.completions.create(prompt=p, stream=True, **kw)
+                       if c.choices)
 
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        streamed = list(pool.map(stream, prompts))
-    for p, s in zip(prompts, streamed):
-        assert s == _chat(client, p, max_tokens=32).choices[0].message.content
+    with ThreadPoolExecutor(32) as pool:
+        streamed = list(pool.map(stream, prompts * 4))
+    want = {p: client.completions.create(prompt=p, **kw).choices[0].text for p in prompts}
+    assert len(set(want.values())) >= 3  # different prompts give different texts: interleaving would show
+    for p, s in zip(prompts * 4, streamed):
+        assert s == want[p], p
 
 
 @pytest.mark.parametrize("body, status, param", [
