@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None, help="default: float32 on CPU, "
                    "bfloat16 on GPU")
     p.add_argument("--kernels", choices=("xla", "pallas"), default=None, help="default: pallas on GPU, xla on CPU")
+    p.add_argument("--warmup-temperatures", default="0,1", metavar="T,..", help="temperatures whose round is "
+                   "compiled before listening; each other temperature compiles on its first request (default: "
+                   "0,1: greedy and OpenAI's default 1.0)")
     p.add_argument("--no-warmup", action="store_true", help="do not compile before listening")
     p.add_argument("--compile-cache", metavar="DIR", default=os.environ.get("JAXDDTREE_COMPILE_CACHE"),
                    help="persistent XLA compilation cache directory (default: $JAXDDTREE_COMPILE_CACHE)")
@@ -96,8 +99,13 @@ def load_engine(args):
                     max_context=args.max_context, queue_size=args.queue)
     if not args.no_warmup:
         t = time.perf_counter()
-        engine.warmup(encode_text(tok, "Hello"))
-        print(f"serve.py: compiled in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+        try:
+            temps = [float(t) for t in args.warmup_temperatures.split(",") if t.strip()]
+        except ValueError:
+            raise SystemExit(f"serve.py: error: --warmup-temperatures {args.warmup_temperatures}: expected "
+                             "comma-separated numbers") from None
+        engine.warmup(encode_text(tok, "Hello"), temperatures=temps)
+        print(f"serve.py: compiled (temperatures {temps}) in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
     return engine
 
 

@@ -95,10 +95,11 @@ class Engine:
         self._queue.put(None)
 
     # ---------------------------------------------------------------- worker side
-    def warmup(self, prompt_ids, max_tokens: int = 256):
-        """Compile prefill and the round for `max_tokens` at temperature 0 (only one token is produced)."""
-        self._generate(list(prompt_ids), bucket(max_tokens, self.max_context - len(prompt_ids)), 0.0, 0,
-                       stop_ids=range(self.target.config.vocab_size), on_tokens=None)
+    def warmup(self, prompt_ids, max_tokens: int = 256, temperatures=(0.0,)):
+        """Compile prefill and the round for `max_tokens` at each temperature (only one token is produced)."""
+        for t in temperatures:
+            self._generate(list(prompt_ids), bucket(max_tokens, self.max_context - len(prompt_ids)), float(t), 0,
+                           stop_ids=range(self.target.config.vocab_size), on_tokens=None)
 
     def _generate(self, ids, max_new, temperature, seed, stop_ids, on_tokens):
         return generate(self.target, ids, drafter=self.drafter if self.method != "ar" else None,
