@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=positive_int, default=64, metavar="N", help="DDTree node budget (default: 64)")
     p.add_argument("--max-context", type=positive_int, default=None, metavar="N", help="prompt + completion "
                    "tokens at most (default: the model's max_position_embeddings)")
+    p.add_argument("--default-max-tokens", type=positive_int, default=256, metavar="N", help="completion "
+                   "tokens of a chat request without max_tokens, capped by the context; its round is compiled "
+                   "at start-up (default: 256; /v1/completions defaults to 16 as in the OpenAI API)")
     p.add_argument("--queue", type=positive_int, default=64, metavar="N", help="requests waiting at most; more "
                    "get 503 (default: 64)")
     p.add_argument("--model-name", default=None, help="the model id clients use (default: the target "
@@ -96,7 +99,8 @@ def load_engine(args):
     if method != "ar" and drafter is None:
         raise SystemExit(f"serve.py: error: --method {method} needs --drafter")
     engine = Engine(target, drafter, tok, name=args.model_name or name, method=method, budget=args.budget,
-                    max_context=args.max_context, queue_size=args.queue)
+                    max_context=args.max_context, queue_size=args.queue,
+                    default_max_tokens=args.default_max_tokens)
     if not args.no_warmup:
         t = time.perf_counter()
         try:
@@ -105,7 +109,8 @@ def load_engine(args):
             raise SystemExit(f"serve.py: error: --warmup-temperatures {args.warmup_temperatures}: expected "
                              "comma-separated numbers") from None
         engine.warmup(encode_text(tok, "Hello"), temperatures=temps)
-        print(f"serve.py: compiled (temperatures {temps}) in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+        print(f"serve.py: compiled (temperatures {temps}) in {time.perf_counter() - t:.1f} s", file=sys.stderr,
+              flush=True)
     return engine
 
 

@@ -123,7 +123,7 @@ def test_concurrent_streams(client):
     """32 streaming clients at once (8 prompts x 4): each stream equals its prompt's non-streamed text."""
     prompts = ["import os\n", "import sys\n", "class A:\n    ", "def main():\n    ", "return ",
                "for i in x:\n    ", "import re\n", "try:\n    "]
-    kw = dict(model="demo", max_tokens=24, temperature=0)
+    kw = dict(model="demo", max_tokens=16, temperature=0)
 
     def stream(p):
         return "".join(c.choices[0].text for c in client.completions.create(prompt=p, stream=True, **kw)

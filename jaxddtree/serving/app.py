@@ -91,7 +91,7 @@ def create_app(engine: Engine) -> FastAPI:
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
         max_tokens, param = ((req.max_completion_tokens, "max_completion_tokens")
                              if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens"))
-        job = _job(req, ids, max_tokens, param, default_max=None)
+        job = _job(req, ids, max_tokens, param, default_max=engine.default_max_tokens)
         return await _respond(request, req, job, chat=True)
 
     def _job(req, ids, max_tokens, param, default_max) -> Job:
@@ -108,7 +108,7 @@ def create_app(engine: Engine) -> FastAPI:
                            f"{len(ids)} tokens", param="messages" if isinstance(req, ChatRequest) else "prompt",
                            code="context_length_exceeded")
         if max_tokens is None:
-            max_tokens = ctx - len(ids) if default_max is None else min(default_max, ctx - len(ids))
+            max_tokens = min(default_max, ctx - len(ids))
         elif max_tokens < 1:
             raise APIError(400, f"'{param}' must be >= 1, got {max_tokens}", param=param, code="invalid_value")
         elif len(ids) + max_tokens > ctx:

@@ -64,11 +64,13 @@ class Engine:
     the job's events are ("delta", text) ..., then ("done", info) or ("error", message)."""
 
     def __init__(self, target, drafter, tokenizer, *, name: str = "jaxddtree", method: str = "ddtree",
-                 budget: int = 64, max_context: int | None = None, queue_size: int = 64, stop_ids=None):
+                 budget: int = 64, max_context: int | None = None, queue_size: int = 64, stop_ids=None,
+                 default_max_tokens: int = 256):
         cfg = target.config
         self.target, self.drafter, self.tokenizer, self.name = target, drafter, tokenizer, name
         self.method = method if drafter is not None else "ar"
         self.budget = budget
+        self.default_max_tokens = default_max_tokens  # chat completions without max_tokens (completions: 16)
         self.max_context = min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.stop_ids = default_stop_ids(cfg, tokenizer) if stop_ids is None else list(stop_ids)
         self.queue_size = queue_size
@@ -95,8 +97,10 @@ class Engine:
         self._queue.put(None)
 
     # ---------------------------------------------------------------- worker side
-    def warmup(self, prompt_ids, max_tokens: int = 256, temperatures=(0.0,)):
-        """Compile prefill and the round for `max_tokens` at each temperature (only one token is produced)."""
+    def warmup(self, prompt_ids, max_tokens: int | None = None, temperatures=(0.0,)):
+        """Compile prefill and the round for `max_tokens` (default: the chat default, so its bucket) at each
+        temperature (only one token is produced)."""
+        max_tokens = max_tokens or self.default_max_tokens
         for t in temperatures:
             self._generate(list(prompt_ids), bucket(max_tokens, self.max_context - len(prompt_ids)), float(t), 0,
                            stop_ids=range(self.target.config.vocab_size), on_tokens=None)
