@@ -165,48 +165,34 @@ def log(msg: str):
     _status = False
 
 
+# tokenizer helpers: jaxddtree/text.py (shared with the server), imported lazily (--help stays fast)
+def _text():
+    import_jaxddtree()
+    from jaxddtree import text
+    return text
+
+
 def has_tokenizer(path: str) -> bool:
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    return any(os.path.isfile(os.path.join(path, n)) for n in names)
+    return _text().has_tokenizer(path)
 
 
 def load_hf_tokenizer(path: str):
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from transformers import AutoTokenizer
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as e:  # a broken/unsupported tokenizer is an unusable input, not a crash
-        raise ValueError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
-
-
-# --chat with a tokenizer that has no chat template (the demo's): ChatML, as plain text where the vocabulary
-# lacks <|im_start|> / <|im_end|>
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return _text().load_hf_tokenizer(path)
 
 
 def ensure_chat_template(tok, flag: str):
     """Give a tokenizer without a chat template the minimal ChatML one (`flag` asked for a template)."""
-    if getattr(tok, "chat_template", None):
-        return
-    if not hasattr(tok, "apply_chat_template"):
+    try:
+        _text().ensure_chat_template(tok)
+    except ValueError:
         raise UsageError(f"{flag} needs a transformers tokenizer (the random pair's byte tokenizer has no "
-                         "chat template)")
-    tok.chat_template = CHATML
+                         "chat template)") from None
 
 
 def encode_prompt(tok, text: str, chat: bool, system: str | None = None, thinking: bool | None = None) -> list[int]:
     """Token ids of `text`: one user turn (after a `system` turn) through the chat template when `chat` and
     the tokenizer has one; `thinking` (None: the template's default) is passed as enable_thinking."""
-    if chat and getattr(tok, "chat_template", None):
-        turns = [{"role": "system", "content": system}] if system is not None else []
-        kw = {} if thinking is None else {"enable_thinking": thinking}
-        text = tok.apply_chat_template(turns + [{"role": "user", "content": text}], tokenize=False,
-                                       add_generation_prompt=True, **kw)
-        return list(tok(text, add_special_tokens=False)["input_ids"])
-    if hasattr(tok, "apply_chat_template"):  # HF tokenizer without a template
-        return list(tok(text)["input_ids"])
-    return tok.encode(text)
+    return _text().encode_prompt(tok, text, chat, system=system, thinking=thinking)
 
 
 def show_prompt(text: str, out=sys.stdout):
@@ -258,11 +244,7 @@ def parse_stop_ids(text: str | None) -> list[int] | None:
 
 
 def default_stop_ids(cfg, tok) -> list[int]:
-    ids = set(int(i) for i in getattr(cfg, "eos_token_ids", ()) or ())
-    eos = getattr(tok, "eos_token_id", None) if tok is not None else None
-    if isinstance(eos, int):
-        ids.add(eos)
-    return sorted(i for i in ids if 0 <= i < cfg.vocab_size)
+    return _text().default_stop_ids(cfg, tok)
 
 
 # ------------------------------------------------------------------------------------------------ main

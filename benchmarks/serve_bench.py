@@ -1,0 +1,106 @@
+#!/usr/bin/env python
+"""Serving benchmark: time to first token and tokens/s for 1, 4 and 16 concurrent streaming clients against the
+OpenAI-compatible server (scripts/serve.py), run in this process on a free 127.0.0.1 port.
+
+    python benchmarks/serve_bench.py                        # the demo pair (CPU is fine)
+    python benchmarks/serve_bench.py --target DIR --drafter DDIR --clients 1 4 16 --max-tokens 256
+
+Each client sends one streamed chat completion (temperature 0, a distinct prompt of the same length); TTFT is
+measured from sending the request to the first content delta, so with several clients it includes the time
+spent waiting in the queue (one request runs at a time). Aggregate tokens/s = all completion tokens / wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def serve_module():
+    spec = importlib.util.spec_from_file_location("serve_script", os.path.join(ROOT, "scripts", "serve.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+async def one(client, model, prompt, max_tokens):
+    t0 = time.perf_counter()
+    ttft, usage = None, None
+    stream = await client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
+        stream=True, stream_options={"include_usage": True})
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content and ttft is None:
+            ttft = time.perf_counter() - t0
+        if chunk.usage is not None:
+            usage = chunk.usage
+    return {"ttft_s": ttft, "wall_s": time.perf_counter() - t0, "tokens": usage.completion_tokens}
+
+
+async def level(base, model, clients, max_tokens):
+    import openai
+    client = openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0, timeout=3600)
+    prompts = [f"def function_{i:02d}(x):" for i in range(clients)]
+    t0 = time.perf_counter()
+    try:
+        runs = await asyncio.gather(*(one(client, model, p, max_tokens) for p in prompts))
+    finally:
+        await client.close()
+    wall = time.perf_counter() - t0
+    ttfts = sorted(r["ttft_s"] for r in runs if r["ttft_s"] is not None)
+    tokens = sum(r["tokens"] for r in runs)
+    return {"clients": clients, "wall_s": wall, "completion_tokens": tokens, "tokens_per_s": tokens / wall,
+            "ttft_median_s": statistics.median(ttfts), "ttft_max_s": ttfts[-1],
+            "per_request_tokens_per_s": statistics.median(r["tokens"] / r["wall_s"] for r in runs)}
+
+
+def main(argv=None) -> int:
+    serve = serve_module()
+    p = serve.build_parser()
+    p.prog = "serve_bench.py"
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    args = p.parse_args(argv)
+    engine = serve.load_engine(args)
+    import uvicorn
+    from jaxddtree.serving import create_app
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=srv.run, daemon=True).start()
+    while not srv.started:
+        time.sleep(0.05)
+    base = f"http://127.0.0.1:{port}/v1"
+    asyncio.run(level(base, engine.name, 1, args.max_tokens))  # compile the prompt's prefill shape
+    results = []
+    for c in args.clients:
+        r = asyncio.run(level(base, engine.name, c, args.max_tokens))
+        results.append(r)
+        print(f"{c:3d} clients: {r['tokens_per_s']:8.1f} tokens/s aggregate, "
+              f"{r['per_request_tokens_per_s']:8.1f} per request, TTFT median {r['ttft_median_s'] * 1e3:8.1f} ms, "
+              f"max {r['ttft_max_s'] * 1e3:8.1f} ms ({r['completion_tokens']} tokens in {r['wall_s']:.2f} s)",
+              flush=True)
+    srv.should_exit = True
+    import jax
+    record = {"model": engine.name, "method": engine.method, "budget": engine.budget, "max_tokens": args.max_tokens,
+              "backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d"), "levels": results}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

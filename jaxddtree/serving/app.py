@@ -1,0 +1,212 @@
+"""The FastAPI app: /v1/completions, /v1/chat/completions (both with `stream: true` as server-sent events),
+/v1/models, /health. Requests are validated here (OpenAI-style 4xx errors) and run by the `Engine`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from jaxddtree.serving.engine import Engine, Job, QueueFull
+from jaxddtree.serving.protocol import APIError, ChatRequest, CompletionRequest, parse
+from jaxddtree.text import encode_chat, encode_text, ensure_chat_template
+
+MAX_STOPS = 4
+
+
+def create_app(engine: Engine) -> FastAPI:
+    app = FastAPI(title="jaxddtree", docs_url=None, redoc_url=None)
+    app.state.engine = engine
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return JSONResponse(APIError(e.status_code, str(e.detail), code=code).body(), status_code=e.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, e):
+        return JSONResponse(APIError(400, str(e)).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _internal(request, e):
+        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error").body(),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": engine.name, "busy": engine.busy, "waiting": engine.waiting(),
+                **engine.counts}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": engine.name, "object": "model", "created": created,
+                                            "owned_by": "jaxddtree", "max_model_len": engine.max_context}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse(CompletionRequest, await _json(request))
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise APIError(400, "only one prompt per request is supported", param="prompt")
+            prompt = prompt[0]
+        if not prompt:
+            raise APIError(400, "'prompt' is empty", param="prompt")
+        if isinstance(prompt, str):
+            ids = encode_text(engine.tokenizer, prompt)
+        else:
+            V = engine.target.config.vocab_size
+            bad = [i for i in prompt if not 0 <= i < V]
+            if bad:
+                raise APIError(400, f"prompt token ids {bad[:5]} outside the vocabulary [0, {V})", param="prompt")
+            ids = list(prompt)
+        job = _job(req, ids, req.max_tokens, "max_tokens", default_max=16)
+        return await _respond(request, req, job, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = parse(ChatRequest, await _json(request))
+        if not req.messages:
+            raise APIError(400, "'messages' must contain at least one message", param="messages")
+        tok = engine.tokenizer
+        try:
+            ensure_chat_template(tok)
+            turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                     for m in req.messages]
+            ids = encode_chat(tok, turns, **(req.chat_template_kwargs or {}))
+        except Exception as e:  # the template rejected the conversation
+            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+        max_tokens, param = ((req.max_completion_tokens, "max_completion_tokens")
+                             if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens"))
+        job = _job(req, ids, max_tokens, param, default_max=engine.default_max_tokens)
+        return await _respond(request, req, job, chat=True)
+
+    def _job(req, ids, max_tokens, param, default_max) -> Job:
+        if req.model is not None and req.model != engine.name:
+            raise APIError(404, f"the model '{req.model}' does not exist (this server serves '{engine.name}')",
+                           param="model", code="model_not_found")
+        if req.n is not None and req.n != 1:
+            raise APIError(400, "only n = 1 is supported", param="n")
+        if not ids:
+            raise APIError(400, "the prompt is empty after tokenisation", param="prompt")
+        ctx = engine.max_context
+        if len(ids) >= ctx:
+            raise APIError(400, f"this server's maximum context length is {ctx} tokens, but the prompt has "
+                           f"{len(ids)} tokens", param="messages" if isinstance(req, ChatRequest) else "prompt",
+                           code="context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = min(default_max, ctx - len(ids))
+        elif max_tokens < 1:
+            raise APIError(400, f"'{param}' must be >= 1, got {max_tokens}", param=param, code="invalid_value")
+        elif len(ids) + max_tokens > ctx:
+            raise APIError(400, f"this server's maximum context length is {ctx} tokens, but {len(ids)} prompt "
+                           f"tokens + {max_tokens} completion tokens were requested", param=param,
+                           code="context_length_exceeded")
+        temperature = 1.0 if req.temperature is None else float(req.temperature)
+        if not (0 <= temperature <= 2 and math.isfinite(temperature)):
+            raise APIError(400, f"'temperature' must be in [0, 2], got {req.temperature}", param="temperature",
+                           code="invalid_value")
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stop) > MAX_STOPS:
+            raise APIError(400, f"at most {MAX_STOPS} stop sequences", param="stop", code="invalid_value")
+        seed = req.seed if req.seed is not None else (0 if temperature == 0 else random.randrange(2 ** 31))
+        return Job(prompt_ids=ids, max_tokens=max_tokens, temperature=temperature, seed=seed % 2 ** 32,
+                   stop=tuple(stop))
+
+    async def _respond(request: Request, req, job: Job, chat: bool):
+        try:
+            engine.submit(job)
+        except QueueFull as e:
+            raise APIError(503, str(e), type="server_error", code="server_busy") from None
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": engine.name}
+        if req.stream:
+            include_usage = bool((req.stream_options or {}).get("include_usage"))
+            return StreamingResponse(_stream(job, base, chat, include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        parts, info = [], None
+        try:
+            while info is None:
+                try:
+                    kind, value = await asyncio.wait_for(job.events.get(), 1.0)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        job.cancel()
+                        return JSONResponse(APIError(499, "client disconnected").body(), status_code=499)
+                    continue
+                if kind == "delta":
+                    parts.append(value)
+                elif kind == "error":
+                    raise APIError(500, value, type="server_error")
+                else:
+                    info = value
+        finally:
+            job.cancel()  # no-op once done; stops the generation if this handler was cancelled
+        text = "".join(parts)
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": info["finish_reason"]}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": info["finish_reason"]}
+        return {**base, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
+                "usage": info["usage"], "speculative": info["speculative"]}
+
+    async def _stream(job: Job, base: dict, chat: bool, include_usage: bool):
+        def event(obj) -> str:
+            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+        def chunk(delta: str | None, finish=None, role=False):
+            if chat:
+                d = {} if delta is None else {"content": delta}
+                if role:
+                    d["role"] = "assistant"
+                c = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+            else:
+                c = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            return {**base, "choices": [c]}
+
+        try:
+            if chat:
+                yield event(chunk("", role=True))
+            while True:
+                kind, value = await job.events.get()
+                if kind == "delta":
+                    yield event(chunk(value))
+                elif kind == "error":
+                    yield event(APIError(500, value, type="server_error").body())
+                    break
+                else:
+                    last = chunk(None, finish=value["finish_reason"])
+                    last["speculative"] = value.get("speculative")
+                    if not include_usage:
+                        last["usage"] = value.get("usage")
+                    yield event(last)
+                    if include_usage:
+                        yield event({**base, "choices": [], "usage": value.get("usage")})
+                    break
+            yield "data: [DONE]\n\n"
+        finally:  # also when the client disconnects (the generator is closed or cancelled)
+            job.cancel()
+
+    async def _json(request: Request):
+        raw = await request.body()
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON ({e})") from None
+
+    return app

@@ -1,0 +1,129 @@
+#!/usr/bin/env python
+"""An OpenAI-compatible HTTP server over DDTree speculative decoding (FastAPI + uvicorn).
+Run from the repository root without installing: `python scripts/serve.py --help`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+EPILOG = """\
+examples:
+  # the demo pair in demo/ on http://127.0.0.1:8000
+  python scripts/serve.py
+
+  # a real target + DFlash drafter
+  python scripts/serve.py --target ~/models/Qwen3.6-27B --drafter ~/models/Qwen3.6-27B-DFlash --budget 64
+
+  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+      -d '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32, "temperature": 0}'"""
+
+
+def positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="serve.py", description="Serve a Qwen3.5/3.6 target (+ DFlash drafter) "
+                                "through the OpenAI API: /v1/completions, /v1/chat/completions (streaming "
+                                "too), /v1/models, /health. With no --target, the demo pair in demo/.",
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", metavar="DIR", help="target checkpoint directory (default: the demo pair)")
+    p.add_argument("--drafter", metavar="DIR", help="DFlash drafter directory (default: none; the demo's with "
+                   "the demo pair)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 = any free port)")
+    p.add_argument("--method", choices=("ar", "dflash", "ddtree"), default=None, help="decoding method "
+                   "(default: ddtree with a drafter, else ar)")
+    p.add_argument("--budget", type=positive_int, default=64, metavar="N", help="DDTree node budget (default: 64)")
+    p.add_argument("--max-context", type=positive_int, default=None, metavar="N", help="prompt + completion "
+                   "tokens at most (default: the model's max_position_embeddings)")
+    p.add_argument("--default-max-tokens", type=positive_int, default=256, metavar="N", help="completion "
+                   "tokens of a chat request without max_tokens, capped by the context; its round is compiled "
+                   "at start-up (default: 256; /v1/completions defaults to 16 as in the OpenAI API)")
+    p.add_argument("--queue", type=positive_int, default=64, metavar="N", help="requests waiting at most; more "
+                   "get 503 (default: 64)")
+    p.add_argument("--model-name", default=None, help="the model id clients use (default: the target "
+                   "directory's name, 'demo' for the demo pair)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None, help="default: float32 on CPU, "
+                   "bfloat16 on GPU")
+    p.add_argument("--kernels", choices=("xla", "pallas"), default=None, help="default: pallas on GPU, xla on CPU")
+    p.add_argument("--warmup-temperatures", default="0,1", metavar="T,..", help="temperatures whose round is "
+                   "compiled before listening; each other temperature compiles on its first request (default: "
+                   "0,1: greedy and OpenAI's default 1.0)")
+    p.add_argument("--no-warmup", action="store_true", help="do not compile before listening")
+    p.add_argument("--compile-cache", metavar="DIR", default=os.environ.get("JAXDDTREE_COMPILE_CACHE"),
+                   help="persistent XLA compilation cache directory (default: $JAXDDTREE_COMPILE_CACHE)")
+    return p
+
+
+def load_engine(args):
+    """Load the pair and build the Engine (also used by tests and benchmarks with parsed args)."""
+    try:
+        import jaxddtree  # noqa: F401
+    except ImportError:  # run from a checkout without installing
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import jax
+    import jaxddtree as jd
+    from jaxddtree.checkpoint import builtin
+    from jaxddtree.serving import Engine
+    from jaxddtree.text import encode_text, has_tokenizer, load_hf_tokenizer
+
+    if args.compile_cache:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compile_cache))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    backend = jax.default_backend()
+    dtype = args.dtype or ("float32" if backend == "cpu" else "bfloat16")
+    if args.target is None:
+        if args.drafter is not None:
+            raise SystemExit("serve.py: error: --drafter needs --target (the demo pair brings its own drafter)")
+        pair = builtin.load(dtype)
+        target, drafter, tok, name = pair.target, pair.drafter, pair.tokenizer, "demo"
+    else:
+        if not has_tokenizer(args.target):
+            raise SystemExit(f"serve.py: error: {args.target} has no tokenizer")
+        tok = load_hf_tokenizer(args.target)
+        target = jd.load_target(args.target, dtype)
+        drafter = jd.load_drafter(args.drafter, target, dtype) if args.drafter else None
+        name = os.path.basename(os.path.normpath(args.target))
+    target.kernels = args.kernels or ("xla" if backend == "cpu" else "pallas")
+    method = args.method or ("ddtree" if drafter is not None else "ar")
+    if method != "ar" and drafter is None:
+        raise SystemExit(f"serve.py: error: --method {method} needs --drafter")
+    engine = Engine(target, drafter, tok, name=args.model_name or name, method=method, budget=args.budget,
+                    max_context=args.max_context, queue_size=args.queue,
+                    default_max_tokens=args.default_max_tokens)
+    if not args.no_warmup:
+        t = time.perf_counter()
+        try:
+            temps = [float(t) for t in args.warmup_temperatures.split(",") if t.strip()]
+        except ValueError:
+            raise SystemExit(f"serve.py: error: --warmup-temperatures {args.warmup_temperatures}: expected "
+                             "comma-separated numbers") from None
+        engine.warmup(encode_text(tok, "Hello"), temperatures=temps)
+        print(f"serve.py: compiled (temperatures {temps}) in {time.perf_counter() - t:.1f} s", file=sys.stderr,
+              flush=True)
+    return engine
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    engine = load_engine(args)
+    import uvicorn
+    from jaxddtree.serving import create_app
+    print(f"serve.py: serving '{engine.name}' ({engine.method}) on http://{args.host}:{args.port}/v1",
+          file=sys.stderr, flush=True)
+    uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
