@@ -17,8 +17,11 @@ ALLOWED = {
     "jaxddtree.api": {"kernels_pallas", "jaxddtree.model", "jaxddtree.speculative"},
     "jaxddtree.checkpoint": {"kernels_pallas", "jaxddtree.model"},
     "jaxddtree.training": {"kernels_pallas", "jaxddtree.model", "jaxddtree.speculative", "jaxddtree.checkpoint"},
+    "jaxddtree.text": set(),  # tokenizers and chat templates: no model code
+    "jaxddtree.serving": {"kernels_pallas", "jaxddtree.model", "jaxddtree.speculative", "jaxddtree.checkpoint",
+                          "jaxddtree.text"},
     "jaxddtree": {"kernels_pallas", "jaxddtree.model", "jaxddtree.speculative", "jaxddtree.api",
-                  "jaxddtree.checkpoint", "jaxddtree.training"},
+                  "jaxddtree.checkpoint", "jaxddtree.training", "jaxddtree.text", "jaxddtree.serving"},
     "convert": {"jaxddtree.checkpoint"},
 }
 
