@@ -31,9 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kernels_pallas import ops
+
 from jaxddtree.model import layout as layout_lib
 from jaxddtree.speculative import loop as loop_lib
 from jaxddtree.speculative import tree as tree_lib
+from jaxddtree.model.cache import KVCache
 from jaxddtree.model.config import text_config_from_dict
 from jaxddtree.model.drafter import Drafter, DrafterLayer, DrafterParams, draft_logits, init_draft_cache
 from jaxddtree.model.drafter_config import DrafterConfig
@@ -158,6 +161,13 @@ def main(argv=None):
     ap.add_argument("--runs", type=int, default=20, help="timed runs per measurement (median reported)")
     ap.add_argument("--out", default="benchmarks/results/h200.json", help="JSON file to merge results into")
     ap.add_argument("--config", default=None, help="HF config.json for other target shapes")
+    ap.add_argument("--contexts", default="",
+                    help="comma list of context lengths (e.g. 4096,32768,131072): AR step, DDTree round (budget 64) "
+                         "and tree attention (16 layers, 65 nodes) at each, prefill of --prefill-contexts "
+                         "(*_by_context keys)")
+    ap.add_argument("--prefill-contexts", default="8192,32768,131072",
+                    help="prompt lengths timed for prefill_s_by_context (with --contexts)")
+    ap.add_argument("--prefill-chunk", type=int, default=2048, help="rows per prefill call in the context sweep")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, few runs: check the script on a CPU")
     args = ap.parse_args(argv)
     sections = set(args.sections.split(","))
@@ -172,6 +182,8 @@ def main(argv=None):
                       target_layer_ids=(1, 5), mask_token_id=511, vocab_size=512, num_target_layers=8,
                       layer_windows=(16, None))
         args.runs, args.context = 3, 64
+        if args.contexts:
+            args.contexts, args.prefill_contexts, args.prefill_chunk = "64,192", "64,128", 32
     cfg = text_config_from_dict(raw, where=args.config or "built-in Qwen3.6-27B shapes")
     dev = jax.devices()[0]
     res = {}
@@ -371,7 +383,78 @@ def main(argv=None):
                 str(tau): round(tau / (out["64"] * 1e-3), 1) for tau in (4, 6, 8, 10)}
             res["projection_note"] = "projected tokens/s = tau / DDTree round time at budget 64 (projection)"
         save()
+    if args.contexts:
+        contexts(args, res, key, target, drafter, dcfg, save, log)
     print(json.dumps(res, indent=1, sort_keys=True))
+
+
+def contexts(args, res, key, target, drafter, dcfg, save, log):
+    """Issue 16's sweep over the committed context length: AR step, DDTree round (budget 64), tree attention of
+    65 nodes over the 16 attention layers' caches (one jit), and chunked prefill of whole prompts."""
+    cfg = target.config
+    ctxs = [int(v) for v in args.contexts.split(",")]
+    slack = 8192 if not args.smoke else 64
+    ar, rnd, att = (res.setdefault(k + key, {}) for k in
+                    ("ar_step_ms_by_context", "round_ms_by_context", "tree_attention_ms_by_context"))
+    decode = make_decode(target, args.kernels)
+    plan = loop_lib.Plan(method="ddtree", budget=64, max_new=100000, temperature=0.0, kernels=args.kernels,
+                         conv_kernel=cfg.linear_conv_kernel_dim, feature_layers=dcfg.target_layer_ids)
+    n = 65
+    parents = jnp.asarray(random_tree(n, 15, 1))
+    mask = layout_lib.ancestor_mask(parents, jnp.ones((n,), bool), n - 1)[None]  # [1, T, T]
+    ks = jax.random.split(jax.random.key(7), 3)
+    q = jax.random.normal(ks[0], (1, n, cfg.num_attention_heads, cfg.head_dim), jnp.bfloat16)
+    kn, vn = (jax.random.normal(k, (1, n, cfg.num_key_value_heads, cfg.head_dim), jnp.bfloat16) for k in ks[1:])
+
+    @jax.jit
+    def tree_attn(kv, start):  # every attention layer's cache, one jit
+        return [ops.tree_attention(q, c.k, c.v, start, kn, vn, mask, args.kernels) for c in kv]
+
+    S = max(ctxs) + slack  # one capacity for all: one compilation each (the kernels read the committed rows only)
+    for ctx in ctxs:
+        cache = fill_random(target.init_cache(S), jax.random.key(3)).replace(length=jnp.int32(ctx))
+        kv = [c for c in cache.layers if isinstance(c, KVCache)]
+        jax.block_until_ready(tree_attn(kv, jnp.int32(ctx)))
+        att[str(ctx)] = round(median_ms(lambda: tree_attn(kv, jnp.int32(ctx)), n=args.runs), 3)
+        del kv
+        state = [jnp.ones((1, 1), jnp.int32), cache]
+
+        def step():
+            state[0], state[1] = decode(target.leaves, state[1], state[0])
+            return state[0]
+
+        jax.block_until_ready(step())
+        ar[str(ctx)] = round(median_ms(step, n=args.runs), 3)
+        cache = state[1].replace(length=jnp.int32(ctx))
+        del state
+        one = make_round(target, drafter, plan, cache)
+        jax.block_until_ready(one())
+        rnd[str(ctx)] = round(median_ms(one, n=args.runs), 3)
+        del one, cache
+        log(f"context {ctx}: AR step {ar[str(ctx)]} ms, round(64) {rnd[str(ctx)]} ms, "
+            f"tree attention x{cfg.layer_types.count('full_attention')} {att[str(ctx)]} ms")
+        save()
+
+    # prefill: whole prompts in chunks of --prefill-chunk into one cache sized for the longest (one compilation;
+    # the attention kernels read the committed rows only, so the capacity does not change the work)
+    pre = res.setdefault("prefill_s_by_context" + key, {})
+    chunk = args.prefill_chunk
+    lengths = [int(v) for v in args.prefill_contexts.split(",")]
+    cache = target.init_cache(max(lengths) + chunk)
+    ids = jnp.asarray(np.random.RandomState(0).randint(0, cfg.vocab_size, (1, chunk)), jnp.int32)
+    lg, cache, _, _ = target.prefill(cache, ids, chunk)
+    jax.block_until_ready(lg)
+    for length in lengths:
+        cache = cache.replace(length=jnp.int32(0))
+        t = time.perf_counter()
+        for _ in range(-(-length // chunk)):
+            lg, cache, _, _ = target.prefill(cache, ids, chunk)
+        jax.block_until_ready(lg)
+        pre[str(length)] = round(time.perf_counter() - t, 3)
+        log(f"prefill {length} tokens (chunks of {chunk}): {pre[str(length)]} s")
+        save()
+    res["prefill_chunk_by_context"] = chunk
+    del cache
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from flax import nnx, struct
 
 from jaxddtree.model import layout as layout_lib
 from jaxddtree.speculative import tree as tree_lib
-from jaxddtree.model.prefill import PREFILL_CHUNK, check_ids, check_vocab, padded_chunks, round_up
+from jaxddtree.model.prefill import check_ids, check_vocab, chunk_size, padded_chunks, round_up
 from jaxddtree.model.cache import ModelCache
 from jaxddtree.model.drafter import check_compatible, draft_logits
 from jaxddtree.model.target import Target
@@ -181,6 +181,33 @@ def _max_len(prompt_len: int, max_new: int, slack: int) -> int:
     return round_up(prompt_len + max_new + slack, 256)
 
 
+def _nbytes(tree) -> int:
+    return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def check_memory(target: Target, drafter, max_len: int, prompt_len: int, max_new: int, chunk: int, device=None):
+    """ValueError (one line, before any work) when the caches for `max_len` positions plus a working reserve do
+    not fit in the device's free memory. Devices that report no memory statistics (the CPU) are not checked."""
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if not stats or "bytes_limit" not in stats:
+        return
+    cache = _nbytes(jax.eval_shape(lambda: target.init_cache(max_len)))
+    if drafter is not None:
+        cache += _nbytes(jax.eval_shape(lambda: drafter.init_cache(1, max_len)))
+    cfg = target.config
+    # activations of one prefill chunk (the MLP's gate|up rows dominate) and of a verify pass, with room to spare
+    reserve = 2 * chunk * (2 * cfg.intermediate_size + 4 * cfg.hidden_size) * 4 + (1 << 30)
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    if cache + reserve > free:
+        gib = 1 << 30
+        raise ValueError(
+            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new}) does not fit on {device.device_kind}: the "
+            f"caches for {max_len} positions need {cache / gib:.1f} GiB (+ {reserve / gib:.1f} GiB working memory), "
+            f"{free / gib:.1f} GiB of {stats['bytes_limit'] / gib:.1f} GiB are free; shorten the prompt or "
+            f"max_new_tokens")
+
+
 def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", max_new_tokens: int = 128,
              tree_budget: int = 64, temperature: float = 0.0, seed: int = 0, stop_ids=None,
              loop: str = "host", sync_every: int = 4, on_tokens: Callable[[list[int]], None] | None = None,
@@ -221,11 +248,13 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     block = dcfg.block_size if dcfg else 1
     P = block  # rows per round: path length <= block_size
     n_tree = (budget + 1) if method == "ddtree" else block
-    slack = max(PREFILL_CHUNK, n_tree, P) + P
+    chunk = chunk_size(len(ids))
+    slack = max(chunk, n_tree, P) + P
     if len(ids) + max_new > cfg.max_position_embeddings:
         raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) exceeds the model's "
                          f"max_position_embeddings ({cfg.max_position_embeddings})")
     S = _max_len(len(ids), max_new, slack)
+    check_memory(target, drafter if dcfg else None, S, len(ids), max_new, chunk)
     feature_layers = tuple(dcfg.target_layer_ids) if dcfg else ()
     # budget only shapes DDTree rounds: normalised for the others so that it does not split their compilations
     plan = Plan(method=method, budget=budget if method == "ddtree" else 0, max_new=max_new,
@@ -238,7 +267,7 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     dparams = drafter.params if dcfg else None
     dcache = drafter.init_cache(1, S) if dcfg else None
     logits = None
-    for padded, n in padded_chunks(ids):
+    for padded, n in padded_chunks(ids, chunk):
         logits, cache, feats, _ = target.prefill(cache, padded, n, feature_layers=feature_layers, logits="last")
         if dcfg:  # the drafter's context cache takes the prompt's features
             blank = jnp.zeros((1, dcfg.block_size, cfg.hidden_size), dparams.norm.dtype)
