@@ -351,7 +351,7 @@ def main(argv=None):
         out = res.setdefault("round_ms" + key, {})
         plans = [("ddtree", b) for b in [int(v) for v in args.budgets.split(",")]] + [("dflash", 15)]
         for method, budget in plans:
-            plan = loop_lib.Plan(method=method, budget=budget, max_new=100000, temperature=0.0,
+            plan = loop_lib.Plan(method=method, budget=budget, max_new=100000, sampling=False,
                                  kernels=args.kernels, conv_kernel=cfg.linear_conv_kernel_dim,
                                  feature_layers=dcfg.target_layer_ids)
             one = make_round(target, drafter, plan, fresh_cache(L))
@@ -397,7 +397,7 @@ def contexts(args, res, key, target, drafter, dcfg, save, log):
     ar, rnd, att = (res.setdefault(k + key, {}) for k in
                     ("ar_step_ms_by_context", "round_ms_by_context", "tree_attention_ms_by_context"))
     decode = make_decode(target, args.kernels)
-    plan = loop_lib.Plan(method="ddtree", budget=64, max_new=100000, temperature=0.0, kernels=args.kernels,
+    plan = loop_lib.Plan(method="ddtree", budget=64, max_new=100000, sampling=False, kernels=args.kernels,
                          conv_kernel=cfg.linear_conv_kernel_dim, feature_layers=dcfg.target_layer_ids)
     n = 65
     parents = jnp.asarray(random_tree(n, 15, 1))

@@ -144,7 +144,7 @@ def main():
         steps["verify"] = lambda: run_verify(target.leaves, vcache)
     if "round" in parts:
         dcfg = DrafterConfig(**DFLASH_27B)
-        plan = loop_lib.Plan(method="ddtree", budget=args.budget, max_new=100000, temperature=0.0,
+        plan = loop_lib.Plan(method="ddtree", budget=args.budget, max_new=100000, sampling=False,
                              kernels=args.kernels, conv_kernel=cfg.linear_conv_kernel_dim,
                              feature_layers=dcfg.target_layer_ids)
         steps["round"] = make_round(target, random_drafter(dcfg, jnp.bfloat16), plan, fresh_cache())

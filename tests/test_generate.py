@@ -316,3 +316,14 @@ def test_a_cache_that_does_not_fit_is_refused_before_any_work(pair):
         loop_lib.check_memory(target, drafter, 131072, 100000, 64, 2048, device=_FakeGPU(1 << 30))
     loop_lib.check_memory(target, drafter, 131072, 100000, 64, 2048, device=_FakeGPU(1 << 40))  # fits
     loop_lib.check_memory(target, drafter, 131072, 100000, 64, 2048)  # the CPU reports no statistics
+
+
+def test_every_temperature_above_zero_shares_one_compilation(pair):
+    """The temperature is data in the jitted loop: a server's requests at 0.3, 0.7, 1.3 reuse one round."""
+    target, drafter = pair
+    kw = dict(drafter=drafter, method="ddtree", tree_budget=4, max_new_tokens=5)
+    jaxddtree.generate(target, [1, 2, 3], temperature=0.5, **kw)
+    before = loop_lib.run_rounds._cache_size()
+    outs = [jaxddtree.generate(target, [1, 2, 3], temperature=t, seed=1, **kw).tokens for t in (0.3, 0.7, 1.3)]
+    assert loop_lib.run_rounds._cache_size() == before
+    assert all(len(o) == 5 for o in outs)

@@ -56,6 +56,8 @@ class DecodeState:
     acc: jax.Array  # [max_new] int32 acceptance length per round
     n_rounds: jax.Array  # int32
     stop_mask: jax.Array  # [V] bool: the stop ids as data, so that any stop set shares one compilation
+    # sampling temperature as data (used when plan.sampling), so that every temperature shares one compilation
+    temperature: jax.Array = dataclasses.field(default_factory=lambda: jnp.float32(1.0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +66,7 @@ class Plan:
     method: str
     budget: int
     max_new: int
-    temperature: float
+    sampling: bool  # False: greedy (temperature 0); True: sample at state.temperature
     kernels: str
     conv_kernel: int
     feature_layers: tuple[int, ...]
@@ -91,11 +93,16 @@ def _record(state: DecodeState, n_acc) -> DecodeState:
     return state.replace(acc=acc, n_rounds=state.n_rounds + 1)
 
 
+def _temperature(state: DecodeState, plan: Plan):
+    """0.0 (a Python float: greedy, chosen at trace time) or the state's traced temperature."""
+    return state.temperature if plan.sampling else 0.0
+
+
 def _ar_round(model, state: DecodeState, plan: Plan) -> DecodeState:
     lay = layout_lib.sequence(state.cache.length, 1, plan.conv_kernel, kernels=plan.kernels)
     logits, cache, _, _ = model(state.root[:, None], state.cache, lay, logits="all")
     key, sub = jax.random.split(state.key)
-    tok = tree_lib.posterior_tokens(logits[0], plan.temperature, sub)  # [1]
+    tok = tree_lib.posterior_tokens(logits[0], _temperature(state, plan), sub)  # [1]
     state = state.replace(cache=cache, key=key, root=tok)
     state = _emit(state, tok, jnp.asarray(1, jnp.int32), plan)
     return _record(state, jnp.asarray(1, jnp.int32))
@@ -135,7 +142,7 @@ def _spec_round(model, dparams, dcfg, embed, lm_head, state: DecodeState, plan: 
     tokens = jnp.where(tree.valid, tree.tokens, 0)[None]  # padding embeds token 0; never accepted
     logits, feats, stashes = verify(model, state.cache, tokens, lay, feature_layers=plan.feature_layers)
     key, sub = jax.random.split(state.key)
-    post = tree_lib.posterior_tokens(logits[0], plan.temperature, sub)
+    post = tree_lib.posterior_tokens(logits[0], _temperature(state, plan), sub)
     acc = tree_lib.accept(tree, post, mask)
     n_acc = acc.num_accepted
     cache = commit(state.cache, stashes, acc.path[None], n_acc[None])
@@ -257,8 +264,8 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     check_memory(target, drafter if dcfg else None, S, len(ids), max_new, chunk)
     feature_layers = tuple(dcfg.target_layer_ids) if dcfg else ()
     # budget only shapes DDTree rounds: normalised for the others so that it does not split their compilations
-    plan = Plan(method=method, budget=budget if method == "ddtree" else 0, max_new=max_new,
-                temperature=temperature,
+    sampling = temperature >= tree_lib.GREEDY_EPS
+    plan = Plan(method=method, budget=budget if method == "ddtree" else 0, max_new=max_new, sampling=sampling,
                 kernels=target.kernels, conv_kernel=cfg.linear_conv_kernel_dim, feature_layers=feature_layers,
                 inject=_oracle_tokens is not None)
 
@@ -282,7 +289,7 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
         ctx=jnp.zeros((1, P, max(F, 1)), target.dtype), ctx_n=jnp.int32(0),
         root=first.astype(jnp.int32), out=jnp.zeros((1, max_new + P), jnp.int32), n_out=jnp.int32(0),
         done=jnp.asarray(False), key=key, acc=jnp.zeros((max_new,), jnp.int32), n_rounds=jnp.int32(0),
-        stop_mask=jnp.asarray(stop_mask))
+        stop_mask=jnp.asarray(stop_mask), temperature=jnp.float32(temperature if sampling else 1.0))
     state = _emit(state, first.astype(jnp.int32), jnp.int32(1), plan)
     first_np = int(np.asarray(first)[0])
     ttft = time.perf_counter() - t0
