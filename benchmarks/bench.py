@@ -89,10 +89,10 @@ def random_drafter(cfg: DrafterConfig, dtype, seed=0) -> Drafter:
         key, sub = jax.random.split(key)
         return (jax.random.normal(sub, shape, jnp.float32) * fan_in ** -0.5).astype(dtype)
 
-    layers = tuple(DrafterLayer(attn_norm=w((H,), 1), wq=w((H, nh, hd), H), wk=w((H, nkv, hd), H),
-                                wv=w((H, nkv, hd), H), wo=w((nh, hd, H), nh * hd), q_norm=w((hd,), 1),
-                                k_norm=w((hd,), 1), mlp_norm=w((H,), 1), w_gate=w((H, I), H), w_up=w((H, I), H),
-                                w_down=w((I, H), I)) for _ in range(cfg.num_layers))
+    layers = tuple(DrafterLayer(attn_norm=w((H,), 1), w_qkv=w((H, (nh + 2 * nkv) * hd), H),
+                                wo=w((nh, hd, H), nh * hd), q_norm=w((hd,), 1), k_norm=w((hd,), 1),
+                                mlp_norm=w((H,), 1), w_gate_up=w((H, 2, I), H), w_down=w((I, H), I))
+                   for _ in range(cfg.num_layers))
     params = DrafterParams(fc=w((cfg.num_target_features * H, H), cfg.num_target_features * H),
                            hidden_norm=w((H,), 1), layers=layers, norm=w((H,), 1))
     return Drafter(config=cfg, params=params, path="random")
