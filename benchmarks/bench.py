@@ -304,7 +304,7 @@ def main(argv=None):
         res["draft_ms" + key] = round(median_ms(lambda: draft(drafter.params, dcache, ctx), n=args.runs), 3)
         log(f"draft {res['draft_ms' + key]} ms")
         dl = draft(drafter.params, dcache, ctx)[0]
-        build = jax.jit(lambda r, d: tree_lib.build_tree(r, d, 64))
+        build = jax.jit(lambda r, d: tree_lib.build_tree(r, d, 64, kernels=args.kernels))
         jax.block_until_ready(build(jnp.int32(1), dl))
         res["tree_build_ms"] = round(median_ms(lambda: build(jnp.int32(1), dl), n=args.runs), 3)
         log(f"tree build (budget 64) {res['tree_build_ms']} ms")
@@ -322,7 +322,8 @@ def main(argv=None):
         st = stashes_of(target.leaves, cache)
         path = jnp.asarray([[0] + [int(i) for i in np.nonzero(np.asarray(parents) == 0)[0][:1]] + [0] * 14], jnp.int32)
         # the cache is donated, as in the round (otherwise every call copies the whole ~1 GB cache)
-        do_commit = jax.jit(lambda c, s: commit(c, s, path, jnp.asarray([2], jnp.int32)), donate_argnums=0)
+        do_commit = jax.jit(lambda c, s: commit(c, s, path, jnp.asarray([2], jnp.int32), kernels=args.kernels),
+                            donate_argnums=0)
         held = [do_commit(cache, st)]
 
         def commit_once():
