@@ -52,6 +52,13 @@ DFLASH_27B = dict(hidden_size=5120, num_layers=5, num_heads=32, num_kv_heads=8, 
                   intermediate_size=17408, rms_norm_eps=1e-6, rope_theta=1e7, block_size=16,
                   target_layer_ids=(1, 16, 31, 46, 61), mask_token_id=248070, vocab_size=248320,
                   num_target_layers=64, layer_windows=(2048, 2048, 2048, 2048, None))
+# --smoke (also benchmarks/profile_gpu.py): tiny shapes that run on a CPU
+SMOKE_TARGET = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=6,
+                    linear_key_head_dim=16, linear_value_head_dim=16)
+SMOKE_DFLASH = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+                    target_layer_ids=(1, 5), mask_token_id=511, vocab_size=512, num_target_layers=8,
+                    layer_windows=(16, None))
 
 
 def median_ms(fn, n=20, warmup=3):
@@ -165,12 +172,8 @@ def main(argv=None):
     raw = json.load(open(args.config)) if args.config else dict(QWEN36_27B)
     dflash = dict(DFLASH_27B)
     if args.smoke:
-        raw.update(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=6,
-                   linear_key_head_dim=16, linear_value_head_dim=16)
-        dflash.update(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
-                      target_layer_ids=(1, 5), mask_token_id=511, vocab_size=512, num_target_layers=8,
-                      layer_windows=(16, None))
+        raw.update(SMOKE_TARGET)
+        dflash.update(SMOKE_DFLASH)
         args.runs, args.context = 3, 64
     cfg = text_config_from_dict(raw, where=args.config or "built-in Qwen3.6-27B shapes")
     dev = jax.devices()[0]

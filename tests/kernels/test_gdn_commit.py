@@ -42,15 +42,15 @@ def test_signature_matches_reference():
     assert list(inspect.signature(ops.gdn_commit).parameters) == ref + ["kernels"]
 
 
-@pytest.mark.parametrize("B,N,Hk,Hv,dk,dv,C,K,P,dtype", [
-    (2, 9, 2, 4, 16, 32, 192, 4, 5, jnp.bfloat16),   # GDN-like conv width, P not a power of two
-    (1, 20, 1, 2, 32, 16, 200, 4, 16, jnp.float32),  # conv blocks partly masked, full-length path possible
-    (3, 6, 2, 6, 16, 16, 96, 3, 4, jnp.bfloat16),    # K = 3
+@pytest.mark.parametrize("B,N,Hk,Hv,dk,dv,C,K,P,dtype,bv", [
+    (2, 9, 2, 4, 16, 32, 192, 4, 5, jnp.bfloat16, 16),  # GDN-like conv width, P not a power of two, 2 column blocks
+    (1, 20, 1, 2, 32, 16, 200, 4, 16, jnp.float32, 64),  # conv blocks partly masked, full-length path possible
+    (3, 6, 2, 6, 16, 16, 96, 3, 4, jnp.bfloat16, 64),    # K = 3
 ])
-def test_kernel_matches_reference(B, N, Hk, Hv, dk, dv, C, K, P, dtype):
+def test_kernel_matches_reference(B, N, Hk, Hv, dk, dv, C, K, P, dtype, bv):
     args = commit_inputs(B + N + P, B, N, Hk, Hv, dk, dv, C, K, P, dtype)
     ref_s, ref_c = jax.jit(G.gdn_commit_reference)(*args)
-    s, c = G.gdn_commit(*args, interpret=True)
+    s, c = G.gdn_commit(*args, block_v=bv, interpret=True)
     assert s.shape == ref_s.shape and s.dtype == ref_s.dtype and c.shape == ref_c.shape and c.dtype == ref_c.dtype
     np.testing.assert_array_equal(np.asarray(c.astype(jnp.float32)), np.asarray(ref_c.astype(jnp.float32)))
     assert rel_err(np.asarray(s), np.asarray(ref_s)) < 1e-6
