@@ -309,8 +309,8 @@ def main(argv=None):
         dl = draft(drafter.params, dcache, ctx)[0]
         build = jax.jit(lambda r, d: tree_lib.build_tree(r, d, 64, kernels=args.kernels))
         jax.block_until_ready(build(jnp.int32(1), dl))
-        res["tree_build_ms"] = round(median_ms(lambda: build(jnp.int32(1), dl), n=args.runs), 3)
-        log(f"tree build (budget 64) {res['tree_build_ms']} ms")
+        res["tree_build_ms" + key] = round(median_ms(lambda: build(jnp.int32(1), dl), n=args.runs), 3)
+        log(f"tree build (budget 64) {res['tree_build_ms' + key]} ms")
 
         cache = fresh_cache(L)
         parents = jnp.asarray(random_tree(65, 15, 1))
@@ -334,8 +334,8 @@ def main(argv=None):
             return held[0].length
 
         jax.block_until_ready(commit_once())
-        res["commit_ms"] = round(median_ms(commit_once, n=args.runs), 3)
-        log(f"commit {res['commit_ms']} ms")
+        res["commit_ms" + key] = round(median_ms(commit_once, n=args.runs), 3)
+        log(f"commit {res['commit_ms' + key]} ms")
         del held, st, dcache
         save()
 
