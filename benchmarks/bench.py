@@ -55,6 +55,13 @@ DFLASH_27B = dict(hidden_size=5120, num_layers=5, num_heads=32, num_kv_heads=8, 
                   intermediate_size=17408, rms_norm_eps=1e-6, rope_theta=1e7, block_size=16,
                   target_layer_ids=(1, 16, 31, 46, 61), mask_token_id=248070, vocab_size=248320,
                   num_target_layers=64, layer_windows=(2048, 2048, 2048, 2048, None))
+# --smoke (also benchmarks/profile_gpu.py): tiny shapes that run on a CPU
+SMOKE_TARGET = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=6,
+                    linear_key_head_dim=16, linear_value_head_dim=16)
+SMOKE_DFLASH = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+                    target_layer_ids=(1, 5), mask_token_id=511, vocab_size=512, num_target_layers=8,
+                    layer_windows=(16, None))
 
 
 def median_ms(fn, n=20, warmup=3):
@@ -92,10 +99,10 @@ def random_drafter(cfg: DrafterConfig, dtype, seed=0) -> Drafter:
         key, sub = jax.random.split(key)
         return (jax.random.normal(sub, shape, jnp.float32) * fan_in ** -0.5).astype(dtype)
 
-    layers = tuple(DrafterLayer(attn_norm=w((H,), 1), wq=w((H, nh, hd), H), wk=w((H, nkv, hd), H),
-                                wv=w((H, nkv, hd), H), wo=w((nh, hd, H), nh * hd), q_norm=w((hd,), 1),
-                                k_norm=w((hd,), 1), mlp_norm=w((H,), 1), w_gate=w((H, I), H), w_up=w((H, I), H),
-                                w_down=w((I, H), I)) for _ in range(cfg.num_layers))
+    layers = tuple(DrafterLayer(attn_norm=w((H,), 1), w_qkv=w((H, (nh + 2 * nkv) * hd), H),
+                                wo=w((nh, hd, H), nh * hd), q_norm=w((hd,), 1), k_norm=w((hd,), 1),
+                                mlp_norm=w((H,), 1), w_gate_up=w((H, 2, I), H), w_down=w((I, H), I))
+                   for _ in range(cfg.num_layers))
     params = DrafterParams(fc=w((cfg.num_target_features * H, H), cfg.num_target_features * H),
                            hidden_norm=w((H,), 1), layers=layers, norm=w((H,), 1))
     return Drafter(config=cfg, params=params, path="random")
@@ -175,12 +182,8 @@ def main(argv=None):
     raw = json.load(open(args.config)) if args.config else dict(QWEN36_27B)
     dflash = dict(DFLASH_27B)
     if args.smoke:
-        raw.update(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=6,
-                   linear_key_head_dim=16, linear_value_head_dim=16)
-        dflash.update(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
-                      target_layer_ids=(1, 5), mask_token_id=511, vocab_size=512, num_target_layers=8,
-                      layer_windows=(16, None))
+        raw.update(SMOKE_TARGET)
+        dflash.update(SMOKE_DFLASH)
         args.runs, args.context = 3, 64
         if args.contexts:
             args.contexts, args.prefill_contexts, args.prefill_chunk = "64,192", "64,128", 32
@@ -316,10 +319,10 @@ def main(argv=None):
         res["draft_ms" + key] = round(median_ms(lambda: draft(drafter.params, dcache, ctx), n=args.runs), 3)
         log(f"draft {res['draft_ms' + key]} ms")
         dl = draft(drafter.params, dcache, ctx)[0]
-        build = jax.jit(lambda r, d: tree_lib.build_tree(r, d, 64))
+        build = jax.jit(lambda r, d: tree_lib.build_tree(r, d, 64, kernels=args.kernels))
         jax.block_until_ready(build(jnp.int32(1), dl))
-        res["tree_build_ms"] = round(median_ms(lambda: build(jnp.int32(1), dl), n=args.runs), 3)
-        log(f"tree build (budget 64) {res['tree_build_ms']} ms")
+        res["tree_build_ms" + key] = round(median_ms(lambda: build(jnp.int32(1), dl), n=args.runs), 3)
+        log(f"tree build (budget 64) {res['tree_build_ms' + key]} ms")
 
         cache = fresh_cache(L)
         parents = jnp.asarray(random_tree(65, 15, 1))
@@ -334,7 +337,8 @@ def main(argv=None):
         st = stashes_of(target.leaves, cache)
         path = jnp.asarray([[0] + [int(i) for i in np.nonzero(np.asarray(parents) == 0)[0][:1]] + [0] * 14], jnp.int32)
         # the cache is donated, as in the round (otherwise every call copies the whole ~1 GB cache)
-        do_commit = jax.jit(lambda c, s: commit(c, s, path, jnp.asarray([2], jnp.int32)), donate_argnums=0)
+        do_commit = jax.jit(lambda c, s: commit(c, s, path, jnp.asarray([2], jnp.int32), kernels=args.kernels),
+                            donate_argnums=0)
         held = [do_commit(cache, st)]
 
         def commit_once():
@@ -342,8 +346,8 @@ def main(argv=None):
             return held[0].length
 
         jax.block_until_ready(commit_once())
-        res["commit_ms"] = round(median_ms(commit_once, n=args.runs), 3)
-        log(f"commit {res['commit_ms']} ms")
+        res["commit_ms" + key] = round(median_ms(commit_once, n=args.runs), 3)
+        log(f"commit {res['commit_ms' + key]} ms")
         del held, st, dcache
         save()
 

@@ -129,7 +129,7 @@ def _spec_round(model, dparams, dcfg, embed, lm_head, state: DecodeState, plan: 
         dl = _oracle_logits(state, oracle, D, dl.shape[-1])
     root = state.root[0]
     if plan.method == "ddtree":
-        tree = tree_lib.build_tree(root, dl, plan.budget)
+        tree = tree_lib.build_tree(root, dl, plan.budget, kernels=plan.kernels)
     else:  # dflash: the argmax chain of the block
         chain = jnp.argmax(dl, axis=-1).astype(jnp.int32)
         n = D + 1
@@ -145,7 +145,7 @@ def _spec_round(model, dparams, dcfg, embed, lm_head, state: DecodeState, plan: 
     post = tree_lib.posterior_tokens(logits[0], _temperature(state, plan), sub)
     acc = tree_lib.accept(tree, post, mask)
     n_acc = acc.num_accepted
-    cache = commit(state.cache, stashes, acc.path[None], n_acc[None])
+    cache = commit(state.cache, stashes, acc.path[None], n_acc[None], kernels=plan.kernels)
     ctx = jnp.take(feats, acc.path, axis=1)  # [1, D+1, F]
     # emitted: accepted drafts (depths 1..n_acc-1) then the bonus token
     drafts = tree.tokens[jnp.concatenate([acc.path[1:], acc.path[-1:]])]  # [D+1]
