@@ -10,8 +10,9 @@ h·G + i) are gathered straight from q [B, T·H, hd], so a K/V block is loaded o
 of each row. Row block rb (rows [rb·bm, rb·bm + bm), tokens t_lo..t_hi) visits the prefix blocks
 [0, ⌈start/bk⌉) and the new-row blocks [0, t_hi//bk]; only the last (partial) prefix block and the new-row
 blocks that reach past t_lo compute a mask (from iotas). Heavy row blocks (late tokens) are launched first.
-With few row blocks (short chunks at a long prefix) the key blocks are split over `n_split` programs
-and the partials merged by log-sum-exp (jnp), like `tree_attention`.
+When the row blocks fill the GPU's last wave badly (short chunks, or 192 programs on 132 cores) the key
+blocks are split over `n_split` programs and the partials merged by log-sum-exp (jnp), like
+`tree_attention`.
 
 The cache is read in place (no copy, no padding: partial blocks are gathered with clamped row indices),
 so the cache capacity need not be a multiple of the block. bf16 (or fp32) in, fp32 accumulation and
@@ -140,19 +141,27 @@ def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, o_ref, lse_ref, *,
         pltr.store(lse_ref.at[orow], lse, mask=row_ok)
 
 
-def default_split(B: int, hkv: int, n_rb: int, n_blocks: int, target_programs: int) -> int:
-    """Key splits so that the grid holds about `target_programs` programs; 1 once the row blocks fill it."""
-    return int(max(1, min(round(target_programs / (B * hkv * n_rb)), n_blocks)))
+def default_split(programs: int, n_blocks: int, num_cores: int) -> int:
+    """Key splits for a grid of `programs` (row block, kv head) programs of about equal work, one resident
+    per core: the fewest splits whose last wave is ≥ 90 % full (192 programs on 132 cores: 2 splits, 3
+    waves of 128/132 instead of 2 waves of 96/132), else the fullest waves; at most one split per block."""
+    def fill(ns):
+        p = programs * ns
+        return p / (num_cores * -(-p // num_cores))
+
+    cands = range(1, max(1, min(n_blocks, max(8, 2 * -(-num_cores // programs)))) + 1)
+    return next((ns for ns in cands if fill(ns) >= 0.9), max(cands, key=fill))
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_m", "block_k", "n_split", "num_warps",
-                                             "num_stages", "target_programs"))
+                                             "num_stages", "num_cores"))
 def prefill_attention(q, k_cache, v_cache, start, k_new, v_new, *, interpret: bool = False,
                       block_m: int = 128, block_k: int = 64, n_split: int | None = None,
-                      num_warps: int | None = None, num_stages: int = 2, target_programs: int = 132):
+                      num_warps: int | None = None, num_stages: int = 2, num_cores: int = 132):
     """q [B,T,H,hd]; k/v_cache [B,Hkv,S,hd]; start int32 scalar; k/v_new [B,T,Hkv,hd] -> [B,T,H,hd]
     (q.dtype). Same as `prefill_attention_reference`. Grid (B·Hkv, row blocks, n_split); n_split > 1
-    (only when the row blocks do not fill the GPU) adds a jnp log-sum-exp merge of fp32 partials."""
+    (by default only when the row blocks leave the last wave of `num_cores` programs under 90 % full)
+    adds a jnp log-sum-exp merge of fp32 partials."""
     B, T, H, hd = q.shape
     hkv, S = k_cache.shape[1], k_cache.shape[2]
     G = H // hkv
@@ -164,7 +173,7 @@ def prefill_attention(q, k_cache, v_cache, start, k_new, v_new, *, interpret: bo
     bk = min(block_k, max(16, next_pow2(max(S, T))))
     nw = num_warps or (4 if bm <= 64 else 8)
     n_rb = -(-R // bm)
-    ns = n_split or default_split(B, hkv, n_rb, -(-(S + T) // bk), target_programs)
+    ns = n_split or default_split(B * hkv * n_rb, -(-(S + T) // bk), num_cores)
     exact = q.dtype == jnp.float32
     odt = q.dtype if ns == 1 else jnp.float32
 
