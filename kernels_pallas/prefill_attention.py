@@ -34,7 +34,8 @@ from kernels_pallas._common import HIGHEST, compiler_params, feature_pad, next_p
 
 __all__ = ["prefill_attention", "prefill_attention_reference", "prefill_flops"]
 
-_NEG = -1e30  # running-max init: finite, so fully masked blocks give exp(-inf - _NEG) = 0
+_LOG2E = 1.4426950408889634  # the softmax runs in base 2 (exp2 is one MUFU op; expf is a libdevice sequence)
+_NEG = -1e30  # running-max init: finite, so fully masked blocks give exp2(-inf - _NEG) = 0
 
 
 def prefill_attention_reference(q, k_cache, v_cache, start, k_new, v_new):
@@ -77,12 +78,12 @@ def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, o_ref, lse_ref, *,
     def step(kb, vb, valid, carry):
         acc, m, l = carry
         sc = jax.lax.dot_general(q, kb, (((1,), (1,)), ((), ())), precision=prec,
-                                 preferred_element_type=f32) * scale  # [bm, bk]
+                                 preferred_element_type=f32) * scale  # [bm, bk] logits × log2(e)
         if valid is not None:
             sc = jnp.where(valid, sc, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(sc, axis=1))
-        corr = jnp.exp(m - m_new)
-        p = jnp.exp(sc - m_new[:, None])
+        corr = jnp.exp2(m - m_new)
+        p = jnp.exp2(sc - m_new[:, None])
         l = l * corr + jnp.sum(p, axis=1)
         acc = acc * corr[:, None] + jnp.dot(p.astype(vb.dtype), vb, precision=prec, preferred_element_type=f32)
         return acc, m_new, l
@@ -137,7 +138,7 @@ def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, o_ref, lse_ref, *,
     o = acc / safe_l[:, None]
     pltr.store(o_ref.at[orow[:, None], cols[None, :]], o.astype(o_ref.dtype), mask=row_ok[:, None])
     if lse_ref is not None:
-        lse = jnp.where(l > 0, m + jnp.log(safe_l), -jnp.inf)
+        lse = jnp.where(l > 0, m + jnp.log2(safe_l), -jnp.inf)
         pltr.store(lse_ref.at[orow], lse, mask=row_ok)
 
 
@@ -180,7 +181,7 @@ def prefill_attention(q, k_cache, v_cache, start, k_new, v_new, *, interpret: bo
     q2 = q.reshape(B, T * H, hdp)  # free
     start_arr = jnp.asarray(start, jnp.int32).reshape(1)
     kern = functools.partial(_kernel, T=T, H=H, G=G, S=S, bm=bm, bk=bk, n_rb=n_rb, n_split=ns,
-                             scale=hd ** -0.5, exact=exact)
+                             scale=hd ** -0.5 * _LOG2E, exact=exact)
     out_specs = [pl.BlockSpec((None, None, T * H + bm, hdp), lambda i, rb, s: (s, i // hkv, 0, 0))]
     out_shape = [jax.ShapeDtypeStruct((ns, B, T * H + bm, hdp), odt)]
     if ns > 1:
@@ -207,11 +208,11 @@ def prefill_attention(q, k_cache, v_cache, start, k_new, v_new, *, interpret: bo
     )(start_arr, q2, k_cache, v_cache, k_new, v_new)
     if ns == 1:
         o = outs[0][0, :, :T * H]
-    else:  # merge the split partials by log-sum-exp: o = Σ_p w_p o_p with w_p = exp(lse_p − lse)
+    else:  # merge the split partials by log-sum-exp (base 2): o = Σ_p w_p o_p with w_p = 2^(lse_p − lse)
         o_p, lse_p = outs[0][:, :, :T * H], outs[1][:, :, :T * H]
         mx = jnp.max(lse_p, axis=0)
         mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-        w = jnp.exp(lse_p - mx)  # [P, B, TH]
+        w = jnp.exp2(lse_p - mx)  # [P, B, TH]
         w = w / jnp.maximum(jnp.sum(w, axis=0), 1e-30)
         o = jnp.sum(w[..., None] * o_p, axis=0)
     return o.reshape(B, T, H, hdp)[..., :hd].astype(q.dtype)

@@ -13,7 +13,8 @@ prefix, not the cache capacity). The cache is read in place: a partial last pref
 with clamped rows (no padded copy), so the capacity need not be a multiple of the block. The last row
 block computes with the smallest power-of-two tile that holds its rows (T = 65, G = 6: 3 × 128 + 16
 rows instead of 4 × 128; at long context the kernel is bound by tensor-core flops, not by K/V bytes). Each program writes its partial output (normalised) and its
-log-sum-exp; a jnp merge combines them. bf16 (or fp32) in, fp32 accumulation, fp32 softmax.
+log-sum-exp (base 2: the softmax uses exp2 on logits × log2 e); a jnp merge combines them. bf16 (or
+fp32) in, fp32 accumulation, fp32 softmax.
 
 H200, T=65, 4K prefix, GPU µs per layer (kernel + merge): 128x64 tiles, 8 warps, 2 stages, 8 splits 35
 (34.4 in round 5); 1 stage 39; 6 / 10 / 16 splits 40 / 50 / 50; 64-row tiles 38-46. Removed: the round-3
@@ -33,7 +34,8 @@ from kernels_pallas._common import HIGHEST, compiler_params, feature_pad, next_p
 
 __all__ = ["tree_attention", "tree_attention_reference"]
 
-_NEG = -1e30  # running-max init: finite, so fully masked blocks give exp(-inf - _NEG) = 0
+_LOG2E = 1.4426950408889634  # the softmax runs in base 2 (exp2 is one MUFU op; expf is a libdevice sequence)
+_NEG = -1e30  # running-max init: finite, so fully masked blocks give exp2(-inf - _NEG) = 0
 
 
 def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, m_ref, o_ref, lse_ref, *,
@@ -84,8 +86,8 @@ def _rows(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, m_ref, o_ref, lse_re
         if valid is not None:
             sc = jnp.where(valid, sc, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(sc, axis=1))
-        corr = jnp.exp(m - m_new)
-        p = jnp.exp(sc - m_new[:, None])
+        corr = jnp.exp2(m - m_new)
+        p = jnp.exp2(sc - m_new[:, None])
         l = l * corr + jnp.sum(p, axis=1)
         acc = acc * corr[:, None] + dot(p.astype(vb.dtype), vb)
         return acc, m_new, l
@@ -134,7 +136,7 @@ def _rows(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, m_ref, o_ref, lse_re
     acc, m, l = tree_loop(jnp.maximum(lo - nbp, 0), hi - nbp, carry)
     safe_l = jnp.where(l > 0, l, 1.0)
     o = acc / safe_l[:, None]
-    lse = jnp.where(l > 0, m + jnp.log(safe_l), -jnp.inf)
+    lse = jnp.where(l > 0, m + jnp.log2(safe_l), -jnp.inf)
     pltr.store(o_ref.at[orow[:, None], cols[None, :]], o.astype(o_ref.dtype), mask=row_ok[:, None])
     pltr.store(lse_ref.at[orow], lse, mask=row_ok)
 
@@ -167,7 +169,7 @@ def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret:
     N = k_new.shape[1]
     G = H // hkv
     R = T * G
-    scale = hd ** -0.5
+    scale = hd ** -0.5 * _LOG2E  # logits in base 2
     hdp = feature_pad(hd)
     if hdp != hd:  # tiny test shapes only: zero features change no logit
         q, k_cache, v_cache, k_new, v_new = (pad_axis(x, 3, hdp) for x in (q, k_cache, v_cache, k_new, v_new))
@@ -219,11 +221,11 @@ def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret:
         interpret=interpret,
         name="tree_attention",
     )(start_arr, q2, k_cache, v_cache, k_new, v_new, mask_i8)
-    # merge the split partials by log-sum-exp: o = Σ_p w_p o_p with w_p = exp(lse_p − lse)
+    # merge the split partials by log-sum-exp (base 2): o = Σ_p w_p o_p with w_p = 2^(lse_p − lse)
     o_p, lse_p = o_p[:, :, :T * H], lse_p[:, :, :T * H]
     mx = jnp.max(lse_p, axis=0)
     mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-    w = jnp.exp(lse_p - mx)  # [P, B, TH]
+    w = jnp.exp2(lse_p - mx)  # [P, B, TH]
     w = w / jnp.maximum(jnp.sum(w, axis=0), 1e-30)
     o = jnp.sum(w[..., None] * o_p.astype(jnp.float32), axis=0)
     return o.reshape(B, T, H, hdp)[..., :hd].astype(q.dtype)
