@@ -208,7 +208,7 @@ def _tflops(recs, flops):
     for r in recs.values():
         us = r.get("gpu_us_per_layer") or r.get("wall_us_per_layer")
         if us:
-            r["tflops"] = round(flops / us / 1e6, 1)
+            r["tflops"] = float(f"{flops / us / 1e6:.4g}")
 
 
 def _upcast(args):
@@ -305,17 +305,17 @@ def section_prefill_attn(deadline):
     proj = {}
     for T in PREFILL_CHUNKS:
         for name in ("default", "tree_kernel_masked"):
-            pts = [(st, out[f"T{T}_start{st}"]["variants"].get(name, {}).get("gpu_us_per_layer"))
-                   for st in PREFILL_STARTS]
+            recs = [out[f"T{T}_start{st}"]["variants"].get(name, {}) for st in PREFILL_STARTS]
+            pts = [(st, r.get("gpu_us_per_layer") or r.get("wall_us_per_layer")) for st, r in zip(PREFILL_STARTS, recs)]
             pts = [(x, y) for x, y in pts if y]
             if len(pts) < 2:
                 continue
             b, a = np.polyfit([x for x, _ in pts], [y for _, y in pts], 1)
             starts = np.arange(0, L, T)
-            proj.setdefault(name, {})[str(T)] = round(ATTN_LAYERS * float(np.sum(a + b * starts)) / 1e6, 3)
+            proj.setdefault(name, {})[str(T)] = float(f"{ATTN_LAYERS * float(np.sum(a + b * starts)) / 1e6:.4g}")
     RESULTS[f"prefill_attention_projected_s_{L}_tokens_{ATTN_LAYERS}_layers_by_chunk"] = proj
-    RESULTS[f"prefill_attention_floor_s_{L}_tokens_{ATTN_LAYERS}_layers_at_989_tflops"] = round(
-        ATTN_LAYERS * prefill_attention.prefill_flops(L, 0, H, HD) / 989e12, 3)
+    RESULTS[f"prefill_attention_floor_s_{L}_tokens_{ATTN_LAYERS}_layers_at_989_tflops"] = float(
+        f"{ATTN_LAYERS * prefill_attention.prefill_flops(L, 0, H, HD) / 989e12:.4g}")
 
 
 # ----------------------------------------------------------------------------- GDN decode, fused
@@ -468,7 +468,7 @@ def main():
         DRY = gpu_timing.QUICK = True
         HK, HV, DK, DV, H, HKV, HD = 1, 3, 16, 32, 4, 2, 16  # CONV_K stays 4
         GDN_LAYERS, ATTN_LAYERS, TREE_N, PREFIX, PREFILL_T = 2, 2, 19, 64, 128
-        LONG_CONTEXTS, PREFILL_CHUNKS, PREFILL_STARTS = (40, 200), (16, 24, 32), (0, 40, 100)
+        LONG_CONTEXTS, PREFILL_CHUNKS, PREFILL_STARTS = (40, 72), (16, 24), (0, 40)
     dev = jax.devices()[0]
     RESULTS.update(device=getattr(dev, "device_kind", str(dev)), platform=dev.platform, jax=jax.__version__,
                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), dry=DRY,

@@ -12,9 +12,9 @@ flash-decoding over an equal share of it (sized from `start` at run time, so the
 prefix, not the cache capacity). The cache is read in place: a partial last prefix block is gathered
 with clamped rows (no padded copy), so the capacity need not be a multiple of the block. The last row
 block computes with the smallest power-of-two tile that holds its rows (T = 65, G = 6: 3 × 128 + 16
-rows instead of 4 × 128; at long context the kernel is bound by tensor-core flops, not by K/V bytes). Each program writes its partial output (normalised) and its
-log-sum-exp (base 2: the softmax uses exp2 on logits × log2 e); a jnp merge combines them. bf16 (or
-fp32) in, fp32 accumulation, fp32 softmax.
+rows instead of 4 × 128; at long context the kernel is bound by tensor-core flops, not by K/V bytes).
+Each program writes its partial output (normalised) and its log-sum-exp (base 2: the softmax uses exp2
+on logits × log2 e); a jnp merge combines them. bf16 (or fp32) in, fp32 accumulation, fp32 softmax.
 
 H200, T=65, 4K prefix, GPU µs per layer (kernel + merge): 128x64 tiles, 8 warps, 2 stages, 8 splits 35
 (34.4 in round 5); 1 stage 39; 6 / 10 / 16 splits 40 / 50 / 50; 64-row tiles 38-46. Removed: the round-3

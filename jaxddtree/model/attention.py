@@ -2,8 +2,9 @@
 split, q/k RMSNorm (1+w), partial RoPE, GQA over a preallocated KV cache, output times sigmoid(gate), o_proj.
 
 Sequence pass: K/V of the new tokens are written at `start ..` and every query attends causally over the
-cache (a chunk of T > 1 tokens through `ops.prefill_attention`, a decode step through `ops.tree_attention`). Tree pass: nodes attend to the committed prefix `[0, start)` and to their tree ancestors; their
-K/V are returned as the stash (already final: computed at position start + depth).
+cache (a chunk of T > 1 tokens through `ops.prefill_attention`, a decode step through `ops.tree_attention`).
+Tree pass: nodes attend to the committed prefix `[0, start)` and to their tree ancestors; their K/V are
+returned as the stash (already final: computed at position start + depth).
 """
 
 from __future__ import annotations
