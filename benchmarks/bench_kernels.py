@@ -229,6 +229,7 @@ def section_attn_long(deadline):
         "bk128_s1": dict(block_k=128, num_stages=1),
         "bk32_s3": dict(block_k=32, num_stages=3),
         "target264": dict(target_programs=264),
+        "target66": dict(target_programs=66),
     }
     out = {}
     for ctx in LONG_CONTEXTS:
