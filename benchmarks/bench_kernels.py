@@ -1,6 +1,7 @@
 """Pallas kernels vs their XLA (jnp) references at Qwen3.6-27B shapes, on one GPU.
 
     PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/kernels.json [--sections tree,attn,prefill,decode_fused]
+    PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/long.json --sections attn_long,prefill_attn
     JAX_PLATFORMS=cpu python benchmarks/bench_kernels.py --dry     # tiny shapes, interpret mode: checks the script
     --select REGEX runs only the variants whose 'section:variant' matches (the reference always runs)
 
@@ -16,6 +17,11 @@ Per kernel and tuning variant (the reference first):
 decode_fused (the whole GDN decode step of a layer, proj row -> gated-norm output, bf16; see
 section_decode_fused) times every variant with the recurrent state donated (in place, as in the model):
 gpu_us_per_layer / kernels_per_layer from a trace of 50 one-layer calls, wall_ms_all_layers for 48 layers.
+attn_long (tree attention, 65 nodes, prefix 4K/32K/128K) and prefill_attn (causal chunks of 1K/2K/4K
+at start 0/32K/120K) time one layer per variant and report gpu_us_per_layer, ×16 layers and the achieved
+TFLOP/s of useful work (QKᵀ + PV flops of the unpadded rows, causal keys only; the H200's dense bf16 peak
+is 989 TFLOP/s); errors vs the bf16 jnp reference where it fits in memory, else vs today's path (the tree
+kernel with a dense causal mask).
 Each section has a time budget (variants past it are skipped); the JSON is rewritten after each section.
 """
 
@@ -39,7 +45,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kernels_pallas import gdn_decode_fused, gdn_prefill, gdn_reference, gdn_tree, tree_attention  # noqa: E402
+from kernels_pallas import (gdn_decode_fused, gdn_prefill, gdn_reference, gdn_tree, prefill_attention,  # noqa: E402
+                            tree_attention)
 from kernels_pallas._testing import (attention_inputs, gdn_decode_fused_inputs, gdn_inputs, random_tree_mask,  # noqa: E402
                                      rel_err)
 
@@ -53,7 +60,9 @@ H, HKV, HD = 24, 4, 256
 GDN_LAYERS, ATTN_LAYERS = 48, 16
 TREE_N, PREFIX, PREFILL_T = 65, 4096, 8192
 DRY = False  # --dry: tiny shapes, interpret mode, CPU (checks this script, not the kernels' speed)
-BUDGET = {"tree": 75, "attn": 50, "decode_attn": 15, "prefill": 30, "decode_fused": 60}  # seconds per section (scaled by --budget-scale)
+LONG_CONTEXTS, PREFILL_CHUNKS, PREFILL_STARTS = (4096, 32768, 131072), (1024, 2048, 4096), (0, 32768, 122880)
+BUDGET = {"tree": 75, "attn": 50, "decode_attn": 15, "prefill": 30, "decode_fused": 60, "attn_long": 100,
+          "prefill_attn": 130}  # seconds per section (scaled by --budget-scale)
 
 RESULTS: dict = {}
 
@@ -194,6 +203,122 @@ def section_attn(T, variants, tag, deadline):
     return evaluate(tag, variants, make, a0, check, deadline, layers_all=layers, max_err=2e-2)
 
 
+# ----------------------------------------------------------------------------- long-context attention
+def _tflops(recs, flops):
+    for r in recs.values():
+        us = r.get("gpu_us_per_layer") or r.get("wall_us_per_layer")
+        if us:
+            r["tflops"] = float(f"{flops / us / 1e6:.4g}")
+
+
+def _upcast(args):
+    return tuple(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x for x in args)
+
+
+def section_attn_long(deadline):
+    """Tree attention (verify of TREE_N nodes) at prefixes LONG_CONTEXTS: one layer per variant."""
+    N = TREE_N
+    rng = np.random.default_rng(2)
+    # variants: the default (tail tile: 3x128 + 16 rows for 65 nodes, tail launched last), the previous
+    # default (4 x 128-row tiles), 64-row tiles (+ tail), bigger key blocks, more/fewer splits
+    variants = {
+        "default": {},
+        "notail": dict(tail=False),
+        "tail_rows_first": dict(rows_last=False),
+        "bm64_w4": dict(block_m=64, num_warps=4),
+        "bk128_s1": dict(block_k=128, num_stages=1),
+        "bk32_s3": dict(block_k=32, num_stages=3),
+        "target264": dict(target_programs=264),
+        "target66": dict(target_programs=66),
+    }
+    out = {}
+    for ctx in LONG_CONTEXTS:
+        log(f"== tree attention at long context: N={N}, prefix {ctx}, H={H}, Hkv={HKV}, hd={HD}")
+        a0 = jax.device_put(attention_inputs(jax.random.PRNGKey(ctx), rng, 1, N, H, HKV, HD, ctx + 128, ctx,
+                                             dtype=jnp.bfloat16, n_pad=3))
+        ref0 = np.asarray(jax.jit(tree_attention.tree_attention_reference)(*a0).astype(jnp.float32))
+        ref32 = np.asarray(jax.jit(tree_attention.tree_attention_reference)(*_upcast(a0)))
+
+        def check(o):
+            o = np.asarray(o.astype(jnp.float32))
+            return errs([("vs_bf16_ref", o, ref0), ("vs_fp32_ref", o, ref32)])
+
+        make = lambda kw: functools.partial(tree_attention.tree_attention, **kw, **IKW())
+        recs, best = evaluate(f"attn_long_{ctx}", variants, make, a0, check, deadline, max_err=2e-2)
+        n_real = N - 3  # random trees: 3 padding rows; flops of the real rows over the prefix + their ancestors
+        _tflops(recs, 4.0 * HD * H * n_real * ctx)
+        for r in recs.values():
+            us = r.get("gpu_us_per_layer")
+            r[f"gpu_ms_{ATTN_LAYERS}_layers"] = None if us is None else round(ATTN_LAYERS * us / 1e3, 3)
+        out[str(ctx)] = {"best": best, "variants": recs,
+                         "floor_ms_16_layers_at_989_tflops": 4.0 * HD * H * N * ctx * ATTN_LAYERS / 989e12 * 1e3}
+        del a0
+    RESULTS["attn_long"] = out
+    RESULTS[f"tree_attention_gpu_ms_{ATTN_LAYERS}_layers_by_context"] = {
+        c: v["variants"].get(v["best"] or "default", {}).get(f"gpu_ms_{ATTN_LAYERS}_layers") for c, v in out.items()}
+
+
+def section_prefill_attn(deadline):
+    """Causal prefill attention of one chunk (PREFILL_CHUNKS tokens at PREFILL_STARTS) per variant, vs
+    today's path (the tree kernel with a dense causal mask); and the attention part of a whole prefill of
+    LONG_CONTEXTS[-1] tokens projected from a linear fit of the chunk time in `start`, x16 layers."""
+    extra = {"bk32_s3": dict(block_k=32, num_stages=3), "bm64_w4": dict(block_m=64, num_warps=4), "ns1": dict(n_split=1),
+             "bk128_s1": dict(block_k=128, num_stages=1), "bk128_w8_s2": dict(block_k=128, num_stages=2)}
+    mid = PREFILL_CHUNKS[len(PREFILL_CHUNKS) // 2]
+    out = {}
+
+    def masked(q, kc, vc, st, kn, vn):  # today's prefill attention: the tree kernel, dense causal mask
+        T = q.shape[1]
+        mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (q.shape[0], T, T))
+        return tree_attention.tree_attention(q, kc, vc, st, kn, vn, mask, **IKW())
+
+    for T in PREFILL_CHUNKS:
+        for st in PREFILL_STARTS:
+            key = f"T{T}_start{st}"
+            log(f"== prefill attention: chunk {T} at start {st}, H={H}, Hkv={HKV}, hd={HD}")
+            S = st + T + 128
+            args = jax.device_put(attention_inputs(jax.random.PRNGKey(T + st), None, 1, T, H, HKV, HD, S, st,
+                                                   dtype=jnp.bfloat16)[:6])
+            variants = {"default": {}, "tree_kernel_masked": {"path": "masked"}}
+            if T == mid and st > 0:
+                variants.update(extra)
+            if T * S <= 2 ** 27 or DRY:  # the jnp reference's fp32 logits [T, H, S] fit (≤ 13 GB a copy)
+                ref = np.asarray(jax.jit(prefill_attention.prefill_attention_reference)(*args).astype(jnp.float32))
+                rname = "vs_bf16_ref"
+            else:
+                ref = np.asarray(jax.jit(masked)(*args).astype(jnp.float32))
+                rname = "vs_tree_kernel_masked"
+
+            def check(o):
+                return errs([(rname, np.asarray(o.astype(jnp.float32)), ref)])
+
+            make = lambda kw: (masked if "path" in kw
+                               else functools.partial(prefill_attention.prefill_attention, **kw, **IKW()))
+            recs, best = evaluate(f"prefill_attn_{key}", variants, make, args, check, deadline, max_err=2e-2,
+                                  n_prof=5 if T * st > 2 ** 27 else 10)
+            _tflops(recs, prefill_attention.prefill_flops(T, st, H, HD))
+            out[key] = {"best": best, "variants": recs}
+            del args
+    RESULTS["prefill_attn"] = out
+    # projected attention time of a whole prefill of L tokens in chunks of T (16 layers), from a least-squares
+    # line through the measured chunk times vs start
+    L = LONG_CONTEXTS[-1]
+    proj = {}
+    for T in PREFILL_CHUNKS:
+        for name in ("default", "tree_kernel_masked"):
+            recs = [out[f"T{T}_start{st}"]["variants"].get(name, {}) for st in PREFILL_STARTS]
+            pts = [(st, r.get("gpu_us_per_layer") or r.get("wall_us_per_layer")) for st, r in zip(PREFILL_STARTS, recs)]
+            pts = [(x, y) for x, y in pts if y]
+            if len(pts) < 2:
+                continue
+            b, a = np.polyfit([x for x, _ in pts], [y for _, y in pts], 1)
+            starts = np.arange(0, L, T)
+            proj.setdefault(name, {})[str(T)] = float(f"{ATTN_LAYERS * float(np.sum(a + b * starts)) / 1e6:.4g}")
+    RESULTS[f"prefill_attention_projected_s_{L}_tokens_{ATTN_LAYERS}_layers_by_chunk"] = proj
+    RESULTS[f"prefill_attention_floor_s_{L}_tokens_{ATTN_LAYERS}_layers_at_989_tflops"] = float(
+        f"{ATTN_LAYERS * prefill_attention.prefill_flops(L, 0, H, HD) / 989e12:.4g}")
+
+
 # ----------------------------------------------------------------------------- GDN decode, fused
 def section_decode_fused(deadline):
     """One GDN decode step from the fused projection row to the gated-norm output (conv + SiLU, l2norm,
@@ -330,6 +455,7 @@ def section_prefill(deadline):
 
 def main():
     global DRY, HK, HV, DK, DV, CONV_K, H, HKV, HD, GDN_LAYERS, ATTN_LAYERS, TREE_N, PREFIX, PREFILL_T, SELECT
+    global LONG_CONTEXTS, PREFILL_CHUNKS, PREFILL_STARTS
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="")
     ap.add_argument("--sections", default="tree,attn,prefill,decode_fused")
@@ -343,6 +469,7 @@ def main():
         DRY = gpu_timing.QUICK = True
         HK, HV, DK, DV, H, HKV, HD = 1, 3, 16, 32, 4, 2, 16  # CONV_K stays 4
         GDN_LAYERS, ATTN_LAYERS, TREE_N, PREFIX, PREFILL_T = 2, 2, 19, 64, 128
+        LONG_CONTEXTS, PREFILL_CHUNKS, PREFILL_STARTS = (40, 72), (16, 24), (0, 40)
     dev = jax.devices()[0]
     RESULTS.update(device=getattr(dev, "device_kind", str(dev)), platform=dev.platform, jax=jax.__version__,
                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), dry=DRY,
@@ -381,6 +508,10 @@ def main():
                 section_prefill(deadline)
             elif sec == "decode_fused":
                 section_decode_fused(deadline)
+            elif sec == "attn_long":
+                section_attn_long(deadline)
+            elif sec == "prefill_attn":
+                section_prefill_attn(deadline)
             else:
                 raise ValueError(f"unknown section '{sec}'")
         except Exception as e:

@@ -40,6 +40,17 @@ def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, kernels="xla"
     return tree_attention_reference(q, k_cache, v_cache, start, k_new, v_new, mask)
 
 
+def prefill_attention(q, k_cache, v_cache, start, k_new, v_new, kernels="xla"):
+    """Causal sequence pass: q [B,T,H,hd] at positions [start, start+T) attends to cache rows [0, start) and
+    to new rows j <= t -> [B,T,H,hd] (= tree_attention with the causal mask; no mask is built or read)."""
+    _check(kernels)
+    if kernels == "pallas":
+        from kernels_pallas import prefill_attention as pa
+        return pa.prefill_attention(q, k_cache, v_cache, start, k_new, v_new)
+    from kernels_pallas.prefill_attention import prefill_attention_reference
+    return prefill_attention_reference(q, k_cache, v_cache, start, k_new, v_new)
+
+
 def gdn_chunked(q, k, v, g, beta, state, kernels="xla"):
     _check(kernels)
     if kernels == "pallas":

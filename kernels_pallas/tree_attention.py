@@ -9,8 +9,12 @@ are gathered straight from q [B, T·H, hd] (no transpose), so K/V of a kv head a
 block for all its G query heads. The grid is (B·Hkv, row blocks, n_split): the prefix blocks [0, start)
 followed by the N new rows' blocks (dense mask [T, N]) form one sequence of key blocks, and split s runs
 flash-decoding over an equal share of it (sized from `start` at run time, so the work follows the
-prefix, not the cache capacity). Each program writes its partial output (normalised) and its
-log-sum-exp; a jnp merge combines them. bf16 (or fp32) in, fp32 accumulation, fp32 softmax.
+prefix, not the cache capacity). The cache is read in place: a partial last prefix block is gathered
+with clamped rows (no padded copy), so the capacity need not be a multiple of the block. The last row
+block computes with the smallest power-of-two tile that holds its rows (T = 65, G = 6: 3 × 128 + 16
+rows instead of 4 × 128; at long context the kernel is bound by tensor-core flops, not by K/V bytes).
+Each program writes its partial output (normalised) and its log-sum-exp (base 2: the softmax uses exp2
+on logits × log2 e); a jnp merge combines them. bf16 (or fp32) in, fp32 accumulation, fp32 softmax.
 
 H200, T=65, 4K prefix, GPU µs per layer (kernel + merge): 128x64 tiles, 8 warps, 2 stages, 8 splits 35
 (34.4 in round 5); 1 stage 39; 6 / 10 / 16 splits 40 / 50 / 50; 64-row tiles 38-46. Removed: the round-3
@@ -30,24 +34,41 @@ from kernels_pallas._common import HIGHEST, compiler_params, feature_pad, next_p
 
 __all__ = ["tree_attention", "tree_attention_reference"]
 
-_NEG = -1e30  # running-max init: finite, so fully masked blocks give exp(-inf - _NEG) = 0
+_LOG2E = 1.4426950408889634  # the softmax runs in base 2 (exp2 is one MUFU op; expf is a libdevice sequence)
+_NEG = -1e30  # running-max init: finite, so fully masked blocks give exp2(-inf - _NEG) = 0
 
 
 def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, m_ref, o_ref, lse_ref, *,
-            T: int, H: int, G: int, N: int, bm: int, bk: int, n_split: int, scale: float,
-            exact: bool):
+            T: int, H: int, G: int, N: int, bm: int, bm_tail: int, bk: int, n_split: int, rows_last: bool,
+            scale: float, exact: bool):
+    i_bh = pl.program_id(0)
+    rb, s = (pl.program_id(2), pl.program_id(1)) if rows_last else (pl.program_id(1), pl.program_id(2))
+    n_rb = -(-(T * G) // bm)
+    args = (start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, m_ref, o_ref, lse_ref)
+    kw = dict(T=T, H=H, G=G, N=N, bk=bk, n_split=n_split, scale=scale, exact=exact, i_bh=i_bh, s=s,
+              row0=rb * bm, spare=bm)
+    if bm_tail == bm:
+        _rows(*args, rows=bm, **kw)
+    else:  # the last row block holds only R mod bm rows: a smaller tile for it
+        pl.when(rb < n_rb - 1)(lambda: _rows(*args, rows=bm, **kw))
+        pl.when(rb == n_rb - 1)(lambda: _rows(*args, rows=bm_tail, **kw))
+
+
+def _rows(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, m_ref, o_ref, lse_ref, *,
+          T: int, H: int, G: int, N: int, bk: int, n_split: int, scale: float, exact: bool, i_bh, s, row0,
+          rows: int, spare: int):
+    """Rows [row0, row0 + rows) of kv head i_bh % Hkv over key split s."""
     f32 = jnp.float32
-    i_bh, rb, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     hkv_idx = i_bh % (H // G)
     R = T * G
-    r = rb * bm + jnp.arange(bm)
+    r = row0 + jnp.arange(rows)
     row_ok = r < R
     rc = jnp.minimum(r, R - 1)
     t_of_r = rc // G
     qrow = t_of_r * H + hkv_idx * G + rc % G  # row of q [T·H, hd]
-    # rows past R store into distinct spare rows T·H + (r mod bm) of the partials (sliced off by the
+    # rows past R store into distinct spare rows T·H + (r mod spare) of the partials (sliced off by the
     # merge): a masked scatter must not hit a real row twice (interpret mode applies it as a gather/set)
-    orow = jnp.where(row_ok, qrow, T * H + r % bm)
+    orow = jnp.where(row_ok, qrow, T * H + r % spare)
     hd = q_ref.shape[-1]
     cols = jnp.arange(hd)
     q = pltr.load(q_ref.at[qrow[:, None], cols[None, :]], mask=row_ok[:, None], other=0)
@@ -61,30 +82,37 @@ def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, m_ref, o_ref, lse_
 
     def step(kb, vb, valid, carry):
         acc, m, l = carry
-        sc = dot_t(q, kb) * scale  # [bm, bk]
-        sc = jnp.where(valid, sc, -jnp.inf)
+        sc = dot_t(q, kb) * scale  # [rows, bk]
+        if valid is not None:
+            sc = jnp.where(valid, sc, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(sc, axis=1))
-        corr = jnp.exp(m - m_new)
-        p = jnp.exp(sc - m_new[:, None])
+        corr = jnp.exp2(m - m_new)
+        p = jnp.exp2(sc - m_new[:, None])
         l = l * corr + jnp.sum(p, axis=1)
         acc = acc * corr[:, None] + dot(p.astype(vb.dtype), vb)
         return acc, m_new, l
 
-    init = (jnp.zeros((bm, hd), f32), jnp.full((bm,), _NEG, f32), jnp.zeros((bm,), f32))
+    init = (jnp.zeros((rows, hd), f32), jnp.full((rows,), _NEG, f32), jnp.zeros((rows,), f32))
 
     start = start_ref[0]
-    nbp = pl.cdiv(start, bk)  # prefix blocks
+    S = kc_ref.shape[0]
+    nfp = start // bk  # whole prefix blocks
+    nbp = pl.cdiv(start, bk)  # prefix blocks, the last one partial when start % bk
     nbt = pl.cdiv(N, bk)  # tree blocks
 
-    def prefix_loop(jlo, jhi, carry):  # prefix blocks [jlo, jhi): keys < start
+    def prefix_loop(jlo, jhi, carry):  # whole prefix blocks [jlo, jhi): every key visible
         def body(j, carry):
             k0 = pl.multiple_of(j * bk, bk)
-            kb = kc_ref[pl.ds(k0, bk), :]
-            vb = vc_ref[pl.ds(k0, bk), :]
-            valid = (k0 + jnp.arange(bk) < start)[None, :]
-            return step(kb, vb, valid, carry)
+            return step(kc_ref[pl.ds(k0, bk), :], vc_ref[pl.ds(k0, bk), :], None, carry)
 
         return jax.lax.fori_loop(jlo, jnp.maximum(jhi, jlo), body, carry)
+
+    def partial_prefix(carry):  # block nfp, rows clamped to the cache (no padded copy), keys < start
+        c = nfp * bk + jnp.arange(bk)
+        cc = jnp.minimum(c, S - 1)
+        kb = pltr.load(kc_ref.at[cc[:, None], cols[None, :]])
+        vb = pltr.load(vc_ref.at[cc[:, None], cols[None, :]])
+        return step(kb, vb, (c < start)[None, :], carry)
 
     def tree_loop(tlo, thi, carry):  # tree blocks [tlo, thi) of bk new rows, dense mask
         def body(j, carry):
@@ -103,11 +131,12 @@ def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, m_ref, o_ref, lse_
     per = pl.cdiv(nbp + nbt, n_split)
     lo = s * per
     hi = jnp.minimum(lo + per, nbp + nbt)
-    carry = prefix_loop(lo, jnp.minimum(hi, nbp), init)
+    carry = prefix_loop(lo, jnp.minimum(hi, nfp), init)
+    carry = jax.lax.cond((nbp > nfp) & (lo <= nfp) & (nfp < hi), partial_prefix, lambda c: c, carry)
     acc, m, l = tree_loop(jnp.maximum(lo - nbp, 0), hi - nbp, carry)
     safe_l = jnp.where(l > 0, l, 1.0)
     o = acc / safe_l[:, None]
-    lse = jnp.where(l > 0, m + jnp.log(safe_l), -jnp.inf)
+    lse = jnp.where(l > 0, m + jnp.log2(safe_l), -jnp.inf)
     pltr.store(o_ref.at[orow[:, None], cols[None, :]], o.astype(o_ref.dtype), mask=row_ok[:, None])
     pltr.store(lse_ref.at[orow], lse, mask=row_ok)
 
@@ -119,60 +148,70 @@ def default_split(B: int, hkv: int, n_rb: int, S: int, bk: int, target_programs:
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_m", "block_k", "n_split", "num_warps",
-                                             "num_stages", "partial_dtype", "target_programs"))
+                                             "num_stages", "partial_dtype", "target_programs", "rows_last",
+                                             "tail"))
 def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret: bool = False,
                    block_m: int | None = None, block_k: int = 64, n_split: int | None = None,
                    num_warps: int | None = None, num_stages: int | None = None, partial_dtype=None,
-                   target_programs: int | None = None):
+                   target_programs: int | None = None, rows_last: bool | None = None, tail: bool = True):
     """q [B,T,H,hd]; k/v_cache [B,Hkv,S,hd]; start int32 scalar; k/v_new [B,N,Hkv,hd]; mask [B,T,N] bool
     -> [B,T,H,hd] (q.dtype). Same as `tree_attention_reference`.
 
     The grid is (B·Hkv, row blocks, n_split) and split s takes an equal share of the (prefix blocks +
-    tree blocks) sequence; the split partials are combined by jnp (a few small XLA kernels)."""
+    tree blocks) sequence; the split partials are combined by jnp (a few small XLA kernels). Programs
+    launch with the first grid axis fastest, so the row blocks of one split run side by side and share
+    its K/V blocks in L2. tail: the last row block, when its R mod block_m rows fit a smaller
+    power-of-two tile, computes with that tile (390 = 3·128 + 6 rows: 400 rows computed instead of 512),
+    the splits are counted for the full row blocks only, and (rows_last, the default with a tail) the
+    grid is (B·Hkv, n_split, row blocks) so that the light tail programs launch after the full ones."""
     B, T, H, hd = q.shape
     hkv, S = k_cache.shape[1], k_cache.shape[2]
     N = k_new.shape[1]
     G = H // hkv
     R = T * G
-    scale = hd ** -0.5
+    scale = hd ** -0.5 * _LOG2E  # logits in base 2
     hdp = feature_pad(hd)
     if hdp != hd:  # tiny test shapes only: zero features change no logit
         q, k_cache, v_cache, k_new, v_new = (pad_axis(x, 3, hdp) for x in (q, k_cache, v_cache, k_new, v_new))
     decode_like = R <= 16
     # defaults measured on the H200 at 27B shapes (hd 256, see benchmarks/results/kernels_h200.json)
     bm = block_m or (16 if decode_like else 128)
-    nw = num_warps or (4 if bm <= 64 else 8)
     nst = num_stages or 2
     target = target_programs or 132
     bk = min(block_k, max(16, next_pow2(S)))
-    if S % bk:  # tiny test shapes only
-        k_cache, v_cache = pad_axis(k_cache, 2, S + (-S) % bk), pad_axis(v_cache, 2, S + (-S) % bk)
-    Sp = k_cache.shape[2]
     n_rb = -(-R // bm)
-    ns = n_split or default_split(B, hkv, n_rb, Sp + N, bk, target)
+    bm_tail = max(16, next_pow2(R - (n_rb - 1) * bm)) if tail else bm
+    bm_tail = min(bm_tail, bm)
+    if n_rb == 1:  # a single row block: just the smaller tile
+        bm = bm_tail
+    ns = n_split or default_split(B, hkv, max(1, n_rb - (bm_tail < bm)), S + N, bk, target)
+    rows_last = (bm_tail < bm) if rows_last is None else rows_last
+    nw = num_warps or (4 if bm <= 64 else 8)
     exact = q.dtype == jnp.float32
     pdt = jnp.float32 if exact else (partial_dtype or q.dtype)  # bf16 partials halve the merge traffic
 
     q2 = q.reshape(B, T * H, hdp)  # free
     start_arr = jnp.asarray(start, jnp.int32).reshape(1)
     mask_i8 = mask.astype(jnp.int8)
-    kern = functools.partial(_kernel, T=T, H=H, G=G, N=N, bm=bm, bk=bk, n_split=ns, scale=scale,
-                             exact=exact)
+    kern = functools.partial(_kernel, T=T, H=H, G=G, N=N, bm=bm, bm_tail=bm_tail, bk=bk, n_split=ns,
+                             rows_last=rows_last, scale=scale, exact=exact)
+    # index maps take (i, a, b) = (kv head, row block, split), or (kv head, split, row block) if rows_last
     o_p, lse_p = pl.pallas_call(
         kern,
-        grid=(B * hkv, n_rb, ns),
+        grid=(B * hkv, ns, n_rb) if rows_last else (B * hkv, n_rb, ns),
         in_specs=[
-            pl.BlockSpec((1,), lambda i, rb, s: (0,)),  # start
-            pl.BlockSpec((None, T * H, hdp), lambda i, rb, s: (i // hkv, 0, 0)),  # q rows
-            pl.BlockSpec((None, None, Sp, hdp), lambda i, rb, s: (i // hkv, i % hkv, 0, 0)),  # k_cache
-            pl.BlockSpec((None, None, Sp, hdp), lambda i, rb, s: (i // hkv, i % hkv, 0, 0)),  # v_cache
-            pl.BlockSpec((None, N, None, hdp), lambda i, rb, s: (i // hkv, 0, i % hkv, 0)),  # k_new
-            pl.BlockSpec((None, N, None, hdp), lambda i, rb, s: (i // hkv, 0, i % hkv, 0)),  # v_new
-            pl.BlockSpec((None, T, N), lambda i, rb, s: (i // hkv, 0, 0)),  # mask
+            pl.BlockSpec((1,), lambda i, a, b: (0,)),  # start
+            pl.BlockSpec((None, T * H, hdp), lambda i, a, b: (i // hkv, 0, 0)),  # q rows
+            pl.BlockSpec((None, None, S, hdp), lambda i, a, b: (i // hkv, i % hkv, 0, 0)),  # k_cache
+            pl.BlockSpec((None, None, S, hdp), lambda i, a, b: (i // hkv, i % hkv, 0, 0)),  # v_cache
+            pl.BlockSpec((None, N, None, hdp), lambda i, a, b: (i // hkv, 0, i % hkv, 0)),  # k_new
+            pl.BlockSpec((None, N, None, hdp), lambda i, a, b: (i // hkv, 0, i % hkv, 0)),  # v_new
+            pl.BlockSpec((None, T, N), lambda i, a, b: (i // hkv, 0, 0)),  # mask
         ],
         out_specs=[
-            pl.BlockSpec((None, None, T * H + bm, hdp), lambda i, rb, s: (s, i // hkv, 0, 0)),
-            pl.BlockSpec((None, None, T * H + bm), lambda i, rb, s: (s, i // hkv, 0)),
+            pl.BlockSpec((None, None, T * H + bm, hdp),
+                         lambda i, a, b: (a if rows_last else b, i // hkv, 0, 0)),
+            pl.BlockSpec((None, None, T * H + bm), lambda i, a, b: (a if rows_last else b, i // hkv, 0)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((ns, B, T * H + bm, hdp), pdt),
@@ -182,11 +221,11 @@ def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret:
         interpret=interpret,
         name="tree_attention",
     )(start_arr, q2, k_cache, v_cache, k_new, v_new, mask_i8)
-    # merge the split partials by log-sum-exp: o = Σ_p w_p o_p with w_p = exp(lse_p − lse)
+    # merge the split partials by log-sum-exp (base 2): o = Σ_p w_p o_p with w_p = 2^(lse_p − lse)
     o_p, lse_p = o_p[:, :, :T * H], lse_p[:, :, :T * H]
     mx = jnp.max(lse_p, axis=0)
     mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-    w = jnp.exp(lse_p - mx)  # [P, B, TH]
+    w = jnp.exp2(lse_p - mx)  # [P, B, TH]
     w = w / jnp.maximum(jnp.sum(w, axis=0), 1e-30)
     o = jnp.sum(w[..., None] * o_p.astype(jnp.float32), axis=0)
     return o.reshape(B, T, H, hdp)[..., :hd].astype(q.dtype)

@@ -44,3 +44,13 @@ def test_kernel_benches_dry(tmp_path):
     assert k["gdn_decode_fused_best_variant"] is not None
     _run(["benchmarks/bench_gemv.py", "--dry", "--out", str(tmp_path / "g.json")])
     assert json.loads((tmp_path / "g.json").read_text())["dry"] is True
+
+
+def test_long_attention_benches_dry(tmp_path):
+    _run(["benchmarks/bench_kernels.py", "--dry", "--sections", "attn_long,prefill_attn", "--select",
+          "attn_long_40:default$|prefill_attn_T16_.*:default$", "--out", str(tmp_path / "l.json")])
+    k = json.loads((tmp_path / "l.json").read_text())
+    assert "attn_long_section_error" not in k and "prefill_attn_section_error" not in k
+    assert k["attn_long"]["40"]["variants"]["default"]["tflops"] > 0
+    assert all(k["prefill_attn"][f"T16_start{s}"]["variants"]["default"]["tflops"] > 0 for s in (0, 40))
+    assert k["prefill_attention_projected_s_72_tokens_2_layers_by_chunk"]["default"]

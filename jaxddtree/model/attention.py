@@ -2,8 +2,9 @@
 split, q/k RMSNorm (1+w), partial RoPE, GQA over a preallocated KV cache, output times sigmoid(gate), o_proj.
 
 Sequence pass: K/V of the new tokens are written at `start ..` and every query attends causally over the
-cache. Tree pass: nodes attend to the committed prefix `[0, start)` and to their tree ancestors; their
-K/V are returned as the stash (already final: computed at position start + depth).
+cache (a chunk of T > 1 tokens through `ops.prefill_attention`, a decode step through `ops.tree_attention`).
+Tree pass: nodes attend to the committed prefix `[0, start)` and to their tree ancestors; their K/V are
+returned as the stash (already final: computed at position start + depth).
 """
 
 from __future__ import annotations
@@ -58,7 +59,10 @@ class Attention(nnx.Module):
 
     def __call__(self, x, cache: KVCache, layout: TokenLayout):
         q, k, v, gate = self.project(x, layout)
-        o = ops.tree_attention(q, cache.k, cache.v, layout.start, k, v, layout.mask, layout.kernels)
+        if layout.is_tree or layout.num_tokens == 1:
+            o = ops.tree_attention(q, cache.k, cache.v, layout.start, k, v, layout.mask, layout.kernels)
+        else:  # a causal chunk (prefill): the flash kernel needs no mask
+            o = ops.prefill_attention(q, cache.k, cache.v, layout.start, k, v, layout.kernels)
         out = self.output(o, gate, layout.kernels)
         if layout.is_tree:
             return out, cache, AttentionStash(k=k, v=v)

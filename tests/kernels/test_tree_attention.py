@@ -25,6 +25,10 @@ def test_signature_matches_reference():
     (1, 13, 6, 2, 32, 192, 150, jnp.bfloat16, dict(block_k=32, block_m=16)),  # bf16, several blocks
     (1, 21, 4, 1, 16, 256, 200, jnp.float32, dict(block_k=16, block_m=32, n_split=5)),  # tree rows split
     (1, 21, 4, 1, 16, 256, 200, jnp.float32, dict(block_k=16, n_split=40)),  # more splits than blocks
+    # R = 38 rows: a 32-row block + a 16-row tail tile, grid with the row blocks innermost; prefix 45
+    (1, 19, 4, 2, 16, 80, 45, jnp.float32, dict(block_k=16, block_m=32, n_split=3, rows_last=True)),
+    (1, 19, 4, 2, 32, 80, 45, jnp.bfloat16, dict(block_k=16, block_m=32, n_split=2)),
+    (1, 19, 4, 2, 16, 80, 45, jnp.float32, dict(block_k=16, block_m=32, tail=False)),
 ])
 def test_tree_matches_reference(B, T, H, Hkv, hd, S, start, dtype, kw):
     args = attention_inputs(jax.random.PRNGKey(T + S), np.random.default_rng(T), B, T, H, Hkv, hd, S, start,
@@ -63,7 +67,11 @@ def _structs(T, N, S):
                                       (65, 65, 4096 + 64, dict(block_k=32, num_stages=3)),
                                       (65, 65, 4096 + 64, dict(block_m=64, block_k=32, num_warps=4, num_stages=3,
                                                                n_split=9)),
-                                      (1, 1, 8192, dict(num_stages=1))])
+                                      (1, 1, 8192, dict(num_stages=1)),
+                                      (65, 65, 131072, {}), (65, 65, 131072, dict(tail=False)),
+                                      (65, 65, 131072, dict(rows_last=False, n_split=16)),
+                                      (65, 65, 131072, dict(block_m=64, num_warps=4, block_k=64, n_split=5)),
+                                      (65, 65, 4096 + 8, dict(block_k=128, num_stages=1))])
 def test_lowers_for_h200_at_27b_shapes(T, N, S, kw):
     txt = lower_for_h200(functools.partial(ta.tree_attention, **kw), *_structs(T, N, S))
     assert "__gpu$xla.gpu.triton" in txt
