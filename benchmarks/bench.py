@@ -322,13 +322,23 @@ def main(argv=None):
                                                 n=args.runs), 3)
         log(f"draft {res['draft_ms' + key]} ms")
         dl = draft(drafter.params, dcache, ctx, embed, head)[0]
-        # tree build and commit on both kernel paths (A/B in one run): "_xla"/"_pallas" keys for the other path
-        paths = list(dict.fromkeys([args.kernels, "xla" if args.kernels == "pallas" else "pallas"]))
-        if dev.platform != "gpu":
-            paths = [args.kernels]
-        suffix = {kp: "" if kp == default_kernels else f"_{kp}" for kp in paths}
+        # tree build and commit with and without their Pallas kernels (A/B in one run; the defaults are
+        # ops.PALLAS_TREE_SELECT / PALLAS_GDN_COMMIT): "_xla" / "_pallas" keys for the non-default variant
+        paths = ["pallas", "xla"] if dev.platform == "gpu" else [args.kernels]
+        default_variant = "pallas" if args.kernels == "pallas" and ops.PALLAS_GDN_COMMIT else "xla"
+        suffix = {kp: "" if kp == default_variant else f"_{kp}" for kp in paths}
+
+        def with_kernels(kp, fn):  # trace fn with the Pallas tree/commit kernels on (kp == "pallas") or off
+            flags = ops.PALLAS_TREE_SELECT, ops.PALLAS_GDN_COMMIT
+            ops.PALLAS_TREE_SELECT = ops.PALLAS_GDN_COMMIT = kp == "pallas"
+            try:
+                return jax.block_until_ready(fn())
+            finally:
+                ops.PALLAS_TREE_SELECT, ops.PALLAS_GDN_COMMIT = flags
+
         for kp in paths:
-            build = jax.jit(lambda r, d, kp=kp: tree_lib.build_tree(r, d, 64, kernels=kp))
+            build = jax.jit(lambda r, d, kp=kp: tree_lib.build_tree(r, d, 64, kernels=args.kernels))
+            with_kernels(kp, lambda: build(jnp.int32(1), dl))
             jax.block_until_ready(build(jnp.int32(1), dl))
             res["tree_build_ms" + suffix[kp]] = round(median_ms(lambda: build(jnp.int32(1), dl), n=args.runs), 3)
             log(f"tree build (budget 64, {kp}) {res['tree_build_ms' + suffix[kp]]} ms")
@@ -348,14 +358,14 @@ def main(argv=None):
         # the cache is donated, as in the round (otherwise every call copies the whole ~1 GB cache)
         held = [cache]
         for kp in paths:
-            do_commit = jax.jit(lambda c, s, kp=kp: commit(c, s, path, jnp.asarray([2], jnp.int32), kernels=kp),
-                                donate_argnums=0)
+            do_commit = jax.jit(lambda c, s, kp=kp: commit(c, s, path, jnp.asarray([2], jnp.int32),
+                                                             kernels=args.kernels), donate_argnums=0)
 
             def commit_once():
                 held[0] = do_commit(held[0], st)
                 return held[0].length
 
-            jax.block_until_ready(commit_once())
+            with_kernels(kp, commit_once)
             res["commit_ms" + suffix[kp]] = round(median_ms(commit_once, n=args.runs), 3)
             log(f"commit ({kp}) {res['commit_ms' + suffix[kp]]} ms")
         del held, st, dcache

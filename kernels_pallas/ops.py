@@ -22,6 +22,11 @@ PALLAS_DENSE_MAX_ROWS = 1
 # The one-program tree selection does O(budget² log budget) comparisons per depth; past this budget the XLA
 # scan (top-k per depth) stays.
 TREE_SELECT_MAX_BUDGET = 256
+# H200, 27B shapes, budget 64 (benchmarks/bench.py parts, both paths in one run, 2026-11-30): the one-program
+# Pallas tree selection 1.37 ms vs the XLA scan 0.86 ms; the one-kernel-per-GDN-layer Pallas commit 3.94 ms vs
+# the XLA form 1.43 ms (whole commit). The XLA forms stay the default of kernels="pallas"; True runs the kernels.
+PALLAS_TREE_SELECT = False
+PALLAS_GDN_COMMIT = False
 PALLAS_DENSE_MIN_COLS = 2048
 
 
@@ -88,7 +93,7 @@ def gdn_commit(state, conv, k, W, g, x, path, path_len, kernels="xla"):
     """One GDN layer's commit of the accepted path from the verify stash -> (state, conv) (see
     `gdn_reference.gdn_commit`); the Pallas kernel updates both in place, in one launch."""
     _check(kernels)
-    if kernels == "pallas":
+    if kernels == "pallas" and PALLAS_GDN_COMMIT:
         from kernels_pallas import gdn_commit as commit
         return commit.gdn_commit(state, conv, k, W, g, x, path, path_len)
     return gdn_reference.gdn_commit(state, conv, k, W, g, x, path, path_len)
@@ -99,7 +104,7 @@ def tree_select(top_lp, top_id, budget: int, kernels="xla"):
     parents, depths, valid) [budget] of the drafted nodes (see `kernels_pallas.tree_build`)."""
     _check(kernels)
     from kernels_pallas import tree_build
-    if kernels == "pallas" and budget <= TREE_SELECT_MAX_BUDGET:
+    if kernels == "pallas" and PALLAS_TREE_SELECT and budget <= TREE_SELECT_MAX_BUDGET:
         return tree_build.tree_select(top_lp, top_id, budget)
     return tree_build.tree_select_reference(top_lp, top_id, budget)
 

@@ -153,7 +153,7 @@ def default_split(B: int, hkv: int, n_rb: int, S: int, bk: int, target_programs:
 def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret: bool = False,
                    block_m: int | None = None, block_k: int = 64, n_split: int | None = None,
                    num_warps: int | None = None, num_stages: int | None = None, partial_dtype=None,
-                   target_programs: int | None = None, rows_last: bool | None = None, tail: bool = True):
+                   target_programs: int | None = None, rows_last: bool | None = None, tail: bool = False):
     """q [B,T,H,hd]; k/v_cache [B,Hkv,S,hd]; start int32 scalar; k/v_new [B,N,Hkv,hd]; mask [B,T,N] bool
     -> [B,T,H,hd] (q.dtype). Same as `tree_attention_reference`.
 
@@ -163,7 +163,10 @@ def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret:
     its K/V blocks in L2. tail: the last row block, when its R mod block_m rows fit a smaller
     power-of-two tile, computes with that tile (390 = 3·128 + 6 rows: 400 rows computed instead of 512),
     the splits are counted for the full row blocks only, and (rows_last, the default with a tail) the
-    grid is (B·Hkv, n_split, row blocks) so that the light tail programs launch after the full ones."""
+    grid is (B·Hkv, n_split, row blocks) so that the light tail programs launch after the full ones. Off by
+    default: H200, T = 65, 27B shapes (bench_kernels attn_long, 2026-11-30): 40.0 / 239.5 / 882 µs per layer at
+    4K / 32K / 128K with the tail vs 37.2 / 214.1 µs without (its extra split count leaves a second, bandwidth-only
+    wave of tail programs)."""
     B, T, H, hd = q.shape
     hkv, S = k_cache.shape[1], k_cache.shape[2]
     N = k_new.shape[1]
