@@ -16,6 +16,7 @@ partial edge blocks), write the FP8 checkpoint (config `quantization_config`, `w
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shutil
@@ -313,3 +314,44 @@ def test_fp8_without_config(released, tmp_path):
     with pytest.raises(CheckpointError, match=r"tensor '.*\.weight' is fp8, but config\.json has no fp8 "
                                               r"quantization_config"):
         jaxddtree.load_target(d, "float32")
+
+
+@pytest.fixture(scope="module")
+def pow2_blocks(tmp_path_factory):
+    """The bf16 comparison model (hidden 128) with 24x32 blocks: input blocks the fp8 kernel can tile (BK
+    divides 32), partial output blocks, bf16 scales, lm_head / in_proj_a|b plain (w_in's bf16 tail)."""
+    root = str(tmp_path_factory.mktemp("fp8_pow2"))
+    return write_fp8_pair(hf_models.causal_lm_bf16(), root, block=(24, 32), scale_dtype=torch.bfloat16)
+
+
+def test_pallas_fp8_kernel_in_model(pow2_blocks, jx, monkeypatch):
+    """kernels="pallas" runs every fp8 projection (prefill of 21 rows, decode GEMVs, w_in with its bf16 tail)
+    on the fp8 kernel (interpret mode; the other kernels stay on their references here): bf16 logits match
+    kernels="xla" (dequantize + XLA) up to bf16 rounding, and are as close to the fp32 dequantized model."""
+    import dataclasses
+    from kernels_pallas import dense_fp8 as df
+    from kernels_pallas import ops
+    fp8_dir, ref_dir = pow2_blocks
+    ids = np.random.RandomState(4).randint(0, 96, 21)
+    target = jaxddtree.load_target(fp8_dir, "bfloat16")
+    xla = _logits(jx, target, ids, 2)
+    exact = _logits(jx, jaxddtree.load_target(ref_dir, "float32"), ids, 2)
+    calls = []
+    kernel = df.dense_fp8
+    monkeypatch.setattr(df, "dense_fp8", lambda x, q, s, block_in: calls.append(x.shape) or
+                        kernel(x, q, s, block_in=block_in, interpret=True))
+    def on_reference(f):
+        def g(*a, **k):
+            b = inspect.signature(f).bind(*a, **k)
+            b.arguments["kernels"] = "xla"
+            return f(*b.args, **b.kwargs)
+        return g
+    for name in ("tree_attention", "gdn_chunked", "gdn_masked_block", "gdn_decode_fused"):
+        monkeypatch.setattr(ops, name, on_reference(getattr(ops, name)))
+    pallas = _logits(jx, dataclasses.replace(target, kernels="pallas"), ids, 2)
+    # 3 passes x 4 layers x 4 fp8 projections (w_in | w_qkv, w_out | wo, w_gate_up, w_down)
+    assert len(calls) == 3 * 4 * 4 and sorted({c[0] for c in calls}) == [1, 21]
+    e_pallas, e_xla = hf_models.rel_err(pallas, exact), hf_models.rel_err(xla, exact)
+    print(f"pallas vs xla {hf_models.rel_err(pallas, xla):.3g}; vs fp32: pallas {e_pallas:.3g} xla {e_xla:.3g}")
+    assert hf_models.rel_err(pallas, xla) <= 3e-2
+    assert e_pallas <= 1.5 * e_xla + 1e-3
