@@ -11,7 +11,9 @@ partial edge blocks), write the FP8 checkpoint (config `quantization_config`, `w
     divide the matrices, bf16 and fp32 scales, a fused parameter with a plain part in the middle;
   * DDTree == DFlash == AR tokens at T = 0 on the fp8 target;
   * malformed checkpoints (missing scale, wrong scale shape, unknown fmt, scale on a plain weight) give
-    a CheckpointError naming the tensor; `python -m convert` refuses FP8 checkpoints with one line.
+    a CheckpointError naming the tensor;
+  * `python -m convert` keeps fp8 + scales and restores them (same parameters, same tokens);
+  * kernels="pallas": the fp8 GEMV / skinny GEMM (interpret mode) inside the model matches kernels="xla".
 """
 
 from __future__ import annotations
@@ -249,11 +251,38 @@ def test_malformed(released, tmp_path, case, match):
         jaxddtree.load_target(d, "float32")
 
 
-def test_convert_refuses_fp8(released, tmp_path):
+def test_convert_roundtrip(released, tmp_path):
+    """`python -m convert` (its `convert`) keeps the fp8 weights + block scales (+ the bf16 tail): the restored
+    target has the same parameters, bit for bit, as loading the FP8 directory, read by the direct reader,
+    and generates the same tokens."""
+    import jax
+    from flax import nnx
+    from jaxddtree.checkpoint import orbax_format
+    from jaxddtree.checkpoint.convert import convert
+    out = str(tmp_path / "conv")
+    meta = convert(released[0], out, dtype="float32")
+    assert meta["fp8"]["layers.0.mixer.w_in"] == {"block_in": 24, "nc": 1}
+    assert meta["fp8"]["layers.3.mixer.wo"] == {"block_in": 24, "nc": 2}
+    assert "layers.1.mlp.w_down" not in meta["fp8"]  # modules_to_not_convert: plain
+    a, b = jaxddtree.load_target(out, "float32"), jaxddtree.load_target(released[0], "float32")
+    assert orbax_format.last_restore["reader"] == "direct"
+    sa, sb = (nnx.to_pure_dict(nnx.state(t.module())) for t in (a, b))
+    assert jax.tree.structure(sa) == jax.tree.structure(sb)
+    w_in = a.module().layers[0].mixer.w_in[...]
+    assert isinstance(w_in, Fp8Weight) and w_in.q.dtype == np.dtype("float8_e4m3fn") and w_in.tail is not None
+    for x, y in zip(jax.tree.leaves(sa), jax.tree.leaves(sb)):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    prompt = np.random.RandomState(5).randint(0, 96, 12).tolist()
+    ga, gb = (jaxddtree.generate(t, prompt, method="ar", max_new_tokens=12).tokens for t in (a, b))
+    assert ga == gb and len(ga) == 12
+
+
+def test_convert_refuses_fp8_drafter(released, tmp_path):
     from jaxddtree.checkpoint.convert import ConvertError, convert
-    with pytest.raises(ConvertError, match="FP8 checkpoints are not convertible yet; load the HF directory "
-                                           "directly") as e:
-        convert(released[0], str(tmp_path / "out"))
+    with pytest.raises(ConvertError, match="quantized checkpoints \\(quant_method 'fp8'\\) are not supported "
+                                           "for a drafter") as e:
+        convert(released[0], str(tmp_path / "out"), kind="drafter")
     assert "\n" not in str(e.value)
     assert not os.path.exists(tmp_path / "out")
 
