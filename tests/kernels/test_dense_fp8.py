@@ -132,3 +132,21 @@ def test_ops_dense_fp8_rows_rule():
     q = jnp.ones((64, 256), df.FP8)
     assert ops.dense_fp8_applies("btd,dc->btc", jnp.ones((1, 256, 64), jnp.bfloat16), q, 128, "pallas")
     assert not ops.dense_fp8_applies("btd,dc->btc", jnp.ones((1, 257, 64), jnp.bfloat16), q, 128, "pallas")
+
+
+def test_sweep_variants_lower_for_h200():
+    """Every variant of benchmarks/bench_gemv_fp8.py lowers (at the w_down shape: the longest K)."""
+    import importlib.util
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location("bench_gemv_fp8", os.path.join(root, "benchmarks", "bench_gemv_fp8.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.SHAPES_27B == SHAPES_27B
+    S = jax.ShapeDtypeStruct
+    K, N = SHAPES_27B["w_down"]
+    for M in (1, 65):
+        for name, kw in bench.variants_for(M).items():
+            f = functools.partial(df.dense_fp8, block_in=128, **kw)
+            txt = lower_for_h200(f, S((M, K), jnp.bfloat16), S((K, N), df.FP8), S((K // 128, N), jnp.float32))
+            assert "__gpu$xla.gpu.triton" in txt, (M, name)
