@@ -378,8 +378,9 @@ def test_pallas_fp8_kernel_in_model(pow2_blocks, jx, monkeypatch):
     for name in ("tree_attention", "gdn_chunked", "gdn_masked_block", "gdn_decode_fused"):
         monkeypatch.setattr(ops, name, on_reference(getattr(ops, name)))
     pallas = _logits(jx, dataclasses.replace(target, kernels="pallas"), ids, 2)
-    # 3 passes x 4 layers x 4 fp8 projections (w_in | w_qkv, w_out | wo, w_gate_up, w_down)
-    assert len(calls) == 3 * 4 * 4 and sorted({c[0] for c in calls}) == [1, 21]
+    # traced per jit (prefill; decode once or twice): 4 layers x 4 fp8 projections (w_in | w_qkv, w_out | wo,
+    # w_gate_up, w_down) per trace, with 21 rows and with 1
+    assert len(calls) % 16 == 0 and len(calls) >= 32 and sorted({c[0] for c in calls}) == [1, 21]
     e_pallas, e_xla = hf_models.rel_err(pallas, exact), hf_models.rel_err(xla, exact)
     print(f"pallas vs xla {hf_models.rel_err(pallas, xla):.3g}; vs fp32: pallas {e_pallas:.3g} xla {e_xla:.3g}")
     assert hf_models.rel_err(pallas, xla) <= 3e-2
