@@ -96,18 +96,17 @@ def random_target(cfg: TextConfig, dtype="float32", seed: int = 0, weights: str 
         return Target.from_module(Qwen35(cfg, dtype=dt, rngs=nnx.Rngs(seed)), dt)
     if weights != "fp8":
         raise ValueError(f"unknown weights '{weights}' (bf16 or fp8)")
-    from jaxddtree.checkpoint.params import target_from_params
     from jaxddtree.model.fp8 import FP8, Fp8Weight
 
-    abstract = nnx.to_pure_dict(nnx.split(nnx.eval_shape(lambda: Qwen35(cfg, dtype=dt, rngs=nnx.Rngs(seed))))[1])
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Qwen35(cfg, dtype=dt, rngs=nnx.Rngs(seed))))
+    pure = nnx.to_pure_dict(state)
     key = jax.random.key(seed)
-    params = {}
 
     def leaves(d, prefix=()):
         for k, v in d.items():
-            yield from leaves(v, prefix + (k,)) if isinstance(v, dict) else [(prefix + (k,), v.shape)]
+            yield from leaves(v, prefix + (k,)) if isinstance(v, dict) else [(prefix + (k,), d, v.shape)]
 
-    for i, (path, shape) in enumerate(leaves(abstract)):
+    for i, (path, node, shape) in enumerate(list(leaves(pure))):  # node[name]: the parameter's slot in `pure`
         k1, k2 = jax.random.split(jax.random.fold_in(key, i))
         name = path[-1]
         normal = lambda shp=shape: jax.random.normal(k1, shp, dt)
@@ -119,15 +118,16 @@ def random_target(cfg: TextConfig, dtype="float32", seed: int = 0, weights: str 
             q = jnp.clip(normal(qshape) * 64, -448, 448).astype(FP8)
             scale = jax.random.uniform(k2, (-(-K // 128),) + qshape[nc:], jnp.float32, 0.5, 1.5) / (64 * K ** 0.5)
             tail = (jax.random.normal(k2, (K, n_tail), dt) * K ** -0.5).astype(dt) if n_tail else None
-            params[path] = Fp8Weight(q=q, scale=scale, tail=tail, block_in=128, nc=nc)
+            node[name] = Fp8Weight(q=q, scale=scale, tail=tail, block_in=128, nc=nc)
         elif name == "dt_bias":
-            params[path] = jax.random.uniform(k1, shape, dt, -1, 1)
+            node[name] = jax.random.uniform(k1, shape, dt, -1, 1)
         elif name == "A_log":
-            params[path] = jnp.log(jax.random.uniform(k1, shape, jnp.float32, 1, 16)).astype(dt)
+            node[name] = jnp.log(jax.random.uniform(k1, shape, jnp.float32, 1, 16)).astype(dt)
         elif path[-2:] == ("mixer", "norm"):  # GDN gated norm: a plain weight
-            params[path] = (1 + 0.1 * normal()).astype(dt)
+            node[name] = (1 + 0.1 * normal()).astype(dt)
         elif "norm" in name:  # (1 + w) RMSNorms, q/k norms
-            params[path] = (0.1 * normal()).astype(dt)
+            node[name] = (0.1 * normal()).astype(dt)
         else:  # embed (std 1), lm_head, conv: std 1/sqrt(fan_in)
-            params[path] = normal() if name == "embed" else (normal() * shape[0] ** -0.5).astype(dt)
-    return target_from_params(cfg, params, dt, source=f"random-{weights}")
+            node[name] = normal() if name == "embed" else (normal() * shape[0] ** -0.5).astype(dt)
+    nnx.replace_by_pure_dict(state, pure)
+    return Target.from_module(nnx.merge(graphdef, state), dt)
