@@ -31,9 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kernels_pallas import ops
+
 from jaxddtree.model import layout as layout_lib
 from jaxddtree.speculative import loop as loop_lib
 from jaxddtree.speculative import tree as tree_lib
+from jaxddtree.model.cache import KVCache
 from jaxddtree.model.config import text_config_from_dict
 from jaxddtree.model.drafter import Drafter, DrafterLayer, DrafterParams, draft_logits, init_draft_cache
 from jaxddtree.model.drafter_config import DrafterConfig
@@ -52,6 +55,13 @@ DFLASH_27B = dict(hidden_size=5120, num_layers=5, num_heads=32, num_kv_heads=8, 
                   intermediate_size=17408, rms_norm_eps=1e-6, rope_theta=1e7, block_size=16,
                   target_layer_ids=(1, 16, 31, 46, 61), mask_token_id=248070, vocab_size=248320,
                   num_target_layers=64, layer_windows=(2048, 2048, 2048, 2048, None))
+# --smoke (also benchmarks/profile_gpu.py): tiny shapes that run on a CPU
+SMOKE_TARGET = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=6,
+                    linear_key_head_dim=16, linear_value_head_dim=16)
+SMOKE_DFLASH = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+                    target_layer_ids=(1, 5), mask_token_id=511, vocab_size=512, num_target_layers=8,
+                    layer_windows=(16, None))
 
 
 def median_ms(fn, n=20, warmup=3):
@@ -89,10 +99,10 @@ def random_drafter(cfg: DrafterConfig, dtype, seed=0) -> Drafter:
         key, sub = jax.random.split(key)
         return (jax.random.normal(sub, shape, jnp.float32) * fan_in ** -0.5).astype(dtype)
 
-    layers = tuple(DrafterLayer(attn_norm=w((H,), 1), wq=w((H, nh, hd), H), wk=w((H, nkv, hd), H),
-                                wv=w((H, nkv, hd), H), wo=w((nh, hd, H), nh * hd), q_norm=w((hd,), 1),
-                                k_norm=w((hd,), 1), mlp_norm=w((H,), 1), w_gate=w((H, I), H), w_up=w((H, I), H),
-                                w_down=w((I, H), I)) for _ in range(cfg.num_layers))
+    layers = tuple(DrafterLayer(attn_norm=w((H,), 1), w_qkv=w((H, (nh + 2 * nkv) * hd), H),
+                                wo=w((nh, hd, H), nh * hd), q_norm=w((hd,), 1), k_norm=w((hd,), 1),
+                                mlp_norm=w((H,), 1), w_gate_up=w((H, 2, I), H), w_down=w((I, H), I))
+                   for _ in range(cfg.num_layers))
     params = DrafterParams(fc=w((cfg.num_target_features * H, H), cfg.num_target_features * H),
                            hidden_norm=w((H,), 1), layers=layers, norm=w((H,), 1))
     return Drafter(config=cfg, params=params, path="random")
@@ -234,6 +244,13 @@ def main(argv=None):
     ap.add_argument("--runs", type=int, default=20, help="timed runs per measurement (median reported)")
     ap.add_argument("--out", default="benchmarks/results/h200.json", help="JSON file to merge results into")
     ap.add_argument("--config", default=None, help="HF config.json for other target shapes")
+    ap.add_argument("--contexts", default="",
+                    help="comma list of context lengths (e.g. 4096,32768,131072): AR step, DDTree round (budget 64) "
+                         "and tree attention (16 layers, 65 nodes) at each, prefill of --prefill-contexts "
+                         "(*_by_context keys)")
+    ap.add_argument("--prefill-contexts", default="8192,32768,131072",
+                    help="prompt lengths timed for prefill_s_by_context (with --contexts)")
+    ap.add_argument("--prefill-chunk", type=int, default=2048, help="rows per prefill call in the context sweep")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, few runs: check the script on a CPU")
     ap.add_argument("--weights", default="bf16", choices=["bf16", "fp8"],
                     help="fp8: random fp8 target weights (issue 17); writes only the fp8.* keys (see bench_fp8)")
@@ -243,13 +260,11 @@ def main(argv=None):
     raw = json.load(open(args.config)) if args.config else dict(QWEN36_27B)
     dflash = dict(DFLASH_27B)
     if args.smoke:
-        raw.update(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=6,
-                   linear_key_head_dim=16, linear_value_head_dim=16)
-        dflash.update(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
-                      target_layer_ids=(1, 5), mask_token_id=511, vocab_size=512, num_target_layers=8,
-                      layer_windows=(16, None))
+        raw.update(SMOKE_TARGET)
+        dflash.update(SMOKE_DFLASH)
         args.runs, args.context = 3, 64
+        if args.contexts:
+            args.contexts, args.prefill_contexts, args.prefill_chunk = "64,192", "64,128", 32
     cfg = text_config_from_dict(raw, where=args.config or "built-in Qwen3.6-27B shapes")
     dev = jax.devices()[0]
     res = {}
@@ -387,10 +402,10 @@ def main(argv=None):
         res["draft_ms" + key] = round(median_ms(lambda: draft(drafter.params, dcache, ctx), n=args.runs), 3)
         log(f"draft {res['draft_ms' + key]} ms")
         dl = draft(drafter.params, dcache, ctx)[0]
-        build = jax.jit(lambda r, d: tree_lib.build_tree(r, d, 64))
+        build = jax.jit(lambda r, d: tree_lib.build_tree(r, d, 64, kernels=args.kernels))
         jax.block_until_ready(build(jnp.int32(1), dl))
-        res["tree_build_ms"] = round(median_ms(lambda: build(jnp.int32(1), dl), n=args.runs), 3)
-        log(f"tree build (budget 64) {res['tree_build_ms']} ms")
+        res["tree_build_ms" + key] = round(median_ms(lambda: build(jnp.int32(1), dl), n=args.runs), 3)
+        log(f"tree build (budget 64) {res['tree_build_ms' + key]} ms")
 
         cache = fresh_cache(L)
         parents = jnp.asarray(random_tree(65, 15, 1))
@@ -405,7 +420,8 @@ def main(argv=None):
         st = stashes_of(target.leaves, cache)
         path = jnp.asarray([[0] + [int(i) for i in np.nonzero(np.asarray(parents) == 0)[0][:1]] + [0] * 14], jnp.int32)
         # the cache is donated, as in the round (otherwise every call copies the whole ~1 GB cache)
-        do_commit = jax.jit(lambda c, s: commit(c, s, path, jnp.asarray([2], jnp.int32)), donate_argnums=0)
+        do_commit = jax.jit(lambda c, s: commit(c, s, path, jnp.asarray([2], jnp.int32), kernels=args.kernels),
+                            donate_argnums=0)
         held = [do_commit(cache, st)]
 
         def commit_once():
@@ -413,8 +429,8 @@ def main(argv=None):
             return held[0].length
 
         jax.block_until_ready(commit_once())
-        res["commit_ms"] = round(median_ms(commit_once, n=args.runs), 3)
-        log(f"commit {res['commit_ms']} ms")
+        res["commit_ms" + key] = round(median_ms(commit_once, n=args.runs), 3)
+        log(f"commit {res['commit_ms' + key]} ms")
         del held, st, dcache
         save()
 
@@ -422,7 +438,7 @@ def main(argv=None):
         out = res.setdefault("round_ms" + key, {})
         plans = [("ddtree", b) for b in [int(v) for v in args.budgets.split(",")]] + [("dflash", 15)]
         for method, budget in plans:
-            plan = loop_lib.Plan(method=method, budget=budget, max_new=100000, temperature=0.0,
+            plan = loop_lib.Plan(method=method, budget=budget, max_new=100000, sampling=False,
                                  kernels=args.kernels, conv_kernel=cfg.linear_conv_kernel_dim,
                                  feature_layers=dcfg.target_layer_ids)
             one = make_round(target, drafter, plan, fresh_cache(L))
@@ -454,7 +470,78 @@ def main(argv=None):
                 str(tau): round(tau / (out["64"] * 1e-3), 1) for tau in (4, 6, 8, 10)}
             res["projection_note"] = "projected tokens/s = tau / DDTree round time at budget 64 (projection)"
         save()
+    if args.contexts:
+        contexts(args, res, key, target, drafter, dcfg, save, log)
     print(json.dumps(res, indent=1, sort_keys=True))
+
+
+def contexts(args, res, key, target, drafter, dcfg, save, log):
+    """Issue 16's sweep over the committed context length: AR step, DDTree round (budget 64), tree attention of
+    65 nodes over the 16 attention layers' caches (one jit), and chunked prefill of whole prompts."""
+    cfg = target.config
+    ctxs = [int(v) for v in args.contexts.split(",")]
+    slack = 8192 if not args.smoke else 64
+    ar, rnd, att = (res.setdefault(k + key, {}) for k in
+                    ("ar_step_ms_by_context", "round_ms_by_context", "tree_attention_ms_by_context"))
+    decode = make_decode(target, args.kernels)
+    plan = loop_lib.Plan(method="ddtree", budget=64, max_new=100000, sampling=False, kernels=args.kernels,
+                         conv_kernel=cfg.linear_conv_kernel_dim, feature_layers=dcfg.target_layer_ids)
+    n = 65
+    parents = jnp.asarray(random_tree(n, 15, 1))
+    mask = layout_lib.ancestor_mask(parents, jnp.ones((n,), bool), n - 1)[None]  # [1, T, T]
+    ks = jax.random.split(jax.random.key(7), 3)
+    q = jax.random.normal(ks[0], (1, n, cfg.num_attention_heads, cfg.head_dim), jnp.bfloat16)
+    kn, vn = (jax.random.normal(k, (1, n, cfg.num_key_value_heads, cfg.head_dim), jnp.bfloat16) for k in ks[1:])
+
+    @jax.jit
+    def tree_attn(kv, start):  # every attention layer's cache, one jit
+        return [ops.tree_attention(q, c.k, c.v, start, kn, vn, mask, args.kernels) for c in kv]
+
+    S = max(ctxs) + slack  # one capacity for all: one compilation each (the kernels read the committed rows only)
+    for ctx in ctxs:
+        cache = fill_random(target.init_cache(S), jax.random.key(3)).replace(length=jnp.int32(ctx))
+        kv = [c for c in cache.layers if isinstance(c, KVCache)]
+        jax.block_until_ready(tree_attn(kv, jnp.int32(ctx)))
+        att[str(ctx)] = round(median_ms(lambda: tree_attn(kv, jnp.int32(ctx)), n=args.runs), 3)
+        del kv
+        state = [jnp.ones((1, 1), jnp.int32), cache]
+
+        def step():
+            state[0], state[1] = decode(target.leaves, state[1], state[0])
+            return state[0]
+
+        jax.block_until_ready(step())
+        ar[str(ctx)] = round(median_ms(step, n=args.runs), 3)
+        cache = state[1].replace(length=jnp.int32(ctx))
+        del state
+        one = make_round(target, drafter, plan, cache)
+        jax.block_until_ready(one())
+        rnd[str(ctx)] = round(median_ms(one, n=args.runs), 3)
+        del one, cache
+        log(f"context {ctx}: AR step {ar[str(ctx)]} ms, round(64) {rnd[str(ctx)]} ms, "
+            f"tree attention x{cfg.layer_types.count('full_attention')} {att[str(ctx)]} ms")
+        save()
+
+    # prefill: whole prompts in chunks of --prefill-chunk into one cache sized for the longest (one compilation;
+    # the attention kernels read the committed rows only, so the capacity does not change the work)
+    pre = res.setdefault("prefill_s_by_context" + key, {})
+    chunk = args.prefill_chunk
+    lengths = [int(v) for v in args.prefill_contexts.split(",")]
+    cache = target.init_cache(max(lengths) + chunk)
+    ids = jnp.asarray(np.random.RandomState(0).randint(0, cfg.vocab_size, (1, chunk)), jnp.int32)
+    lg, cache, _, _ = target.prefill(cache, ids, chunk)
+    jax.block_until_ready(lg)
+    for length in lengths:
+        cache = cache.replace(length=jnp.int32(0))
+        t = time.perf_counter()
+        for _ in range(-(-length // chunk)):
+            lg, cache, _, _ = target.prefill(cache, ids, chunk)
+        jax.block_until_ready(lg)
+        pre[str(length)] = round(time.perf_counter() - t, 3)
+        log(f"prefill {length} tokens (chunks of {chunk}): {pre[str(length)]} s")
+        save()
+    res["prefill_chunk_by_context"] = chunk
+    del cache
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ copies of >= 1 MB. The jax profiler disables command buffers: read the gaps with
 
     python benchmarks/profile_gpu.py --out prof.json [--kernels xla|pallas] [--context 4096]
         [--merge-into benchmarks/results/h200.json]   # adds decode/verify/round_kernels_per_step
+    python benchmarks/profile_gpu.py --smoke --parts round --out /tmp/prof.json   # CPU check of the script
 """
 from __future__ import annotations
 
@@ -26,12 +27,13 @@ from jaxddtree.model.config import text_config_from_dict
 from jaxddtree.model.target import random_target
 from jaxddtree.speculative.verify import verify
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import DFLASH_27B, QWEN36_27B, fill_random, make_decode, make_round, random_drafter, random_tree  # noqa: E402
+from bench import DFLASH_27B, QWEN36_27B, SMOKE_DFLASH, SMOKE_TARGET, fill_random, make_decode, make_round, random_drafter, random_tree  # noqa: E402
 from jaxddtree.model.drafter_config import DrafterConfig  # noqa: E402
 from jaxddtree.speculative import loop as loop_lib  # noqa: E402
 
 
-PALLAS_NAMES = ("gdn_tree", "tree_attention", "gdn_decode", "gdn_prefill", "decode_attention", "pallas")
+PALLAS_NAMES = ("gdn_tree", "tree_attention", "gdn_decode", "gdn_prefill", "decode_attention", "tree_select",
+                "gdn_commit", "pallas")
 
 
 def category(name: str) -> str:
@@ -109,9 +111,15 @@ def main():
     ap.add_argument("--parts", default="decode,verify,round", help="comma list of: decode, verify, round")
     ap.add_argument("--merge-into", default=None,
                     help="also write <part>_kernels_per_step into this bench JSON (e.g. benchmarks/results/h200.json)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (bench.py's), xla: check the script on a CPU")
     args = ap.parse_args()
     parts = args.parts.split(",")
-    cfg = text_config_from_dict(QWEN36_27B)
+    raw, dflash = dict(QWEN36_27B), dict(DFLASH_27B)
+    if args.smoke:
+        raw.update(SMOKE_TARGET)
+        dflash.update(SMOKE_DFLASH)
+        args.context, args.kernels = 64, "xla"
+    cfg = text_config_from_dict(raw)
     target = random_target(cfg, "bfloat16", 0)
     target.kernels = args.kernels
     gd, td = target.graphdef, target.treedef
@@ -127,7 +135,7 @@ def main():
     def run_verify(leaves, cache):
         model = nnx.merge(gd, jax.tree.unflatten(td, leaves))
         lay = layout_lib.tree(cache.length, parents, cfg.linear_conv_kernel_dim, kernels=args.kernels)
-        logits, feats, _ = verify(model, cache, tokens, lay, feature_layers=DFLASH_27B["target_layer_ids"])
+        logits, feats, _ = verify(model, cache, tokens, lay, feature_layers=dflash["target_layer_ids"])
         return jnp.argmax(logits, -1), feats
 
     steps = {}
@@ -143,8 +151,8 @@ def main():
         vcache = fresh_cache()
         steps["verify"] = lambda: run_verify(target.leaves, vcache)
     if "round" in parts:
-        dcfg = DrafterConfig(**DFLASH_27B)
-        plan = loop_lib.Plan(method="ddtree", budget=args.budget, max_new=100000, temperature=0.0,
+        dcfg = DrafterConfig(**dflash)
+        plan = loop_lib.Plan(method="ddtree", budget=args.budget, max_new=100000, sampling=False,
                              kernels=args.kernels, conv_kernel=cfg.linear_conv_kernel_dim,
                              feature_layers=dcfg.target_layer_ids)
         steps["round"] = make_round(target, random_drafter(dcfg, jnp.bfloat16), plan, fresh_cache())

@@ -4,10 +4,15 @@ OpenAI-compatible server (scripts/serve.py), run in this process on a free 127.0
 
     python benchmarks/serve_bench.py                        # the demo pair (CPU is fine)
     python benchmarks/serve_bench.py --target DIR --drafter DDIR --clients 1 4 16 --max-tokens 256
+    python benchmarks/serve_bench.py --random-27b     # GPU: Qwen3.6-27B + DFlash shapes, random bf16 weights
 
 Each client sends one streamed chat completion (temperature 0, a distinct prompt of the same length); TTFT is
 measured from sending the request to the first content delta, so with several clients it includes the time
 spent waiting in the queue (one request runs at a time). Aggregate tokens/s = all completion tokens / wall time.
+
+With --random-27b the pair has random weights (a random drafter's tokens are almost never accepted: about one
+token per round), so the figures measure the server + round time at 27B shapes, not DDTree's speed-up; every
+token id decodes to one printable character so that each round emits text.
 """
 
 from __future__ import annotations
@@ -33,27 +38,30 @@ def serve_module():
     return mod
 
 
-async def one(client, model, prompt, max_tokens):
+async def one(client, model, prompt, max_tokens, chat=True):
     t0 = time.perf_counter()
     ttft, usage = None, None
-    stream = await client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
-        stream=True, stream_options={"include_usage": True})
+    kw = dict(model=model, max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True})
+    if chat:
+        stream = await client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **kw)
+    else:
+        stream = await client.completions.create(prompt=prompt, **kw)
     async for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content and ttft is None:
+        text = (chunk.choices[0].delta.content if chat else chunk.choices[0].text) if chunk.choices else None
+        if text and ttft is None:
             ttft = time.perf_counter() - t0
         if chunk.usage is not None:
             usage = chunk.usage
     return {"ttft_s": ttft, "wall_s": time.perf_counter() - t0, "tokens": usage.completion_tokens}
 
 
-async def level(base, model, clients, max_tokens):
+async def level(base, model, clients, max_tokens, chat=True):
     import openai
     client = openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0, timeout=3600)
     prompts = [f"def function_{i:02d}(x):" for i in range(clients)]
     t0 = time.perf_counter()
     try:
-        runs = await asyncio.gather(*(one(client, model, p, max_tokens) for p in prompts))
+        runs = await asyncio.gather(*(one(client, model, p, max_tokens, chat) for p in prompts))
     finally:
         await client.close()
     wall = time.perf_counter() - t0
@@ -64,15 +72,47 @@ async def level(base, model, clients, max_tokens):
             "per_request_tokens_per_s": statistics.median(r["tokens"] / r["wall_s"] for r in runs)}
 
 
+def random_27b_engine(args):
+    """An Engine over random Qwen3.6-27B / DFlash-shaped bf16 weights (benchmarks/bench.py's shapes)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    sys.path.insert(0, ROOT)
+    import jax.numpy as jnp
+    import bench
+    from jaxddtree.checkpoint.builtin import ByteTokenizer
+    from jaxddtree.model.config import text_config_from_dict
+    from jaxddtree.model.drafter_config import DrafterConfig
+    from jaxddtree.model.target import random_target
+    from jaxddtree.serving import Engine
+    from jaxddtree.text import encode_text
+
+    class PrintableTokenizer(ByteTokenizer):
+        def decode(self, ids, **_) -> str:
+            return "".join(chr(32 + int(i) % 95) for i in ids)
+
+    target = random_target(text_config_from_dict(dict(bench.QWEN36_27B), where="Qwen3.6-27B shapes"), "bfloat16")
+    target.kernels = args.kernels or "pallas"
+    drafter = bench.random_drafter(DrafterConfig(**bench.DFLASH_27B), jnp.bfloat16)
+    tok = PrintableTokenizer()
+    engine = Engine(target, drafter, tok, name="random-27b", method=args.method or "ddtree", budget=args.budget,
+                    max_context=args.max_context or 8192, queue_size=args.queue,
+                    default_max_tokens=args.default_max_tokens)
+    t = time.perf_counter()
+    engine.warmup(encode_text(tok, "Hello"), temperatures=[0.0])
+    print(f"serve_bench.py: random 27B pair compiled in {time.perf_counter() - t:.1f} s", flush=True)
+    return engine
+
+
 def main(argv=None) -> int:
     serve = serve_module()
     p = serve.build_parser()
     p.prog = "serve_bench.py"
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--random-27b", action="store_true", help="random weights of the Qwen3.6-27B + DFlash shapes "
+                   "(a GPU benchmark of the server at 27B; acceptance is about one token per round)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
-    engine = serve.load_engine(args)
+    engine = random_27b_engine(args) if args.random_27b else serve.load_engine(args)
     import uvicorn
     from jaxddtree.serving import create_app
     with socket.socket() as s:
@@ -83,10 +123,11 @@ def main(argv=None) -> int:
     while not srv.started:
         time.sleep(0.05)
     base = f"http://127.0.0.1:{port}/v1"
-    asyncio.run(level(base, engine.name, 1, args.max_tokens))  # compile the prompt's prefill shape
+    chat = not args.random_27b  # the random pair's tokenizer has no chat template: /v1/completions
+    asyncio.run(level(base, engine.name, 1, args.max_tokens, chat))  # compile the prompt's prefill shape
     results = []
     for c in args.clients:
-        r = asyncio.run(level(base, engine.name, c, args.max_tokens))
+        r = asyncio.run(level(base, engine.name, c, args.max_tokens, chat))
         results.append(r)
         print(f"{c:3d} clients: {r['tokens_per_s']:8.1f} tokens/s aggregate, "
               f"{r['per_request_tokens_per_s']:8.1f} per request, TTFT median {r['ttft_median_s'] * 1e3:8.1f} ms, "
@@ -94,7 +135,7 @@ def main(argv=None) -> int:
               flush=True)
     srv.should_exit = True
     import jax
-    record = {"model": engine.name, "method": engine.method, "budget": engine.budget, "max_tokens": args.max_tokens,
+    record = {"model": engine.name, "endpoint": "chat/completions" if chat else "completions", "method": engine.method, "budget": engine.budget, "max_tokens": args.max_tokens,
               "backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d"), "levels": results}
     if args.out:
         with open(args.out, "w") as f:

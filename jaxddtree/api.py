@@ -10,7 +10,7 @@ import numpy as np
 from flax import nnx
 
 from jaxddtree.model import layout as layout_lib
-from jaxddtree.model.prefill import PREFILL_CHUNK, check_ids, check_vocab, padded_chunks, prefill_ids, round_up
+from jaxddtree.model.prefill import check_ids, check_vocab, chunk_size, padded_chunks, prefill_ids, round_up
 from jaxddtree.model.target import Target
 from jaxddtree.speculative.verify import verify
 
@@ -19,10 +19,10 @@ def score(target: Target, token_ids) -> np.ndarray:
     """Logits [T, vocab] (fp32 numpy) of a full forward over `token_ids`."""
     ids = check_ids(token_ids)
     check_vocab(target, ids, "token_ids")
-    size = min(PREFILL_CHUNK, round_up(len(ids), 8))
+    size = chunk_size(len(ids))
     cache = target.init_cache(round_up(len(ids), size) + size)
     rows = []
-    for padded, n in padded_chunks(ids):
+    for padded, n in padded_chunks(ids, size):
         logits, cache, _, _ = target.prefill(cache, padded, num_valid=n, logits="all")
         rows.append(np.asarray(logits[0, :n]))
     return np.concatenate(rows, axis=0)
@@ -48,7 +48,7 @@ def score_tree(target: Target, prefix_ids, tree_tokens, parents) -> np.ndarray:
         raise ValueError("parents must have parents[0] = -1 and 0 <= parents[i] < i (topological order)")
     check_vocab(target, prefix, "prefix_ids")
     check_vocab(target, toks, "tree_tokens")
-    size = min(PREFILL_CHUNK, round_up(len(prefix), 8))
+    size = chunk_size(len(prefix))
     cache = target.init_cache(round_up(len(prefix), size) + size + len(toks))
     _, cache, _ = prefill_ids(target, cache, prefix, logits="none")
     logits = _verify_jit(target.leaves, cache, jnp.asarray(toks, jnp.int32)[None], jnp.asarray(par, jnp.int32),

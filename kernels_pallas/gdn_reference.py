@@ -105,6 +105,22 @@ def gdn_state_after(state, k, W, g, path_mask):
     return jnp.exp(jnp.sum(gp, axis=1))[..., None, None] * state + upd
 
 
+def gdn_commit(state, conv, k, W, g, x, path, path_len):
+    """Commit of an accepted root path into one GDN layer's cache, from the tree verify's stash.
+
+    state [B,Hv,dk,dv] fp32; conv [B,K-1,C] (the last K-1 pre-conv rows); stash k [B,N,Hk,dk], W [B,N,Hv,dv],
+    g [B,N,Hv] (fp32), x [B,N,C] (pre-conv inputs); path [B,P] node indices root -> leaf (entries past
+    path_len[b] are ignored); path_len [B] (>= 1, root included) -> (state after the path's last node
+    (`gdn_state_after`), conv: the last K-1 rows of [conv; x[path[:path_len]]])."""
+    take = lambda a: jnp.take_along_axis(a, path.reshape(path.shape + (1,) * (a.ndim - 2)), axis=1)
+    on = jnp.arange(path.shape[1])[None, :] < path_len[:, None]  # [B, P] rows of the path proper
+    state = gdn_state_after(state, take(k), take(W), take(g), on)
+    rows = jnp.concatenate([conv, take(x).astype(conv.dtype)], axis=1)  # [B, K-1+P, C]
+    km1 = conv.shape[1]
+    idx = path_len[:, None] + jnp.arange(km1)[None, :]  # [B, K-1]: rows n .. n+K-2
+    return state, jnp.take_along_axis(rows, idx[..., None], axis=1)
+
+
 def gdn_chunked(q, k, v, g, beta, state, chunk: int = 64):
     """Chunked prefill over T tokens (pad to a multiple of `chunk` with beta=0, g=0: no effect).
 

@@ -19,6 +19,9 @@ KERNELS = ("xla", "pallas")
 # projection is at least 5120 wide — the narrow k/v, b, a are columns of the fused w_qkv / w_in — so the whole
 # decode step takes the GEMV.)
 PALLAS_DENSE_MAX_ROWS = 1
+# The one-program tree selection does O(budget² log budget) comparisons per depth; past this budget the XLA
+# scan (top-k per depth) stays.
+TREE_SELECT_MAX_BUDGET = 256
 PALLAS_DENSE_MIN_COLS = 2048
 
 
@@ -68,6 +71,26 @@ def gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, ke
         from kernels_pallas import gdn_decode_fused as fused
         return fused.gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, **dims)
     return gdn_reference.gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, **dims)
+
+
+def gdn_commit(state, conv, k, W, g, x, path, path_len, kernels="xla"):
+    """One GDN layer's commit of the accepted path from the verify stash -> (state, conv) (see
+    `gdn_reference.gdn_commit`); the Pallas kernel updates both in place, in one launch."""
+    _check(kernels)
+    if kernels == "pallas":
+        from kernels_pallas import gdn_commit as commit
+        return commit.gdn_commit(state, conv, k, W, g, x, path, path_len)
+    return gdn_reference.gdn_commit(state, conv, k, W, g, x, path, path_len)
+
+
+def tree_select(top_lp, top_id, budget: int, kernels="xla"):
+    """DDTree node selection from the per-depth top-K log-probs top_lp / tokens top_id [D, K] -> (tokens,
+    parents, depths, valid) [budget] of the drafted nodes (see `kernels_pallas.tree_build`)."""
+    _check(kernels)
+    from kernels_pallas import tree_build
+    if kernels == "pallas" and budget <= TREE_SELECT_MAX_BUDGET:
+        return tree_build.tree_select(top_lp, top_id, budget)
+    return tree_build.tree_select_reference(top_lp, top_id, budget)
 
 
 def dense(spec: str, x, w, kernels="xla"):

@@ -57,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "bfloat16 on GPU")
     p.add_argument("--kernels", choices=("xla", "pallas"), default=None, help="default: pallas on GPU, xla on CPU")
     p.add_argument("--warmup-temperatures", default="0,1", metavar="T,..", help="temperatures whose round is "
-                   "compiled before listening; each other temperature compiles on its first request (default: "
-                   "0,1: greedy and OpenAI's default 1.0)")
+                   "compiled before listening: 0 compiles the greedy round, any T > 0 the sampling round that every "
+                   "T > 0 shares (default: 0,1: both)")
     p.add_argument("--no-warmup", action="store_true", help="do not compile before listening")
     p.add_argument("--compile-cache", metavar="DIR", default=os.environ.get("JAXDDTREE_COMPILE_CACHE"),
                    help="persistent XLA compilation cache directory (default: $JAXDDTREE_COMPILE_CACHE)")

@@ -167,7 +167,7 @@ def test_conversions_succeed(converted):
         path = converted["paths"][key]
         meta = json.load(open(os.path.join(path, "jaxddtree_checkpoint.json")))
         assert meta["kind"] == ("drafter" if key[0] == "drafter" else "target")  # drafter kind auto-detected
-        assert meta["dtype"] == key[1] and meta["format_version"] == 2
+        assert meta["dtype"] == key[1] and meta["format_version"] == 3
         assert os.path.isfile(os.path.join(path, "config.json")) and os.path.isdir(os.path.join(path, "params"))
         assert not leftovers(converted["dir"])
     quiet = converted["results"][("text", "bfloat16")]
@@ -358,8 +358,8 @@ def test_damaged_converted_dir(converted, tmp_path):
 
 def test_format_version_1_target_is_refused(converted, tmp_path):
     """A target converted by an older jaxddtree (format_version 1: unfused projections) is refused with one
-    line naming the version found and the command that reconverts it; a version-1 drafter (layout unchanged)
-    still loads."""
+    line naming the version found and the command that reconverts it; likewise a version-2 drafter (unfused
+    drafter projections); a version-2 target (layout unchanged since) still loads."""
     old = tmp_path / "old"
     shutil.copytree(converted["paths"][("text", "bfloat16")], old)
     meta = json.load(open(old / "jaxddtree_checkpoint.json"))
@@ -368,17 +368,23 @@ def test_format_version_1_target_is_refused(converted, tmp_path):
         jaxddtree.load_target(str(old), "bfloat16")
     msg = str(e.value)
     assert "\n" not in msg
-    assert "format_version 1, this one reads 2" in msg, msg
+    assert "format_version 1, this one reads 3" in msg, msg
     assert f"python -m convert {meta['source']} {old} --overwrite" in msg, msg
+    json.dump(dict(meta, format_version=2), open(old / "jaxddtree_checkpoint.json", "w"))
+    jaxddtree.load_target(str(old), "bfloat16")
 
     from jaxddtree import load_drafter
     d_old = tmp_path / "d_old"
     shutil.copytree(converted["paths"][("drafter", "float32")], d_old)
     meta = json.load(open(d_old / "jaxddtree_checkpoint.json"))
-    json.dump(dict(meta, format_version=1), open(d_old / "jaxddtree_checkpoint.json", "w"))
+    json.dump(dict(meta, format_version=2), open(d_old / "jaxddtree_checkpoint.json", "w"))
     target = types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=64, num_hidden_layers=6,
                                                                 vocab_size=101))
-    load_drafter(str(d_old), target, "float32")
+    with pytest.raises(jaxddtree.CheckpointError) as e:
+        load_drafter(str(d_old), target, "float32")
+    msg = str(e.value)
+    assert "\n" not in msg and "format_version 2, this one reads 3" in msg, msg
+    assert f"python -m convert {meta['source']} {d_old} --overwrite" in msg, msg
 
 
 def test_overwrite(hf, converted, tmp_path):

@@ -111,7 +111,7 @@ def test_bfloat16_close_to_fp32(ckpt_b8):
     out = {}
     for dt in ("float32", "bfloat16"):
         d = load_drafter(ckpt_b8, target, dtype=dt)
-        assert d.params.layers[0].wq.dtype == jnp.dtype(dt)
+        assert d.params.layers[0].w_qkv.dtype == jnp.dtype(dt)
         cache = d.init_cache(1, 32)
         th = np.random.default_rng(0).standard_normal((1, 5, d.config.num_target_features * H), np.float32)
         out[dt], cache = d.logits(cache, th, 5, jnp.array([3]), target.embedding, target.lm_head)
@@ -127,8 +127,13 @@ def test_sharded_prefixed_checkpoint_loads_same(tmp_path):
     b = load_drafter_params(b_path, DrafterConfig.from_dict(cfg), "float32")
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(x, y)
-    # layout: wq [H, nh, hd] with wq[:, n, d] == q_proj.weight[n*hd + d, :]
-    np.testing.assert_array_equal(a.layers[1].wq[:, 2, 5], w["layers.1.self_attn.q_proj.weight"][2 * 16 + 5])
+    # layout: w_qkv [H, (nh + 2 nkv) hd] = [q_proj | k_proj | v_proj] columns, head-major;
+    # w_gate_up [H, 2, I] = [gate | up]
+    nq, nkv = cfg["num_attention_heads"] * 16, cfg["num_key_value_heads"] * 16
+    np.testing.assert_array_equal(a.layers[1].w_qkv[:, 2 * 16 + 5], w["layers.1.self_attn.q_proj.weight"][2 * 16 + 5])
+    np.testing.assert_array_equal(a.layers[1].w_qkv[:, nq + 7], w["layers.1.self_attn.k_proj.weight"][7])
+    np.testing.assert_array_equal(a.layers[1].w_qkv[:, nq + nkv + 3], w["layers.1.self_attn.v_proj.weight"][3])
+    np.testing.assert_array_equal(a.layers[0].w_gate_up[:, 1, 4], w["layers.0.mlp.up_proj.weight"][4])
     np.testing.assert_array_equal(a.layers[0].wo[3, 7], w["layers.0.self_attn.o_proj.weight"][:, 3 * 16 + 7])
 
 
@@ -241,16 +246,17 @@ def test_qwen36_27b_config_shapes():
     assert cfg.layer_windows == (2048,) * 4 + (None,) and cfg.num_target_features == 5
     target = types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=5120, num_hidden_layers=64,
                                                                 vocab_size=248320))
-    from jaxddtree.checkpoint.hf_drafter import _GLOBAL, _LAYER
+    from jaxddtree.checkpoint.hf_drafter import _GLOBAL, _LAYER, stacked_shape
     from jaxddtree.model.drafter import DrafterLayer, DrafterParams, check_compatible, draft_logits
     check_compatible(cfg, target)
-    # abstract params with the loader's layouts (shape of transform(zeros(torch shape)))
-    def spec(table, key):
-        field, shape_fn, tf = table[key]
-        return field, jax.ShapeDtypeStruct(tf(np.zeros(shape_fn(cfg), np.int8), cfg).shape, jnp.bfloat16)
+    # abstract params with the loader's layouts (shape of transform(zeros(stacked torch shape)))
+    def spec(table, field):
+        parts, tf = table[field]
+        return field, jax.ShapeDtypeStruct(tf(np.zeros(stacked_shape(parts, cfg), np.int8), cfg).shape, jnp.bfloat16)
     params = DrafterParams(layers=tuple(DrafterLayer(**dict(spec(_LAYER, k) for k in _LAYER)) for _ in range(5)),
                            **dict(spec(_GLOBAL, k) for k in _GLOBAL))
-    assert params.layers[0].wq.shape == (5120, 32, 128) and params.layers[0].wo.shape == (32, 128, 5120)
+    assert params.layers[0].w_qkv.shape == (5120, 6144) and params.layers[0].wo.shape == (32, 128, 5120)
+    assert params.layers[0].w_gate_up.shape == (5120, 2, 17408)
     cache = jax.eval_shape(lambda: init_draft_cache(cfg, 1, 4096, jnp.bfloat16))
     S = jax.ShapeDtypeStruct
     logits, new_cache = jax.eval_shape(

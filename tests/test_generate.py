@@ -286,3 +286,44 @@ def test_bad_values_rejected(pair, call, error, match):
     string: a numpy error) raise one clear error before anything is compiled."""
     with pytest.raises(error, match=match):
         call(*pair)
+
+
+# ------------------------------------------------------------------------- long prompts, device memory
+def test_long_prompts_prefill_in_long_chunks():
+    from jaxddtree.model import prefill
+    assert prefill.chunk_size(100) == 104
+    assert prefill.chunk_size(prefill.LONG_PROMPT) == prefill.PREFILL_CHUNK
+    assert prefill.chunk_size(prefill.LONG_PROMPT + 1) == prefill.LONG_PREFILL_CHUNK
+    assert prefill.chunk_size(100_000, 512) == 512
+
+
+class _FakeGPU:
+    device_kind = "FakeGPU 1G"
+
+    def __init__(self, limit):
+        self.limit = limit
+
+    def memory_stats(self):
+        return {"bytes_limit": self.limit, "bytes_in_use": self.limit // 4}
+
+
+def test_a_cache_that_does_not_fit_is_refused_before_any_work(pair):
+    """The caches of prompt + max_new_tokens must fit in the device's free memory; otherwise one line that
+    states the need and what is free (checked against a fake device that reports memory statistics)."""
+    target, drafter = pair
+    with pytest.raises(ValueError, match=r"100000 tokens.*does not fit on FakeGPU 1G: the caches for \d+ positions "
+                                         r"need [\d.]+ GiB .* GiB of 1.0 GiB are free"):
+        loop_lib.check_memory(target, drafter, 131072, 100000, 64, 2048, device=_FakeGPU(1 << 30))
+    loop_lib.check_memory(target, drafter, 131072, 100000, 64, 2048, device=_FakeGPU(1 << 40))  # fits
+    loop_lib.check_memory(target, drafter, 131072, 100000, 64, 2048)  # the CPU reports no statistics
+
+
+def test_every_temperature_above_zero_shares_one_compilation(pair):
+    """The temperature is data in the jitted loop: a server's requests at 0.3, 0.7, 1.3 reuse one round."""
+    target, drafter = pair
+    kw = dict(drafter=drafter, method="ddtree", tree_budget=4, max_new_tokens=5)
+    jaxddtree.generate(target, [1, 2, 3], temperature=0.5, **kw)
+    before = loop_lib.run_rounds._cache_size()
+    outs = [jaxddtree.generate(target, [1, 2, 3], temperature=t, seed=1, **kw).tokens for t in (0.3, 0.7, 1.3)]
+    assert loop_lib.run_rounds._cache_size() == before
+    assert all(len(o) == 5 for o in outs)

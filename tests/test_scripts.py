@@ -26,6 +26,14 @@ def test_bench_smoke_writes_every_key(tmp_path):
     assert res["verify_ms"]["9"] > 0 and res["round_ms"]["8"] > 0
 
 
+def test_profile_round_smoke(tmp_path):
+    """profile_gpu.py's round (draft, tree build, verify, accept, commit) at bench.py's smoke shapes."""
+    out = tmp_path / "prof.json"
+    _run(["benchmarks/profile_gpu.py", "--smoke", "--parts", "round", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert res["round"]["wall_ms_per_step_profiled"] > 0 and res["budget"] == 64
+
+
 def test_kernel_benches_dry(tmp_path):
     _run(["benchmarks/bench_kernels.py", "--dry", "--sections", "tree,attn,prefill,decode_fused",
           "--out", str(tmp_path / "k.json")])

@@ -82,9 +82,9 @@ def random_drafter_params(cfg, dtype, seed: int):
         return jnp.asarray(1.0 + 0.1 * rng.standard_normal(n), dtype)
 
     layers = tuple(DrafterLayer(
-        attn_norm=norm(H), wq=w((H, nh, hd), H), wk=w((H, nkv, hd), H), wv=w((H, nkv, hd), H),
+        attn_norm=norm(H), w_qkv=w((H, (nh + 2 * nkv) * hd), H),
         wo=w((nh, hd, H), nh * hd), q_norm=norm(hd), k_norm=norm(hd), mlp_norm=norm(H),
-        w_gate=w((H, I), H), w_up=w((H, I), H), w_down=w((I, H), I)) for _ in range(cfg.num_layers))
+        w_gate_up=w((H, 2, I), H), w_down=w((I, H), I)) for _ in range(cfg.num_layers))
     return DrafterParams(fc=w((nT * H, H), nT * H), hidden_norm=norm(H), layers=layers, norm=norm(H))
 
 

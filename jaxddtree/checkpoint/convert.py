@@ -162,39 +162,43 @@ def plan_target(cfg, src: str) -> Plan:
 
 
 def plan_drafter(cfg, src: str) -> Plan:
-    """The drafter's tensors with the drafter loader's key map (`jaxddtree.checkpoint.hf_drafter._GLOBAL/_LAYER`) and
-    its checks (unexpected, duplicate, missing)."""
-    from jaxddtree.checkpoint.hf_drafter import _GLOBAL, _LAYER, _LAYER_RE
+    """The drafter's parameters with the drafter loader's key map (`jaxddtree.checkpoint.hf_drafter._GLOBAL/_LAYER`:
+    fused `w_qkv` / `w_gate_up` stacked from their HF tensors) and its checks (unexpected, duplicate, missing)."""
+    from jaxddtree.checkpoint.hf_drafter import _GLOBAL, _HF_GLOBAL, _HF_LAYER, _LAYER, _LAYER_RE
     from jaxddtree.checkpoint.hf_target import ParamPlan, Part, checkpoint_files
     from jaxddtree.checkpoint.params import CheckpointError
 
     files = checkpoint_files(src)
-    plan: dict[tuple, tuple] = {}
+    slots: dict[tuple, tuple] = {}  # (param path, part) -> (tensor name, file)
     for name, file in files.items():
         short = name[len("model."):] if name.startswith("model.") else name
         m = _LAYER_RE.match(short)
-        if m and m.group(2) in _LAYER and int(m.group(1)) < cfg.num_layers:
-            field, shape_fn, transform = _LAYER[m.group(2)]
+        if m and m.group(2) in _HF_LAYER and int(m.group(1)) < cfg.num_layers:
+            field, j = _HF_LAYER[m.group(2)]
             path = ("layers", int(m.group(1)), field)
-        elif not m and short in _GLOBAL:
-            field, shape_fn, transform = _GLOBAL[short]
+        elif not m and short in _HF_GLOBAL:
+            field, j = _HF_GLOBAL[short]
             path = (field,)
         else:
             raise CheckpointError(f"unexpected tensor '{name}' in {file} (not a drafter weight for a "
                                   f"{cfg.num_layers}-layer DFlash drafter)")
-        if path in plan:
-            raise CheckpointError(f"tensor '{name}' in {file} duplicates '{plan[path][0]}' in {plan[path][1]}")
-        plan[path] = (name, file, tuple(shape_fn(cfg)), (lambda w, t=transform: t(w, cfg)))
-    needed = [(spec[0],) for spec in _GLOBAL.values()] + [
-        ("layers", i, spec[0]) for i in range(cfg.num_layers) for spec in _LAYER.values()]
-    missing = [p for p in needed if p not in plan]
-    if missing:
-        hf = {spec[0]: k for k, spec in {**_GLOBAL, **_LAYER}.items()}
-        p = missing[0]
-        name = hf[p[-1]] if len(p) == 1 else f"layers.{p[1]}.{hf[p[-1]]}"
-        raise CheckpointError(f"{src}: drafter checkpoint lacks tensor '{name}' ({len(missing)} missing in all)")
-    return sorted((ParamPlan(p, (Part(name, file, shape),), fn) for p, (name, file, shape, fn) in plan.items()),
-                  key=lambda e: (e.parts[0].file, e.parts[0].name))
+        if (path, j) in slots:
+            raise CheckpointError(f"tensor '{name}' in {file} duplicates '{slots[path, j][0]}' in "
+                                  f"{slots[path, j][1]}")
+        slots[path, j] = (name, file)
+    specs = [((f,), spec) for f, spec in _GLOBAL.items()] + [
+        (("layers", i, f), spec) for i in range(cfg.num_layers) for f, spec in _LAYER.items()]
+    plan = []
+    for path, (parts, fn) in specs:
+        for j, (hf, _) in enumerate(parts):
+            if (path, j) not in slots:
+                name = hf if len(path) == 1 else f"layers.{path[1]}.{hf}"
+                n = sum((p, k) not in slots for p, (ps, _) in specs for k in range(len(ps)))
+                raise CheckpointError(f"{src}: drafter checkpoint lacks tensor '{name}' ({n} missing in all)")
+        plan.append(ParamPlan(path, tuple(Part(*slots[path, j], tuple(shape_fn(cfg)))
+                                          for j, (_, shape_fn) in enumerate(parts)),
+                              (lambda w, t=fn: t(w, cfg))))
+    return sorted(plan, key=lambda e: (e.parts[0].file, e.parts[0].name))
 
 
 def assemble(shards: dict, plan, out_dtype: np.dtype) -> np.ndarray:

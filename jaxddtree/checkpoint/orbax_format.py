@@ -10,10 +10,10 @@ On-disk layout of a converted directory DST::
 The params tree holds the parameters already in the model's layout (transposed / reshaped, cast to the
 marker's dtype), nested dicts keyed by the parameter path with layer indices as strings, e.g.
 `{"layers": {"3": {"mixer": {"w_qkv": [D, H*2hd + 2*Hkv*hd]}}}, "embed": [V, D], ...}` for a target and
-`{"fc": ..., "layers": {"0": {"wq": ...}}, ...}` (the `DrafterParams` fields) for a drafter. Since
+`{"fc": ..., "layers": {"0": {"w_qkv": ...}}, ...}` (the `DrafterParams` fields) for a drafter. Since
 format_version 2 a target's same-input projections are fused (GDN `w_in`, MLP `w_gate_up`, attention `w_qkv`;
-see `jaxddtree.checkpoint.hf_target`); a version-1 target directory is refused with the command that
-reconverts it.
+see `jaxddtree.checkpoint.hf_target`), since 3 a drafter's too (`w_qkv`, `w_gate_up`; see
+`jaxddtree.checkpoint.hf_drafter`); an older directory is refused with the command that reconverts it.
 
 It is written incrementally with orbax's partial-save API (`ocp.partial.save` per batch of tensors, then
 `ocp.partial.finalize`), so the writer never holds more than one batch (about one largest tensor) in host
@@ -40,10 +40,12 @@ from jaxddtree.checkpoint.params import CheckpointError
 MARKER = "jaxddtree_checkpoint.json"
 FORMAT = "jaxddtree-orbax"
 # 2: fused same-input projections (GDN `w_in`, MLP `w_gate_up`, attention `w_qkv`) in target checkpoints.
-FORMAT_VERSION = 2
+# 3: fused drafter projections (`w_qkv`, `w_gate_up`); the target's layout did not change.
+FORMAT_VERSION = 3
 # The oldest version each kind can be read from: version-1 targets hold the unfused projections (w_qkv, w_z,
-# w_b, w_a; w_gate, w_up; wq, wk, wv) and must be reconverted; the drafter's layout did not change.
-MIN_FORMAT_VERSION = {"target": 2, "drafter": 1}
+# w_b, w_a; w_gate, w_up; wq, wk, wv), version-1/2 drafters theirs (wq, wk, wv; w_gate, w_up); both must be
+# reconverted.
+MIN_FORMAT_VERSION = {"target": 2, "drafter": 3}
 PARAMS_DIR = "params"
 KINDS = ("target", "drafter")
 DTYPE_NAMES = ("bfloat16", "float32")
@@ -649,19 +651,19 @@ def drafter_abstract(cfg, dtype) -> dict[tuple, Any]:
     """{param path: ShapeDtypeStruct} of a drafter's params in the converted layout."""
     import jax
 
-    from jaxddtree.checkpoint.hf_drafter import _GLOBAL, _LAYER
+    from jaxddtree.checkpoint.hf_drafter import _GLOBAL, _LAYER, stacked_shape
 
     def shape(spec):
-        _, shape_fn, transform = spec
-        src = jax.ShapeDtypeStruct(shape_fn(cfg), np.float32)
+        parts, transform = spec
+        src = jax.ShapeDtypeStruct(stacked_shape(parts, cfg), np.float32)
         return tuple(jax.eval_shape(lambda w: transform(w, cfg), src).shape)
 
     out = {}
-    for name, spec in _GLOBAL.items():
-        out[(spec[0],)] = jax.ShapeDtypeStruct(shape(spec), dtype)
+    for field, spec in _GLOBAL.items():
+        out[(field,)] = jax.ShapeDtypeStruct(shape(spec), dtype)
     for i in range(cfg.num_layers):
-        for name, spec in _LAYER.items():
-            out[("layers", i, spec[0])] = jax.ShapeDtypeStruct(shape(spec), dtype)
+        for field, spec in _LAYER.items():
+            out[("layers", i, field)] = jax.ShapeDtypeStruct(shape(spec), dtype)
     return out
 
 

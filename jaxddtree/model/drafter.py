@@ -38,15 +38,12 @@ Array = jax.Array
 @dataclasses.dataclass
 class DrafterLayer:
     attn_norm: Array  # [H]
-    wq: Array  # [H, nh, hd]
-    wk: Array  # [H, nkv, hd]
-    wv: Array  # [H, nkv, hd]
+    w_qkv: Array  # [H, nh*hd + 2*nkv*hd] = [q_proj | k_proj | v_proj] (head-major columns)
     wo: Array  # [nh, hd, H]
     q_norm: Array  # [hd]
     k_norm: Array  # [hd]
     mlp_norm: Array  # [H]
-    w_gate: Array  # [H, I]
-    w_up: Array  # [H, I]
+    w_gate_up: Array  # [H, 2, I]: gate = [:, 0], up = [:, 1]
     w_down: Array  # [I, H]
 
 
@@ -96,20 +93,26 @@ def _window_ok(q_pos: Array, k_pos: Array, window: int | None) -> Array:
 
 def _layer(lp: DrafterLayer, cfg: DrafterConfig, window: int | None, h: Array, ctx: Array,
            k_cache: Array, v_cache: Array, length: Array, num_ctx: Array,
-           ctx_rope: tuple[Array, Array], blk_rope: tuple[Array, Array], ctx_pos: Array, blk_pos: Array):
+           all_rope: tuple[Array, Array], blk_rope: tuple[Array, Array], blk_pos: Array):
     """One decoder layer. h [B, Bs, H], ctx [B, C, H]; returns (h, k_cache, v_cache) with ctx K/V written."""
     B, Bs, _ = h.shape
     S = k_cache.shape[2]
     nkv, g, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
     eps = cfg.rms_norm_eps
 
+    nh = cfg.num_heads
+    C = ctx.shape[1]
     x = rms_norm(h, lp.attn_norm, eps)  # [B, Bs, H]
-    q = rms_norm(jnp.einsum("bth,hnd->btnd", x, lp.wq), lp.q_norm, eps)  # [B, Bs, nh, hd]
-    q = apply_rope(q, *blk_rope)
-    k_c = apply_rope(rms_norm(jnp.einsum("bch,hkd->bckd", ctx, lp.wk), lp.k_norm, eps), *ctx_rope)  # [B,C,nkv,hd]
-    k_b = apply_rope(rms_norm(jnp.einsum("bth,hkd->btkd", x, lp.wk), lp.k_norm, eps), *blk_rope)  # [B,Bs,nkv,hd]
-    v_c = jnp.einsum("bch,hkd->bckd", ctx, lp.wv)  # [B, C, nkv, hd]
-    v_b = jnp.einsum("bth,hkd->btkd", x, lp.wv)  # [B, Bs, nkv, hd]
+    # One GEMM for the q/k/v of the C context rows and the Bs block rows (the context rows' q is unused: the
+    # extra columns cost nothing next to reading the weight once instead of twice).
+    qkv = jnp.einsum("bth,hn->btn", jnp.concatenate([ctx, x], axis=1), lp.w_qkv)  # [B, C+Bs, (nh+2nkv)*hd]
+    q = qkv[:, C:, :nh * hd].reshape(B, Bs, nh, hd)  # [B, Bs, nh, hd]
+    k = qkv[:, :, nh * hd:(nh + nkv) * hd].reshape(B, C + Bs, nkv, hd)  # [B, C+Bs, nkv, hd]
+    v = qkv[:, :, (nh + nkv) * hd:].reshape(B, C + Bs, nkv, hd)  # [B, C+Bs, nkv, hd]
+    q = apply_rope(rms_norm(q, lp.q_norm, eps), *blk_rope)
+    k = apply_rope(rms_norm(k, lp.k_norm, eps), *all_rope)  # context rows then block rows
+    k_c, k_b = k[:, :C], k[:, C:]  # [B, C, nkv, hd], [B, Bs, nkv, hd]
+    v_c, v_b = v[:, :C], v[:, C:]
 
     # Append all C rows at [length, length + C); rows >= length + num_ctx are padding: masked below and
     # overwritten by the next call.
@@ -134,9 +137,8 @@ def _layer(lp: DrafterLayer, cfg: DrafterConfig, window: int | None, h: Array, c
     h = h + jnp.einsum("btnd,ndh->bth", o, lp.wo)
 
     y = rms_norm(h, lp.mlp_norm, eps)
-    gate = jnp.einsum("bth,hi->bti", y, lp.w_gate)  # [B, Bs, I]
-    up = jnp.einsum("bth,hi->bti", y, lp.w_up)
-    h = h + jnp.einsum("bti,ih->bth", jax.nn.silu(gate) * up, lp.w_down)
+    gate_up = jnp.einsum("bth,hgi->btgi", y, lp.w_gate_up)  # [B, Bs, 2, I]
+    h = h + jnp.einsum("bti,ih->bth", jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], lp.w_down)
     return h, k_cache, v_cache
 
 
@@ -160,14 +162,14 @@ def drafter_forward(params: DrafterParams, cfg: DrafterConfig, cache: DraftCache
     ctx = rms_norm(ctx, params.hidden_norm, cfg.rms_norm_eps)
     ctx_pos = length + jnp.arange(C, dtype=jnp.int32)  # [C]
     blk_pos = length + num_ctx + jnp.arange(Bs, dtype=jnp.int32)  # [Bs]
-    ctx_rope = rope_cos_sin(ctx_pos, cfg.head_dim, cfg.rope_theta, dtype)
-    blk_rope = rope_cos_sin(blk_pos, cfg.head_dim, cfg.rope_theta, dtype)
+    all_rope = rope_cos_sin(jnp.concatenate([ctx_pos, blk_pos]), cfg.head_dim, cfg.rope_theta, dtype)  # [C+Bs]
+    blk_rope = tuple(r[C:] for r in all_rope)
 
     h = block_embeds.astype(dtype)  # [B, Bs, H]
     ks, vs = [], []
     for i, lp in enumerate(params.layers):
         h, k_i, v_i = _layer(lp, cfg, cfg.layer_windows[i], h, ctx, cache.k[i], cache.v[i], length, num_ctx,
-                             ctx_rope, blk_rope, ctx_pos, blk_pos)
+                             all_rope, blk_rope, blk_pos)
         ks.append(k_i)
         vs.append(v_i)
     h = rms_norm(h, params.norm, cfg.rms_norm_eps)

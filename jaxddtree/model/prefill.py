@@ -9,6 +9,11 @@ import numpy as np
 from jaxddtree.model.target import Target
 
 PREFILL_CHUNK = 256
+# Prompts longer than LONG_PROMPT are prefilled in chunks of LONG_PREFILL_CHUNK: at 27B a 256-row chunk streams
+# all 51 GB of weights for 256 tokens (≈ 12 ms of weights per 3.4 TFLOP), a 2048-row chunk for 2048 (compute-bound
+# GEMMs); the padding of the last chunk costs at most one chunk.
+LONG_PROMPT = 8192
+LONG_PREFILL_CHUNK = 2048
 
 
 def round_up(n: int, m: int) -> int:
@@ -32,10 +37,17 @@ def check_vocab(target: Target, ids: np.ndarray, name: str):
         raise ValueError(f"{name} must lie in [0, {target.config.vocab_size}); got {ids.min()}..{ids.max()}")
 
 
-def padded_chunks(ids: np.ndarray, chunk: int = PREFILL_CHUNK):
+def chunk_size(n_tokens: int, chunk: int | None = None) -> int:
+    """Rows per prefill call for a prompt of n_tokens (one compilation per size): `chunk` (default: by the
+    prompt's length, see LONG_PROMPT), or the prompt rounded up to 8 when shorter."""
+    chunk = chunk or (LONG_PREFILL_CHUNK if n_tokens > LONG_PROMPT else PREFILL_CHUNK)
+    return min(chunk, round_up(n_tokens, 8))
+
+
+def padded_chunks(ids: np.ndarray, chunk: int | None = None):
     """Yield (tokens [1, size] int32, n real) for `ids` cut into chunks of one fixed size (one compilation
     per size): size = min(chunk, len(ids) rounded up to 8); the last chunk is zero-padded."""
-    size = min(chunk, round_up(len(ids), 8))
+    size = chunk_size(len(ids), chunk)
     for s in range(0, len(ids), size):
         part = ids[s:s + size]
         padded = np.zeros((1, size), np.int32)
@@ -44,11 +56,11 @@ def padded_chunks(ids: np.ndarray, chunk: int = PREFILL_CHUNK):
 
 
 def prefill_ids(target: Target, cache, ids: np.ndarray, feature_layers=(), logits="last",
-                chunk: int = PREFILL_CHUNK):
+                chunk: int | None = None):
     """Prefill a prompt in fixed-size chunks (one compilation per chunk size). Returns the last chunk's
     logits, the cache, and the features of every prompt position (concatenated) or None."""
     T = len(ids)
-    size = min(chunk, round_up(T, 8))
+    size = chunk_size(T, chunk)
     # every chunk is written whole (padding included): a write past the cache end would be clamped by
     # dynamic_update_slice onto earlier rows, silently corrupting the cache
     need = int(cache.length) + round_up(T, size)
@@ -56,7 +68,7 @@ def prefill_ids(target: Target, cache, ids: np.ndarray, feature_layers=(), logit
         raise ValueError(f"cache too small: prefilling {T} tokens in chunks of {size} after "
                          f"{int(cache.length)} committed tokens writes {need} rows, the cache has {cache.max_len}")
     feats, out = [], None
-    for padded, n in padded_chunks(ids, chunk):
+    for padded, n in padded_chunks(ids, size):
         out, cache, f, _ = target.prefill(cache, padded, num_valid=n, feature_layers=feature_layers, logits=logits)
         if f is not None:
             feats.append(f[:, :n])

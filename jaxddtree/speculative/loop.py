@@ -26,7 +26,7 @@ from flax import nnx, struct
 
 from jaxddtree.model import layout as layout_lib
 from jaxddtree.speculative import tree as tree_lib
-from jaxddtree.model.prefill import PREFILL_CHUNK, check_ids, check_vocab, padded_chunks, round_up
+from jaxddtree.model.prefill import check_ids, check_vocab, chunk_size, padded_chunks, round_up
 from jaxddtree.model.cache import ModelCache
 from jaxddtree.model.drafter import check_compatible, draft_logits
 from jaxddtree.model.target import Target
@@ -56,6 +56,8 @@ class DecodeState:
     acc: jax.Array  # [max_new] int32 acceptance length per round
     n_rounds: jax.Array  # int32
     stop_mask: jax.Array  # [V] bool: the stop ids as data, so that any stop set shares one compilation
+    # sampling temperature as data (used when plan.sampling), so that every temperature shares one compilation
+    temperature: jax.Array = dataclasses.field(default_factory=lambda: jnp.float32(1.0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +66,7 @@ class Plan:
     method: str
     budget: int
     max_new: int
-    temperature: float
+    sampling: bool  # False: greedy (temperature 0); True: sample at state.temperature
     kernels: str
     conv_kernel: int
     feature_layers: tuple[int, ...]
@@ -91,11 +93,16 @@ def _record(state: DecodeState, n_acc) -> DecodeState:
     return state.replace(acc=acc, n_rounds=state.n_rounds + 1)
 
 
+def _temperature(state: DecodeState, plan: Plan):
+    """0.0 (a Python float: greedy, chosen at trace time) or the state's traced temperature."""
+    return state.temperature if plan.sampling else 0.0
+
+
 def _ar_round(model, state: DecodeState, plan: Plan) -> DecodeState:
     lay = layout_lib.sequence(state.cache.length, 1, plan.conv_kernel, kernels=plan.kernels)
     logits, cache, _, _ = model(state.root[:, None], state.cache, lay, logits="all")
     key, sub = jax.random.split(state.key)
-    tok = tree_lib.posterior_tokens(logits[0], plan.temperature, sub)  # [1]
+    tok = tree_lib.posterior_tokens(logits[0], _temperature(state, plan), sub)  # [1]
     state = state.replace(cache=cache, key=key, root=tok)
     state = _emit(state, tok, jnp.asarray(1, jnp.int32), plan)
     return _record(state, jnp.asarray(1, jnp.int32))
@@ -122,7 +129,7 @@ def _spec_round(model, dparams, dcfg, embed, lm_head, state: DecodeState, plan: 
         dl = _oracle_logits(state, oracle, D, dl.shape[-1])
     root = state.root[0]
     if plan.method == "ddtree":
-        tree = tree_lib.build_tree(root, dl, plan.budget)
+        tree = tree_lib.build_tree(root, dl, plan.budget, kernels=plan.kernels)
     else:  # dflash: the argmax chain of the block
         chain = jnp.argmax(dl, axis=-1).astype(jnp.int32)
         n = D + 1
@@ -135,10 +142,10 @@ def _spec_round(model, dparams, dcfg, embed, lm_head, state: DecodeState, plan: 
     tokens = jnp.where(tree.valid, tree.tokens, 0)[None]  # padding embeds token 0; never accepted
     logits, feats, stashes = verify(model, state.cache, tokens, lay, feature_layers=plan.feature_layers)
     key, sub = jax.random.split(state.key)
-    post = tree_lib.posterior_tokens(logits[0], plan.temperature, sub)
+    post = tree_lib.posterior_tokens(logits[0], _temperature(state, plan), sub)
     acc = tree_lib.accept(tree, post, mask)
     n_acc = acc.num_accepted
-    cache = commit(state.cache, stashes, acc.path[None], n_acc[None])
+    cache = commit(state.cache, stashes, acc.path[None], n_acc[None], kernels=plan.kernels)
     ctx = jnp.take(feats, acc.path, axis=1)  # [1, D+1, F]
     # emitted: accepted drafts (depths 1..n_acc-1) then the bonus token
     drafts = tree.tokens[jnp.concatenate([acc.path[1:], acc.path[-1:]])]  # [D+1]
@@ -181,6 +188,33 @@ def _max_len(prompt_len: int, max_new: int, slack: int) -> int:
     return round_up(prompt_len + max_new + slack, 256)
 
 
+def _nbytes(tree) -> int:
+    return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def check_memory(target: Target, drafter, max_len: int, prompt_len: int, max_new: int, chunk: int, device=None):
+    """ValueError (one line, before any work) when the caches for `max_len` positions plus a working reserve do
+    not fit in the device's free memory. Devices that report no memory statistics (the CPU) are not checked."""
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if not stats or "bytes_limit" not in stats:
+        return
+    cache = _nbytes(jax.eval_shape(lambda: target.init_cache(max_len)))
+    if drafter is not None:
+        cache += _nbytes(jax.eval_shape(lambda: drafter.init_cache(1, max_len)))
+    cfg = target.config
+    # activations of one prefill chunk (the MLP's gate|up rows dominate) and of a verify pass, with room to spare
+    reserve = 2 * chunk * (2 * cfg.intermediate_size + 4 * cfg.hidden_size) * 4 + (1 << 30)
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    if cache + reserve > free:
+        gib = 1 << 30
+        raise ValueError(
+            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new}) does not fit on {device.device_kind}: the "
+            f"caches for {max_len} positions need {cache / gib:.1f} GiB (+ {reserve / gib:.1f} GiB working memory), "
+            f"{free / gib:.1f} GiB of {stats['bytes_limit'] / gib:.1f} GiB are free; shorten the prompt or "
+            f"max_new_tokens")
+
+
 def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", max_new_tokens: int = 128,
              tree_budget: int = 64, temperature: float = 0.0, seed: int = 0, stop_ids=None,
              loop: str = "host", sync_every: int = 4, on_tokens: Callable[[list[int]], None] | None = None,
@@ -221,15 +255,17 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     block = dcfg.block_size if dcfg else 1
     P = block  # rows per round: path length <= block_size
     n_tree = (budget + 1) if method == "ddtree" else block
-    slack = max(PREFILL_CHUNK, n_tree, P) + P
+    chunk = chunk_size(len(ids))
+    slack = max(chunk, n_tree, P) + P
     if len(ids) + max_new > cfg.max_position_embeddings:
         raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) exceeds the model's "
                          f"max_position_embeddings ({cfg.max_position_embeddings})")
     S = _max_len(len(ids), max_new, slack)
+    check_memory(target, drafter if dcfg else None, S, len(ids), max_new, chunk)
     feature_layers = tuple(dcfg.target_layer_ids) if dcfg else ()
     # budget only shapes DDTree rounds: normalised for the others so that it does not split their compilations
-    plan = Plan(method=method, budget=budget if method == "ddtree" else 0, max_new=max_new,
-                temperature=temperature,
+    sampling = temperature >= tree_lib.GREEDY_EPS
+    plan = Plan(method=method, budget=budget if method == "ddtree" else 0, max_new=max_new, sampling=sampling,
                 kernels=target.kernels, conv_kernel=cfg.linear_conv_kernel_dim, feature_layers=feature_layers,
                 inject=_oracle_tokens is not None)
 
@@ -238,7 +274,7 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     dparams = drafter.params if dcfg else None
     dcache = drafter.init_cache(1, S) if dcfg else None
     logits = None
-    for padded, n in padded_chunks(ids):
+    for padded, n in padded_chunks(ids, chunk):
         logits, cache, feats, _ = target.prefill(cache, padded, n, feature_layers=feature_layers, logits="last")
         if dcfg:  # the drafter's context cache takes the prompt's features
             blank = jnp.zeros((1, dcfg.block_size, cfg.hidden_size), dparams.norm.dtype)
@@ -253,7 +289,7 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
         ctx=jnp.zeros((1, P, max(F, 1)), target.dtype), ctx_n=jnp.int32(0),
         root=first.astype(jnp.int32), out=jnp.zeros((1, max_new + P), jnp.int32), n_out=jnp.int32(0),
         done=jnp.asarray(False), key=key, acc=jnp.zeros((max_new,), jnp.int32), n_rounds=jnp.int32(0),
-        stop_mask=jnp.asarray(stop_mask))
+        stop_mask=jnp.asarray(stop_mask), temperature=jnp.float32(temperature if sampling else 1.0))
     state = _emit(state, first.astype(jnp.int32), jnp.int32(1), plan)
     first_np = int(np.asarray(first)[0])
     ttft = time.perf_counter() - t0

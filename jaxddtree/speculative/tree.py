@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxddtree.model import layout as layout_lib
+from kernels_pallas import ops
 
 PAD_TOKEN = -1
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (same threshold as the reference `sample`)
@@ -75,18 +76,6 @@ class Acceptance:
     bonus: jax.Array         # [] int32, posterior[leaf]: next round's root token
 
 
-def _candidate_pairs(b: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Static (prefix slot i, token rank r) pairs that can be in the top-b of kept[i] + top[r].
-
-    Both lists are sorted descending, so candidate (i, r) is beaten or tied by the (i+1)(r+1) - 1
-    candidates (i' <= i, r' <= r); it can only make the top b when (i+1)(r+1) <= b. This keeps
-    O(b log b) of the b*k products (exact up to ties).
-    """
-    i, r = np.meshgrid(np.arange(b), np.arange(k), indexing="ij")  # [b, k]
-    keep = (i + 1) * (r + 1) <= b
-    return i[keep].astype(np.int32), r[keep].astype(np.int32)  # [C], [C], C >= b
-
-
 def top_k_rows(x: jax.Array, k: int, block: int = 128) -> tuple[jax.Array, jax.Array]:
     """`lax.top_k(x, k)` over the last axis of x [R, V], without a top-k over the whole row when V is large.
 
@@ -107,7 +96,7 @@ def top_k_rows(x: jax.Array, k: int, block: int = 128) -> tuple[jax.Array, jax.A
     return vals, jnp.take_along_axis(ids, pos, axis=1).astype(jnp.int32)
 
 
-def build_tree(root_token, draft_logits, budget: int, topk_block: int = 128) -> Tree:
+def build_tree(root_token, draft_logits, budget: int, topk_block: int = 128, kernels: str = "xla") -> Tree:
     """Exact device version of the reference best-first heap (`build_ddtree_tree`).
 
     Returns the `budget` prefixes with the highest summed draft log-probability (per-depth
@@ -116,54 +105,26 @@ def build_tree(root_token, draft_logits, budget: int, topk_block: int = 128) -> 
     V**D < budget) or some have log-prob -inf, the remaining slots are padding nodes.
 
     root_token: [] int; draft_logits: [D, V] (depth d+1 marginals in row d); budget: static int;
-    topk_block: block size of the per-depth top-K (`top_k_rows`).
+    topk_block: block size of the per-depth top-K (`top_k_rows`); kernels: "xla" | "pallas" for the
+    selection from the per-depth top-K (`kernels_pallas.tree_build`: the same trees, one kernel).
     """
     d_max, vocab = draft_logits.shape
-    b = int(budget)
-    k = min(b, vocab)
-    neg_inf = jnp.float32(-jnp.inf)
+    k = min(int(budget), vocab)
 
-    # log_softmax of the K best tokens only (jax.nn.log_softmax's formula: x - max - log Σ exp(x - max))
+    # log_softmax of the K best tokens only (jax.nn.log_softmax's formula: x - max - log Σ exp(x - max)),
+    # all depths at once
     x = draft_logits.astype(jnp.float32)                                     # [D, V]
     m = jnp.max(x, axis=-1, keepdims=True)
     lse = jnp.log(jnp.sum(jnp.exp(x - m), axis=-1, keepdims=True))
     top_x, top_id = top_k_rows(x, k, topk_block)                           # [D, K] sorted desc
     top_lp = (top_x - m) - lse
-
-    # Depth 1: the top-K tokens under the root, padded to B slots with -inf.
-    score1 = jnp.full((b,), neg_inf).at[:k].set(top_lp[0])               # [B]
-    token1 = jnp.full((b,), PAD_TOKEN, jnp.int32).at[:k].set(top_id[0])  # [B]
-    slot1 = jnp.zeros((b,), jnp.int32)                                    # [B] parent slot (root)
-
-    cand_i, cand_r = map(jnp.asarray, _candidate_pairs(b, k))  # [C] (static values)
-
-    def step(kept, xs):  # kept [B] sorted desc -> top-B prefixes one depth deeper
-        lp_d, id_d = xs                                   # [K], [K]
-        cand = kept[cand_i] + lp_d[cand_r]                # [C] = kept[i] + logp_d[r]
-        score, sel = jax.lax.top_k(cand, b)               # [B] sorted desc, [B]
-        return score, (score, cand_i[sel], id_d[cand_r[sel]])
-
-    _, (score_r, slot_r, token_r) = jax.lax.scan(step, score1, (top_lp[1:], top_id[1:]))
-    score = jnp.concatenate([score1[None], score_r])  # [D, B]
-    slot = jnp.concatenate([slot1[None], slot_r])     # [D, B] parent's slot at depth d-1
-    token = jnp.concatenate([token1[None], token_r])  # [D, B]
-
-    # Global top B over all depths; a stable sort of the depth-major flattening breaks score ties
-    # by depth (asc), so a parent (score >= child's) always precedes its children.
-    order = jnp.argsort(-score.reshape(-1), stable=True)[:b]  # [B] flat (depth-1)*B + slot
-    node_score = score.reshape(-1)[order]                     # [B]
-    valid = node_score > neg_inf                              # [B]
-    depth = (order // b + 1).astype(jnp.int32)                # [B] 1..D
-    # Final position (1..B) of every kept candidate; parents are remapped through it.
-    pos = jnp.zeros((d_max * b,), jnp.int32).at[order].set(jnp.arange(1, b + 1, dtype=jnp.int32))
-    parent_flat = jnp.maximum(depth - 2, 0) * b + slot.reshape(-1)[order]  # [B]
-    parent = jnp.where(depth == 1, 0, pos[parent_flat])
+    tokens, parents, depths, valid = ops.tree_select(top_lp, top_id, int(budget), kernels=kernels)  # [B] each
 
     root = jnp.asarray(root_token, jnp.int32).reshape(1)
     return Tree(
-        tokens=jnp.concatenate([root, jnp.where(valid, token.reshape(-1)[order], PAD_TOKEN)]),
-        parents=jnp.concatenate([jnp.full((1,), -1, jnp.int32), jnp.where(valid, parent, 0)]),
-        depths=jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.where(valid, depth, 1)]),
+        tokens=jnp.concatenate([root, tokens]),
+        parents=jnp.concatenate([jnp.full((1,), -1, jnp.int32), parents]),
+        depths=jnp.concatenate([jnp.zeros((1,), jnp.int32), depths]),
         valid=jnp.concatenate([jnp.ones((1,), bool), valid]),
         max_depth=d_max,
     )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas import gdn_reference
+from kernels_pallas import ops
 from jaxddtree.model.attention import AttentionStash
 from jaxddtree.model.cache import GDNState, KVCache, ModelCache
 from jaxddtree.model.gated_deltanet import GDNStash
@@ -28,14 +28,14 @@ def verify(model, cache: ModelCache, tokens: jax.Array, layout: TokenLayout, fea
     return logits, features, stashes
 
 
-def commit(cache: ModelCache, stashes, path: jax.Array, path_len: jax.Array) -> ModelCache:
+def commit(cache: ModelCache, stashes, path: jax.Array, path_len: jax.Array, kernels: str = "xla") -> ModelCache:
     """Commit the accepted root->leaf path (path [B, P] node indices in depth order, padded; path_len [B]
-    tokens, root included; the same for every batch row today) into the cache. Fixed shapes."""
+    tokens, root included; the same for every batch row today) into the cache. Fixed shapes. A GDN layer's
+    state and conv rows take one `ops.gdn_commit` (kernels="pallas": one kernel per layer, in place)."""
     start = cache.length
     n_acc = path_len[0]
     # the path's rows of a stash [B, N, ...] -> [B, P, ...], in depth order (a later row is deeper)
     take = lambda x: jnp.take_along_axis(x, path.reshape(path.shape + (1,) * (x.ndim - 2)), axis=1)
-    on = jnp.arange(path.shape[1])[None, :] < path_len[:, None]  # [B, P] rows of the path proper
     entries = []
     for entry, stash in zip(cache.layers, stashes):
         if isinstance(entry, KVCache):
@@ -46,9 +46,7 @@ def commit(cache: ModelCache, stashes, path: jax.Array, path_len: jax.Array) -> 
                                    v=jax.lax.dynamic_update_slice(entry.v, v, (0, 0, start, 0))))
         else:
             assert isinstance(stash, GDNStash)
-            state = gdn_reference.gdn_state_after(entry.recurrent, take(stash.k), take(stash.W), take(stash.g), on)
-            xp = take(stash.x).astype(entry.conv.dtype)  # [B, P, C]
-            rows = jnp.concatenate([entry.conv, xp], axis=1)  # [B, K-1+P, C]
-            conv = jax.lax.dynamic_slice_in_dim(rows, n_acc, entry.conv.shape[1], axis=1)
+            state, conv = ops.gdn_commit(entry.recurrent, entry.conv, stash.k, stash.W, stash.g, stash.x, path,
+                                         path_len, kernels=kernels)
             entries.append(GDNState(conv=conv, recurrent=state))
     return ModelCache(layers=tuple(entries), length=start + n_acc)

@@ -160,13 +160,13 @@ def init_drafter(cfg: DrafterConfig, seed: int = 0, dtype=jnp.float32) -> Drafte
     """Random drafter weights (normal / sqrt(fan_in); output projections scaled down; norms = 1)."""
     H, nh, nkv, hd, I = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     F = cfg.num_target_features * H
-    keys = iter(jax.random.split(jax.random.key(seed), 2 + 7 * cfg.num_layers))
+    keys = iter(jax.random.split(jax.random.key(seed), 2 + 4 * cfg.num_layers))
     nrm = lambda shape, fan_in, s=1.0: (s / fan_in ** 0.5 * jax.random.normal(next(keys), shape)).astype(dtype)
     out_s = 1.0 / (2 * cfg.num_layers) ** 0.5
     layers = tuple(DrafterLayer(
-        attn_norm=jnp.ones((H,), dtype), wq=nrm((H, nh, hd), H), wk=nrm((H, nkv, hd), H), wv=nrm((H, nkv, hd), H),
+        attn_norm=jnp.ones((H,), dtype), w_qkv=nrm((H, (nh + 2 * nkv) * hd), H),
         wo=nrm((nh, hd, H), nh * hd, out_s), q_norm=jnp.ones((hd,), dtype), k_norm=jnp.ones((hd,), dtype),
-        mlp_norm=jnp.ones((H,), dtype), w_gate=nrm((H, I), H), w_up=nrm((H, I), H), w_down=nrm((I, H), I, out_s))
+        mlp_norm=jnp.ones((H,), dtype), w_gate_up=nrm((H, 2, I), H), w_down=nrm((I, H), I, out_s))
         for _ in range(cfg.num_layers))
     return DrafterParams(fc=nrm((F, H), F), hidden_norm=jnp.ones((H,), dtype), layers=layers,
                          norm=jnp.ones((H,), dtype))
@@ -184,7 +184,8 @@ def drafter_train_logits(params: DrafterParams, cfg: DrafterConfig, feats, token
     dtype = params.norm.dtype
     B, T, _ = feats.shape
     K, Bs = anchors.shape[1], cfg.block_size
-    nkv, g, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+    nh, nkv, g, hd = cfg.num_heads, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+    nq = nh * hd
     eps = cfg.rms_norm_eps
     ctx = rms_norm(jnp.einsum("btf,fh->bth", feats.astype(dtype), params.fc), params.hidden_norm, eps)  # [B,T,H]
     ctx_pos = jnp.arange(T, dtype=jnp.int32)
@@ -205,11 +206,13 @@ def drafter_train_logits(params: DrafterParams, cfg: DrafterConfig, feats, token
             vc = vc & (jnp.abs(blk_pos[..., :, None] - ctx_pos) < w)
             vb = vb & (jnp.abs(blk_pos[..., :, None] - blk_pos[..., None, :]) < w)
         x = rms_norm(h, lp.attn_norm, eps)
-        q = apply_rope(rms_norm(jnp.einsum("bkth,hnd->bktnd", x, lp.wq), lp.q_norm, eps), cos_b, sin_b)
-        k_c = apply_rope(rms_norm(jnp.einsum("bch,hnd->bcnd", ctx, lp.wk), lp.k_norm, eps), cos_c, sin_c)
-        v_c = jnp.einsum("bch,hnd->bcnd", ctx, lp.wv)  # [B,T,nkv,hd]
-        k_b = apply_rope(rms_norm(jnp.einsum("bkth,hnd->bktnd", x, lp.wk), lp.k_norm, eps), cos_b, sin_b)
-        v_b = jnp.einsum("bkth,hnd->bktnd", x, lp.wv)  # [B,K,Bs,nkv,hd]
+        qkv_b = jnp.einsum("bkth,hn->bktn", x, lp.w_qkv).reshape(B, K, Bs, -1, hd)  # [B,K,Bs,nh+2nkv,hd]
+        kv_c = jnp.einsum("bch,hn->bcn", ctx, lp.w_qkv[:, nq:]).reshape(B, T, 2 * nkv, hd)  # [B,T,2nkv,hd]
+        q = apply_rope(rms_norm(qkv_b[..., :nh, :], lp.q_norm, eps), cos_b, sin_b)  # [B,K,Bs,nh,hd]
+        k_c = apply_rope(rms_norm(kv_c[:, :, :nkv], lp.k_norm, eps), cos_c, sin_c)  # [B,T,nkv,hd]
+        v_c = kv_c[:, :, nkv:]
+        k_b = apply_rope(rms_norm(qkv_b[..., nh:nh + nkv, :], lp.k_norm, eps), cos_b, sin_b)  # [B,K,Bs,nkv,hd]
+        v_b = qkv_b[..., nh + nkv:, :]
         qg = q.reshape(B, K, Bs, nkv, g, hd)
         s_c = jnp.einsum("bktngd,bsnd->bkngts", qg, k_c, preferred_element_type=jnp.float32) * scale
         s_b = jnp.einsum("bktngd,bksnd->bkngts", qg, k_b, preferred_element_type=jnp.float32) * scale
@@ -221,8 +224,8 @@ def drafter_train_logits(params: DrafterParams, cfg: DrafterConfig, feats, token
              + jnp.einsum("bkngts,bksnd->bktngd", p[..., T:], v_b)).reshape(B, K, Bs, nkv * g, hd)
         h = h + jnp.einsum("bktnd,ndh->bkth", o, lp.wo)
         y = rms_norm(h, lp.mlp_norm, eps)
-        h = h + jnp.einsum("bkti,ih->bkth", jax.nn.silu(jnp.einsum("bkth,hi->bkti", y, lp.w_gate))
-                           * jnp.einsum("bkth,hi->bkti", y, lp.w_up), lp.w_down)
+        gu = jnp.einsum("bkth,hgi->bktgi", y, lp.w_gate_up)  # [B,K,Bs,2,I]
+        h = h + jnp.einsum("bkti,ih->bkth", jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :], lp.w_down)
     h = rms_norm(h, params.norm, eps)
     return jnp.einsum("bkth,hv->bktv", h[:, :, 1:], lm_head.astype(dtype), preferred_element_type=jnp.float32)
 
@@ -432,14 +435,16 @@ def drafter_hf_tensors(cfg: DrafterConfig, params: DrafterParams) -> dict[str, n
         p = f"layers.{i}."
         out[p + "input_layernorm.weight"] = _to_np(lp.attn_norm)
         out[p + "post_attention_layernorm.weight"] = _to_np(lp.mlp_norm)
-        out[p + "self_attn.q_proj.weight"] = _to_np(lp.wq).transpose(1, 2, 0).reshape(-1, H)
-        out[p + "self_attn.k_proj.weight"] = _to_np(lp.wk).transpose(1, 2, 0).reshape(-1, H)
-        out[p + "self_attn.v_proj.weight"] = _to_np(lp.wv).transpose(1, 2, 0).reshape(-1, H)
+        nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        qkv = _to_np(lp.w_qkv).T  # [nq + 2 nkv, H]: q_proj | k_proj | v_proj rows
+        out[p + "self_attn.q_proj.weight"] = qkv[:nq]
+        out[p + "self_attn.k_proj.weight"] = qkv[nq:nq + nkv]
+        out[p + "self_attn.v_proj.weight"] = qkv[nq + nkv:]
         out[p + "self_attn.o_proj.weight"] = _to_np(lp.wo).transpose(2, 0, 1).reshape(H, -1)
         out[p + "self_attn.q_norm.weight"] = _to_np(lp.q_norm)
         out[p + "self_attn.k_norm.weight"] = _to_np(lp.k_norm)
-        out[p + "mlp.gate_proj.weight"] = _to_np(lp.w_gate).T
-        out[p + "mlp.up_proj.weight"] = _to_np(lp.w_up).T
+        out[p + "mlp.gate_proj.weight"] = _to_np(lp.w_gate_up)[:, 0].T
+        out[p + "mlp.up_proj.weight"] = _to_np(lp.w_gate_up)[:, 1].T
         out[p + "mlp.down_proj.weight"] = _to_np(lp.w_down).T
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
