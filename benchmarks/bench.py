@@ -201,7 +201,7 @@ def bench_fp8(args, cfg, dcfg: DrafterConfig, res: dict, save, log):
     del state
     save()
 
-    plan = loop_lib.Plan(method="ddtree", budget=64, max_new=100000, temperature=0.0, kernels=args.kernels,
+    plan = loop_lib.Plan(method="ddtree", budget=64, max_new=100000, sampling=False, kernels=args.kernels,
                          conv_kernel=cfg.linear_conv_kernel_dim, feature_layers=dcfg.target_layer_ids)
     one = make_round(target, drafter, plan, fresh_cache(L))
     t = time.time()
