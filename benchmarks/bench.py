@@ -156,6 +156,82 @@ def random_tree(n_nodes: int, depth: int, seed: int):
     return np.asarray(parents, np.int32)
 
 
+def bench_fp8(args, cfg, dcfg: DrafterConfig, res: dict, save, log):
+    """--weights fp8 (issue 17 goals), keys fp8.*: a random fp8 target (`random_target(weights="fp8")`, made
+    without a bf16 copy) + the bf16 drafter + target and drafter caches for an 8K context (max_len 8192 + 256),
+    then, in this order:
+      fp8.ar_step_ms     greedy decode step at --context committed tokens;
+      fp8.round_ms.64    DDTree round at budget 64 (same context; the decode cache freed first);
+      fp8.peak_gb        jax peak_bytes_in_use after those (model + drafter + caches + the jits' temporaries;
+                         None where the backend keeps no memory stats, e.g. the CPU);
+      fp8.floor_ms       bytes streamed per decode step (every target leaf but the embedding: fp8 q, fp32
+                         scales, plain tails, bf16 lm_head / norms / GDN tensors) ÷ the GEMV bandwidth measured
+                         now (as the bandwidth section: 4 distinct bf16 lm_head-shaped copies, XLA; measured last
+                         so its 10 GB do not count in the peak), fp8.weight_stream_tb_s, fp8.weights_streamed_gb."""
+    from jaxddtree.model.fp8 import FP8
+
+    t0 = time.time()
+    target = random_target(cfg, "bfloat16", seed=0, weights="fp8")
+    target.kernels = args.kernels
+    n_fp8 = sum(x.dtype == FP8 for x in target.leaves)  # the q of each Fp8Weight (a pytree: q, scale, tail)
+    streamed = sum(x.size * x.dtype.itemsize for x in target.leaves) - cfg.vocab_size * cfg.hidden_size * 2
+    out = res.setdefault("fp8", {})
+    out["weights_streamed_gb"] = round(streamed / 1e9, 3)
+    log(f"fp8 target built in {time.time() - t0:.1f}s: {n_fp8} fp8 projections, {streamed / 1e9:.2f} GB streamed/token")
+    drafter = random_drafter(dcfg, jnp.bfloat16)
+    S = (8192 if not args.smoke else 256) + 256
+    L = args.context
+
+    def fresh_cache(length):
+        c = fill_random(target.init_cache(S), jax.random.key(3))
+        return c.replace(length=jnp.int32(length))
+
+    decode = make_decode(target, args.kernels)
+    state = [jnp.ones((1, 1), jnp.int32), fresh_cache(L)]
+
+    def step():
+        state[0], state[1] = decode(target.leaves, state[1], state[0])
+        return state[0]
+
+    t = time.time()
+    jax.block_until_ready(step())
+    log(f"fp8 decode compiled in {time.time() - t:.1f}s")
+    out["ar_step_ms"] = round(median_ms(step, n=args.runs * 2), 3)
+    log(f"fp8 AR step {out['ar_step_ms']} ms")
+    del state
+    save()
+
+    plan = loop_lib.Plan(method="ddtree", budget=64, max_new=100000, sampling=False, kernels=args.kernels,
+                         conv_kernel=cfg.linear_conv_kernel_dim, feature_layers=dcfg.target_layer_ids)
+    one = make_round(target, drafter, plan, fresh_cache(L))
+    t = time.time()
+    jax.block_until_ready(one())
+    log(f"fp8 ddtree round (budget 64) compiled in {time.time() - t:.1f}s")
+    out["round_ms"] = {"64": round(median_ms(one, n=args.runs), 3)}
+    log(f"fp8 round budget 64: {out['round_ms']['64']} ms")
+    stats = jax.devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    out["peak_gb"] = None if peak is None else round(peak / 1e9, 3)
+    out["peak_note"] = (f"peak_bytes_in_use: fp8 target + bf16 drafter + target/drafter caches of {S} rows "
+                        f"+ the decode / round jits' temporaries")
+    log(f"fp8 peak device memory {out['peak_gb']} GB")
+    del one
+    save()
+
+    d_model, cols = cfg.hidden_size, cfg.vocab_size
+    Ws = [jax.random.normal(jax.random.key(10 + i), (d_model, cols), jnp.bfloat16) for i in range(4)]
+    x = jax.random.normal(jax.random.key(2), (1, d_model), jnp.bfloat16)
+    chain = jax.jit(lambda x, Ws: [x @ W for W in Ws])
+    ms = median_ms(lambda: chain(x, Ws), n=30)
+    bw = sum(W.size for W in Ws) * 2 / (ms * 1e-3) / 1e12
+    del Ws
+    out["weight_stream_tb_s"] = round(bw, 3)
+    out["floor_ms"] = round(streamed / (bw * 1e12) * 1e3, 3)
+    out["floor_over_ar"] = round(out["floor_ms"] / out["ar_step_ms"], 3)
+    log(f"GEMV bandwidth {bw:.2f} TB/s: fp8 floor {out['floor_ms']} ms ({out['floor_over_ar']} of the AR step)")
+    save()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sections", default="bandwidth,ar,prefill,verify,parts,round",
@@ -176,6 +252,8 @@ def main(argv=None):
                     help="prompt lengths timed for prefill_s_by_context (with --contexts)")
     ap.add_argument("--prefill-chunk", type=int, default=2048, help="rows per prefill call in the context sweep")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, few runs: check the script on a CPU")
+    ap.add_argument("--weights", default="bf16", choices=["bf16", "fp8"],
+                    help="fp8: random fp8 target weights (issue 17); writes only the fp8.* keys (see bench_fp8)")
     args = ap.parse_args(argv)
     sections = set(args.sections.split(","))
 
@@ -205,6 +283,11 @@ def main(argv=None):
 
     def log(msg):
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    if args.weights == "fp8":
+        bench_fp8(args, cfg, DrafterConfig(**dflash), res, save, log)
+        print(json.dumps(res, indent=1, sort_keys=True))
+        return
 
     if "bandwidth" in sections:
         # the largest GEMV of a decode step (the lm_head shape, 2.54 GB), over 4 distinct copies in ONE jit

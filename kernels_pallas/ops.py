@@ -132,3 +132,48 @@ def dense(spec: str, x, w, kernels="xla"):
         return y.reshape(x.shape[:x.ndim - nc] + w.shape[nc:]).astype(jnp.float32)
     prec = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     return jnp.einsum(spec, x, w.astype(x.dtype), precision=prec, preferred_element_type=jnp.float32)
+
+
+# The weight-only fp8 kernel (kernels_pallas/dense_fp8.py) runs every fp8 projection of a pass with at most
+# PALLAS_DENSE_FP8_MAX_ROWS rows (decode GEMV, verify skinny GEMM); longer passes (prefill) dequantize and use
+# XLA's GEMM (the caller's fallback).
+PALLAS_DENSE_FP8_MAX_ROWS = 256
+
+
+def _flat_contraction(spec: str, x, w_ndim: int):
+    """(nc, rows) for a spec contracting x's trailing axes with w's leading ones in order, else None."""
+    lhs, out = spec.split("->")
+    xs, ws = lhs.split(",")
+    contracted = [c for c in xs if c in ws and c not in out]
+    nc = len(contracted)
+    flat = (len(ws) == w_ndim and xs.endswith("".join(contracted)) and ws.startswith("".join(contracted))
+            and out == xs[:len(xs) - nc] + ws[nc:])
+    return (nc, math.prod(x.shape[:x.ndim - nc])) if flat else None
+
+
+def dense_fp8_applies(spec: str, x, q, block_in: int, kernels: str = "xla") -> bool:
+    """Whether `dense_fp8` runs this projection: kernels="pallas", bf16 activations, a flat contraction
+    with 1..PALLAS_DENSE_FP8_MAX_ROWS rows, and input blocks a BK ≥ 16 divides."""
+    _check(kernels)
+    from kernels_pallas.dense_fp8 import max_block_k
+    fc = _flat_contraction(spec, x, q.ndim)
+    return (kernels == "pallas" and fc is not None and x.dtype == jnp.bfloat16
+            and 0 < fc[1] <= PALLAS_DENSE_FP8_MAX_ROWS and max_block_k(block_in) >= 16)
+
+
+def dense_fp8(spec: str, x, q, scale, tail, block_in: int):
+    """einsum(spec, x, W) for an fp8 weight W = q ⊙ block scales [| tail], fp32 result (the caller rounds),
+    on the Pallas kernel (`dense_fp8_applies` must hold). q fp8 in the model's layout (contracted axes
+    first), scale fp32 [ceil(K / block_in), *q.shape[nc:]], tail None or the trailing plain columns
+    [K, n_tail] of a 2-D weight (its product runs on XLA and is concatenated)."""
+    from kernels_pallas import dense_fp8 as kernel
+    nc, rows = _flat_contraction(spec, x, q.ndim)
+    K = math.prod(q.shape[:nc])
+    x2 = x.reshape(rows, K)
+    y = kernel.dense_fp8(x2, q.reshape(K, -1), scale.reshape(scale.shape[0], -1),
+                         block_in=block_in).astype(jnp.float32)
+    lead = x.shape[:x.ndim - nc]
+    if tail is None:
+        return y.reshape(lead + q.shape[nc:])
+    y = jnp.concatenate([y, jnp.dot(x2, tail.astype(x.dtype), preferred_element_type=jnp.float32)], axis=-1)
+    return y.reshape(lead + y.shape[-1:])

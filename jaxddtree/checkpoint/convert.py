@@ -89,7 +89,7 @@ def _header(file: str) -> tuple[int, dict]:
 def _st_dtypes() -> dict:
     import ml_dtypes
     return {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-            "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+            "F8_E4M3": ml_dtypes.float8_e4m3fn, "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 
 
 class Shard:
@@ -309,9 +309,9 @@ def convert(src: str, dst: str, *, dtype: str = "bfloat16", kind: str | None = N
     quant = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
     if quant is not None:
         method = quant.get("quant_method") if isinstance(quant, dict) else None
-        if method == "fp8":
-            raise ConvertError(f"{src}: FP8 checkpoints are not convertible yet; load the HF directory directly")
-        raise ConvertError(f"{src}: quantized checkpoints (quant_method {method!r}) are not supported")
+        if method != "fp8" or kind != "target":
+            raise ConvertError(f"{src}: quantized checkpoints (quant_method {method!r}) are not supported"
+                               + (" for a drafter" if method == "fp8" else ""))
     if dtype not in DTYPES:
         raise ConvertError(f"unsupported dtype '{dtype}' (use bfloat16 or float32)")
     dname = DTYPES[dtype]
@@ -323,11 +323,16 @@ def convert(src: str, dst: str, *, dtype: str = "bfloat16", kind: str | None = N
     assert orbax_format.MARKER == MARKER
     out_dtype = orbax_format.np_dtype(dname)
     stop = should_stop or (lambda: False)
+    fp8 = None  # (Fp8Format, headers) for an FP8 target
+    fp8_params = {}  # marker "fp8": {dotted param path: {"block_in", "nc"}}
 
     try:
         if kind == "target":
             cfg = load_config(src)
             plan = plan_target(cfg, src)
+            if quant is not None:
+                from jaxddtree.checkpoint.hf_target import _Headers, fp8_format
+                fp8 = (fp8_format(src), _Headers())
         else:
             from jaxddtree.model.drafter_config import DrafterConfig
             cfg = DrafterConfig.from_dict(raw, source=os.path.join(src, "config.json"))
@@ -366,18 +371,21 @@ def convert(src: str, dst: str, *, dtype: str = "bfloat16", kind: str | None = N
         out_bytes = done = 0
         for e, (src_bytes, nbytes) in zip(plan, sizes):
             writer.reserve(nbytes)  # flush the batch first if this parameter would overflow it
-            try:
-                if len(e.parts) == 1:
-                    arr = shards[e.parts[0].file].read(e.parts[0].name)
-                else:
-                    arr = assemble(shards, e, out_dtype)
-            except CheckpointError as err:
-                raise ConvertError(one_line(err)) from None
-            y = transform(arr, e.fn, out_dtype)
-            del arr
-            out_bytes += y.nbytes
-            writer.add(e.path, y)
-            del y
+            if fp8 is not None and any(sc is not None for sc in e.scales):
+                out_bytes += _add_fp8(writer, e, fp8, out_dtype, fp8_params)
+            else:
+                try:
+                    if len(e.parts) == 1:
+                        arr = shards[e.parts[0].file].read(e.parts[0].name)
+                    else:
+                        arr = assemble(shards, e, out_dtype)
+                except CheckpointError as err:
+                    raise ConvertError(one_line(err)) from None
+                y = transform(arr, e.fn, out_dtype)
+                del arr
+                out_bytes += y.nbytes
+                writer.add(e.path, y)
+                del y
             done += len(e.parts)
             if bar is not None:
                 bar.update(src_bytes)
@@ -390,8 +398,10 @@ def convert(src: str, dst: str, *, dtype: str = "bfloat16", kind: str | None = N
         for fname in ("config.json",) + EXTRA_FILES:
             if os.path.isfile(os.path.join(src, fname)):
                 shutil.copyfile(os.path.join(src, fname), os.path.join(tmp, fname))
+        extra = {"fp8": fp8_params} if fp8_params else {}
         meta = orbax_format.write_marker(tmp, kind, dname, source=src, num_tensors=num_tensors,
-                                         num_params=len(plan), num_bytes=out_bytes, orbax_partial_saves=writer.saves)
+                                         num_params=len(plan), num_bytes=out_bytes, orbax_partial_saves=writer.saves,
+                                         **extra)
         if bar is not None:
             bar.close()
             bar = None
@@ -411,6 +421,33 @@ def convert(src: str, dst: str, *, dtype: str = "bfloat16", kind: str | None = N
                 break
         raise
     return dict(meta, dst=dst, seconds=time.perf_counter() - t0)
+
+
+def _add_fp8(writer, e, fp8, out_dtype: np.dtype, fp8_params: dict) -> int:
+    """An FP8 target parameter through the loader's `_load_fp8` (on the host CPU): an `Fp8Weight` is written as
+    its leaves `<path>.q` (float8_e4m3fn), `<path>.scale` (float32) and `<path>.tail` (out_dtype, if any) and
+    recorded in the marker's "fp8" map; any other mix of fp8 and plain parts comes back dequantized and is
+    written as a plain parameter. Returns the bytes written."""
+    from jaxddtree.checkpoint.hf_target import _load_fp8
+    from jaxddtree.checkpoint.params import CheckpointError
+    from jaxddtree.model.fp8 import Fp8Weight
+
+    try:
+        w = _load_fp8(e, fp8[0], fp8[1], out_dtype)
+    except CheckpointError as err:
+        raise ConvertError(one_line(err)) from None
+    if not isinstance(w, Fp8Weight):
+        y = np.asarray(w)
+        writer.add(e.path, y)
+        return y.nbytes
+    fp8_params[".".join(map(str, e.path))] = {"block_in": w.block_in, "nc": w.nc}
+    n = 0
+    for leaf in ("q", "scale", "tail"):
+        if getattr(w, leaf) is not None:
+            y = np.asarray(getattr(w, leaf))
+            writer.add(e.path + (leaf,), y)
+            n += y.nbytes
+    return n
 
 
 def _rmtree(path: str) -> None:

@@ -70,6 +70,12 @@ def np_dtype(name: str) -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16) if dtype_name(name) == "bfloat16" else np.dtype(np.float32)
 
 
+def stored_np_dtype(name: str) -> np.dtype:
+    """A stored array's dtype: the marker's dtypes, or float8_e4m3fn (the q of an FP8 parameter)."""
+    import ml_dtypes
+    return np.dtype(ml_dtypes.float8_e4m3fn) if name == "float8_e4m3fn" else np_dtype(name)
+
+
 # --------------------------------------------------------------------------------------------- marker
 def is_converted(path: str) -> bool:
     return os.path.exists(os.path.join(path, MARKER))
@@ -258,7 +264,7 @@ def _array_spec(name: str, zarr_json: bytes) -> tuple[tuple, np.dtype, float, tu
     try:
         z = json.loads(zarr_json)
         shape = tuple(int(n) for n in z["shape"])
-        dtype = np_dtype(z["data_type"])  # ValueError unless bfloat16 / float32
+        dtype = stored_np_dtype(z["data_type"])  # ValueError unless bfloat16 / float32 / float8_e4m3fn
         fill = float(z.get("fill_value") or 0.0)
         grid = z["chunk_grid"]
         cs = tuple(int(n) for n in grid["configuration"]["chunk_shape"])
@@ -270,7 +276,8 @@ def _array_spec(name: str, zarr_json: bytes) -> tuple[tuple, np.dtype, float, tu
         ok = ok and len(codecs) == 1 and codecs[0]["name"] == "sharding_indexed"
         c = codecs[0]["configuration"]
         little = {"name": "bytes", "configuration": {"endian": "little"}}
-        ok = (ok and tuple(c["chunk_shape"]) == cs and c["codecs"] == [little]
+        raw = [little] if dtype.itemsize > 1 else [{"name": "bytes"}]  # one-byte types carry no endianness
+        ok = (ok and tuple(c["chunk_shape"]) == cs and c["codecs"] == raw
               and c["index_codecs"] == [little, {"name": "crc32c"}] and c.get("index_location", "end") == "end")
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise _Unsupported(f"{name}: zarr.json not understood ({type(e).__name__}: {e})") from None
@@ -598,18 +605,46 @@ def restore_target(path: str, dtype):
     layout = plan_restore(path, meta)
     abstract = stored_abstract(path, meta, layout)
     want = expected_paths(cfg)
-    for label, extra in (("lacks", want - set(abstract)), ("has an unexpected", set(abstract) - want)):
+    fp8 = _fp8_params(path, meta)
+    have = {p[:-1] if p[:-1] in fp8 and p[-1] in FP8_LEAVES else p for p in abstract}
+    for label, extra in (("lacks", want - have), ("has an unexpected", have - want)):
         if extra:
             p = sorted(extra, key=str)[0]
             raise CheckpointError(f"{path}: converted checkpoint {label} parameter {'.'.join(map(str, p))} "
                                   f"({len(extra)} in all)")
     stored = meta["dtype"]
-    bad = [p for p, a in abstract.items() if np.dtype(a.dtype) != np_dtype(stored)]
+    quantized = {p: stored_np_dtype(FP8_LEAVES[p[-1]]) for p in abstract if p[:-1] in fp8 and p[-1] in ("q", "scale")}
+    lacking = [p + (leaf,) for p in fp8 for leaf in ("q", "scale") if p + (leaf,) not in abstract]
+    if lacking:
+        raise CheckpointError(f"{path}: converted checkpoint lacks parameter {'.'.join(map(str, lacking[0]))}")
+    bad = [p for p, a in abstract.items() if np.dtype(a.dtype) != quantized.get(p, np_dtype(stored))]
     if bad:
         raise CheckpointError(f"{path}: parameter {'.'.join(map(str, bad[0]))} is stored as "
-                              f"{abstract[bad[0]].dtype}, the marker says {stored}")
-    flat = _cast(restore_flat(path, abstract, meta, layout), stored, dtype, path)
+                              f"{abstract[bad[0]].dtype}, expected {quantized.get(bad[0], np_dtype(stored))}")
+    flat = restore_flat(path, abstract, meta, layout)
+    fp8_leaves = {p: flat.pop(p) for p in quantized}
+    flat = _cast(flat, stored, dtype, path)
+    if fp8:
+        from jaxddtree.model.fp8 import Fp8Weight
+        for p, info in fp8.items():
+            flat[p] = Fp8Weight(q=fp8_leaves[p + ("q",)], scale=fp8_leaves[p + ("scale",)],
+                                tail=flat.pop(p + ("tail",), None), block_in=info["block_in"], nc=info["nc"])
     return target_from_params(cfg, flat, as_dtype(dtype), source=path)
+
+
+# the leaves of an FP8 parameter (`jaxddtree.model.fp8.Fp8Weight`) in a converted target: name -> stored dtype
+# (None: the marker's dtype). The marker's "fp8" map lists those parameters: {dotted path: {block_in, nc}}.
+FP8_LEAVES = {"q": "float8_e4m3fn", "scale": "float32", "tail": None}
+
+
+def _fp8_params(path: str, meta: dict) -> dict[tuple, dict]:
+    fp8 = meta.get("fp8", {})
+    ok = isinstance(fp8, dict) and all(
+        isinstance(v, dict) and isinstance(v.get("block_in"), int) and isinstance(v.get("nc"), int)
+        for v in fp8.values())
+    if not ok:
+        raise CheckpointError(f"{os.path.join(path, MARKER)}: malformed \"fp8\" entry")
+    return {tuple(int(k) if k.isdigit() else k for k in name.split(".")): v for name, v in fp8.items()}
 
 
 def drafter_abstract(cfg, dtype) -> dict[tuple, Any]:

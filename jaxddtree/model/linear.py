@@ -23,9 +23,12 @@ from kernels_pallas.numerics import f32, rounded, sigmoid32, silu32  # noqa: F40
 
 def dense(spec: str, x: jax.Array, w: jax.Array, kernels: str = "xla") -> jax.Array:
     """einsum(spec, x, w) accumulated in fp32, rounded once to x's dtype (`ops.dense` picks the kernel).
-    An FP8 weight (`fp8.Fp8Weight`) is dequantized to x's dtype and contracted on the XLA path, exactly as
-    the same checkpoint dequantized would be (the fp8 Pallas kernels are not written yet)."""
+    An FP8 weight (`fp8.Fp8Weight`) runs the weight-only fp8 Pallas kernel where `ops.dense_fp8_applies`
+    (kernels="pallas", bf16, up to 256 rows: decode and verify); otherwise (xla, fp32, prefill) it is
+    dequantized to x's dtype and contracted on XLA, exactly as the same checkpoint dequantized would be."""
     if isinstance(w, Fp8Weight):
+        if ops.dense_fp8_applies(spec, x, w.q, w.block_in, kernels):
+            return rounded(ops.dense_fp8(spec, x, w.q, w.scale, w.tail, w.block_in), x.dtype)
         return rounded(ops.dense(spec, x, w.dequantize(x.dtype), "xla"), x.dtype)
     return rounded(ops.dense(spec, x, w, kernels), x.dtype)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -80,6 +81,53 @@ def _prefill(leaves, cache, tokens, num_valid, *, graphdef, treedef, feature_lay
     return model(tokens, cache, lay, feature_layers=feature_layers, logits=logits)
 
 
-def random_target(cfg: TextConfig, dtype="float32", seed: int = 0) -> Target:
+# The projections the Qwen3.6 FP8 release quantizes (issue 17): every layer's fused input / output projections
+# and MLP; GDN w_in's trailing b | a columns (in_proj_b / in_proj_a), embed, lm_head, norms, conv, A_log, dt_bias
+# stay in the compute dtype.
+FP8_PROJECTIONS = ("w_in", "w_out", "w_qkv", "wo", "w_gate_up", "w_down")
+
+
+def random_target(cfg: TextConfig, dtype="float32", seed: int = 0, weights: str = "bf16") -> Target:
+    """A target with random weights. weights="fp8": the FP8_PROJECTIONS are `Fp8Weight`s (random e4m3 values,
+    128-row input-block scales, GDN w_in's b | a as the plain tail), made leaf by leaf on the device without
+    ever materialising the model in `dtype` (benchmarks: device memory of the fp8 model)."""
     dt = as_dtype(dtype)
-    return Target.from_module(Qwen35(cfg, dtype=dt, rngs=nnx.Rngs(seed)), dt)
+    if weights == "bf16":
+        return Target.from_module(Qwen35(cfg, dtype=dt, rngs=nnx.Rngs(seed)), dt)
+    if weights != "fp8":
+        raise ValueError(f"unknown weights '{weights}' (bf16 or fp8)")
+    from jaxddtree.model.fp8 import FP8, Fp8Weight
+
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Qwen35(cfg, dtype=dt, rngs=nnx.Rngs(seed))))
+    pure = nnx.to_pure_dict(state)
+    key = jax.random.key(seed)
+
+    def leaves(d, prefix=()):
+        for k, v in d.items():
+            yield from leaves(v, prefix + (k,)) if isinstance(v, dict) else [(prefix + (k,), d, v.shape)]
+
+    for i, (path, node, shape) in enumerate(list(leaves(pure))):  # node[name]: the parameter's slot in `pure`
+        k1, k2 = jax.random.split(jax.random.fold_in(key, i))
+        name = path[-1]
+        normal = lambda shp=shape: jax.random.normal(k1, shp, dt)
+        if path[0] == "layers" and name in FP8_PROJECTIONS:
+            nc = 2 if name in ("wo", "w_out") else 1
+            K = math.prod(shape[:nc])
+            n_tail = 2 * cfg.linear_num_value_heads if name == "w_in" else 0
+            qshape = shape[:-1] + (shape[-1] - n_tail,)
+            q = jnp.clip(normal(qshape) * 64, -448, 448).astype(FP8)
+            scale = jax.random.uniform(k2, (-(-K // 128),) + qshape[nc:], jnp.float32, 0.5, 1.5) / (64 * K ** 0.5)
+            tail = (jax.random.normal(k2, (K, n_tail), dt) * K ** -0.5).astype(dt) if n_tail else None
+            node[name] = Fp8Weight(q=q, scale=scale, tail=tail, block_in=128, nc=nc)
+        elif name == "dt_bias":
+            node[name] = jax.random.uniform(k1, shape, dt, -1, 1)
+        elif name == "A_log":
+            node[name] = jnp.log(jax.random.uniform(k1, shape, jnp.float32, 1, 16)).astype(dt)
+        elif path[-2:] == ("mixer", "norm"):  # GDN gated norm: a plain weight
+            node[name] = (1 + 0.1 * normal()).astype(dt)
+        elif "norm" in name:  # (1 + w) RMSNorms, q/k norms
+            node[name] = (0.1 * normal()).astype(dt)
+        else:  # embed (std 1), lm_head, conv: std 1/sqrt(fan_in)
+            node[name] = normal() if name == "embed" else (normal() * shape[0] ** -0.5).astype(dt)
+    nnx.replace_by_pure_dict(state, pure)
+    return Target.from_module(nnx.merge(graphdef, state), dt)
