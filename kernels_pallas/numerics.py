@@ -31,3 +31,11 @@ def silu32(x: jax.Array) -> jax.Array:
 def sigmoid32(x: jax.Array) -> jax.Array:
     """Sigmoid in fp32 as PyTorch's CPU kernel computes it: 1 / (1 + exp(-x))."""
     return 1.0 / (1.0 + jnp.exp(-f32(x)))
+
+
+def rms_norm_1p(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """Zero-centred ("1 + w") RMSNorm over the last axis, fp32 math, one rounding back to x's dtype
+    (transformers' `Qwen3_5RMSNorm`: `(x.float() * rsqrt(mean(x²) + eps) * (1 + w.float())).type_as(x)`)."""
+    xf = f32(x)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return rounded(y * (1.0 + f32(w)), x.dtype)

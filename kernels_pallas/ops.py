@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import jax
 import jax.numpy as jnp
 
 from kernels_pallas import gdn_reference
+from kernels_pallas.numerics import f32, rms_norm_1p, rounded
 
 KERNELS = ("xla", "pallas")
 
@@ -20,6 +22,24 @@ KERNELS = ("xla", "pallas")
 # decode step takes the GEMV.)
 PALLAS_DENSE_MAX_ROWS = 1
 PALLAS_DENSE_MIN_COLS = 2048
+
+# Decode-step fusions (kernels="pallas", bf16): the RMSNorm / output gate folded into the Pallas GEMV's prologue,
+# the residual add into its epilogue (`dense`), and the attention layer's q/k norm + RoPE + gate + KV-cache write
+# as one kernel (`attention_decode_prep`). Same results either way; off = the separate ops (XLA fusions) around
+# the plain GEMV, for A/B timing (`fused_decode(False)`, benchmarks/profile_gpu.py --decode-fusions). Read when
+# a function is traced: set it before the first call of a jitted step.
+FUSED_DECODE = True
+
+
+@contextlib.contextmanager
+def fused_decode(enabled: bool):
+    """Trace the decode-step fusions on or off inside this block (see FUSED_DECODE)."""
+    global FUSED_DECODE
+    old, FUSED_DECODE = FUSED_DECODE, bool(enabled)
+    try:
+        yield
+    finally:
+        FUSED_DECODE = old
 
 
 def _check(kernels: str):
@@ -70,12 +90,35 @@ def gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, ke
     return gdn_reference.gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, **dims)
 
 
-def dense(spec: str, x, w, kernels="xla"):
+def attention_decode_prep(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, start, kernels="xla", *,
+                          num_heads: int, num_kv_heads: int, head_dim: int, eps: float):
+    """An attention layer's decode step (T = 1) from its projection row to the attention's inputs: q/k norm,
+    RoPE, the output gate's sigmoid, the KV-cache write at row `start`; -> (q [B,H,hd], sgate [B,H,hd],
+    k [B,Hkv,hd], v [B,Hkv,hd], k_cache, v_cache). See `attention_reference.decode_attention_prep`. One Pallas
+    kernel with kernels="pallas", bf16 and FUSED_DECODE; the jnp reference otherwise."""
+    _check(kernels)
+    dims = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, eps=eps)
+    args = (qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, start)
+    if (kernels == "pallas" and FUSED_DECODE and qkv.dtype == jnp.bfloat16 and head_dim >= 16
+            and head_dim & (head_dim - 1) == 0):
+        from kernels_pallas import attention_decode
+        return attention_decode.decode_attention_prep(*args, **dims)
+    from kernels_pallas.attention_reference import decode_attention_prep
+    return decode_attention_prep(*args, **dims)
+
+
+def dense(spec: str, x, w, kernels="xla", *, norm=None, gate=None, residual=None):
     """einsum(spec, x, w) with fp32 accumulation, returned UNROUNDED in fp32 (the caller rounds), for specs
     that contract x's trailing axes with w's leading axes (every projection of the model), e.g.
     "btd,dhe->bthe" or "bthe,hed->btd". With kernels="pallas", bf16 operands and few rows, it runs the Pallas
     weight-streaming GEMV on the flattened [rows, K] x [K, N] problem (one bf16 rounding of the fp32 sum, as the
-    caller's rounding would give)."""
+    caller's rounding would give).
+
+    Optional parts of a decoder layer around the projection (the same ops on every path; on the GEMV path, with
+    FUSED_DECODE, inside the kernel's prologue / epilogue instead of separate kernels):
+      norm = (w_n, eps): x -> rms_norm_1p(x, w_n, eps) first (the layer's input / post / final norm);
+      gate (x's shape): x -> rounded(x · gate) first (attention's output gate);
+      residual (the output's shape): y -> rounded(residual + rounded(y)) (returned in fp32, already rounded)."""
     _check(kernels)
     lhs, out = spec.split("->")
     xs, ws = lhs.split(",")
@@ -85,11 +128,27 @@ def dense(spec: str, x, w, kernels="xla"):
     cols = math.prod(w.shape[nc:])
     flat = (xs.endswith("".join(contracted)) and ws.startswith("".join(contracted))
             and out == xs[:len(xs) - nc] + ws[nc:])
-    if (kernels == "pallas" and flat and x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16
-            and 0 < rows <= PALLAS_DENSE_MAX_ROWS and cols >= PALLAS_DENSE_MIN_COLS):
+    gemv = (kernels == "pallas" and flat and x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16
+            and 0 < rows <= PALLAS_DENSE_MAX_ROWS and cols >= PALLAS_DENSE_MIN_COLS)
+    out_shape = x.shape[:x.ndim - nc] + w.shape[nc:]
+    K = math.prod(w.shape[:nc])
+    if gemv and FUSED_DECODE and (norm is None or nc == 1):
         from kernels_pallas import dense as dense_kernel
-        K = math.prod(w.shape[:nc])
-        y = dense_kernel.dense(x.reshape(rows, K), w.reshape(K, -1))
-        return y.reshape(x.shape[:x.ndim - nc] + w.shape[nc:]).astype(jnp.float32)
-    prec = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    return jnp.einsum(spec, x, w.astype(x.dtype), precision=prec, preferred_element_type=jnp.float32)
+        nw, eps = norm if norm is not None else (None, 1e-6)
+        y = dense_kernel.dense(x.reshape(rows, K), w.reshape(K, -1), nw, eps,
+                               None if gate is None else gate.reshape(rows, K),
+                               None if residual is None else residual.reshape(rows, -1))
+        return y.reshape(out_shape).astype(jnp.float32)
+    if norm is not None:
+        x = rms_norm_1p(x, *norm)
+    if gate is not None:
+        x = rounded(f32(x) * f32(gate), x.dtype)
+    if gemv:
+        from kernels_pallas import dense as dense_kernel
+        y = dense_kernel.dense(x.reshape(rows, K), w.reshape(K, -1)).reshape(out_shape).astype(jnp.float32)
+    else:
+        prec = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+        y = jnp.einsum(spec, x, w.astype(x.dtype), precision=prec, preferred_element_type=jnp.float32)
+    if residual is not None:
+        y = f32(rounded(f32(residual) + f32(rounded(y, x.dtype)), residual.dtype))
+    return y

@@ -21,13 +21,17 @@ from jaxddtree.model.fp8 import Fp8Weight
 from kernels_pallas.numerics import f32, rounded, sigmoid32, silu32  # noqa: F401
 
 
-def dense(spec: str, x: jax.Array, w: jax.Array, kernels: str = "xla") -> jax.Array:
+def dense(spec: str, x: jax.Array, w: jax.Array, kernels: str = "xla", *, norm=None, gate=None,
+          residual=None) -> jax.Array:
     """einsum(spec, x, w) accumulated in fp32, rounded once to x's dtype (`ops.dense` picks the kernel).
+    norm = (w_n, eps) / gate / residual: the RMSNorm of x, x's gate and the residual add around the projection
+    (`ops.dense`; folded into the GEMV on a decode step).
     An FP8 weight (`fp8.Fp8Weight`) is dequantized to x's dtype and contracted on the XLA path, exactly as
     the same checkpoint dequantized would be (the fp8 Pallas kernels are not written yet)."""
+    parts = dict(norm=norm, gate=gate, residual=residual)
     if isinstance(w, Fp8Weight):
-        return rounded(ops.dense(spec, x, w.dequantize(x.dtype), "xla"), x.dtype)
-    return rounded(ops.dense(spec, x, w, kernels), x.dtype)
+        return rounded(ops.dense(spec, x, w.dequantize(x.dtype), "xla", **parts), x.dtype)
+    return rounded(ops.dense(spec, x, w, kernels, **parts), x.dtype)
 
 
 def init_weight(rngs: nnx.Rngs, shape, fan_in: int, dtype, scale: float = 1.0) -> jax.Array:

@@ -16,8 +16,10 @@ class MLP(nnx.Module):
         self.w_gate_up = nnx.Param(init_weight(rngs, (d, 2, f), d, dtype))  # [D, gate|up, F]
         self.w_down = nnx.Param(init_weight(rngs, (f, d), f, dtype))  # [F, D]
 
-    def __call__(self, x: jax.Array, kernels: str = "xla") -> jax.Array:
-        gu = dense("btd,dgf->btgf", x, self.w_gate_up[...], kernels)  # [B,T,2,F], one GEMM / GEMV
+    def __call__(self, x: jax.Array, kernels: str = "xla", norm=None, residual=None) -> jax.Array:
+        """norm = (w, eps): the pre-MLP RMSNorm, applied to x inside the gate|up projection; residual: added
+        to the output inside the down projection (`linear.dense`)."""
+        gu = dense("btd,dgf->btgf", x, self.w_gate_up[...], kernels, norm=norm)  # [B,T,2,F], one GEMM / GEMV
         act = rounded(silu32(gu[..., 0, :]), x.dtype)
         h = rounded(f32(act) * f32(gu[..., 1, :]), x.dtype)
-        return dense("btf,fd->btd", h, self.w_down[...], kernels)
+        return dense("btf,fd->btd", h, self.w_down[...], kernels, residual=residual)
