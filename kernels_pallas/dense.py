@@ -120,14 +120,18 @@ def _kernel(*refs, M, K, N, Mp, bn, bk, nk, split, eps, has_norm, has_gate, has_
 
     inv = None
     if has_norm:  # the RMS of the whole rows, recomputed by every program (x is small and in L2)
-        nall = -(-K // bk)
+        # M = 1 (decode): one row in wide chunks (few loop steps, no masked rows); else the dot's [Mp, bk] tiles
+        sr, sk = (1, min(next_pow2(K), 2048)) if M == 1 else (Mp, bk)
+        srow = jnp.arange(sr, dtype=jnp.int32)
 
         def ss_body(i, acc):
-            xf = load_rows(x_ref, pl.multiple_of(i * bk, bk), K % bk != 0).astype(f32_)
+            kk = i * sk + jnp.arange(sk, dtype=jnp.int32)
+            msk = (srow < M)[:, None] & (kk < K)[None, :]
+            xf = pltr.load(x_ref.at[srow[:, None], kk[None, :]], mask=msk, other=0).astype(f32_)
             return acc + jnp.sum(xf * xf, axis=1)
 
-        ss = jax.lax.fori_loop(0, nall, ss_body, jnp.zeros((Mp,), f32_))
-        inv = jax.lax.rsqrt(ss / K + eps)[:, None]  # [Mp, 1]: jnp.mean = sum / K
+        ss = jax.lax.fori_loop(0, -(-K // sk), ss_body, jnp.zeros((sr,), f32_))
+        inv = jax.lax.rsqrt(ss / K + eps)[:, None]  # [sr, 1] (broadcast over the Mp rows when M = 1)
 
     def load_x(k0):  # the dot's x tile, after the prologue
         xt = load_rows(x_ref, k0, mask_k)
