@@ -39,18 +39,27 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas._common import compiler_params, is_pow2, next_pow2, pl, pltr
-from kernels_pallas.numerics import f32, rms_norm_1p, rounded
+from kernels_pallas.numerics import f32, rms_norm_1p, rounded, swiglu as swiglu_ref
 
 __all__ = ["dense", "dense_reference", "default_config", "N_SM"]
 
 N_SM = 132  # H200
 
 
-def dense_reference(x, w, norm_w=None, eps: float = 1e-6, gate=None, residual=None):
+def dense_reference(x, w, norm_w=None, eps: float = 1e-6, gate=None, residual=None, swiglu: bool = False):
     """y = x @ w with fp32 accumulation, in x.dtype. x [M, K], w [K, N].
 
     norm_w [K]: x -> rms_norm_1p(x, norm_w, eps) first; gate [M, K]: x -> rounded(x · gate) first;
-    residual [M, N]: y -> rounded(residual + y) (residual's dtype)."""
+    residual [M, N]: y -> rounded(residual + y) (residual's dtype).
+    swiglu: x [S, M, 2K] are the S split-K partial sums of an MLP's gate|up projection (any float dtype; a
+    `dense(..., reduce=False)` result): x -> swiglu(gate, up) of their in-order sum rounded to w's dtype
+    (`numerics.swiglu`: transformers' `act_fn(gate) * up` roundings); the activations' dtype is w's."""
+    if swiglu:
+        acc = f32(x[0])
+        for i in range(1, x.shape[0]):
+            acc = acc + f32(x[i])
+        gu = rounded(acc, w.dtype)
+        x = swiglu_ref(gu[..., :w.shape[0]], gu[..., w.shape[0]:], w.dtype)
     if norm_w is not None:
         x = rms_norm_1p(x, norm_w, eps)
     if gate is not None:
@@ -81,7 +90,8 @@ def default_config(M: int, K: int, N: int, *, block_n: int | None = None, block_
                 num_warps=4 if small else 8, num_stages=3)
 
 
-def _kernel(*refs, M, K, N, Mp, bn, bk, nk, split, eps, has_norm, has_gate, has_res, act, interpret):
+def _kernel(*refs, M, K, N, Mp, bn, bk, nk, split, eps, has_norm, has_gate, has_res, swiglu_parts, act,
+            interpret):
     it = iter(refs)
     x_ref, w_ref = next(it), next(it)
     nw_ref = next(it) if has_norm else None
@@ -133,7 +143,22 @@ def _kernel(*refs, M, K, N, Mp, bn, bk, nk, split, eps, has_norm, has_gate, has_
         ss = jax.lax.fori_loop(0, -(-K // sk), ss_body, jnp.zeros((sr,), f32_))
         inv = jax.lax.rsqrt(ss / K + eps)[:, None]  # [sr, 1] (broadcast over the Mp rows when M = 1)
 
+    def load_swiglu(k0):  # [Mp, bk]: swiglu of the in-order sums of the gate|up partials (x_ref [S·M, 2K])
+        kk = k0 + jnp.arange(bk, dtype=jnp.int32)
+        msk = m_ok[:, None] & (kk < K)[None, :] if mask_k else jnp.broadcast_to(m_ok[:, None], (Mp, bk))
+
+        def summed(off):
+            acc = None
+            for p in range(swiglu_parts):
+                t = pltr.load(x_ref.at[(p * M + rows)[:, None], off + kk[None, :]], mask=msk, other=0).astype(f32_)
+                acc = t if acc is None else acc + t
+            return rnd(acc)
+        g, u = summed(0), summed(K)
+        return rnd(rnd(g / (1.0 + jnp.exp(-g))) * u).astype(act)  # numerics.swiglu
+
     def load_x(k0):  # the dot's x tile, after the prologue
+        if swiglu_parts:
+            return load_swiglu(k0)
         xt = load_rows(x_ref, k0, mask_k)
         if not (has_norm or has_gate):
             return xt
@@ -176,19 +201,32 @@ def _kernel(*refs, M, K, N, Mp, bn, bk, nk, split, eps, has_norm, has_gate, has_
                    mask=m_ok[:, None] & n_ok[None, :])
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "interpret", "block_n", "block_k", "split_k", "num_warps",
+@functools.partial(jax.jit, static_argnames=("eps", "swiglu", "reduce", "interpret", "block_n", "block_k", "split_k", "num_warps",
                                              "num_stages", "target_programs"))
-def dense(x, w, norm_w=None, eps: float = 1e-6, gate=None, residual=None, *, interpret: bool = False,
-          block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
-          num_warps: int | None = None, num_stages: int | None = None, target_programs: int = 4 * N_SM):
+def dense(x, w, norm_w=None, eps: float = 1e-6, gate=None, residual=None, swiglu: bool = False, *,
+          reduce: bool = True, interpret: bool = False, block_n: int | None = None, block_k: int | None = None,
+          split_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+          target_programs: int = 4 * N_SM):
     """y[M, N] = x[M, K] @ w[K, N], fp32 accumulation, in x.dtype. Any leading dims of x (and of gate /
-    residual, which have x's / y's shape) are flattened. norm_w / gate / residual: see `dense_reference`.
+    residual, which have x's / y's shape) are flattened. norm_w / gate / residual / swiglu: see
+    `dense_reference` (swiglu: x [S, M, 2K], the prologue sums the partials; the activations' dtype is w's).
 
+    reduce=False: return the split-K partials [S, M, N] unsummed (fp32; S = 1: [1, M, N] in the activations'
+    dtype, already rounded) for a consumer that sums them (a swiglu call): no XLA kernel after this one.
     block_n / block_k: powers of two; split_k: number of K ranges (fp32 partials summed after the kernel)."""
-    lead = x.shape[:-1]
-    K = x.shape[-1]
-    x = x.reshape(-1, K)
-    M = x.shape[0]
+    parts = 0
+    if swiglu:
+        parts = x.shape[0]
+        x = x.reshape(-1, x.shape[-1])
+        lead, K = (x.shape[0] // parts,), x.shape[-1] // 2
+        M = lead[0]
+    else:
+        lead = x.shape[:-1]
+        K = x.shape[-1]
+        x = x.reshape(-1, K)
+        M = x.shape[0]
+    act = w.dtype if swiglu else x.dtype
+    assert reduce or residual is None
     K2, N = w.shape
     assert K2 == K, (x.shape, w.shape)
     cfg = default_config(M, K, N, block_n=block_n, block_k=block_k, target_programs=target_programs)
@@ -203,7 +241,7 @@ def dense(x, w, norm_w=None, eps: float = 1e-6, gate=None, residual=None, *, int
     split = _cdiv(nkb, nk)  # no program with an empty K range
     Mp = max(16, next_pow2(M))
     assert Mp <= 256, f"M={M}: up to 256 rows per call"
-    out_dtype = x.dtype if split == 1 else jnp.float32
+    out_dtype = act if split == 1 else jnp.float32
     args = [x, w]
     if norm_w is not None:
         assert norm_w.shape == (K,), (norm_w.shape, K)
@@ -211,13 +249,14 @@ def dense(x, w, norm_w=None, eps: float = 1e-6, gate=None, residual=None, *, int
     if gate is not None:
         args.append(gate.reshape(M, K))
     if residual is not None:
-        assert residual.dtype == x.dtype, (residual.dtype, x.dtype)
+        assert residual.dtype == act, (residual.dtype, act)
         residual = residual.reshape(M, N)
         if split == 1:
             args.append(residual)
     kern = functools.partial(_kernel, M=M, K=K, N=N, Mp=Mp, bn=bn, bk=bk, nk=nk, split=split, eps=float(eps),
                              has_norm=norm_w is not None, has_gate=gate is not None,
-                             has_res=residual is not None and split == 1, act=x.dtype, interpret=interpret)
+                             has_res=residual is not None and split == 1, swiglu_parts=parts, act=act,
+                             interpret=interpret)
     y = pl.pallas_call(
         kern,
         grid=(_cdiv(N, bn), split),
@@ -226,12 +265,14 @@ def dense(x, w, norm_w=None, eps: float = 1e-6, gate=None, residual=None, *, int
         interpret=interpret,
         name="dense_dot",
     )(*args)
+    if not reduce:
+        return y.reshape(split, M, N)
     if split > 1:  # the partials in order, plain adds: one elementwise fusion with the roundings + residual
-        parts = y.reshape(split, M, N)
-        acc = parts[0]
+        ps = y.reshape(split, M, N)
+        acc = ps[0]
         for i in range(1, split):
-            acc = acc + parts[i]
-        y = rounded(acc, x.dtype)
+            acc = acc + ps[i]
+        y = rounded(acc, act)
         if residual is not None:
             y = rounded(f32(residual) + f32(y), residual.dtype)
     return y.reshape(*lead, N)

@@ -39,3 +39,9 @@ def rms_norm_1p(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     xf = f32(x)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return rounded(y * (1.0 + f32(w)), x.dtype)
+
+
+def swiglu(gate: jax.Array, up: jax.Array, dtype) -> jax.Array:
+    """transformers' `act_fn(gate_proj(x)) * up_proj(x)` in `dtype`: silu in fp32 rounded, the product rounded."""
+    act = rounded(silu32(gate), dtype)
+    return rounded(f32(act) * f32(up), dtype)

@@ -107,6 +107,31 @@ def attention_decode_prep(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, start
     return decode_attention_prep(*args, **dims)
 
 
+def mlp_decode(x, w_gate_up, w_down, kernels="xla", *, norm=None, residual=None):
+    """The SwiGLU MLP of a decode step as two Pallas GEMVs and no XLA kernel between them, or None where that
+    path does not apply (the caller then runs the projections one by one: `dense`). x [B, T, D] with B·T = 1,
+    w_gate_up [D, 2, F], w_down [F, D]; norm / residual as in `dense`. The gate|up GEMV (+ the norm prologue)
+    leaves its split-K partials unsummed; the down GEMV's prologue sums them in the order the unfused
+    reduction does, rounds, applies `numerics.swiglu` and contracts (+ the residual epilogue): the same values
+    as the unfused chain, bit for bit. Returned in fp32 (already rounded)."""
+    D, F = w_down.shape[1], w_down.shape[0]
+    rows = math.prod(x.shape[:-1])
+    if not (kernels == "pallas" and FUSED_DECODE and _gemv(x, w_gate_up, rows, 2 * F) and _gemv(x, w_down, rows, D)):
+        return None
+    from kernels_pallas import dense as dense_kernel
+    nw, eps = norm if norm is not None else (None, 1e-6)
+    parts = dense_kernel.dense(x.reshape(rows, D), w_gate_up.reshape(D, 2 * F), nw, eps, reduce=False)
+    y = dense_kernel.dense(parts, w_down, residual=None if residual is None else residual.reshape(rows, D),
+                           swiglu=True)
+    return y.reshape(x.shape[:-1] + (D,)).astype(jnp.float32)
+
+
+def _gemv(x, w, rows: int, cols: int) -> bool:
+    """The Pallas GEMV's domain (kernels="pallas" decided by the caller): bf16, few rows, wide outputs."""
+    return (x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16 and 0 < rows <= PALLAS_DENSE_MAX_ROWS
+            and cols >= PALLAS_DENSE_MIN_COLS)
+
+
 def dense(spec: str, x, w, kernels="xla", *, norm=None, gate=None, residual=None):
     """einsum(spec, x, w) with fp32 accumulation, returned UNROUNDED in fp32 (the caller rounds), for specs
     that contract x's trailing axes with w's leading axes (every projection of the model), e.g.
@@ -128,8 +153,7 @@ def dense(spec: str, x, w, kernels="xla", *, norm=None, gate=None, residual=None
     cols = math.prod(w.shape[nc:])
     flat = (xs.endswith("".join(contracted)) and ws.startswith("".join(contracted))
             and out == xs[:len(xs) - nc] + ws[nc:])
-    gemv = (kernels == "pallas" and flat and x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16
-            and 0 < rows <= PALLAS_DENSE_MAX_ROWS and cols >= PALLAS_DENSE_MIN_COLS)
+    gemv = kernels == "pallas" and flat and _gemv(x, w, rows, cols)
     out_shape = x.shape[:x.ndim - nc] + w.shape[nc:]
     K = math.prod(w.shape[:nc])
     if gemv and FUSED_DECODE and (norm is None or nc == 1):

@@ -260,3 +260,55 @@ def test_ops_dense_parts_fused_and_unfused(monkeypatch):
         np.testing.assert_array_equal(np.asarray(outs[0]), np.asarray(outs[1]))
         assert outs[0].dtype == jnp.float32 and _rel(outs[0], xla) < 1e-2
     assert calls == [4, 0, 4, 0]  # fused: x, w + norm_w, eps, gate, residual; unfused: the plain GEMV
+
+
+@pytest.mark.parametrize("kw_gu", [{}, dict(split_k=1), dict(split_k=3, block_k=32)])
+def test_mlp_decode_equals_unfused_bitwise(monkeypatch, kw_gu):
+    """ops.mlp_decode (gate|up GEMV with the norm, partials unsummed → down GEMV summing them + SwiGLU in its
+    prologue + the residual) == the unfused chain (ops.dense per projection with FUSED_DECODE off), bit for bit."""
+    from kernels_pallas import numerics, ops
+    monkeypatch.setattr(ops, "PALLAS_DENSE_MIN_COLS", 1)
+    kernel = dn.dense
+    gu_calls = []
+
+    def patched(x2, w2, *a, **k):
+        if not k.get("swiglu") and not k.get("reduce", True):
+            k.update(kw_gu)
+            gu_calls.append(1)
+        return kernel(x2, w2, *a, interpret=True, **k)
+    monkeypatch.setattr(dn, "dense", patched)
+    D, F = 64, 80
+    x, _, nw, _, r = _parts(1, D, D, 11, exact_sums=True)
+    ks = jax.random.split(jax.random.PRNGKey(3), 2)
+    w_gu = (jax.random.normal(ks[0], (D, 2, F)) * D ** -0.5).astype(jnp.bfloat16)
+    w_d = (jax.random.normal(ks[1], (F, D)) * F ** -0.5).astype(jnp.bfloat16)
+    x3, r3 = x.reshape(1, 1, D), r.reshape(1, 1, D)
+    fused = ops.mlp_decode(x3, w_gu, w_d, "pallas", norm=(nw, 1e-6), residual=r3)
+    assert gu_calls and fused.shape == (1, 1, D) and fused.dtype == jnp.float32
+    with ops.fused_decode(False):
+        assert ops.mlp_decode(x3, w_gu, w_d, "pallas", norm=(nw, 1e-6), residual=r3) is None
+    # the unfused chain with the same gate|up split-K configuration
+    monkeypatch.setattr(dn, "dense", lambda x2, w2, *a, **k: kernel(x2, w2, *a, interpret=True,
+                                                                    **(kw_gu if x2.shape[-1] == D else {}), **k))
+    with ops.fused_decode(False):
+        gu = numerics.rounded(ops.dense("btd,dgf->btgf", x3, w_gu, "pallas", norm=(nw, 1e-6)), x.dtype)
+        h = numerics.swiglu(gu[..., 0, :], gu[..., 1, :], x.dtype)
+        unfused = ops.dense("btf,fd->btd", h, w_d, "pallas", residual=r3)
+    np.testing.assert_array_equal(np.asarray(fused), np.asarray(unfused))
+    assert ops.mlp_decode(x3, w_gu, w_d, "xla") is None
+
+
+def test_swiglu_reference_and_lowering():
+    ks = jax.random.split(jax.random.PRNGKey(8), 3)
+    parts = jax.random.normal(ks[0], (3, 1, 96), jnp.float32)
+    w = (jax.random.normal(ks[1], (48, 64)) * 0.2).astype(jnp.bfloat16)
+    r = jax.random.normal(ks[2], (1, 64)).astype(jnp.bfloat16)
+    out = dn.dense(parts, w, residual=r, swiglu=True, interpret=True, block_k=16, split_k=2)
+    np.testing.assert_array_equal(_bits(out), _bits(dn.dense_reference(parts, w, residual=r, swiglu=True)))
+    S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    txt = lower_for_h200(lambda p, w, r: dn.dense(p, w, residual=r, swiglu=True),
+                         S((2, 1, 34816), jnp.float32), S((17408, 5120), bf), S((1, 5120), bf))
+    assert "__gpu$xla.gpu.triton" in txt
+    txt = lower_for_h200(lambda x, w, nw: dn.dense(x, w, nw, 1e-6, reduce=False), S((1, 5120), bf),
+                         S((5120, 34816), bf), S((5120,), bf))
+    assert "__gpu$xla.gpu.triton" in txt
