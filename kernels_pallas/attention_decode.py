@@ -17,6 +17,10 @@ k / v to its outputs and to row `start` of the caches, which alias the cache inp
 in place under a jit that donates the cache; the attention kernel then reads rows [0, start) of the same
 buffers). cos / sin come from outside (one XLA fusion per step, shared by every attention layer).
 
+The projection row may come as its GEMV's unsummed split-K partials [S, B, C] (`dense(..., reduce=False)`):
+the kernel then sums each value's S partials in order and rounds (`numerics.sum_partials`), so no XLA
+reduction runs between the GEMV and this kernel.
+
 Roundings: every `rounded(…, dtype)` is a cast to the activations' dtype and back (interpret mode: the
 `reduce_precision` of `numerics.rounded`); fp32 activations make them the identity. hd must be a power of two
 (256 at 27B), rd even and ≤ hd.
@@ -38,7 +42,7 @@ __all__ = ["decode_attention_prep", "decode_attention_prep_reference"]
 
 def _kernel(start_ref, qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, kc_ref, vc_ref,
             q_ref, sg_ref, k_ref, v_ref, kco_ref, vco_ref, *, h: int, hkv: int, hd: int, rd: int, eps: float,
-            act, interpret: bool):
+            nparts: int, act, interpret: bool):
     del kc_ref, vc_ref  # aliased by kco_ref / vco_ref: only row `start` is written
     f32 = jnp.float32
     b, p = pl.program_id(0), pl.program_id(1)
@@ -55,10 +59,18 @@ def _kernel(start_ref, qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, kc_ref, vc_ref
     def ld(ref_at):
         return pltr.load(ref_at).astype(f32)
 
+    def ldq(cols):  # the projection row at cols (fp32); partials [S, B, C]: summed in order, rounded
+        if not nparts:
+            return ld(qkv_ref.at[b, cols])
+        acc = ld(qkv_ref.at[jnp.int32(0), b, cols])
+        for p_ in range(1, nparts):
+            acc = acc + ld(qkv_ref.at[jnp.int32(p_), b, cols])
+        return rnd(acc)
+
     def norm_rope(off, w_ref):
         """The head's hd values at row offset `off`: (1 + w) RMSNorm, rounded, then RoPE on dims < rd."""
-        x = ld(qkv_ref.at[b, off + idx])
-        xp = ld(qkv_ref.at[b, off + partner])  # the same values in partner order
+        x = ldq(off + idx)
+        xp = ldq(off + partner)  # the same values in partner order
         inv = jax.lax.rsqrt(jnp.sum(x * x) / hd + eps)
         xn = rnd((x * inv) * (1.0 + ld(w_ref.at[idx])))
         xnp = rnd((xp * inv) * (1.0 + ld(w_ref.at[partner])))
@@ -71,7 +83,7 @@ def _kernel(start_ref, qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, kc_ref, vc_ref
     def _():
         off = p * (2 * hd)
         pltr.store(q_ref.at[b, p, idx], norm_rope(off, qn_ref).astype(q_ref.dtype))
-        g = ld(qkv_ref.at[b, off + hd + idx])
+        g = ldq(off + hd + idx)
         pltr.store(sg_ref.at[b, p, idx], rnd(1.0 / (1.0 + jnp.exp(-g))).astype(sg_ref.dtype))
 
     @pl.when(p >= h)
@@ -79,7 +91,7 @@ def _kernel(start_ref, qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, kc_ref, vc_ref
         j = p - h
         start = start_ref[0]
         k = norm_rope(h * 2 * hd + j * hd, kn_ref)
-        v = pltr.load(qkv_ref.at[b, (2 * h + hkv) * hd + j * hd + idx])
+        v = ldq((2 * h + hkv) * hd + j * hd + idx)
         pltr.store(k_ref.at[b, j, idx], k.astype(k_ref.dtype))
         pltr.store(v_ref.at[b, j, idx], v.astype(v_ref.dtype))
         pltr.store(kco_ref.at[b, j, start, idx], k.astype(kco_ref.dtype))
@@ -93,15 +105,17 @@ def decode_attention_prep(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, start
                           num_warps: int = 4):
     """One token's attention prologue (see `decode_attention_prep_reference` for the arguments and results)."""
     h, hkv, hd = num_heads, num_kv_heads, head_dim
-    B, C = qkv.shape
+    nparts = qkv.shape[0] if qkv.ndim == 3 else 0  # split-K partials of the projection: summed in here
+    B, C = qkv.shape[-2:]
     rd = cos.shape[-1]
     assert C == (2 * h + 2 * hkv) * hd, (qkv.shape, h, hkv, hd)
     assert is_pow2(hd) and hd >= 16 and rd % 2 == 0 and 0 < rd <= hd, (hd, rd)
     assert cos.shape == sin.shape == (B, rd) and q_norm.shape == k_norm.shape == (hd,)
     S = k_cache.shape[2]
     assert k_cache.shape == v_cache.shape == (B, hkv, S, hd), (k_cache.shape, v_cache.shape)
-    act = qkv.dtype
-    kern = functools.partial(_kernel, h=h, hkv=hkv, hd=hd, rd=rd, eps=float(eps), act=act, interpret=interpret)
+    act = k_cache.dtype if nparts else qkv.dtype
+    kern = functools.partial(_kernel, h=h, hkv=hkv, hd=hd, rd=rd, eps=float(eps), nparts=nparts, act=act,
+                             interpret=interpret)
     start_arr = jnp.asarray(start, jnp.int32).reshape(1)
     return pl.pallas_call(
         kern,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.numerics import f32, rms_norm_1p, rounded, sigmoid32
+from kernels_pallas.numerics import f32, rms_norm_1p, rounded, sigmoid32, sum_partials
 
 NEG_INF = -1e30
 
@@ -82,7 +82,11 @@ def decode_attention_prep(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, start
     position); k_cache, v_cache [B, Hkv, S, hd]; start int32 scalar (the token's cache row)
     -> q [B, H, hd] (normed, rotated), sgate [B, H, hd] = rounded(sigmoid(gate)) (o_proj's input is
        rounded(o · sgate)), k [B, Hkv, hd] (normed, rotated), v [B, Hkv, hd], and both caches with row
-       `start` set to k / v."""
+       `start` set to k / v.
+    qkv may also be [S, B, C]: the S split-K partial sums of the projection (`dense(..., reduce=False)`),
+    summed in order and rounded to the activations' dtype, k_cache's (`numerics.sum_partials`)."""
+    if qkv.ndim == 3:
+        qkv = sum_partials(qkv, k_cache.dtype)
     B = qkv.shape[0]
     h, hkv, hd = num_heads, num_kv_heads, head_dim
     qg, k, v = jnp.split(qkv, [h * 2 * hd, (h * 2 + hkv) * hd], axis=-1)

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas._common import compiler_params, is_pow2, next_pow2, pl, pltr
-from kernels_pallas.numerics import f32, rms_norm_1p, rounded, swiglu as swiglu_ref
+from kernels_pallas.numerics import f32, rms_norm_1p, rounded, sum_partials, swiglu as swiglu_ref
 
 __all__ = ["dense", "dense_reference", "default_config", "N_SM"]
 
@@ -55,10 +55,7 @@ def dense_reference(x, w, norm_w=None, eps: float = 1e-6, gate=None, residual=No
     `dense(..., reduce=False)` result): x -> swiglu(gate, up) of their in-order sum rounded to w's dtype
     (`numerics.swiglu`: transformers' `act_fn(gate) * up` roundings); the activations' dtype is w's."""
     if swiglu:
-        acc = f32(x[0])
-        for i in range(1, x.shape[0]):
-            acc = acc + f32(x[i])
-        gu = rounded(acc, w.dtype)
+        gu = sum_partials(x, w.dtype)
         x = swiglu_ref(gu[..., :w.shape[0]], gu[..., w.shape[0]:], w.dtype)
     if norm_w is not None:
         x = rms_norm_1p(x, norm_w, eps)
@@ -268,11 +265,7 @@ def dense(x, w, norm_w=None, eps: float = 1e-6, gate=None, residual=None, swiglu
     if not reduce:
         return y.reshape(split, M, N)
     if split > 1:  # the partials in order, plain adds: one elementwise fusion with the roundings + residual
-        ps = y.reshape(split, M, N)
-        acc = ps[0]
-        for i in range(1, split):
-            acc = acc + ps[i]
-        y = rounded(acc, act)
+        y = sum_partials(y.reshape(split, M, N), act)
         if residual is not None:
             y = rounded(f32(residual) + f32(y), residual.dtype)
     return y.reshape(*lead, N)

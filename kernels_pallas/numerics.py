@@ -45,3 +45,13 @@ def swiglu(gate: jax.Array, up: jax.Array, dtype) -> jax.Array:
     """transformers' `act_fn(gate_proj(x)) * up_proj(x)` in `dtype`: silu in fp32 rounded, the product rounded."""
     act = rounded(silu32(gate), dtype)
     return rounded(f32(act) * f32(up), dtype)
+
+
+def sum_partials(parts: jax.Array, dtype) -> jax.Array:
+    """parts [S, ...] (split-K partial sums of one projection, any float dtype) -> their sum in order
+    (parts[0] + parts[1] + ...) in fp32, rounded once to `dtype`: how the Pallas GEMV's reduction and every
+    kernel that consumes unsummed partials (`dense(..., reduce=False)`) add them up."""
+    acc = f32(parts[0])
+    for i in range(1, parts.shape[0]):
+        acc = acc + f32(parts[i])
+    return rounded(acc, dtype)

@@ -78,8 +78,8 @@ def gdn_masked_block(q, k, v, g, beta, mask, state, kernels="xla", max_depth: in
 def gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, kernels="xla", *,
                      num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, conv_kernel: int,
                      eps: float):
-    """One GDN decode step (T = 1) from the layer's fused projection row [q|k|v pre-conv | z | b | a] to the
-    gated-norm output: conv + SiLU, l2norm, beta/g, the recurrent step, gated RMSNorm; -> (o [B,Hv,dv],
+    """One GDN decode step (T = 1) from the layer's fused projection row [q|k|v pre-conv | z | b | a] (or its
+    unsummed split-K partials [S, B, P], `dense_partials`) to the gated-norm output: conv + SiLU, l2norm, beta/g, the recurrent step, gated RMSNorm; -> (o [B,Hv,dv],
     conv_state [B,K-1,conv_dim], state [B,Hv,dk,dv]). See `gdn_reference.gdn_decode_fused`."""
     _check(kernels)
     dims = dict(num_k_heads=num_k_heads, num_v_heads=num_v_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim,
@@ -92,19 +92,34 @@ def gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, ke
 
 def attention_decode_prep(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, start, kernels="xla", *,
                           num_heads: int, num_kv_heads: int, head_dim: int, eps: float):
-    """An attention layer's decode step (T = 1) from its projection row to the attention's inputs: q/k norm,
+    """An attention layer's decode step (T = 1) from its projection row (or its unsummed split-K partials
+    [S, B, C], `dense_partials`) to the attention's inputs: q/k norm,
     RoPE, the output gate's sigmoid, the KV-cache write at row `start`; -> (q [B,H,hd], sgate [B,H,hd],
     k [B,Hkv,hd], v [B,Hkv,hd], k_cache, v_cache). See `attention_reference.decode_attention_prep`. One Pallas
     kernel with kernels="pallas", bf16 and FUSED_DECODE; the jnp reference otherwise."""
     _check(kernels)
     dims = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, eps=eps)
     args = (qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, start)
-    if (kernels == "pallas" and FUSED_DECODE and qkv.dtype == jnp.bfloat16 and head_dim >= 16
+    if (kernels == "pallas" and FUSED_DECODE and k_cache.dtype == jnp.bfloat16 and head_dim >= 16
             and head_dim & (head_dim - 1) == 0):
         from kernels_pallas import attention_decode
         return attention_decode.decode_attention_prep(*args, **dims)
     from kernels_pallas.attention_reference import decode_attention_prep
     return decode_attention_prep(*args, **dims)
+
+
+def dense_partials(x, w, kernels="xla", *, norm=None):
+    """x [B, T, K] (B·T = 1) @ w [K, N] on the Pallas GEMV with its split-K partial sums left unsummed:
+    [S, B·T, N] (fp32; S = 1: already rounded to x's dtype), for a consumer kernel that sums them in order
+    (`gdn_decode_fused`, `attention_decode_prep`: no XLA kernel between the two); norm as in `dense`. None
+    where that path does not apply (not kernels="pallas" with FUSED_DECODE, not the GEMV's domain): the
+    caller then uses `dense`."""
+    rows, K = math.prod(x.shape[:-1]), x.shape[-1]
+    if not (kernels == "pallas" and FUSED_DECODE and _gemv(x, w, rows, w.shape[1])):
+        return None
+    from kernels_pallas import dense as dense_kernel
+    nw, eps = norm if norm is not None else (None, 1e-6)
+    return dense_kernel.dense(x.reshape(rows, K), w, nw, eps, reduce=False)
 
 
 def mlp_decode(x, w_gate_up, w_down, kernels="xla", *, norm=None, residual=None):

@@ -15,6 +15,7 @@ from flax import nnx, struct
 from kernels_pallas import ops
 from jaxddtree.model.cache import KVCache
 from jaxddtree.model.config import TextConfig
+from jaxddtree.model.fp8 import Fp8Weight
 from jaxddtree.model.layout import TokenLayout
 from jaxddtree.model.linear import dense, init_weight, rounded, sigmoid32
 from jaxddtree.model.norms import rms_norm_1p
@@ -62,10 +63,14 @@ class Attention(nnx.Module):
         cache, o_proj (+ the gate and the residual add); the same results as the general path."""
         cfg = self.cfg
         h, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        qkv = dense("btd,dc->btc", x, self.w_qkv[...], layout.kernels, norm=norm)  # [B,1,C]
+        w_qkv = self.w_qkv[...]
+        # the projection's split-K partials go unsummed into the fused op where the Pallas GEMV runs
+        qkv = None if isinstance(w_qkv, Fp8Weight) else ops.dense_partials(x, w_qkv, layout.kernels, norm=norm)
+        if qkv is None:
+            qkv = dense("btd,dc->btc", x, w_qkv, layout.kernels, norm=norm)[:, 0]  # [B, C]
         cos, sin = rope_cos_sin(layout.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)  # [B,1,rd]
         q, sgate, k, v, kc, vc = ops.attention_decode_prep(
-            qkv[:, 0], self.q_norm[...], self.k_norm[...], cos[:, 0], sin[:, 0], cache.k, cache.v, layout.start,
+            qkv, self.q_norm[...], self.k_norm[...], cos[:, 0], sin[:, 0], cache.k, cache.v, layout.start,
             layout.kernels, num_heads=h, num_kv_heads=hkv, head_dim=hd, eps=cfg.rms_norm_eps)  # [B,H|Hkv,hd]
         o = ops.tree_attention(q[:, None], kc, vc, layout.start, k[:, None], v[:, None], layout.mask,
                                layout.kernels)  # [B,1,H,hd]

@@ -111,3 +111,28 @@ def test_lowers_for_h200_at_27b_shapes():
     txt = lower_for_h200(f, S((1, (2 * h + 2 * hkv) * hd), bf), S((hd,), bf), S((hd,), bf), S((1, rd), bf),
                          S((1, rd), bf), S((1, hkv, L, hd), bf), S((1, hkv, L, hd), bf), S((), jnp.int32))
     assert "__gpu$xla.gpu.triton" in txt
+
+
+def test_kernel_from_projection_partials():
+    """qkv as its GEMV's unsummed split-K partials [S, B, C] (fp32): summed in order and rounded in the kernel —
+    bitwise the kernel on the summed row and the reference on the partials; lowers at 27B shapes."""
+    from kernels_pallas.numerics import sum_partials
+    B, h, hkv, hd, rd, S = 1, 4, 2, 32, 8, 16
+    args = prep_inputs(jax.random.PRNGKey(31), B, h, hkv, hd, rd, S, jnp.bfloat16)
+    parts = jax.random.normal(jax.random.PRNGKey(32), (4,) + args[0].shape, jnp.float32)
+    d = dict(num_heads=h, num_kv_heads=hkv, head_dim=hd, eps=EPS)
+    st = jnp.int32(3)
+    got = A.decode_attention_prep(parts, *args[1:], st, interpret=True, **d)
+    on_row = A.decode_attention_prep(sum_partials(parts, jnp.bfloat16), *args[1:], st, interpret=True, **d)
+    ref = jax.jit(functools.partial(A.decode_attention_prep_reference, **d))(parts, *args[1:], st)
+    for a, b, c in zip(got, on_row, ref):
+        assert a.dtype == b.dtype == c.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(c.astype(jnp.float32)))
+    Sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    h, hkv, hd, rd, L = 24, 4, 256, 64, 4096 + 1024
+    f = functools.partial(A.decode_attention_prep, num_heads=h, num_kv_heads=hkv, head_dim=hd, eps=EPS)
+    txt = lower_for_h200(f, Sd((4, 1, (2 * h + 2 * hkv) * hd), jnp.float32), Sd((hd,), bf), Sd((hd,), bf),
+                         Sd((1, rd), bf), Sd((1, rd), bf), Sd((1, hkv, L, hd), bf), Sd((1, hkv, L, hd), bf),
+                         Sd((), jnp.int32))
+    assert "__gpu$xla.gpu.triton" in txt
