@@ -7,6 +7,10 @@ copies of >= 1 MB. The jax profiler disables command buffers: read the gaps with
     python benchmarks/profile_gpu.py --out prof.json [--kernels xla|pallas] [--context 4096]
         [--merge-into benchmarks/results/h200.json]   # adds decode/verify/round_kernels_per_step
     python benchmarks/profile_gpu.py --smoke --parts round --out /tmp/prof.json   # CPU check of the script
+    python benchmarks/profile_gpu.py --parts decode --decode-fusions both --out ab.json
+        # A/B of the decode-step fusions (kernels_pallas.ops.FUSED_DECODE) in one process: unprofiled step
+        # times, both profiles ("decode" fused, "decode_unfused") and the logits of one step compared bitwise
+    JAX_PLATFORMS=cpu python benchmarks/profile_gpu.py --smoke --parts decode --decode-fusions both  # the script
 """
 from __future__ import annotations
 
@@ -27,7 +31,9 @@ from jaxddtree.model.config import text_config_from_dict
 from jaxddtree.model.target import random_target
 from jaxddtree.speculative.verify import verify
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import DFLASH_27B, QWEN36_27B, SMOKE_DFLASH, SMOKE_TARGET, fill_random, make_decode, make_round, random_drafter, random_tree  # noqa: E402
+from bench import (DFLASH_27B, QWEN36_27B, SMOKE_DFLASH, SMOKE_TARGET, fill_random, make_decode,  # noqa: E402
+                   make_round, median_ms, random_drafter, random_tree)
+from kernels_pallas import ops  # noqa: E402
 from jaxddtree.model.drafter_config import DrafterConfig  # noqa: E402
 from jaxddtree.speculative import loop as loop_lib  # noqa: E402
 
@@ -111,6 +117,9 @@ def main():
     ap.add_argument("--parts", default="decode,verify,round", help="comma list of: decode, verify, round")
     ap.add_argument("--merge-into", default=None,
                     help="also write <part>_kernels_per_step into this bench JSON (e.g. benchmarks/results/h200.json)")
+    ap.add_argument("--decode-fusions", default="on", choices=["on", "off", "both"],
+                    help="decode step with the fused norm/residual/attention-prologue kernels (ops.FUSED_DECODE), "
+                         "without, or both (A/B: 'decode' and 'decode_unfused', plus 'decode_ab')")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (bench.py's), xla: check the script on a CPU")
     args = ap.parse_args()
     parts = args.parts.split(",")
@@ -138,15 +147,31 @@ def main():
         logits, feats, _ = verify(model, cache, tokens, lay, feature_layers=dflash["target_layer_ids"])
         return jnp.argmax(logits, -1), feats
 
-    steps = {}
-    if "decode" in parts:
+    def make_decode_step(fused: bool):
         decode = make_decode(target, args.kernels)
         holder = [jnp.ones((1, 1), jnp.int32), fresh_cache()]
 
         def decode_step():
-            holder[0], holder[1] = decode(target.leaves, holder[1], holder[0])
+            with ops.fused_decode(fused):  # read when the step is traced (its first call)
+                holder[0], holder[1] = decode(target.leaves, holder[1], holder[0])
             return holder[0]
-        steps["decode"] = decode_step
+        return decode_step
+
+    def decode_logits(fused: bool):
+        """fp32 logits of one decode step from the same random cache (compiled with/without the fusions)."""
+        @jax.jit
+        def step(leaves, cache, tok):
+            model = nnx.merge(gd, jax.tree.unflatten(td, leaves))
+            lay = layout_lib.sequence(cache.length, 1, cfg.linear_conv_kernel_dim, kernels=args.kernels)
+            return model(tok, cache, lay, logits="all")[0]
+        with ops.fused_decode(fused):
+            return np.asarray(step(target.leaves, fresh_cache(), jnp.full((1, 1), 7, jnp.int32)))
+
+    steps = {}
+    if "decode" in parts:
+        variants = {"on": [True], "off": [False], "both": [True, False]}[args.decode_fusions]
+        for fused in variants:
+            steps["decode" if fused or args.decode_fusions == "off" else "decode_unfused"] = make_decode_step(fused)
     if "verify" in parts:
         vcache = fresh_cache()
         steps["verify"] = lambda: run_verify(target.leaves, vcache)
@@ -158,7 +183,23 @@ def main():
         steps["round"] = make_round(target, random_drafter(dcfg, jnp.bfloat16), plan, fresh_cache())
 
     res = {"context": L, "kernels": args.kernels, "nodes": args.nodes, "budget": args.budget,
-           "device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d")}
+           "device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"),
+           "decode_fusions": args.decode_fusions}
+    if "decode_unfused" in steps:  # A/B, unprofiled: step times (alternating blocks) and one step's logits
+        ms = {"decode": [], "decode_unfused": []}
+        for _ in range(3):
+            for name in ms:
+                ms[name].append(median_ms(steps[name], n=10 if args.smoke else 30))
+        la, lb = decode_logits(True), decode_logits(False)
+        res["decode_ab"] = {
+            "fused_ms": round(min(ms["decode"]), 3), "unfused_ms": round(min(ms["decode_unfused"]), 3),
+            "fused_ms_blocks": [round(x, 3) for x in ms["decode"]],
+            "unfused_ms_blocks": [round(x, 3) for x in ms["decode_unfused"]],
+            "logits_bitwise_equal": bool(np.array_equal(la, lb)),
+            "logits_max_abs_diff": float(np.max(np.abs(la - lb))),
+            "logits_elems_differing": int(np.sum(la != lb)),
+            "argmax_equal": bool(np.array_equal(la.argmax(-1), lb.argmax(-1)))}
+        print("decode_ab", json.dumps(res["decode_ab"]), flush=True)
     for name, fn in steps.items():
         for _ in range(3):  # compile + warm up
             jax.block_until_ready(fn())

@@ -1,12 +1,14 @@
 """Tree attention in plain jnp: the specification of `kernels_pallas.tree_attention` (same signature) and
-the `kernels="xla"` path of the model. A sequence pass (prefill, decode) is the same call with a causal mask."""
+the `kernels="xla"` path of the model. A sequence pass (prefill, decode) is the same call with a causal mask.
+Also the decode step's attention prologue (`decode_attention_prep`: q/k norm, RoPE, output gate, KV-cache
+write; the specification of `kernels_pallas.attention_decode`) and the RoPE rotation the model uses."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.numerics import f32, rounded
+from kernels_pallas.numerics import f32, rms_norm_1p, rounded, sigmoid32, sum_partials
 
 NEG_INF = -1e30
 
@@ -54,3 +56,46 @@ def attend(q, k_cache, v_cache, cache_visible, k_new=None, v_new=None, new_visib
     if k_new is not None:
         o = o + jnp.einsum("btkgn,bnkd->btkgd", f32(p[..., S:]), f32(v_new), precision=prec)
     return rounded(o, dt).reshape(B, T, H, hd)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Partial rotary embedding (rotate-half). x [..., T, H, hd]; cos/sin [..., T, rd] in x's dtype
+    (broadcast over the head axis): rotate dims [0, rd), pass the rest through. Rounds like transformers'
+    `apply_rotary_pos_emb` in x's dtype: `(q_rot * cos) + (rotate_half(q_rot) * sin)`, each product and the
+    sum rounded (no-ops in fp32)."""
+    rd = cos.shape[-1]
+    xr, xp = x[..., :rd], x[..., rd:]
+    x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
+    rot = jnp.concatenate([-x2, x1], axis=-1)
+    c, s = cos[..., None, :], sin[..., None, :]
+    dt = x.dtype
+    out = rounded(f32(rounded(f32(xr) * f32(c), dt)) + f32(rounded(f32(rot) * f32(s), dt)), dt)
+    return jnp.concatenate([out, xp], axis=-1)
+
+
+def decode_attention_prep(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, start, *, num_heads: int,
+                          num_kv_heads: int, head_dim: int, eps: float):
+    """The attention layer's work between its fused projection and the attention itself, for one token.
+
+    qkv [B, H·2hd + 2·Hkv·hd] = [per head (query | gate), h-major | k | v] (the rounded projection row);
+    q_norm, k_norm [hd] (1 + w norms); cos, sin [B, rd] in qkv's dtype (`rope_cos_sin` at the token's
+    position); k_cache, v_cache [B, Hkv, S, hd]; start int32 scalar (the token's cache row)
+    -> q [B, H, hd] (normed, rotated), sgate [B, H, hd] = rounded(sigmoid(gate)) (o_proj's input is
+       rounded(o · sgate)), k [B, Hkv, hd] (normed, rotated), v [B, Hkv, hd], and both caches with row
+       `start` set to k / v.
+    qkv may also be [S, B, C]: the S split-K partial sums of the projection (`dense(..., reduce=False)`),
+    summed in order and rounded to the activations' dtype, k_cache's (`numerics.sum_partials`)."""
+    if qkv.ndim == 3:
+        qkv = sum_partials(qkv, k_cache.dtype)
+    B = qkv.shape[0]
+    h, hkv, hd = num_heads, num_kv_heads, head_dim
+    qg, k, v = jnp.split(qkv, [h * 2 * hd, (h * 2 + hkv) * hd], axis=-1)
+    qg = qg.reshape(B, h, 2 * hd)
+    q = apply_rope(rms_norm_1p(qg[..., :hd], q_norm, eps), cos, sin)  # [B,H,hd] (H in rope's T place)
+    sgate = rounded(sigmoid32(qg[..., hd:]), qkv.dtype)
+    k = apply_rope(rms_norm_1p(k.reshape(B, hkv, hd), k_norm, eps), cos, sin)
+    v = v.reshape(B, hkv, hd)
+    idx = (0, 0, start, 0)
+    kc = jax.lax.dynamic_update_slice(k_cache, k[:, :, None].astype(k_cache.dtype), idx)
+    vc = jax.lax.dynamic_update_slice(v_cache, v[:, :, None].astype(v_cache.dtype), idx)
+    return q, sgate, k, v, kc, vc

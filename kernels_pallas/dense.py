@@ -13,9 +13,20 @@ Design
     CUDA-core FMA variant for M = 1 (a [BK, BN] fp32 accumulator, reduced after the loop) ran at 0.5-0.6x
     of this on every H200 shape (gemv_h200.json): removed.
   * S = 1: the program stores its [M, BN] result in x.dtype. S > 1: fp32 partial sums [S·M, N] are stored
-    and summed (+ cast) by one small XLA fusion after the kernel (S·M·N·4 bytes: ≪ the weight bytes).
+    and summed (+ rounded) by one small XLA fusion after the kernel (S·M·N·4 bytes: ≪ the weight bytes).
   * Masks only where a shape needs them (rows ≥ M; K or N not a multiple of the block; the tail of the
     last K split), decided statically. No padded copy of w or x is ever made.
+  * Optional prologue / epilogue, for the decode step (each one the same ops as the jnp reference, with the
+    same roundings, so a fused call equals the unfused chain bit for bit up to the fp32 sum order of a norm):
+    - `norm_w`, `eps`: x is first the zero-centred RMSNorm of its rows (`numerics.rms_norm_1p`: fp32,
+      x·rsqrt(mean(x²) + eps)·(1 + w), one rounding). Every program first sums the squares of its rows
+      over the whole K (x is tiny and in L2: M·K·2 bytes per program), then normalises each x chunk before
+      its dot. This removes the norm's XLA kernels (a reduction + an elementwise fusion) per projection.
+    - `gate`: x is first rounded(x · gate) (attention's output gate before o_proj).
+    - `residual` [M, N]: the result is rounded(residual + rounded(y)) (the decoder's residual add).
+      S = 1: in the kernel's epilogue; S > 1: in the split-K reduction after the kernel, which sums the
+      S partials in order with plain adds (one elementwise XLA loop fusion with the roundings and the
+      residual, which XLA also fuses with the caller's elementwise consumers, e.g. the MLP's SwiGLU).
   * `default_config(M, K, N)`: BN 128, BK 128 (M ≤ 16) / 64, split-K up to ≥ 4 programs per SM (132 SMs): the best
     single rule of the H200 sweep (benchmarks/results/gemv_h200.json, 2026-11-29).
 """
@@ -28,15 +39,32 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas._common import compiler_params, is_pow2, next_pow2, pl, pltr
+from kernels_pallas.numerics import f32, rms_norm_1p, rounded, sum_partials, swiglu as swiglu_ref
 
 __all__ = ["dense", "dense_reference", "default_config", "N_SM"]
 
 N_SM = 132  # H200
 
 
-def dense_reference(x, w):
-    """y = x @ w with fp32 accumulation, in x.dtype. x [M, K], w [K, N]."""
-    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+def dense_reference(x, w, norm_w=None, eps: float = 1e-6, gate=None, residual=None, swiglu: bool = False):
+    """y = x @ w with fp32 accumulation, in x.dtype. x [M, K], w [K, N].
+
+    norm_w [K]: x -> rms_norm_1p(x, norm_w, eps) first; gate [M, K]: x -> rounded(x · gate) first;
+    residual [M, N]: y -> rounded(residual + y) (residual's dtype).
+    swiglu: x [S, M, 2K] are the S split-K partial sums of an MLP's gate|up projection (any float dtype; a
+    `dense(..., reduce=False)` result): x -> swiglu(gate, up) of their in-order sum rounded to w's dtype
+    (`numerics.swiglu`: transformers' `act_fn(gate) * up` roundings); the activations' dtype is w's."""
+    if swiglu:
+        gu = sum_partials(x, w.dtype)
+        x = swiglu_ref(gu[..., :w.shape[0]], gu[..., w.shape[0]:], w.dtype)
+    if norm_w is not None:
+        x = rms_norm_1p(x, norm_w, eps)
+    if gate is not None:
+        x = rounded(f32(x) * f32(gate), x.dtype)
+    y = rounded(jnp.dot(x, w, preferred_element_type=jnp.float32), x.dtype)
+    if residual is not None:
+        y = rounded(f32(residual) + f32(y), residual.dtype)
+    return y
 
 
 def _cdiv(a, b):
@@ -59,8 +87,15 @@ def default_config(M: int, K: int, N: int, *, block_n: int | None = None, block_
                 num_warps=4 if small else 8, num_stages=3)
 
 
-def _kernel(x_ref, w_ref, o_ref, *, M, K, N, Mp, bn, bk, nk, split):
-    f32 = jnp.float32
+def _kernel(*refs, M, K, N, Mp, bn, bk, nk, split, eps, has_norm, has_gate, has_res, swiglu_parts, act,
+            interpret):
+    it = iter(refs)
+    x_ref, w_ref = next(it), next(it)
+    nw_ref = next(it) if has_norm else None
+    g_ref = next(it) if has_gate else None
+    r_ref = next(it) if has_res else None
+    o_ref = next(it)
+    f32_ = jnp.float32
     j, s = pl.program_id(0), pl.program_id(1)
     n0 = pl.multiple_of(j * bn, bn)
     kbase = s * (nk * bk)
@@ -71,6 +106,11 @@ def _kernel(x_ref, w_ref, o_ref, *, M, K, N, Mp, bn, bk, nk, split):
     n_ok = cols < N
     m_ok = rows < M
 
+    def rnd(v):  # fp32 v rounded once to the activations' dtype, as fp32 (see numerics.rounded)
+        if jnp.dtype(act) == jnp.float32:
+            return v
+        return (rounded(v, act) if interpret else v.astype(act)).astype(f32_)
+
     def load_w(k0):
         if not (mask_n or mask_k):
             return w_ref[pl.ds(k0, bk), pl.ds(n0, bn)]
@@ -78,12 +118,55 @@ def _kernel(x_ref, w_ref, o_ref, *, M, K, N, Mp, bn, bk, nk, split):
         msk = (kk < K)[:, None] & n_ok[None, :]
         return pltr.load(w_ref.at[kk[:, None], cols[None, :]], mask=msk, other=0)
 
-    def load_x(k0):  # [Mp, bk]; rows >= M (and k >= K) read as 0
+    def load_rows(ref, k0, kmask):  # [Mp, bk] of an [M, K] operand; rows >= M (and k >= K) read as 0
         kk = k0 + jnp.arange(bk, dtype=jnp.int32)
-        if Mp == M and not mask_k:
-            return x_ref[:, pl.ds(k0, bk)]
+        if Mp == M and not kmask:
+            return ref[:, pl.ds(k0, bk)]
+        msk = m_ok[:, None] & (kk < K)[None, :] if kmask else jnp.broadcast_to(m_ok[:, None], (Mp, bk))
+        return pltr.load(ref.at[rows[:, None], kk[None, :]], mask=msk, other=0)
+
+    inv = None
+    if has_norm:  # the RMS of the whole rows, recomputed by every program (x is small and in L2)
+        # M = 1 (decode): one row in wide chunks (few loop steps, no masked rows); else the dot's [Mp, bk] tiles
+        sr, sk = (1, min(next_pow2(K), 2048)) if M == 1 else (Mp, bk)
+        srow = jnp.arange(sr, dtype=jnp.int32)
+
+        def ss_body(i, acc):
+            kk = i * sk + jnp.arange(sk, dtype=jnp.int32)
+            msk = (srow < M)[:, None] & (kk < K)[None, :]
+            xf = pltr.load(x_ref.at[srow[:, None], kk[None, :]], mask=msk, other=0).astype(f32_)
+            return acc + jnp.sum(xf * xf, axis=1)
+
+        ss = jax.lax.fori_loop(0, -(-K // sk), ss_body, jnp.zeros((sr,), f32_))
+        inv = jax.lax.rsqrt(ss / K + eps)[:, None]  # [sr, 1] (broadcast over the Mp rows when M = 1)
+
+    def load_swiglu(k0):  # [Mp, bk]: swiglu of the in-order sums of the gate|up partials (x_ref [S·M, 2K])
+        kk = k0 + jnp.arange(bk, dtype=jnp.int32)
         msk = m_ok[:, None] & (kk < K)[None, :] if mask_k else jnp.broadcast_to(m_ok[:, None], (Mp, bk))
-        return pltr.load(x_ref.at[rows[:, None], kk[None, :]], mask=msk, other=0)
+
+        def summed(off):
+            acc = None
+            for p in range(swiglu_parts):
+                t = pltr.load(x_ref.at[(p * M + rows)[:, None], off + kk[None, :]], mask=msk, other=0).astype(f32_)
+                acc = t if acc is None else acc + t
+            return rnd(acc)
+        g, u = summed(0), summed(K)
+        return rnd(rnd(g / (1.0 + jnp.exp(-g))) * u).astype(act)  # numerics.swiglu
+
+    def load_x(k0):  # the dot's x tile, after the prologue
+        if swiglu_parts:
+            return load_swiglu(k0)
+        xt = load_rows(x_ref, k0, mask_k)
+        if not (has_norm or has_gate):
+            return xt
+        xf = xt.astype(f32_)
+        if has_norm:
+            kk = k0 + jnp.arange(bk, dtype=jnp.int32)
+            wn = (pltr.load(nw_ref.at[kk], mask=kk < K, other=0) if mask_k else nw_ref[pl.ds(k0, bk)])
+            xf = rnd((xf * inv) * (1.0 + wn.astype(f32_))[None, :])
+        if has_gate:
+            xf = rnd(xf * load_rows(g_ref, k0, mask_k).astype(f32_))
+        return xf.astype(xt.dtype)
 
     def k_at(i):
         k0 = kbase + i * bk
@@ -91,9 +174,18 @@ def _kernel(x_ref, w_ref, o_ref, *, M, K, N, Mp, bn, bk, nk, split):
 
     def body(i, acc):
         k0 = k_at(i)
-        return acc + jnp.dot(load_x(k0), load_w(k0), preferred_element_type=f32)
+        return acc + jnp.dot(load_x(k0), load_w(k0), preferred_element_type=f32_)
 
-    acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((Mp, bn), f32))
+    acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((Mp, bn), f32_))
+    if split == 1:
+        acc = rnd(acc)
+        if has_res:  # rounded(residual + rounded(y))
+            if Mp == M and not mask_n:
+                r = r_ref[:, pl.ds(n0, bn)]
+            else:
+                r = pltr.load(r_ref.at[rows[:, None], cols[None, :]], mask=m_ok[:, None] & n_ok[None, :],
+                              other=0)
+            acc = rnd(r.astype(f32_) + acc)
 
     out_rows = s * M + rows if split > 1 else rows
     if Mp == M and not mask_n:
@@ -106,18 +198,32 @@ def _kernel(x_ref, w_ref, o_ref, *, M, K, N, Mp, bn, bk, nk, split):
                    mask=m_ok[:, None] & n_ok[None, :])
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_n", "block_k", "split_k", "num_warps",
+@functools.partial(jax.jit, static_argnames=("eps", "swiglu", "reduce", "interpret", "block_n", "block_k", "split_k", "num_warps",
                                              "num_stages", "target_programs"))
-def dense(x, w, *, interpret: bool = False, block_n: int | None = None,
-          block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
-          num_stages: int | None = None, target_programs: int = 4 * N_SM):
-    """y[M, N] = x[M, K] @ w[K, N], fp32 accumulation, in x.dtype. Any leading dims of x are flattened.
+def dense(x, w, norm_w=None, eps: float = 1e-6, gate=None, residual=None, swiglu: bool = False, *,
+          reduce: bool = True, interpret: bool = False, block_n: int | None = None, block_k: int | None = None,
+          split_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+          target_programs: int = 4 * N_SM):
+    """y[M, N] = x[M, K] @ w[K, N], fp32 accumulation, in x.dtype. Any leading dims of x (and of gate /
+    residual, which have x's / y's shape) are flattened. norm_w / gate / residual / swiglu: see
+    `dense_reference` (swiglu: x [S, M, 2K], the prologue sums the partials; the activations' dtype is w's).
 
+    reduce=False: return the split-K partials [S, M, N] unsummed (fp32; S = 1: [1, M, N] in the activations'
+    dtype, already rounded) for a consumer that sums them (a swiglu call): no XLA kernel after this one.
     block_n / block_k: powers of two; split_k: number of K ranges (fp32 partials summed after the kernel)."""
-    lead = x.shape[:-1]
-    K = x.shape[-1]
-    x = x.reshape(-1, K)
-    M = x.shape[0]
+    parts = 0
+    if swiglu:
+        parts = x.shape[0]
+        x = x.reshape(-1, x.shape[-1])
+        lead, K = (x.shape[0] // parts,), x.shape[-1] // 2
+        M = lead[0]
+    else:
+        lead = x.shape[:-1]
+        K = x.shape[-1]
+        x = x.reshape(-1, K)
+        M = x.shape[0]
+    act = w.dtype if swiglu else x.dtype
+    assert reduce or residual is None
     K2, N = w.shape
     assert K2 == K, (x.shape, w.shape)
     cfg = default_config(M, K, N, block_n=block_n, block_k=block_k, target_programs=target_programs)
@@ -132,8 +238,22 @@ def dense(x, w, *, interpret: bool = False, block_n: int | None = None,
     split = _cdiv(nkb, nk)  # no program with an empty K range
     Mp = max(16, next_pow2(M))
     assert Mp <= 256, f"M={M}: up to 256 rows per call"
-    out_dtype = x.dtype if split == 1 else jnp.float32
-    kern = functools.partial(_kernel, M=M, K=K, N=N, Mp=Mp, bn=bn, bk=bk, nk=nk, split=split)
+    out_dtype = act if split == 1 else jnp.float32
+    args = [x, w]
+    if norm_w is not None:
+        assert norm_w.shape == (K,), (norm_w.shape, K)
+        args.append(norm_w)
+    if gate is not None:
+        args.append(gate.reshape(M, K))
+    if residual is not None:
+        assert residual.dtype == act, (residual.dtype, act)
+        residual = residual.reshape(M, N)
+        if split == 1:
+            args.append(residual)
+    kern = functools.partial(_kernel, M=M, K=K, N=N, Mp=Mp, bn=bn, bk=bk, nk=nk, split=split, eps=float(eps),
+                             has_norm=norm_w is not None, has_gate=gate is not None,
+                             has_res=residual is not None and split == 1, swiglu_parts=parts, act=act,
+                             interpret=interpret)
     y = pl.pallas_call(
         kern,
         grid=(_cdiv(N, bn), split),
@@ -141,7 +261,11 @@ def dense(x, w, *, interpret: bool = False, block_n: int | None = None,
         compiler_params=compiler_params(nw, ns),
         interpret=interpret,
         name="dense_dot",
-    )(x, w)
-    if split > 1:
-        y = y.reshape(split, M, N).sum(0).astype(x.dtype)
+    )(*args)
+    if not reduce:
+        return y.reshape(split, M, N)
+    if split > 1:  # the partials in order, plain adds: one elementwise fusion with the roundings + residual
+        y = sum_partials(y.reshape(split, M, N), act)
+        if residual is not None:
+            y = rounded(f32(residual) + f32(y), residual.dtype)
     return y.reshape(*lead, N)

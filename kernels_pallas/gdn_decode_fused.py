@@ -24,6 +24,10 @@ Grid (B, Hv): program (b, h) owns value head h, which reads key head kh = h // (
 The conv-state output is a fresh array, not aliased: the Hv/Hk programs of a key head all read its
 q/k rows, so one of them overwriting them in place would race with the others.
 
+proj may come as its GEMV's unsummed split-K partials [S, B, P] (`dense(..., reduce=False)`): every load of
+the row then sums the S partials in order and rounds to the activations' dtype (conv_state's), as
+`numerics.sum_partials` does, so no XLA reduction runs between the GEMV and this kernel.
+
 Roundings: every `rounded(…, dtype)` of the model is a cast to the activations' dtype and back (Triton
 keeps it; in interpret mode the kernel uses `reduce_precision`, which XLA cannot elide); fp32 activations
 make every rounding the identity. Head dims need not be powers of two (masked loads; the 27B has 128).
@@ -47,7 +51,7 @@ L2NORM_EPS = 1e-6  # the model's l2norm(q), l2norm(k)
 
 def _kernel(proj_ref, cs_ref, cw_ref, alog_ref, dtb_ref, nw_ref, s_ref, o_ref, cso_ref, so_ref, *,
             hk: int, hv: int, dk: int, dv: int, K: int, eps: float, dkp: int, bv: int, nvt: int,
-            act, wprod, interpret: bool):
+            nparts: int, act, wprod, interpret: bool):
     f32 = jnp.float32
     b, h = pl.program_id(0), pl.program_id(1)
     r = hv // hk
@@ -81,10 +85,19 @@ def _kernel(proj_ref, cs_ref, cw_ref, alog_ref, dtb_ref, nw_ref, s_ref, o_ref, c
     def st(ref_at, val, m):
         pltr.store(ref_at, val.astype(ref_at.dtype), mask=m)
 
+    def ldp(c, m):  # the projection row at c; partials [S, B, P]: summed in order, rounded (sum_partials)
+        if not nparts:
+            return ld(proj_ref.at[b, c], m)
+        acc = None
+        for p_ in range(nparts):
+            t = ld(proj_ref.at[i32(p_), b, c], m).astype(f32)
+            acc = t if acc is None else acc + t
+        return rnd(acc, act).astype(act)
+
     def conv(off, n, npad):
         """Channels [off, off + n) (padded to npad): pre-conv x, the K-1 state rows, conv+SiLU output."""
         c, m = cols(off, n, npad)
-        x = ld(proj_ref.at[b, c], m)
+        x = ldp(c, m)
         rows = [ld(cs_ref.at[b, i32(j), c], m) for j in range(km1)]
         acc = None
         for j in range(km1):  # tree_conv: the state rows as the activations' dtype, taps summed in fp32
@@ -114,8 +127,8 @@ def _kernel(proj_ref, cs_ref, cw_ref, alog_ref, dtb_ref, nw_ref, s_ref, o_ref, c
 
     # beta, g (blocks of one element)
     one = lambda ref, i: pltr.load(ref.at[pl.ds(i, 1)]).astype(f32)
-    bb = pltr.load(proj_ref.at[b, pl.ds(boff + h, 1)]).astype(f32)
-    aa = pltr.load(proj_ref.at[b, pl.ds(aoff + h, 1)]).astype(f32)
+    bb = ldp(pl.ds(boff + h, 1), None).astype(f32)
+    aa = ldp(pl.ds(aoff + h, 1), None).astype(f32)
     beta = rnd(1.0 / (1.0 + jnp.exp(-bb)), act)
     sp = aa + one(dtb_ref, h)
     sp = jnp.where(sp > 20.0, sp, jnp.log1p(jnp.exp(jnp.minimum(sp, 20.0))))
@@ -150,7 +163,7 @@ def _kernel(proj_ref, cs_ref, cw_ref, alog_ref, dtb_ref, nw_ref, s_ref, o_ref, c
     inv = jax.lax.rsqrt(ssq / dv + eps)
     for o, iv, mv, v0, nt in os_:
         zc, _ = cols(zoff + h * dv + v0, nt, bv)
-        z = ld(proj_ref.at[b, zc], mv).astype(f32)
+        z = ldp(zc, mv).astype(f32)
         w = ld(nw_ref.at[iv], mv).astype(f32)
         y = rnd(o * inv, act)
         y = rnd(w * y, wprod)
@@ -172,7 +185,8 @@ def gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, *,
     warps 4.38 µs/layer (8 warps 7.11, 16 warps 7.17, block_v 64 / 32 with 4 warps 5.44 / 6.91) vs 11.51 µs
     and 9 kernels for the XLA ops + the Pallas step; 48 layers 1.58 vs 3.47 ms wall."""
     hk, hv, dk, dv, K = num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel
-    B, P = proj.shape
+    nparts = proj.shape[0] if proj.ndim == 3 else 0  # split-K partials of the projection: summed in here
+    B, P = proj.shape[-2:]
     cd = 2 * hk * dk + hv * dv
     assert hv % hk == 0 and K >= 2, (hk, hv, K)
     assert P == cd + hv * dv + 2 * hv, (proj.shape, cd)
@@ -183,9 +197,9 @@ def gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, *,
     bv = min(block_v or dvp, dvp)
     assert is_pow2(bv) and bv >= 16, bv
     nvt = -(-dv // bv)
-    act = proj.dtype
+    act = conv_state.dtype if nparts else proj.dtype
     kern = functools.partial(_kernel, hk=hk, hv=hv, dk=dk, dv=dv, K=K, eps=float(eps), dkp=dkp, bv=bv,
-                             nvt=nvt, act=act, wprod=jnp.promote_types(norm_w.dtype, act),
+                             nvt=nvt, nparts=nparts, act=act, wprod=jnp.promote_types(norm_w.dtype, act),
                              interpret=interpret)
     return pl.pallas_call(
         kern,

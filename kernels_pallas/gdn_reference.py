@@ -28,7 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.numerics import f32, rounded, sigmoid32, silu32
+from kernels_pallas.numerics import f32, rounded, sigmoid32, silu32, sum_partials
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -206,8 +206,13 @@ def gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, *,
     The ops (and roundings) of the model's GDN layer at T = 1 before the fused op: conv over the K-1 state rows and the
     token; q,k l2-normalised (q·dk^-1/2), beta = round(sigmoid(b)), g = -exp(A_log)·softplus(a + dt_bias);
     the recurrent step (`gdn_step`); o rounded; gated RMSNorm with z; conv state shifted by one row.
+
+    proj may also be [S, B, ...]: the S split-K partial sums of the projection (`dense(..., reduce=False)`),
+    summed in order and rounded to the activations' dtype, conv_state's (`numerics.sum_partials`).
     """
     hk, hv, dk, dv, K = num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel
+    if proj.ndim == 3:
+        proj = sum_partials(proj, conv_state.dtype)
     B = proj.shape[0]
     dtype = proj.dtype
     km1 = K - 1

@@ -31,3 +31,27 @@ def silu32(x: jax.Array) -> jax.Array:
 def sigmoid32(x: jax.Array) -> jax.Array:
     """Sigmoid in fp32 as PyTorch's CPU kernel computes it: 1 / (1 + exp(-x))."""
     return 1.0 / (1.0 + jnp.exp(-f32(x)))
+
+
+def rms_norm_1p(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """Zero-centred ("1 + w") RMSNorm over the last axis, fp32 math, one rounding back to x's dtype
+    (transformers' `Qwen3_5RMSNorm`: `(x.float() * rsqrt(mean(x²) + eps) * (1 + w.float())).type_as(x)`)."""
+    xf = f32(x)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return rounded(y * (1.0 + f32(w)), x.dtype)
+
+
+def swiglu(gate: jax.Array, up: jax.Array, dtype) -> jax.Array:
+    """transformers' `act_fn(gate_proj(x)) * up_proj(x)` in `dtype`: silu in fp32 rounded, the product rounded."""
+    act = rounded(silu32(gate), dtype)
+    return rounded(f32(act) * f32(up), dtype)
+
+
+def sum_partials(parts: jax.Array, dtype) -> jax.Array:
+    """parts [S, ...] (split-K partial sums of one projection, any float dtype) -> their sum in order
+    (parts[0] + parts[1] + ...) in fp32, rounded once to `dtype`: how the Pallas GEMV's reduction and every
+    kernel that consumes unsummed partials (`dense(..., reduce=False)`) add them up."""
+    acc = f32(parts[0])
+    for i in range(1, parts.shape[0]):
+        acc = acc + f32(parts[i])
+    return rounded(acc, dtype)

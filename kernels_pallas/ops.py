@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import jax
 import jax.numpy as jnp
 
 from kernels_pallas import gdn_reference
+from kernels_pallas.numerics import f32, rms_norm_1p, rounded
 
 KERNELS = ("xla", "pallas")
 
@@ -28,6 +30,24 @@ TREE_SELECT_MAX_BUDGET = 256
 PALLAS_TREE_SELECT = False
 PALLAS_GDN_COMMIT = False
 PALLAS_DENSE_MIN_COLS = 2048
+
+# Decode-step fusions (kernels="pallas", bf16): the RMSNorm / output gate folded into the Pallas GEMV's prologue,
+# the residual add into its epilogue (`dense`), and the attention layer's q/k norm + RoPE + gate + KV-cache write
+# as one kernel (`attention_decode_prep`). Same results either way; off = the separate ops (XLA fusions) around
+# the plain GEMV, for A/B timing (`fused_decode(False)`, benchmarks/profile_gpu.py --decode-fusions). Read when
+# a function is traced: set it before the first call of a jitted step.
+FUSED_DECODE = True
+
+
+@contextlib.contextmanager
+def fused_decode(enabled: bool):
+    """Trace the decode-step fusions on or off inside this block (see FUSED_DECODE)."""
+    global FUSED_DECODE
+    old, FUSED_DECODE = FUSED_DECODE, bool(enabled)
+    try:
+        yield
+    finally:
+        FUSED_DECODE = old
 
 
 def _check(kernels: str):
@@ -77,8 +97,8 @@ def gdn_masked_block(q, k, v, g, beta, mask, state, kernels="xla", max_depth: in
 def gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, kernels="xla", *,
                      num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, conv_kernel: int,
                      eps: float):
-    """One GDN decode step (T = 1) from the layer's fused projection row [q|k|v pre-conv | z | b | a] to the
-    gated-norm output: conv + SiLU, l2norm, beta/g, the recurrent step, gated RMSNorm; -> (o [B,Hv,dv],
+    """One GDN decode step (T = 1) from the layer's fused projection row [q|k|v pre-conv | z | b | a] (or its
+    unsummed split-K partials [S, B, P], `dense_partials`) to the gated-norm output: conv + SiLU, l2norm, beta/g, the recurrent step, gated RMSNorm; -> (o [B,Hv,dv],
     conv_state [B,K-1,conv_dim], state [B,Hv,dk,dv]). See `gdn_reference.gdn_decode_fused`."""
     _check(kernels)
     dims = dict(num_k_heads=num_k_heads, num_v_heads=num_v_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim,
@@ -109,12 +129,75 @@ def tree_select(top_lp, top_id, budget: int, kernels="xla"):
     return tree_build.tree_select_reference(top_lp, top_id, budget)
 
 
-def dense(spec: str, x, w, kernels="xla"):
+def attention_decode_prep(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, start, kernels="xla", *,
+                          num_heads: int, num_kv_heads: int, head_dim: int, eps: float):
+    """An attention layer's decode step (T = 1) from its projection row (or its unsummed split-K partials
+    [S, B, C], `dense_partials`) to the attention's inputs: q/k norm,
+    RoPE, the output gate's sigmoid, the KV-cache write at row `start`; -> (q [B,H,hd], sgate [B,H,hd],
+    k [B,Hkv,hd], v [B,Hkv,hd], k_cache, v_cache). See `attention_reference.decode_attention_prep`. One Pallas
+    kernel with kernels="pallas", bf16 and FUSED_DECODE; the jnp reference otherwise."""
+    _check(kernels)
+    dims = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, eps=eps)
+    args = (qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, start)
+    if (kernels == "pallas" and FUSED_DECODE and k_cache.dtype == jnp.bfloat16 and head_dim >= 16
+            and head_dim & (head_dim - 1) == 0):
+        from kernels_pallas import attention_decode
+        return attention_decode.decode_attention_prep(*args, **dims)
+    from kernels_pallas.attention_reference import decode_attention_prep
+    return decode_attention_prep(*args, **dims)
+
+
+def dense_partials(x, w, kernels="xla", *, norm=None):
+    """x [B, T, K] (B·T = 1) @ w [K, N] on the Pallas GEMV with its split-K partial sums left unsummed:
+    [S, B·T, N] (fp32; S = 1: already rounded to x's dtype), for a consumer kernel that sums them in order
+    (`gdn_decode_fused`, `attention_decode_prep`: no XLA kernel between the two); norm as in `dense`. None
+    where that path does not apply (not kernels="pallas" with FUSED_DECODE, not the GEMV's domain): the
+    caller then uses `dense`."""
+    rows, K = math.prod(x.shape[:-1]), x.shape[-1]
+    if not (kernels == "pallas" and FUSED_DECODE and _gemv(x, w, rows, w.shape[1])):
+        return None
+    from kernels_pallas import dense as dense_kernel
+    nw, eps = norm if norm is not None else (None, 1e-6)
+    return dense_kernel.dense(x.reshape(rows, K), w, nw, eps, reduce=False)
+
+
+def mlp_decode(x, w_gate_up, w_down, kernels="xla", *, norm=None, residual=None):
+    """The SwiGLU MLP of a decode step as two Pallas GEMVs and no XLA kernel between them, or None where that
+    path does not apply (the caller then runs the projections one by one: `dense`). x [B, T, D] with B·T = 1,
+    w_gate_up [D, 2, F], w_down [F, D]; norm / residual as in `dense`. The gate|up GEMV (+ the norm prologue)
+    leaves its split-K partials unsummed; the down GEMV's prologue sums them in the order the unfused
+    reduction does, rounds, applies `numerics.swiglu` and contracts (+ the residual epilogue): the same values
+    as the unfused chain, bit for bit. Returned in fp32 (already rounded)."""
+    D, F = w_down.shape[1], w_down.shape[0]
+    rows = math.prod(x.shape[:-1])
+    if not (kernels == "pallas" and FUSED_DECODE and _gemv(x, w_gate_up, rows, 2 * F) and _gemv(x, w_down, rows, D)):
+        return None
+    from kernels_pallas import dense as dense_kernel
+    nw, eps = norm if norm is not None else (None, 1e-6)
+    parts = dense_kernel.dense(x.reshape(rows, D), w_gate_up.reshape(D, 2 * F), nw, eps, reduce=False)
+    y = dense_kernel.dense(parts, w_down, residual=None if residual is None else residual.reshape(rows, D),
+                           swiglu=True)
+    return y.reshape(x.shape[:-1] + (D,)).astype(jnp.float32)
+
+
+def _gemv(x, w, rows: int, cols: int) -> bool:
+    """The Pallas GEMV's domain (kernels="pallas" decided by the caller): bf16, few rows, wide outputs."""
+    return (x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16 and 0 < rows <= PALLAS_DENSE_MAX_ROWS
+            and cols >= PALLAS_DENSE_MIN_COLS)
+
+
+def dense(spec: str, x, w, kernels="xla", *, norm=None, gate=None, residual=None):
     """einsum(spec, x, w) with fp32 accumulation, returned UNROUNDED in fp32 (the caller rounds), for specs
     that contract x's trailing axes with w's leading axes (every projection of the model), e.g.
     "btd,dhe->bthe" or "bthe,hed->btd". With kernels="pallas", bf16 operands and few rows, it runs the Pallas
     weight-streaming GEMV on the flattened [rows, K] x [K, N] problem (one bf16 rounding of the fp32 sum, as the
-    caller's rounding would give)."""
+    caller's rounding would give).
+
+    Optional parts of a decoder layer around the projection (the same ops on every path; on the GEMV path, with
+    FUSED_DECODE, inside the kernel's prologue / epilogue instead of separate kernels):
+      norm = (w_n, eps): x -> rms_norm_1p(x, w_n, eps) first (the layer's input / post / final norm);
+      gate (x's shape): x -> rounded(x · gate) first (attention's output gate);
+      residual (the output's shape): y -> rounded(residual + rounded(y)) (returned in fp32, already rounded)."""
     _check(kernels)
     lhs, out = spec.split("->")
     xs, ws = lhs.split(",")
@@ -124,14 +207,29 @@ def dense(spec: str, x, w, kernels="xla"):
     cols = math.prod(w.shape[nc:])
     flat = (xs.endswith("".join(contracted)) and ws.startswith("".join(contracted))
             and out == xs[:len(xs) - nc] + ws[nc:])
-    if (kernels == "pallas" and flat and x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16
-            and 0 < rows <= PALLAS_DENSE_MAX_ROWS and cols >= PALLAS_DENSE_MIN_COLS):
+    gemv = kernels == "pallas" and flat and _gemv(x, w, rows, cols)
+    out_shape = x.shape[:x.ndim - nc] + w.shape[nc:]
+    K = math.prod(w.shape[:nc])
+    if gemv and FUSED_DECODE and (norm is None or nc == 1):
         from kernels_pallas import dense as dense_kernel
-        K = math.prod(w.shape[:nc])
-        y = dense_kernel.dense(x.reshape(rows, K), w.reshape(K, -1))
-        return y.reshape(x.shape[:x.ndim - nc] + w.shape[nc:]).astype(jnp.float32)
-    prec = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    return jnp.einsum(spec, x, w.astype(x.dtype), precision=prec, preferred_element_type=jnp.float32)
+        nw, eps = norm if norm is not None else (None, 1e-6)
+        y = dense_kernel.dense(x.reshape(rows, K), w.reshape(K, -1), nw, eps,
+                               None if gate is None else gate.reshape(rows, K),
+                               None if residual is None else residual.reshape(rows, -1))
+        return y.reshape(out_shape).astype(jnp.float32)
+    if norm is not None:
+        x = rms_norm_1p(x, *norm)
+    if gate is not None:
+        x = rounded(f32(x) * f32(gate), x.dtype)
+    if gemv:
+        from kernels_pallas import dense as dense_kernel
+        y = dense_kernel.dense(x.reshape(rows, K), w.reshape(K, -1)).reshape(out_shape).astype(jnp.float32)
+    else:
+        prec = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+        y = jnp.einsum(spec, x, w.astype(x.dtype), precision=prec, preferred_element_type=jnp.float32)
+    if residual is not None:
+        y = f32(rounded(f32(residual) + f32(rounded(y, x.dtype)), residual.dtype))
+    return y
 
 
 # The weight-only fp8 kernel (kernels_pallas/dense_fp8.py) runs every fp8 projection of a pass with at most

@@ -16,10 +16,12 @@ from flax import nnx, struct
 from kernels_pallas import ops
 from jaxddtree.model.cache import KVCache
 from jaxddtree.model.config import TextConfig
+from jaxddtree.model.fp8 import Fp8Weight
 from jaxddtree.model.layout import TokenLayout
-from jaxddtree.model.linear import dense, f32, init_weight, rounded, sigmoid32
+from jaxddtree.model.linear import dense, init_weight, rounded, sigmoid32
 from jaxddtree.model.norms import rms_norm_1p
 from jaxddtree.model.rope import apply_rope, rope_cos_sin
+
 
 @struct.dataclass
 class AttentionStash:
@@ -37,11 +39,11 @@ class Attention(nnx.Module):
         self.q_norm = nnx.Param(0.1 * jax.random.normal(rngs.params(), (hd,)).astype(dtype))
         self.k_norm = nnx.Param(0.1 * jax.random.normal(rngs.params(), (hd,)).astype(dtype))
 
-    def project(self, x, layout: TokenLayout):
+    def project(self, x, layout: TokenLayout, norm=None):
         cfg = self.cfg
         B, T, _ = x.shape
         h, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        qkv = dense("btd,dc->btc", x, self.w_qkv[...], layout.kernels)  # one GEMM / GEMV for q(+gate)|k|v
+        qkv = dense("btd,dc->btc", x, self.w_qkv[...], layout.kernels, norm=norm)  # one GEMM/GEMV: q(+gate)|k|v
         qg, k, v = jnp.split(qkv, [h * 2 * hd, (h * 2 + hkv) * hd], axis=-1)
         qg = qg.reshape(B, T, h, 2 * hd)
         q, gate = qg[..., :hd], qg[..., hd:]
@@ -51,19 +53,42 @@ class Attention(nnx.Module):
         cos, sin = rope_cos_sin(layout.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
 
-    def output(self, o, gate, kernels: str = "xla"):
-        B, T = o.shape[:2]
+    def output(self, o, gate, kernels: str = "xla", residual=None):
         # transformers: `attn_output * torch.sigmoid(gate)`, both rounded in the activations' dtype
-        o = rounded(f32(o) * f32(rounded(sigmoid32(gate), o.dtype)), o.dtype)  # [B,T,H,hd]
-        return dense("bthe,hed->btd", o, self.wo[...], kernels)
+        sgate = rounded(sigmoid32(gate), o.dtype)
+        return dense("bthe,hed->btd", o, self.wo[...], kernels, gate=sgate, residual=residual)  # o·sgate rounded
 
-    def __call__(self, x, cache: KVCache, layout: TokenLayout):
-        q, k, v, gate = self.project(x, layout)
-        if layout.is_tree or layout.num_tokens == 1:
+    def decode(self, x, cache: KVCache, layout: TokenLayout, norm=None, residual=None):
+        """The T = 1 sequence pass (decode step): projection (+ the input norm), then q/k norm, RoPE, gate and the
+        cache write in one op (`ops.attention_decode_prep`), attention over rows [0, start] of the updated
+        cache, o_proj (+ the gate and the residual add); the same results as the general path."""
+        cfg = self.cfg
+        h, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        w_qkv = self.w_qkv[...]
+        # the projection's split-K partials go unsummed into the fused op where the Pallas GEMV runs
+        qkv = None if isinstance(w_qkv, Fp8Weight) else ops.dense_partials(x, w_qkv, layout.kernels, norm=norm)
+        if qkv is None:
+            qkv = dense("btd,dc->btc", x, w_qkv, layout.kernels, norm=norm)[:, 0]  # [B, C]
+        cos, sin = rope_cos_sin(layout.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)  # [B,1,rd]
+        q, sgate, k, v, kc, vc = ops.attention_decode_prep(
+            qkv, self.q_norm[...], self.k_norm[...], cos[:, 0], sin[:, 0], cache.k, cache.v, layout.start,
+            layout.kernels, num_heads=h, num_kv_heads=hkv, head_dim=hd, eps=cfg.rms_norm_eps)  # [B,H|Hkv,hd]
+        o = ops.tree_attention(q[:, None], kc, vc, layout.start, k[:, None], v[:, None], layout.mask,
+                               layout.kernels)  # [B,1,H,hd]
+        out = dense("bthe,hed->btd", o, self.wo[...], layout.kernels, gate=sgate[:, None], residual=residual)
+        return out, KVCache(k=kc, v=vc), None
+
+    def __call__(self, x, cache: KVCache, layout: TokenLayout, norm=None, residual=None):
+        """norm = (w, eps): the layer's input RMSNorm, applied to x inside the projection; residual: added to the
+        output inside o_proj (both folded into the GEMV on a decode step, `linear.dense`)."""
+        if not layout.is_tree and layout.num_tokens == 1:
+            return self.decode(x, cache, layout, norm, residual)
+        q, k, v, gate = self.project(x, layout, norm)
+        if layout.is_tree:
             o = ops.tree_attention(q, cache.k, cache.v, layout.start, k, v, layout.mask, layout.kernels)
         else:  # a causal chunk (prefill): the flash kernel needs no mask
             o = ops.prefill_attention(q, cache.k, cache.v, layout.start, k, v, layout.kernels)
-        out = self.output(o, gate, layout.kernels)
+        out = self.output(o, gate, layout.kernels, residual)
         if layout.is_tree:
             return out, cache, AttentionStash(k=k, v=v)
         idx = (0, 0, layout.start, 0)

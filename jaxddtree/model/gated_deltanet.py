@@ -21,6 +21,7 @@ from kernels_pallas import ops
 from kernels_pallas.gdn_reference import l2norm, softplus_torch, tree_conv  # noqa: F401  (re-exported)
 from jaxddtree.model.cache import GDNState
 from jaxddtree.model.config import TextConfig
+from jaxddtree.model.fp8 import Fp8Weight
 from jaxddtree.model.layout import TokenLayout
 from jaxddtree.model.linear import dense, f32, init_weight, rounded, sigmoid32
 from jaxddtree.model.norms import gated_rms_norm
@@ -61,21 +62,28 @@ class GatedDeltaNet(nnx.Module):
         self.norm = nnx.Param((1.0 + 0.1 * jax.random.normal(rngs.params(), (dv,))).astype(dtype))
         self.w_out = nnx.Param(init_weight(rngs, (hv, dv, d), hv * dv, dtype))  # [Hv, dv, D]
 
-    def __call__(self, x, cache: GDNState, layout: TokenLayout):
+    def __call__(self, x, cache: GDNState, layout: TokenLayout, norm=None, residual=None):
+        """norm = (w, eps): the layer's input RMSNorm, applied to x inside the input projection; residual:
+        added to the output inside out_proj (both folded into the GEMV on a decode step, `linear.dense`)."""
         cfg = self.cfg
         B, T, _ = x.shape
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         km1 = cfg.linear_conv_kernel_dim - 1
 
-        proj = dense("btd,dc->btc", x, self.w_in[...], layout.kernels)  # one GEMM/GEMV for qkv|z|b|a
+        w_in = self.w_in[...]
         if not layout.is_tree and T == 1:  # decode step (one real token): conv ... gated norm in one op
+            # the projection's split-K partials go unsummed into the fused op where the Pallas GEMV runs
+            proj = None if isinstance(w_in, Fp8Weight) else ops.dense_partials(x, w_in, layout.kernels, norm=norm)
+            if proj is None:
+                proj = dense("btd,dc->btc", x, w_in, layout.kernels, norm=norm)[:, 0]  # [B, C]
             o, conv, state = ops.gdn_decode_fused(
-                proj[:, 0], cache.conv, self.conv[...], self.A_log[...], self.dt_bias[...], self.norm[...],
+                proj, cache.conv, self.conv[...], self.A_log[...], self.dt_bias[...], self.norm[...],
                 cache.recurrent, layout.kernels, num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv,
                 conv_kernel=cfg.linear_conv_kernel_dim, eps=cfg.rms_norm_eps)  # o [B,Hv,dv]
-            out = dense("bthe,hed->btd", o[:, None], self.w_out[...], layout.kernels)
+            out = dense("bthe,hed->btd", o[:, None], self.w_out[...], layout.kernels, residual=residual)
             return out, GDNState(conv=conv, recurrent=state), None
+        proj = dense("btd,dc->btc", x, w_in, layout.kernels, norm=norm)  # one GEMM for qkv|z|b|a
         xin, z, b, a = jnp.split(proj, in_proj_split(cfg), axis=-1)  # xin [B,T,conv_dim] pre-conv
         z = z.reshape(B, T, hv, dv)  # b, a: [B,T,Hv]
 
@@ -104,4 +112,4 @@ class GatedDeltaNet(nnx.Module):
             new_cache = GDNState(conv=conv, recurrent=state)
 
         o = gated_rms_norm(rounded(o, x.dtype), z, self.norm[...], cfg.rms_norm_eps)  # [B,T,Hv,dv]
-        return dense("bthe,hed->btd", o, self.w_out[...], layout.kernels), new_cache, stash
+        return dense("bthe,hed->btd", o, self.w_out[...], layout.kernels, residual=residual), new_cache, stash

@@ -18,19 +18,30 @@ from flax import nnx
 from kernels_pallas import ops
 from jaxddtree.model.fp8 import Fp8Weight
 # re-exported: the model rounds with these (they live with the kernels' references)
-from kernels_pallas.numerics import f32, rounded, sigmoid32, silu32  # noqa: F401
+from kernels_pallas.numerics import f32, rms_norm_1p, rounded, sigmoid32, silu32  # noqa: F401
 
 
-def dense(spec: str, x: jax.Array, w: jax.Array, kernels: str = "xla") -> jax.Array:
+def dense(spec: str, x: jax.Array, w: jax.Array, kernels: str = "xla", *, norm=None, gate=None,
+          residual=None) -> jax.Array:
     """einsum(spec, x, w) accumulated in fp32, rounded once to x's dtype (`ops.dense` picks the kernel).
+    norm = (w_n, eps) / gate / residual: the RMSNorm of x, x's gate and the residual add around the projection
+    (`ops.dense`; folded into the GEMV on a decode step).
     An FP8 weight (`fp8.Fp8Weight`) runs the weight-only fp8 Pallas kernel where `ops.dense_fp8_applies`
     (kernels="pallas", bf16, up to 256 rows: decode and verify); otherwise (xla, fp32, prefill) it is
-    dequantized to x's dtype and contracted on XLA, exactly as the same checkpoint dequantized would be."""
+    dequantized to x's dtype and contracted on XLA, exactly as the same checkpoint dequantized would be; its
+    norm / gate / residual run as separate ops."""
+    parts = dict(norm=norm, gate=gate, residual=residual)
     if isinstance(w, Fp8Weight):
+        if norm is not None:
+            x = rms_norm_1p(x, *norm)
+        if gate is not None:
+            x = rounded(f32(x) * f32(gate), x.dtype)
         if ops.dense_fp8_applies(spec, x, w.q, w.block_in, kernels):
-            return rounded(ops.dense_fp8(spec, x, w.q, w.scale, w.tail, w.block_in), x.dtype)
-        return rounded(ops.dense(spec, x, w.dequantize(x.dtype), "xla"), x.dtype)
-    return rounded(ops.dense(spec, x, w, kernels), x.dtype)
+            y = rounded(ops.dense_fp8(spec, x, w.q, w.scale, w.tail, w.block_in), x.dtype)
+        else:
+            y = rounded(ops.dense(spec, x, w.dequantize(x.dtype), "xla"), x.dtype)
+        return y if residual is None else rounded(f32(residual) + f32(y), residual.dtype)
+    return rounded(ops.dense(spec, x, w, kernels, **parts), x.dtype)
 
 
 def init_weight(rngs: nnx.Rngs, shape, fan_in: int, dtype, scale: float = 1.0) -> jax.Array:

@@ -8,7 +8,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxddtree.model.linear import dense, f32, init_weight, rounded, silu32
+from kernels_pallas import ops
+from kernels_pallas.numerics import swiglu
+from jaxddtree.model.fp8 import Fp8Weight
+from jaxddtree.model.linear import dense, init_weight, rounded
 
 
 class MLP(nnx.Module):
@@ -16,8 +19,15 @@ class MLP(nnx.Module):
         self.w_gate_up = nnx.Param(init_weight(rngs, (d, 2, f), d, dtype))  # [D, gate|up, F]
         self.w_down = nnx.Param(init_weight(rngs, (f, d), f, dtype))  # [F, D]
 
-    def __call__(self, x: jax.Array, kernels: str = "xla") -> jax.Array:
-        gu = dense("btd,dgf->btgf", x, self.w_gate_up[...], kernels)  # [B,T,2,F], one GEMM / GEMV
-        act = rounded(silu32(gu[..., 0, :]), x.dtype)
-        h = rounded(f32(act) * f32(gu[..., 1, :]), x.dtype)
-        return dense("btf,fd->btd", h, self.w_down[...], kernels)
+    def __call__(self, x: jax.Array, kernels: str = "xla", norm=None, residual=None) -> jax.Array:
+        """norm = (w, eps): the pre-MLP RMSNorm, applied to x inside the gate|up projection; residual: added
+        to the output inside the down projection (`linear.dense`). A decode step on the Pallas GEMVs runs
+        gate|up → SwiGLU → down as two kernels (`ops.mlp_decode`, the same values)."""
+        w_gu, w_down = self.w_gate_up[...], self.w_down[...]
+        if not isinstance(w_gu, Fp8Weight) and not isinstance(w_down, Fp8Weight):
+            y = ops.mlp_decode(x, w_gu, w_down, kernels, norm=norm, residual=residual)
+            if y is not None:
+                return rounded(y, x.dtype)
+        gu = dense("btd,dgf->btgf", x, w_gu, kernels, norm=norm)  # [B,T,2,F], one GEMM / GEMV
+        h = swiglu(gu[..., 0, :], gu[..., 1, :], x.dtype)
+        return dense("btf,fd->btd", h, w_down, kernels, residual=residual)

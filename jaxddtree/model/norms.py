@@ -14,13 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kernels_pallas.gdn_reference import gated_rms_norm  # noqa: F401  (re-exported; the GDN kernels share it)
-from jaxddtree.model.linear import f32, rounded
-
-
-def rms_norm_1p(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    xf = f32(x)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return rounded(y * (1.0 + f32(w)), x.dtype)
+from kernels_pallas.numerics import rms_norm_1p  # noqa: F401  (re-exported; the fused GEMV prologue shares it)
 
 
 class RMSNorm(nnx.Module):
@@ -32,3 +26,8 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return rms_norm_1p(x, self.weight[...], self.eps)
+
+    @property
+    def spec(self) -> tuple:
+        """(weight, eps): the norm as `ops.dense(..., norm=)` folds it into a projection."""
+        return self.weight[...], self.eps

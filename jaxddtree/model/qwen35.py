@@ -17,7 +17,7 @@ from jaxddtree.model.cache import ModelCache
 from jaxddtree.model.config import ATTENTION, TextConfig
 from jaxddtree.model.gated_deltanet import GatedDeltaNet
 from jaxddtree.model.layout import TokenLayout
-from jaxddtree.model.linear import dense, f32, init_weight, rounded
+from jaxddtree.model.linear import dense, init_weight
 from jaxddtree.model.mlp import MLP
 from jaxddtree.model.norms import RMSNorm
 
@@ -31,10 +31,11 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
 
     def __call__(self, x, cache, layout: TokenLayout):
-        # residual adds in the activations' dtype, each rounded (transformers' `residual + hidden_states`)
-        h, cache, stash = self.mixer(self.input_norm(x), cache, layout)
-        x = rounded(f32(x) + f32(h), x.dtype)
-        x = rounded(f32(x) + f32(self.mlp(self.post_norm(x), layout.kernels)), x.dtype)
+        # pre-norm residual blocks: each norm runs inside the block's first projection and each residual add
+        # (in the activations' dtype, rounded: transformers' `residual + hidden_states`) inside its last one
+        # (`linear.dense`: on a decode step with kernels="pallas", in the GEMV's prologue / epilogue)
+        x, cache, stash = self.mixer(x, cache, layout, norm=self.input_norm.spec, residual=x)
+        x = self.mlp(x, layout.kernels, norm=self.post_norm.spec, residual=x)
         return x, cache, stash
 
 
@@ -70,6 +71,6 @@ class Qwen35(nnx.Module):
         if logits != "none":
             if logits == "last":
                 x = jax.lax.dynamic_slice_in_dim(x, layout.num_valid - 1, 1, axis=1)
-            h = self.final_norm(x)
-            out = dense("btd,dv->btv", h, self.lm_head[...], layout.kernels).astype(jnp.float32)
+            out = dense("btd,dv->btv", x, self.lm_head[...], layout.kernels,
+                        norm=self.final_norm.spec).astype(jnp.float32)
         return out, new_cache, features, (tuple(stashes) if layout.is_tree else None)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxddtree.model.linear import f32, rounded
+from kernels_pallas.attention_reference import apply_rope  # noqa: F401  (re-exported; the decode kernel shares it)
 
 
 def rope_cos_sin(positions: jax.Array, rotary_dim: int, theta: float, dtype):
@@ -20,16 +20,3 @@ def rope_cos_sin(positions: jax.Array, rotary_dim: int, theta: float, dtype):
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B,T,rd/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x [..., T, H, hd]; cos/sin [..., T, rd] (broadcast over the head axis): rotate dims [0, rd), pass
-    the rest through."""
-    rd = cos.shape[-1]
-    xr, xp = x[..., :rd], x[..., rd:]
-    x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
-    rot = jnp.concatenate([-x2, x1], axis=-1)
-    c, s = cos[..., None, :], sin[..., None, :]
-    dt = x.dtype
-    out = rounded(f32(rounded(f32(xr) * f32(c), dt)) + f32(rounded(f32(rot) * f32(s), dt)), dt)
-    return jnp.concatenate([out, xp], axis=-1)

@@ -143,3 +143,27 @@ def test_lowers_for_h200_padded_head_dims():
                S((hv,), f32), S((dv,), f32), S((2, hv, dk, dv), f32)]
     assert "__gpu$xla.gpu.triton" in lower_for_h200(functools.partial(F.gdn_decode_fused, **dims(hk, hv, dk, dv)),
                                                      *structs)
+
+
+def test_kernel_from_projection_partials():
+    """proj as its GEMV's unsummed split-K partials [S, B, P] (fp32): the kernel sums them in order and rounds
+    (numerics.sum_partials) — bitwise the kernel on the summed row, and the reference on the partials."""
+    from kernels_pallas.numerics import sum_partials
+    B, hk, hv, dk, dv = 1, 2, 6, 16, 32
+    args = fused_inputs(jax.random.PRNGKey(21), B, hk, hv, dk, dv, jnp.bfloat16)
+    parts = 0.5 * jax.random.normal(jax.random.PRNGKey(22), (3,) + args[0].shape, jnp.float32)
+    d = dims(hk, hv, dk, dv)
+    got = F.gdn_decode_fused(parts, *args[1:], interpret=True, **d)
+    on_row = F.gdn_decode_fused(sum_partials(parts, jnp.bfloat16), *args[1:], interpret=True, **d)
+    ref = jax.jit(functools.partial(F.gdn_decode_fused_reference, **d))(parts, *args[1:])
+    for a, b, c in zip(got, on_row, ref):
+        assert a.dtype == b.dtype == c.dtype
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(c.astype(jnp.float32)))
+    S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    hk, hv, dk, dv = 16, 48, 128, 128
+    cd = 2 * hk * dk + hv * dv
+    txt = lower_for_h200(functools.partial(F.gdn_decode_fused, **dims(hk, hv, dk, dv)),
+                         S((4, 1, cd + hv * dv + 2 * hv), jnp.float32), S((1, K - 1, cd), bf), S((K, cd), bf),
+                         S((hv,), bf), S((hv,), bf), S((dv,), bf), S((1, hv, dk, dv), jnp.float32))
+    assert "__gpu$xla.gpu.triton" in txt

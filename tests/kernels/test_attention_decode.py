@@ -1,0 +1,138 @@
+"""Attention decode-step prologue (kernels_pallas.attention_decode): the Pallas kernel (interpret mode) vs the jnp
+reference (bitwise in bf16), the model's decode path vs its general sequence path, and the kernel's CUDA lowering
+for an H200 at 27B shapes."""
+
+import functools
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kernels_pallas import attention_decode as A
+from kernels_pallas import ops
+from kernels_pallas._common import lower_for_h200
+from kernels_pallas._testing import rel_err
+
+EPS = 1e-6
+
+
+def prep_inputs(key, B, h, hkv, hd, rd, S, dtype):
+    """(qkv row, q_norm, k_norm, cos, sin, k_cache, v_cache) as the model produces them (never zeros)."""
+    ks = jax.random.split(key, 6)
+    qkv = (2.0 * jax.random.normal(ks[0], (B, (2 * h + 2 * hkv) * hd))).astype(dtype)
+    qn = (0.1 * jax.random.normal(ks[1], (hd,))).astype(dtype)
+    kn = (0.1 * jax.random.normal(ks[2], (hd,))).astype(dtype)
+    ang = jax.random.uniform(ks[3], (B, rd), minval=0.0, maxval=100.0)
+    kc = jax.random.normal(ks[4], (B, hkv, S, hd)).astype(dtype)
+    vc = jax.random.normal(ks[5], (B, hkv, S, hd)).astype(dtype)
+    return qkv, qn, kn, jnp.cos(ang).astype(dtype), jnp.sin(ang).astype(dtype), kc, vc
+
+
+def test_signature_matches_reference():
+    ref = list(inspect.signature(A.decode_attention_prep_reference).parameters)
+    ker = inspect.signature(A.decode_attention_prep).parameters
+    assert list(ker)[:len(ref)] == ref and ker["interpret"].default is False
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("B,h,hkv,hd,rd,start", [(1, 4, 2, 32, 8, 5), (2, 3, 1, 16, 16, 0), (1, 2, 2, 64, 16, 15)])
+def test_kernel_matches_reference(dtype, B, h, hkv, hd, rd, start):
+    S = 16
+    args = prep_inputs(jax.random.PRNGKey(B * 100 + hd + rd), B, h, hkv, hd, rd, S, dtype)
+    d = dict(num_heads=h, num_kv_heads=hkv, head_dim=hd, eps=EPS)
+    ref = jax.jit(functools.partial(A.decode_attention_prep_reference, **d))(*args, jnp.int32(start))
+    out = A.decode_attention_prep(*args, jnp.int32(start), interpret=True, **d)
+    names = ("q", "sgate", "k", "v", "k_cache", "v_cache")
+    for name, a, b in zip(names, out, ref):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        if dtype == jnp.bfloat16:  # the same roundings: bit for bit
+            np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)),
+                                          err_msg=name)
+        else:  # fp32: the norms' sums of squares in another order
+            assert rel_err(a, b) < 1e-6, name
+    kc, vc = args[5], args[6]
+    others = np.arange(S) != start
+    np.testing.assert_array_equal(np.asarray(out[4])[:, :, others], np.asarray(kc)[:, :, others])  # one row written
+    np.testing.assert_array_equal(np.asarray(out[5])[:, :, start], np.asarray(out[3]))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_model_decode_path_matches_sequence_path(dtype):
+    """Attention.decode (T = 1: projection + norm, `ops.attention_decode_prep`, attention over the updated cache,
+    o_proj + gate + residual; here the references) against the general path on a T = 4 sequence pass whose
+    first token is the same (padding after it): output row, and the cache row written."""
+    from jaxddtree.model import layout as L
+    from jaxddtree.model.attention import Attention
+    from jaxddtree.model.cache import KVCache
+    from jaxddtree.model.config import TextConfig
+
+    D, B, S, start = 64, 1, 16, 6
+    cfg = TextConfig(vocab_size=32, hidden_size=D, intermediate_size=96, num_hidden_layers=1,
+                     layer_types=("full_attention",), num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     rope_theta=1e4, partial_rotary_factor=0.5, linear_num_key_heads=1, linear_num_value_heads=1,
+                     linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, rms_norm_eps=EPS)
+    m = Attention(cfg, dtype, nnx.Rngs(4))
+    ks = jax.random.split(jax.random.PRNGKey(9), 4)
+    x = jax.random.normal(ks[0], (B, 1, D)).astype(dtype)
+    cache = KVCache(k=jax.random.normal(ks[1], (B, 2, S, 16)).astype(dtype),
+                    v=jax.random.normal(ks[2], (B, 2, S, 16)).astype(dtype))
+    norm = ((0.1 * jax.random.normal(ks[3], (D,))).astype(dtype), EPS)
+
+    @functools.partial(jax.jit, static_argnames="t")
+    def step(x, cache, t):
+        xt = jnp.concatenate([x, jnp.ones((B, t - 1, D), x.dtype)], axis=1)
+        y, new, _ = m(xt, cache, L.sequence(start, t, 4, num_valid=1, batch=B), norm=norm, residual=xt)
+        return y[:, :1], new
+
+    (y1, c1), (y4, c4) = step(x, cache, 1), step(x, cache, 4)
+    tol = 1e-6 if dtype == jnp.float32 else 2e-2  # (the projections' sums differ with the row count)
+    assert rel_err(y1.astype(jnp.float32), y4.astype(jnp.float32)) < tol
+    for a, b in ((c1.k, c4.k), (c1.v, c4.v)):
+        assert rel_err(a[:, :, :start + 1].astype(jnp.float32), b[:, :, :start + 1].astype(jnp.float32)) < tol
+
+
+def test_ops_dispatch():
+    args = prep_inputs(jax.random.PRNGKey(2), 1, 2, 1, 16, 8, 8, jnp.bfloat16)
+    d = dict(num_heads=2, num_kv_heads=1, head_dim=16, eps=EPS)
+    ref = A.decode_attention_prep_reference(*args, jnp.int32(3), **d)
+    for a, b in zip(ops.attention_decode_prep(*args, jnp.int32(3), "xla", **d), ref):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+    with pytest.raises(ValueError):
+        ops.attention_decode_prep(*args, jnp.int32(3), "cuda", **d)
+
+
+def test_lowers_for_h200_at_27b_shapes():
+    S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    h, hkv, hd, rd, L = 24, 4, 256, 64, 4096 + 1024
+    f = functools.partial(A.decode_attention_prep, num_heads=h, num_kv_heads=hkv, head_dim=hd, eps=EPS)
+    txt = lower_for_h200(f, S((1, (2 * h + 2 * hkv) * hd), bf), S((hd,), bf), S((hd,), bf), S((1, rd), bf),
+                         S((1, rd), bf), S((1, hkv, L, hd), bf), S((1, hkv, L, hd), bf), S((), jnp.int32))
+    assert "__gpu$xla.gpu.triton" in txt
+
+
+def test_kernel_from_projection_partials():
+    """qkv as its GEMV's unsummed split-K partials [S, B, C] (fp32): summed in order and rounded in the kernel —
+    bitwise the kernel on the summed row and the reference on the partials; lowers at 27B shapes."""
+    from kernels_pallas.numerics import sum_partials
+    B, h, hkv, hd, rd, S = 1, 4, 2, 32, 8, 16
+    args = prep_inputs(jax.random.PRNGKey(31), B, h, hkv, hd, rd, S, jnp.bfloat16)
+    parts = jax.random.normal(jax.random.PRNGKey(32), (4,) + args[0].shape, jnp.float32)
+    d = dict(num_heads=h, num_kv_heads=hkv, head_dim=hd, eps=EPS)
+    st = jnp.int32(3)
+    got = A.decode_attention_prep(parts, *args[1:], st, interpret=True, **d)
+    on_row = A.decode_attention_prep(sum_partials(parts, jnp.bfloat16), *args[1:], st, interpret=True, **d)
+    ref = jax.jit(functools.partial(A.decode_attention_prep_reference, **d))(parts, *args[1:], st)
+    for a, b, c in zip(got, on_row, ref):
+        assert a.dtype == b.dtype == c.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(c.astype(jnp.float32)))
+    Sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    h, hkv, hd, rd, L = 24, 4, 256, 64, 4096 + 1024
+    f = functools.partial(A.decode_attention_prep, num_heads=h, num_kv_heads=hkv, head_dim=hd, eps=EPS)
+    txt = lower_for_h200(f, Sd((4, 1, (2 * h + 2 * hkv) * hd), jnp.float32), Sd((hd,), bf), Sd((hd,), bf),
+                         Sd((1, rd), bf), Sd((1, rd), bf), Sd((1, hkv, L, hd), bf), Sd((1, hkv, L, hd), bf),
+                         Sd((), jnp.int32))
+    assert "__gpu$xla.gpu.triton" in txt
