@@ -375,7 +375,8 @@ def test_pallas_fp8_kernel_in_model(pow2_blocks, jx, monkeypatch):
             b.arguments["kernels"] = "xla"
             return f(*b.args, **b.kwargs)
         return g
-    for name in ("tree_attention", "gdn_chunked", "gdn_masked_block", "gdn_decode_fused"):
+    for name in ("tree_attention", "prefill_attention", "gdn_chunked", "gdn_masked_block", "gdn_decode_fused",
+                 "attention_decode_prep"):
         monkeypatch.setattr(ops, name, on_reference(getattr(ops, name)))
     pallas = _logits(jx, dataclasses.replace(target, kernels="pallas"), ids, 2)
     # traced per jit (prefill; decode once or twice): 4 layers x 4 fp8 projections (w_in | w_qkv, w_out | wo,
