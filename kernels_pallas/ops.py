@@ -36,7 +36,13 @@ PALLAS_DENSE_MIN_COLS = 2048
 # as one kernel (`attention_decode_prep`). Same results either way; off = the separate ops (XLA fusions) around
 # the plain GEMV, for A/B timing (`fused_decode(False)`, benchmarks/profile_gpu.py --decode-fusions). Read when
 # a function is traced: set it before the first call of a jitted step.
-FUSED_DECODE = True
+FUSED_DECODE = False  # H200 27B (2026-11-30): all fusions 30.9 ms vs 17.3 ms unfused (profile_gpu A/B)
+# Parts of the decode fusions that can be switched off on their own (A/B: benchmarks/ab_decode_fusions.py):
+# the RMSNorm in the GEMV prologue, the MLP as two GEMVs with the SwiGLU in the down GEMV's prologue
+# (`mlp_decode`), and the unsummed split-K partials handed to the GDN / attention decode kernels.
+FUSED_NORM = True
+FUSED_MLP = True
+FUSED_PARTIALS = True
 
 
 @contextlib.contextmanager
@@ -154,8 +160,10 @@ def dense_partials(x, w, kernels="xla", *, norm=None):
     where that path does not apply (not kernels="pallas" with FUSED_DECODE, not the GEMV's domain): the
     caller then uses `dense`."""
     rows, K = math.prod(x.shape[:-1]), x.shape[-1]
-    if not (kernels == "pallas" and FUSED_DECODE and _gemv(x, w, rows, w.shape[1])):
+    if not (kernels == "pallas" and FUSED_DECODE and FUSED_PARTIALS and _gemv(x, w, rows, w.shape[1])):
         return None
+    if norm is not None and not FUSED_NORM:
+        x, norm = rms_norm_1p(x, *norm), None
     from kernels_pallas import dense as dense_kernel
     nw, eps = norm if norm is not None else (None, 1e-6)
     return dense_kernel.dense(x.reshape(rows, K), w, nw, eps, reduce=False)
@@ -170,8 +178,11 @@ def mlp_decode(x, w_gate_up, w_down, kernels="xla", *, norm=None, residual=None)
     as the unfused chain, bit for bit. Returned in fp32 (already rounded)."""
     D, F = w_down.shape[1], w_down.shape[0]
     rows = math.prod(x.shape[:-1])
-    if not (kernels == "pallas" and FUSED_DECODE and _gemv(x, w_gate_up, rows, 2 * F) and _gemv(x, w_down, rows, D)):
+    if not (kernels == "pallas" and FUSED_DECODE and FUSED_MLP and _gemv(x, w_gate_up, rows, 2 * F)
+            and _gemv(x, w_down, rows, D)):
         return None
+    if norm is not None and not FUSED_NORM:
+        x, norm = rms_norm_1p(x, *norm), None
     from kernels_pallas import dense as dense_kernel
     nw, eps = norm if norm is not None else (None, 1e-6)
     parts = dense_kernel.dense(x.reshape(rows, D), w_gate_up.reshape(D, 2 * F), nw, eps, reduce=False)
@@ -212,6 +223,8 @@ def dense(spec: str, x, w, kernels="xla", *, norm=None, gate=None, residual=None
     K = math.prod(w.shape[:nc])
     if gemv and FUSED_DECODE and (norm is None or nc == 1):
         from kernels_pallas import dense as dense_kernel
+        if norm is not None and not FUSED_NORM:
+            x, norm = rms_norm_1p(x, *norm), None
         nw, eps = norm if norm is not None else (None, 1e-6)
         y = dense_kernel.dense(x.reshape(rows, K), w.reshape(K, -1), nw, eps,
                                None if gate is None else gate.reshape(rows, K),

@@ -1,0 +1,87 @@
+#!/usr/bin/env python
+"""A/B of the decode-step fusions (kernels_pallas.ops FUSED_* switches) at Qwen3.6-27B shapes, one process:
+the AR decode step's median time for each combination, plus its greedy token vs the unfused step's.
+
+    python benchmarks/ab_decode_fusions.py --out ab.json        # H200
+    JAX_PLATFORMS=cpu python benchmarks/ab_decode_fusions.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from bench import QWEN36_27B, SMOKE_TARGET, fill_random, make_decode, median_ms  # noqa: E402
+from jaxddtree.model.config import text_config_from_dict  # noqa: E402
+from jaxddtree.model.target import random_target  # noqa: E402
+from kernels_pallas import ops  # noqa: E402
+
+FLAGS = ("FUSED_DECODE", "FUSED_NORM", "FUSED_MLP", "FUSED_PARTIALS")
+VARIANTS = {  # name -> (FUSED_DECODE, FUSED_NORM, FUSED_MLP, FUSED_PARTIALS)
+    "unfused": (False, False, False, False),
+    "all": (True, True, True, True),
+    "no_mlp": (True, True, False, True),
+    "no_mlp_no_norm": (True, False, False, True),
+    "no_mlp_no_partials": (True, True, False, False),
+    "epilogues_only": (True, False, False, False),
+}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--runs", type=int, default=30)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (xla: checks the script only)")
+    args = ap.parse_args(argv)
+    raw = dict(QWEN36_27B)
+    if args.smoke:
+        raw.update(SMOKE_TARGET)
+        args.context, args.runs = 64, 3
+    cfg = text_config_from_dict(raw, where="Qwen3.6-27B shapes")
+    target = random_target(cfg, "bfloat16")
+    kernels = "pallas" if jax.default_backend() == "gpu" else "xla"
+    res = {"device": jax.devices()[0].device_kind, "date": datetime.date.today().isoformat(), "context": args.context,
+           "flags": FLAGS, "variants": {}}
+    base_tok = None
+    for name in args.variants.split(","):
+        saved = [getattr(ops, f) for f in FLAGS]
+        for f, v in zip(FLAGS, VARIANTS[name]):
+            setattr(ops, f, v)
+        try:
+            decode = make_decode(target, kernels)  # a fresh jit: traced with these switches
+            cache = fill_random(target.init_cache(args.context + 512), jax.random.key(3)).replace(
+                length=jnp.int32(args.context))
+            state = [jnp.ones((1, 1), jnp.int32), cache]
+            tok, state[1] = decode(target.leaves, state[1], state[0])
+            first = int(jax.device_get(tok)[0, 0])
+            base_tok = first if base_tok is None else base_tok
+
+            def step():
+                state[0], state[1] = decode(target.leaves, state[1], state[0])
+                return state[0]
+
+            ms = median_ms(step, n=args.runs)
+        finally:
+            for f, v in zip(FLAGS, saved):
+                setattr(ops, f, v)
+        res["variants"][name] = {"ar_step_ms": round(ms, 3), "first_token": first, "same_token_as_first": first == base_tok}
+        print(name, res["variants"][name], flush=True)
+        del state, cache
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
