@@ -36,12 +36,16 @@ PALLAS_DENSE_MIN_COLS = 2048
 # as one kernel (`attention_decode_prep`). Same results either way; off = the separate ops (XLA fusions) around
 # the plain GEMV, for A/B timing (`fused_decode(False)`, benchmarks/profile_gpu.py --decode-fusions). Read when
 # a function is traced: set it before the first call of a jitted step.
-FUSED_DECODE = False  # H200 27B (2026-11-30): all fusions 30.9 ms vs 17.3 ms unfused (profile_gpu A/B)
-# Parts of the decode fusions that can be switched off on their own (A/B: benchmarks/ab_decode_fusions.py):
-# the RMSNorm in the GEMV prologue, the MLP as two GEMVs with the SwiGLU in the down GEMV's prologue
-# (`mlp_decode`), and the unsummed split-K partials handed to the GDN / attention decode kernels.
-FUSED_NORM = True
-FUSED_MLP = True
+FUSED_DECODE = True
+# Parts of the decode fusions that can be switched off on their own: the RMSNorm in the GEMV prologue, the MLP
+# as two GEMVs with the SwiGLU in the down GEMV's prologue (`mlp_decode`), and the unsummed split-K partials
+# handed to the GDN / attention decode kernels. H200, 27B, 4K (benchmarks/ab_decode_fusions.py, one run,
+# 2026-11-30), AR step: unfused 18.14 ms, all 31.34, without the MLP chain 20.63, without the MLP chain and the
+# norm prologue 17.68 (the default), epilogues only 17.97; the same greedy token in every variant. The norm
+# prologue (every program recomputes the row's norm before its first weight tile) and the SwiGLU prologue
+# (every column program re-sums the gate|up partials of its K range) delay the weight stream.
+FUSED_NORM = False
+FUSED_MLP = False
 FUSED_PARTIALS = True
 
 
