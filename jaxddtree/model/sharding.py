@@ -155,6 +155,24 @@ def replicate(tree, mesh: Mesh | None):
     return tree if mesh is None else jax.device_put(tree, NamedSharding(mesh, P()))
 
 
+def _state_shardings(mesh: Mesh, tree):
+    """Caches (`ModelCache` subtrees) split by heads, everything else replicated."""
+    specs = jax.tree.map(lambda x: cache_specs(x) if isinstance(x, ModelCache) else P(), tree,
+                         is_leaf=lambda x: isinstance(x, ModelCache))
+    return shardings(mesh, specs)
+
+
+def place(tree, mesh: Mesh | None):
+    """Outside jit: put a state pytree (e.g. the decode loop's) on `mesh` as `constrain` lays it out, so that
+    its first and later jitted calls see the same input shardings (one compilation)."""
+    return tree if mesh is None else jax.device_put(tree, _state_shardings(mesh, tree))
+
+
+def constrain(tree, mesh: Mesh | None):
+    """Inside jit: the same layout as `place`, as a sharding constraint on a returned state."""
+    return tree if mesh is None else jax.lax.with_sharding_constraint(tree, _state_shardings(mesh, tree))
+
+
 def init_sharded_cache(cfg: TextConfig, mesh: Mesh, max_len: int, dtype, batch: int = 1) -> ModelCache:
     """`init_cache` of the global shapes, created directly in its shards."""
     make = lambda: init_cache(cfg, max_len, dtype, batch)
@@ -193,8 +211,10 @@ class TensorParallel(nnx.Module):
 
         out_specs = (None if logits == "none" else P(None, None, AXIS), cache_specs(cache),
                      P() if feature_layers else None, _stash_specs(self.cfg) if layout.is_tree else None)
+        # check_vma=False: the Pallas kernels' out_shape carries no varying-axes type (jax 0.11.2 refuses a
+        # pallas_call under check_vma=True); the features are replicated because every psum result is
         return jax.shard_map(local, mesh=self.mesh, in_specs=(leaf_specs(state), P(), cache_specs(cache), P()),
-                             out_specs=out_specs)(leaves, tokens, cache, layout)
+                             out_specs=out_specs, check_vma=False)(leaves, tokens, cache, layout)
 
 
 def shard_target(target, tp: int, consume: bool = False):
