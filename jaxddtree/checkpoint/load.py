@@ -27,11 +27,11 @@ def load_target(path: str, dtype="bfloat16", progress: bool = False, tp: int = 1
         raise CheckpointError(f"{path}: not a directory")
     if orbax_format.is_converted(path):
         sharding.check_tp(load_config(path), tp)
-        return sharding.shard_target(orbax_format.restore_target(path, dt), tp, consume=True)
+        return orbax_format.restore_target(path, dt).shard(tp, consume=True)
     cfg = load_config(path)
     sharding.check_tp(cfg, tp)
     target = target_from_params(cfg, load_params(cfg, path, dt, progress=progress), dt, source=path)
-    return sharding.shard_target(target, tp, consume=True)
+    return target.shard(tp, consume=True)
 
 
 def load_drafter(path: str, target: Any, dtype: Any = "bfloat16") -> Drafter:

@@ -8,7 +8,7 @@ all-reduce each) before the single rounding; the embedding and the norms are rep
 over the vocabulary and the logits leave the shard_map vocab-sharded (XLA partitions their consumers).
 
 The fused projections are not head-major across their parts (attention `w_qkv` = [q|gate per head | k | v],
-GDN `w_in` = [q | k | v | z | b | a], the conv's channels [q | k | v]), so `shard_target` permutes their
+GDN `w_in` = [q | k | v | z | b | a], the conv's channels [q | k | v]), so `shard_leaves` permutes their
 columns into shard-major order: contiguous column block i of the global array is exactly the tp=1 layout of
 shard i's heads. Head-indexed arrays (wo, w_out, A_log, dt_bias, the KV cache [B, Hkv, S, hd], the GDN state
 [B, Hv, dk, dv], the tree stash) keep the global head order and are split in contiguous head blocks (value
@@ -217,39 +217,31 @@ class TensorParallel(nnx.Module):
                              out_specs=out_specs, check_vma=False)(leaves, tokens, cache, layout)
 
 
-def shard_target(target, tp: int, consume: bool = False):
-    """A copy of the (unsharded) `target` placed over the first tp devices (tp = 1: `target` itself).
-    `consume`: drop the source's arrays one by one as they are placed (bounds the peak memory)."""
-    from jaxddtree.model.target import Target
-
-    cfg = target.config
+def shard_leaves(cfg: TextConfig, dtype, treedef, leaves: list, tp: int, consume: bool = False):
+    """An unsharded target's parameters (`treedef`, `leaves`) placed over the first tp > 1 devices ->
+    (graphdef, treedef, leaves, mesh) of the `TensorParallel` model (`Target.shard` wraps it). `consume`:
+    set each entry of `leaves` to None once placed (bounds the peak memory; the source is unusable after)."""
     check_tp(cfg, tp)
-    if tp == 1:
-        return target
-    if target.mesh is not None:
-        raise ValueError("shard_target: the target is already sharded")
-    src = jax.tree.unflatten(target.treedef, target.leaves)
+    src = jax.tree.unflatten(treedef, leaves)
     if any(isinstance(x, Fp8Weight) for x in jax.tree.leaves(src, is_leaf=lambda x: isinstance(x, Fp8Weight))):
         raise ValueError("tensor parallelism of FP8 checkpoints is not supported yet (load with tp=1)")
     mesh = make_mesh(tp)
-    abstract = nnx.eval_shape(lambda: TensorParallel(Qwen35(local_config(cfg, tp), target.dtype,
-                                                            rngs=nnx.Rngs(0)), mesh))
+    abstract = nnx.eval_shape(lambda: TensorParallel(Qwen35(local_config(cfg, tp), dtype, rngs=nnx.Rngs(0)), mesh))
     graphdef, state = nnx.split(abstract)
     src_paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(src)[0]]
     dst_paths = [path[1:] for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]  # less "inner"
-    assert src_paths == dst_paths, "the sharded model's parameters differ from the target's"
+    if src_paths != dst_paths:
+        raise ValueError("tensor parallelism: the target's parameters differ from the model's (already sharded?)")
+    del src
     placed = []
     for i, (path, spec) in enumerate(zip(src_paths, leaf_specs(state))):
         name = _name(path)
         order = column_order(cfg, name, tp)
-        x = target.leaves[i]
+        x = leaves[i]
         if order is not None:
             x = jnp.take(x, jnp.asarray(order), axis=_SPLIT[name])
         placed.append(jax.device_put(x, NamedSharding(mesh, spec)))
         if consume:
-            target.leaves[i] = None
+            leaves[i] = None
         del x
-    leaves, treedef = jax.tree.flatten(state)
-    assert len(leaves) == len(placed)
-    return Target(config=cfg, graphdef=graphdef, treedef=treedef, leaves=placed, dtype=target.dtype,
-                  source=target.source, kernels=target.kernels, mesh=mesh)
+    return graphdef, jax.tree.structure(state), placed, mesh
