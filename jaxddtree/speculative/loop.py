@@ -202,7 +202,7 @@ def check_memory(target: Target, drafter, max_len: int, prompt_len: int, max_new
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if not stats or "bytes_limit" not in stats:
         return
-    cache = _nbytes(jax.eval_shape(lambda: target.init_cache(max_len)))
+    cache = _nbytes(jax.eval_shape(lambda: target.init_cache(max_len))) // target.tp  # split by heads
     if drafter is not None:
         cache += _nbytes(jax.eval_shape(lambda: drafter.init_cache(1, max_len)))
     cfg = target.config
