@@ -36,7 +36,7 @@ from jaxddtree.model.qwen35 import Qwen35
 
 AXIS = "tp"
 
-# per parameter name (mixer params by layer type): the axis split over the mesh (None: replicated)
+# per parameter name (unique across the layer types): the axis split over the mesh (None: replicated)
 _SPLIT = {"embed": None, "lm_head": 1, "weight": None,  # input / post / final norms
           "w_qkv": 1, "wo": 0, "q_norm": None, "k_norm": None,  # attention
           "w_in": 1, "conv": 1, "dt_bias": 0, "A_log": 0, "norm": None, "w_out": 0,  # gated deltanet
