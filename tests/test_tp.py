@@ -188,8 +188,9 @@ def test_check_tp_lists_valid_values():
 
 
 def test_pallas_kernels_lower_per_shard_for_two_h200():
-    """27B shapes (one GDN + one attention layer), tp=2 over an abstract 2-H200 mesh: the decode step and a
-    65-node verify lower for CUDA with the Pallas kernels inside the shard_map, 2 all-reduces per layer."""
+    """27B shapes (one GDN + one attention layer), tp=2 over an abstract 2-H200 mesh: the decode step, a
+    65-node verify and a prefill chunk lower for CUDA with the Pallas kernels inside the shard_map, 2
+    all-reduces per layer."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -220,13 +221,14 @@ def test_pallas_kernels_lower_per_shard_for_two_h200():
     def step(leaves, cache, tokens, parents):
         m = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
         if parents is None:
-            lay = layout_lib.sequence(cache.length, 1, 4, kernels="pallas")
+            lay = layout_lib.sequence(cache.length, tokens.shape[1], 4, kernels="pallas")
         else:
             lay = layout_lib.tree(cache.length, parents, 4, kernels="pallas")
         return m(tokens, cache, lay, logits="all")
 
     for tokens, parents, kernels in ((scalar((1, 1)), None, {"dense_dot", "gdn_decode_fused", "tree_attention"}),
-                                     (scalar((1, 65)), scalar((65,)), {"gdn_tree_block", "tree_attention"})):
+                                     (scalar((1, 65)), scalar((65,)), {"gdn_tree_block", "tree_attention"}),
+                                     (scalar((1, 128)), None, {"gdn_prefill_inter_chunk", "tree_attention"})):
         with jax.sharding.use_abstract_mesh(mesh):
             txt = jax.jit(step).trace(leaves, cache, tokens, parents).lower(lowering_platforms=("cuda",)).as_text()
         assert txt.count("all_reduce") == 4  # 2 layers x (mixer + MLP)
