@@ -456,7 +456,8 @@ def main(argv=None):
         held = [cache]
         for kp in paths:
             do_commit = jax.jit(lambda c, s, kp=kp: commit(c, s, path, jnp.asarray([2], jnp.int32),
-                                                             kernels=args.kernels), donate_argnums=0)
+                                                             kernels=args.kernels, mesh=target.mesh),
+                                donate_argnums=0)
 
             def commit_once():
                 held[0] = do_commit(held[0], st)

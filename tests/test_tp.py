@@ -189,8 +189,8 @@ def test_check_tp_lists_valid_values():
 
 def test_pallas_kernels_lower_per_shard_for_two_h200():
     """27B shapes (one GDN + one attention layer), tp=2 over an abstract 2-H200 mesh: the decode step, a
-    65-node verify and a prefill chunk lower for CUDA with the Pallas kernels inside the shard_map, 2
-    all-reduces per layer."""
+    65-node verify + commit and a prefill chunk lower for CUDA with the Pallas kernels inside the shard_maps,
+    2 all-reduces per layer."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -200,6 +200,7 @@ def test_pallas_kernels_lower_per_shard_for_two_h200():
     from jaxddtree.model.cache import init_cache
     from jaxddtree.model.config import ATTENTION, GDN
     from jaxddtree.model.qwen35 import Qwen35
+    from jaxddtree.speculative.verify import commit
     from kernels_pallas._common import H200
 
     cfg = tiny_config(vocab_size=248320, hidden_size=5120, intermediate_size=17408, layer_types=(GDN, ATTENTION),
@@ -221,14 +222,14 @@ def test_pallas_kernels_lower_per_shard_for_two_h200():
     def step(leaves, cache, tokens, parents):
         m = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
         if parents is None:
-            lay = layout_lib.sequence(cache.length, tokens.shape[1], 4, kernels="pallas")
-        else:
-            lay = layout_lib.tree(cache.length, parents, 4, kernels="pallas")
-        return m(tokens, cache, lay, logits="all")
+            return m(tokens, cache, layout_lib.sequence(cache.length, tokens.shape[1], 4, kernels="pallas"))
+        logits, _, _, stashes = m(tokens, cache, layout_lib.tree(cache.length, parents, 4, kernels="pallas"))
+        path = jnp.arange(16, dtype=jnp.int32)[None]  # a chain's first 16 nodes, committed per shard
+        return logits, commit(cache, stashes, path, jnp.asarray([5], jnp.int32), kernels="pallas", mesh=mesh)
 
     for tokens, parents, kernels in ((scalar((1, 1)), None, {"dense_dot", "gdn_decode_fused", "tree_attention"}),
-                                     (scalar((1, 65)), scalar((65,)), {"gdn_tree_block", "tree_attention"}),
-                                     (scalar((1, 128)), None, {"gdn_prefill_inter_chunk", "tree_attention"})):
+                                     (scalar((1, 65)), scalar((65,)), {"gdn_tree_block", "tree_attention", "gdn_commit"}),
+                                     (scalar((1, 128)), None, {"gdn_prefill_inter_chunk", "prefill_attention"})):
         with jax.sharding.use_abstract_mesh(mesh):
             txt = jax.jit(step).trace(leaves, cache, tokens, parents).lower(lowering_platforms=("cuda",)).as_text()
         assert txt.count("all_reduce") == 4  # 2 layers x (mixer + MLP)

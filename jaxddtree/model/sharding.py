@@ -139,11 +139,19 @@ def cache_specs(cache: ModelCache) -> ModelCache:
     return ModelCache(layers=layers, length=P())
 
 
-def _stash_specs(cfg: TextConfig):
-    """Tree-pass stashes [B, N, heads|channels, ...]: split on axis 2."""
+def _stash_spec(attention: bool):
+    """A tree-pass stash [B, N, heads|channels, ...]: split on axis 2."""
     s = P(None, None, AXIS)
-    return tuple(AttentionStash(k=s, v=s) if t == ATTENTION else GDNStash(k=s, W=s, g=s, x=s)
-                 for t in cfg.layer_types)
+    return AttentionStash(k=s, v=s) if attention else GDNStash(k=s, W=s, g=s, x=s)
+
+
+def commit_per_shard(commit, mesh: Mesh, cache: ModelCache, stashes, path, path_len) -> ModelCache:
+    """`commit(cache, stashes, path, path_len)` (speculative/verify.py) run on each device's heads inside
+    `jax.shard_map`: every step of a commit is per head / per conv channel, and the Pallas GDN commit kernel
+    needs the local arrays (outside a shard_map XLA would gather the states to run it)."""
+    stash_specs = tuple(_stash_spec(isinstance(s, AttentionStash)) for s in stashes)
+    return jax.shard_map(commit, mesh=mesh, in_specs=(cache_specs(cache), stash_specs, P(), P()),
+                         out_specs=cache_specs(cache), check_vma=False)(cache, stashes, path, path_len)
 
 
 def shardings(mesh: Mesh, specs):
@@ -210,7 +218,8 @@ class TensorParallel(nnx.Module):
             return model(tokens, cache, layout, feature_layers=feature_layers, logits=logits)
 
         out_specs = (None if logits == "none" else P(None, None, AXIS), cache_specs(cache),
-                     P() if feature_layers else None, _stash_specs(self.cfg) if layout.is_tree else None)
+                     P() if feature_layers else None,
+                     tuple(_stash_spec(t == ATTENTION) for t in self.cfg.layer_types) if layout.is_tree else None)
         # check_vma=False: the Pallas kernels' out_shape carries no varying-axes type (jax 0.11.2 refuses a
         # pallas_call under check_vma=True); the features are replicated because every psum result is
         return jax.shard_map(local, mesh=self.mesh, in_specs=(leaf_specs(state), P(), cache_specs(cache), P()),

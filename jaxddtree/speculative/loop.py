@@ -147,7 +147,7 @@ def _spec_round(model, dparams, dcfg, embed, lm_head, state: DecodeState, plan: 
     post = tree_lib.posterior_tokens(logits[0], _temperature(state, plan), sub)
     acc = tree_lib.accept(tree, post, mask)
     n_acc = acc.num_accepted
-    cache = commit(state.cache, stashes, acc.path[None], n_acc[None], kernels=plan.kernels)
+    cache = commit(state.cache, stashes, acc.path[None], n_acc[None], kernels=plan.kernels, mesh=plan.mesh)
     ctx = jnp.take(feats, acc.path, axis=1)  # [1, D+1, F]
     # emitted: accepted drafts (depths 1..n_acc-1) then the bonus token
     drafts = tree.tokens[jnp.concatenate([acc.path[1:], acc.path[-1:]])]  # [D+1]
