@@ -34,6 +34,7 @@ from flax import nnx
 from kernels_pallas import ops
 
 from jaxddtree.model import layout as layout_lib
+from jaxddtree.model import sharding
 from jaxddtree.speculative import loop as loop_lib
 from jaxddtree.speculative import tree as tree_lib
 from jaxddtree.model.cache import KVCache
@@ -131,7 +132,7 @@ def make_round(target, drafter: Drafter, plan, cache, rounds: int = 1, runner=No
         ctx_n=jnp.int32(1), root=jnp.ones((1,), jnp.int32), out=jnp.zeros((1, 100000 + P), jnp.int32),
         n_out=jnp.int32(1), done=jnp.asarray(False), key=jax.random.key(0), acc=jnp.zeros((100000,), jnp.int32),
         n_rounds=jnp.int32(0), stop_mask=jnp.zeros((cfg.vocab_size,), bool))
-    holder = [state]
+    holder = [sharding.place(state, target.mesh)]
     oracle = jnp.zeros((1,), jnp.int32)
 
     def one():
@@ -251,10 +252,14 @@ def main(argv=None):
     ap.add_argument("--prefill-contexts", default="8192,32768,131072",
                     help="prompt lengths timed for prefill_s_by_context (with --contexts)")
     ap.add_argument("--prefill-chunk", type=int, default=2048, help="rows per prefill call in the context sweep")
+    ap.add_argument("--tp", type=int, default=None, help="tensor parallelism over the first N GPUs; the results go "
+                    "into the tp<N> object of --out (tp_ratios compares tp1 and tp2 when both are there)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, few runs: check the script on a CPU")
     ap.add_argument("--weights", default="bf16", choices=["bf16", "fp8"],
                     help="fp8: random fp8 target weights (issue 17); writes only the fp8.* keys (see bench_fp8)")
     args = ap.parse_args(argv)
+    if (args.tp or 1) > 1 and args.contexts:
+        ap.error("--contexts runs at tp=1 only (its tree-attention timing calls the kernel outside the model)")
     sections = set(args.sections.split(","))
 
     raw = json.load(open(args.config)) if args.config else dict(QWEN36_27B)
@@ -267,9 +272,12 @@ def main(argv=None):
             args.contexts, args.prefill_contexts, args.prefill_chunk = "64,192", "64,128", 32
     cfg = text_config_from_dict(raw, where=args.config or "built-in Qwen3.6-27B shapes")
     dev = jax.devices()[0]
-    res = {}
+    res = top = {}
     if os.path.exists(args.out):
-        res = json.load(open(args.out))
+        res = top = json.load(open(args.out))
+    if args.tp is not None:
+        res = top.setdefault(f"tp{args.tp}", {})
+    tp = args.tp or 1
     default_kernels = "pallas" if dev.platform == "gpu" else "xla"
     args.kernels = args.kernels or default_kernels
     key = "" if args.kernels == default_kernels else f"_{args.kernels}"
@@ -278,8 +286,13 @@ def main(argv=None):
 
     def save():
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        if "tp1" in top and "tp2" in top:  # issue 18's goals: tp=2 / tp=1 of the same quantity
+            top["tp_ratios"] = {f"{k}_tp2_over_tp1": round(v2 / v1, 3) for k, v1, v2 in (
+                ("ar_step_ms", top["tp1"].get("ar_step_ms"), top["tp2"].get("ar_step_ms")),
+                ("round_ms_64", top["tp1"].get("round_ms", {}).get("64"), top["tp2"].get("round_ms", {}).get("64")))
+                if v1 and v2}
         with open(args.out, "w") as f:
-            json.dump(res, f, indent=1, sort_keys=True)
+            json.dump(top, f, indent=1, sort_keys=True)
 
     def log(msg):
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -306,14 +319,14 @@ def main(argv=None):
         save()
 
     t0 = time.time()
-    target = random_target(cfg, "bfloat16", seed=0)
+    target = random_target(cfg, "bfloat16", seed=0, tp=tp)
     target.kernels = args.kernels
     n_bytes = sum(x.size * x.dtype.itemsize for x in target.leaves)
     embed_bytes = cfg.vocab_size * cfg.hidden_size * 2
     streamed = n_bytes - embed_bytes
     res["weights_streamed_gb"] = round(streamed / 1e9, 3)
     if "weight_stream_tb_s" in res:
-        res["floor_ms"] = round(streamed / (res["weight_stream_tb_s"] * 1e12) * 1e3, 3)
+        res["floor_ms"] = round(streamed / tp / (res["weight_stream_tb_s"] * 1e12) * 1e3, 3)  # per device
     log(f"target built in {time.time() - t0:.1f}s: {n_bytes / 1e9:.2f} GB ({streamed / 1e9:.2f} GB streamed/token)")
     gd, td = target.graphdef, target.treedef
     L = args.context
@@ -321,7 +334,7 @@ def main(argv=None):
 
     def fresh_cache(length):
         c = fill_random(target.init_cache(S), jax.random.key(3))
-        return c.replace(length=jnp.int32(length))
+        return sharding.place(c.replace(length=jnp.int32(length)), target.mesh)
 
     if "ar" in sections:
         decode = make_decode(target, args.kernels)
@@ -385,6 +398,7 @@ def main(argv=None):
 
     dcfg = DrafterConfig(**dflash)
     drafter = random_drafter(dcfg, jnp.bfloat16)
+    drafter.params = sharding.replicate(drafter.params, target.mesh)
 
     if "parts" in sections:
         dcache = fill_random(init_draft_cache(dcfg, 1, S, jnp.bfloat16), jax.random.key(4))
@@ -442,7 +456,8 @@ def main(argv=None):
         held = [cache]
         for kp in paths:
             do_commit = jax.jit(lambda c, s, kp=kp: commit(c, s, path, jnp.asarray([2], jnp.int32),
-                                                             kernels=args.kernels), donate_argnums=0)
+                                                             kernels=args.kernels, mesh=target.mesh),
+                                donate_argnums=0)
 
             def commit_once():
                 held[0] = do_commit(held[0], st)
@@ -460,7 +475,7 @@ def main(argv=None):
         for method, budget in plans:
             plan = loop_lib.Plan(method=method, budget=budget, max_new=100000, sampling=False,
                                  kernels=args.kernels, conv_kernel=cfg.linear_conv_kernel_dim,
-                                 feature_layers=dcfg.target_layer_ids)
+                                 feature_layers=dcfg.target_layer_ids, mesh=target.mesh)
             one = make_round(target, drafter, plan, fresh_cache(L))
             t = time.time()
             jax.block_until_ready(one())

@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from jaxddtree.model import layout as layout_lib
+from jaxddtree.model import sharding
 from jaxddtree.model.config import text_config_from_dict
 from jaxddtree.model.target import random_target
 from jaxddtree.speculative.verify import verify
@@ -45,6 +46,8 @@ PALLAS_NAMES = ("gdn_tree", "tree_attention", "gdn_decode", "gdn_prefill", "deco
 def category(name: str) -> str:
     """Coarse kernel class: GEMMs, our Pallas kernels, XLA fusions (elementwise/reduction), copies, other."""
     n = name.lower()
+    if any(p in n for p in ("nccl", "all_reduce", "allreduce", "all-reduce", "all_gather", "allgather")):
+        return "collective"  # tensor parallelism (--tp): NCCL all-reduces / all-gathers
     if any(p in n for p in PALLAS_NAMES):
         return "pallas"
     if any(p in n for p in ("gemm", "nvjet", "cutlass", "xmma", "gemv", "cublas", "matmul", "dot")):
@@ -76,7 +79,7 @@ def summarise(trace_dir, n_steps):
     starts, ends, busy = [], [], 0.0
     big_copies = collections.Counter()
     for plane in pd.planes:
-        if not plane.name.startswith("/device:GPU"):
+        if plane.name != "/device:GPU:0":  # the first GPU (with --tp, every GPU runs the same step)
             continue
         for line in plane.lines:
             if "Stream" not in line.name and "stream" not in line.name:
@@ -115,6 +118,8 @@ def main():
     ap.add_argument("--budget", type=int, default=64, help="DDTree budget of the profiled round")
     ap.add_argument("--context", type=int, default=4096, help="committed context length")
     ap.add_argument("--parts", default="decode,verify,round", help="comma list of: decode, verify, round")
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallelism over the first N GPUs (profiles GPU 0; "
+                    "NCCL kernels are the 'collective' category)")
     ap.add_argument("--merge-into", default=None,
                     help="also write <part>_kernels_per_step into this bench JSON (e.g. benchmarks/results/h200.json)")
     ap.add_argument("--decode-fusions", default="on", choices=["on", "off", "both"],
@@ -129,13 +134,14 @@ def main():
         dflash.update(SMOKE_DFLASH)
         args.context, args.kernels = 64, "xla"
     cfg = text_config_from_dict(raw)
-    target = random_target(cfg, "bfloat16", 0)
+    target = random_target(cfg, "bfloat16", 0, tp=args.tp)
     target.kernels = args.kernels
     gd, td = target.graphdef, target.treedef
     L, S = args.context, args.context + 1024
 
     def fresh_cache():
-        return fill_random(target.init_cache(S), jax.random.key(3)).replace(length=jnp.int32(L))
+        return sharding.place(fill_random(target.init_cache(S), jax.random.key(3)).replace(length=jnp.int32(L)),
+                              target.mesh)
 
     parents = jnp.asarray(random_tree(args.nodes, 15, 0))
     tokens = jnp.ones((1, args.nodes), jnp.int32)
@@ -179,10 +185,12 @@ def main():
         dcfg = DrafterConfig(**dflash)
         plan = loop_lib.Plan(method="ddtree", budget=args.budget, max_new=100000, sampling=False,
                              kernels=args.kernels, conv_kernel=cfg.linear_conv_kernel_dim,
-                             feature_layers=dcfg.target_layer_ids)
-        steps["round"] = make_round(target, random_drafter(dcfg, jnp.bfloat16), plan, fresh_cache())
+                             feature_layers=dcfg.target_layer_ids, mesh=target.mesh)
+        drafter = random_drafter(dcfg, jnp.bfloat16)
+        drafter.params = sharding.replicate(drafter.params, target.mesh)
+        steps["round"] = make_round(target, drafter, plan, fresh_cache())
 
-    res = {"context": L, "kernels": args.kernels, "nodes": args.nodes, "budget": args.budget,
+    res = {"context": L, "kernels": args.kernels, "tp": args.tp, "nodes": args.nodes, "budget": args.budget,
            "device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"),
            "decode_fusions": args.decode_fusions}
     if "decode_unfused" in steps:  # A/B, unprofiled: step times (alternating blocks) and one step's logits

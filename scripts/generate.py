@@ -121,6 +121,9 @@ def build_parser() -> Parser:
                    "(default: float32 on CPU, bfloat16 on GPU)")
     r.add_argument("--kernels", choices=("xla", "pallas"), default=None, help="xla: jnp reference ops; pallas: "
                    "the GPU kernels (default: pallas on GPU, xla on CPU)")
+    r.add_argument("--tp", type=positive_int, default=1, metavar="N", help="tensor parallelism: split the target "
+                   "over the first N devices (must divide its head counts, intermediate size and vocab; on a CPU "
+                   "XLA_FLAGS=--xla_force_host_platform_device_count=N makes N devices; default: 1)")
     r.add_argument("--loop", choices=("host", "device"), default="host", help="host: the host polls every "
                    "--sync-every rounds and streams tokens; device: all rounds in one lax.while_loop, text "
                    "printed at the end (default: host)")
@@ -314,6 +317,11 @@ def run(argv=None) -> int:
     _check_prompt(args, cfg, ids)
     stops = default_stop_ids(cfg, tok) if stops is None else stops
     _check_stops(stops, cfg)
+    from jaxddtree.model.sharding import check_tp, replicate
+    try:
+        check_tp(cfg, args.tp)
+    except ValueError as e:
+        raise UsageError(f"--tp: {e}") from None
 
     # ---- the weights
     tty = sys.stderr.isatty() and not args.json
@@ -323,10 +331,11 @@ def run(argv=None) -> int:
     t_load = time.perf_counter()
     if tdir is None:
         pair = builtin.load_random(dtype)
-        target, drafter = pair.target, pair.drafter
+        target, drafter = pair.target.shard(args.tp, consume=True), pair.drafter
+        drafter.params = replicate(drafter.params, target.mesh)
     else:
         say(f"loading {tdir} ...")
-        target = jd.load_target(tdir, dtype, progress=tty)
+        target = jd.load_target(tdir, dtype, progress=tty, tp=args.tp)
         drafter = None
         if ddir:
             say(f"loading {ddir} ...")
@@ -340,7 +349,7 @@ def run(argv=None) -> int:
     if not args.json:
         log(f"{method}" + (f" (budget {args.budget})" if method == "ddtree" else "") +
             f", {len(ids)} prompt tokens, max {max_new} new, T={args.temperature:g}, {dtype}, kernels={kernels}, "
-            f"{backend} (loaded in {load_s:.1f} s)")
+            f"{backend}" + (f", tp={args.tp}" if args.tp > 1 else "") + f" (loaded in {load_s:.1f} s)")
     compile_s = None
     if not args.no_warmup:  # same shapes; every token is a stop id, so only the first is produced
         say("compiling ...")

@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None, help="default: float32 on CPU, "
                    "bfloat16 on GPU")
     p.add_argument("--kernels", choices=("xla", "pallas"), default=None, help="default: pallas on GPU, xla on CPU")
+    p.add_argument("--tp", type=positive_int, default=1, metavar="N", help="tensor parallelism: split the target "
+                   "over the first N devices (see generate.py --tp; default: 1)")
     p.add_argument("--warmup-temperatures", default="0,1", metavar="T,..", help="temperatures whose round is "
                    "compiled before listening: 0 compiles the greedy round, any T > 0 the sampling round that every "
                    "T > 0 shares (default: 0,1: both)")
@@ -75,7 +77,14 @@ def load_engine(args):
     import jaxddtree as jd
     from jaxddtree.checkpoint import builtin
     from jaxddtree.serving import Engine
+    from jaxddtree.model.sharding import check_tp, replicate
     from jaxddtree.text import encode_text, has_tokenizer, load_hf_tokenizer
+
+    def check(cfg):
+        try:
+            check_tp(cfg, args.tp)
+        except ValueError as e:
+            raise SystemExit(f"serve.py: error: --tp: {e}") from None
 
     if args.compile_cache:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compile_cache))
@@ -87,11 +96,15 @@ def load_engine(args):
             raise SystemExit("serve.py: error: --drafter needs --target (the demo pair brings its own drafter)")
         pair = builtin.load(dtype)
         target, drafter, tok, name = pair.target, pair.drafter, pair.tokenizer, "demo"
+        check(target.config)
+        target = target.shard(args.tp, consume=True)
+        drafter.params = replicate(drafter.params, target.mesh)
     else:
         if not has_tokenizer(args.target):
             raise SystemExit(f"serve.py: error: {args.target} has no tokenizer")
         tok = load_hf_tokenizer(args.target)
-        target = jd.load_target(args.target, dtype)
+        check(jd.load_config(args.target))
+        target = jd.load_target(args.target, dtype, tp=args.tp)
         drafter = jd.load_drafter(args.drafter, target, dtype) if args.drafter else None
         name = os.path.basename(os.path.normpath(args.target))
     target.kernels = args.kernels or ("xla" if backend == "cpu" else "pallas")

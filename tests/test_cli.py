@@ -298,6 +298,7 @@ def test_errors_before_loading(dirs, tmp_path, capsys):
         (["--no-think", "--enable-thinking"], "not allowed with"),
         (["--target", hf, "--prompt-ids", "1,2", "--system", "S"], "--system applies to --prompt text"),
         (["--budget", "100000"], "vocabulary size 2048"),  # the demo pair (its weights exist)
+        (["--target", hf, "--prompt-ids", "1,2", "--tp", "3"], "--tp: tp=3 must divide"),
         (["--target", hf, "--drafter", demo_drafter, "--prompt", "x", "--budget", "5000"], "vocabulary size 2048"),
         (["--target", conv, "--drafter", demo_drafter, "--prompt", "x", "--budget", "5000"], "vocabulary size 2048"),
         (["--target", conv, "--prompt", "x", "--max-new-tokens", "5000"], "maximum length"),

@@ -56,7 +56,8 @@ class Attention(nnx.Module):
     def output(self, o, gate, kernels: str = "xla", residual=None):
         # transformers: `attn_output * torch.sigmoid(gate)`, both rounded in the activations' dtype
         sgate = rounded(sigmoid32(gate), o.dtype)
-        return dense("bthe,hed->btd", o, self.wo[...], kernels, gate=sgate, residual=residual)  # o·sgate rounded
+        return dense("bthe,hed->btd", o, self.wo[...], kernels, gate=sgate, residual=residual,
+                     reduce=self.cfg.tp_axis)  # o·sgate rounded
 
     def decode(self, x, cache: KVCache, layout: TokenLayout, norm=None, residual=None):
         """The T = 1 sequence pass (decode step): projection (+ the input norm), then q/k norm, RoPE, gate and the
@@ -75,7 +76,8 @@ class Attention(nnx.Module):
             layout.kernels, num_heads=h, num_kv_heads=hkv, head_dim=hd, eps=cfg.rms_norm_eps)  # [B,H|Hkv,hd]
         o = ops.tree_attention(q[:, None], kc, vc, layout.start, k[:, None], v[:, None], layout.mask,
                                layout.kernels)  # [B,1,H,hd]
-        out = dense("bthe,hed->btd", o, self.wo[...], layout.kernels, gate=sgate[:, None], residual=residual)
+        out = dense("bthe,hed->btd", o, self.wo[...], layout.kernels, gate=sgate[:, None], residual=residual,
+                    reduce=self.cfg.tp_axis)
         return out, KVCache(k=kc, v=vc), None
 
     def __call__(self, x, cache: KVCache, layout: TokenLayout, norm=None, residual=None):

@@ -42,6 +42,9 @@ class TextConfig:
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 262144
     eos_token_ids: tuple[int, ...] = ()
+    # tensor parallelism (model/sharding.py): set on a shard's local config to the mesh axis that the
+    # row-parallel projections (o_proj, out_proj, down_proj) all-reduce over; None: unsharded
+    tp_axis: str | None = None
 
     @property
     def rotary_dim(self) -> int:

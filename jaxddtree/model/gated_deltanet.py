@@ -81,7 +81,8 @@ class GatedDeltaNet(nnx.Module):
                 proj, cache.conv, self.conv[...], self.A_log[...], self.dt_bias[...], self.norm[...],
                 cache.recurrent, layout.kernels, num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv,
                 conv_kernel=cfg.linear_conv_kernel_dim, eps=cfg.rms_norm_eps)  # o [B,Hv,dv]
-            out = dense("bthe,hed->btd", o[:, None], self.w_out[...], layout.kernels, residual=residual)
+            out = dense("bthe,hed->btd", o[:, None], self.w_out[...], layout.kernels, residual=residual,
+                        reduce=cfg.tp_axis)
             return out, GDNState(conv=conv, recurrent=state), None
         proj = dense("btd,dc->btc", x, w_in, layout.kernels, norm=norm)  # one GEMM for qkv|z|b|a
         xin, z, b, a = jnp.split(proj, in_proj_split(cfg), axis=-1)  # xin [B,T,conv_dim] pre-conv
@@ -112,4 +113,5 @@ class GatedDeltaNet(nnx.Module):
             new_cache = GDNState(conv=conv, recurrent=state)
 
         o = gated_rms_norm(rounded(o, x.dtype), z, self.norm[...], cfg.rms_norm_eps)  # [B,T,Hv,dv]
-        return dense("bthe,hed->btd", o, self.w_out[...], layout.kernels, residual=residual), new_cache, stash
+        out = dense("bthe,hed->btd", o, self.w_out[...], layout.kernels, residual=residual, reduce=cfg.tp_axis)
+        return out, new_cache, stash

@@ -22,10 +22,11 @@ from kernels_pallas.numerics import f32, rms_norm_1p, rounded, sigmoid32, silu32
 
 
 def dense(spec: str, x: jax.Array, w: jax.Array, kernels: str = "xla", *, norm=None, gate=None,
-          residual=None) -> jax.Array:
+          residual=None, reduce: str | None = None) -> jax.Array:
     """einsum(spec, x, w) accumulated in fp32, rounded once to x's dtype (`ops.dense` picks the kernel).
     norm = (w_n, eps) / gate / residual: the RMSNorm of x, x's gate and the residual add around the projection
-    (`ops.dense`; folded into the GEMV on a decode step).
+    (`ops.dense`; folded into the GEMV on a decode step). `reduce`: a mesh axis (tensor parallelism) over which
+    the partial products are summed before the rounding and the residual add (`reduced`).
     An FP8 weight (`fp8.Fp8Weight`) runs the weight-only fp8 Pallas kernel where `ops.dense_fp8_applies`
     (kernels="pallas", bf16, up to 256 rows: decode and verify); otherwise (xla, fp32, prefill) it is
     dequantized to x's dtype and contracted on XLA, exactly as the same checkpoint dequantized would be; its
@@ -41,7 +42,17 @@ def dense(spec: str, x: jax.Array, w: jax.Array, kernels: str = "xla", *, norm=N
         else:
             y = rounded(ops.dense(spec, x, w.dequantize(x.dtype), "xla"), x.dtype)
         return y if residual is None else rounded(f32(residual) + f32(y), residual.dtype)
+    if reduce is not None:  # tensor parallelism: the residual is added once, after the sum over the shards
+        return reduced(ops.dense(spec, x, w, kernels, norm=norm, gate=gate), x.dtype, residual, reduce)
     return rounded(ops.dense(spec, x, w, kernels, **parts), x.dtype)
+
+
+def reduced(y: jax.Array, dtype, residual: jax.Array | None, axis: str) -> jax.Array:
+    """Tensor parallelism (model/sharding.py): a row-parallel projection's fp32 partial products `y` summed
+    over mesh axis `axis` (`psum`: one all-reduce) before the one rounding, then the residual add (rounded),
+    the same roundings as the unsharded projection."""
+    y = rounded(jax.lax.psum(y, axis), dtype)
+    return y if residual is None else rounded(f32(residual) + f32(y), residual.dtype)
 
 
 def init_weight(rngs: nnx.Rngs, shape, fan_in: int, dtype, scale: float = 1.0) -> jax.Array:

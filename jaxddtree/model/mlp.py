@@ -11,11 +11,12 @@ from flax import nnx
 from kernels_pallas import ops
 from kernels_pallas.numerics import swiglu
 from jaxddtree.model.fp8 import Fp8Weight
-from jaxddtree.model.linear import dense, init_weight, rounded
+from jaxddtree.model.linear import dense, init_weight, reduced, rounded
 
 
 class MLP(nnx.Module):
-    def __init__(self, d: int, f: int, dtype, rngs: nnx.Rngs):
+    def __init__(self, d: int, f: int, dtype, rngs: nnx.Rngs, reduce: str | None = None):
+        self.reduce = reduce  # tensor parallelism: the mesh axis that w_down's partial sums add over
         self.w_gate_up = nnx.Param(init_weight(rngs, (d, 2, f), d, dtype))  # [D, gate|up, F]
         self.w_down = nnx.Param(init_weight(rngs, (f, d), f, dtype))  # [F, D]
 
@@ -25,9 +26,9 @@ class MLP(nnx.Module):
         gate|up → SwiGLU → down as two kernels (`ops.mlp_decode`, the same values)."""
         w_gu, w_down = self.w_gate_up[...], self.w_down[...]
         if not isinstance(w_gu, Fp8Weight) and not isinstance(w_down, Fp8Weight):
-            y = ops.mlp_decode(x, w_gu, w_down, kernels, norm=norm, residual=residual)
+            y = ops.mlp_decode(x, w_gu, w_down, kernels, norm=norm, residual=None if self.reduce else residual)
             if y is not None:
-                return rounded(y, x.dtype)
+                return rounded(y, x.dtype) if self.reduce is None else reduced(y, x.dtype, residual, self.reduce)
         gu = dense("btd,dgf->btgf", x, w_gu, kernels, norm=norm)  # [B,T,2,F], one GEMM / GEMV
         h = swiglu(gu[..., 0, :], gu[..., 1, :], x.dtype)
-        return dense("btf,fd->btd", h, w_down, kernels, residual=residual)
+        return dense("btf,fd->btd", h, w_down, kernels, residual=residual, reduce=self.reduce)

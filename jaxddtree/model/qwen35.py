@@ -28,7 +28,7 @@ class DecoderLayer(nnx.Module):
         self.mixer = (Attention(cfg, dtype, rngs) if layer_type == ATTENTION
                       else GatedDeltaNet(cfg, dtype, rngs))
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs, reduce=cfg.tp_axis)
 
     def __call__(self, x, cache, layout: TokenLayout):
         # pre-norm residual blocks: each norm runs inside the block's first projection and each residual add

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxddtree.model import layout as layout_lib
+from jaxddtree.model import sharding
 from jaxddtree.model.cache import ModelCache, init_cache
 from jaxddtree.model.config import TextConfig
 from jaxddtree.model.qwen35 import Qwen35
@@ -42,6 +43,12 @@ class Target:
     source: str = "random"
     # "pallas" (GPU kernels, the default on a GPU) | "xla" (jnp references, the default elsewhere); kernels_pallas.ops
     kernels: str = dataclasses.field(default_factory=lambda: default_kernels())
+    # tensor parallelism (model/sharding.py): the 1-D "tp" mesh the leaves are split over; None: one device
+    mesh: Any = None
+
+    @property
+    def tp(self) -> int:
+        return 1 if self.mesh is None else self.mesh.size
 
     @classmethod
     def from_module(cls, model: Qwen35, dtype, source: str = "random") -> "Target":
@@ -61,7 +68,23 @@ class Target:
     def lm_head(self) -> jax.Array:  # [D, V]
         return self.module().lm_head[...]
 
+    def shard(self, tp: int, consume: bool = False) -> "Target":
+        """This (unsharded) target split over the first tp devices (tensor parallelism, model/sharding.py);
+        tp = 1: itself. ValueError listing the valid values unless tp divides the head counts, the
+        intermediate size and the vocab. `consume`: free this target's arrays as they are placed (it is
+        unusable after; bounds the peak memory)."""
+        sharding.check_tp(self.config, tp)
+        if tp == 1:
+            return self
+        if self.mesh is not None:
+            raise ValueError(f"this target is already split over {self.tp} devices")
+        graphdef, treedef, leaves, mesh = sharding.shard_leaves(self.config, self.dtype, self.treedef, self.leaves,
+                                                                tp, consume)
+        return dataclasses.replace(self, graphdef=graphdef, treedef=treedef, leaves=leaves, mesh=mesh)
+
     def init_cache(self, max_len: int, batch: int = 1) -> ModelCache:
+        if self.mesh is not None:
+            return sharding.init_sharded_cache(self.config, self.mesh, max_len, self.dtype, batch)
         return init_cache(self.config, max_len, self.dtype, batch)
 
     def prefill(self, cache, tokens, num_valid=None, feature_layers=(), logits="last"):
@@ -87,13 +110,17 @@ def _prefill(leaves, cache, tokens, num_valid, *, graphdef, treedef, feature_lay
 FP8_PROJECTIONS = ("w_in", "w_out", "w_qkv", "wo", "w_gate_up", "w_down")
 
 
-def random_target(cfg: TextConfig, dtype="float32", seed: int = 0, weights: str = "bf16") -> Target:
+def random_target(cfg: TextConfig, dtype="float32", seed: int = 0, weights: str = "bf16", tp: int = 1) -> Target:
     """A target with random weights. weights="fp8": the FP8_PROJECTIONS are `Fp8Weight`s (random e4m3 values,
     128-row input-block scales, GDN w_in's b | a as the plain tail), made leaf by leaf on the device without
-    ever materialising the model in `dtype` (benchmarks: device memory of the fp8 model)."""
+    ever materialising the model in `dtype` (benchmarks: device memory of the fp8 model). `tp` > 1 splits the
+    (bf16) weights over the first tp devices (model/sharding.py)."""
+    sharding.check_tp(cfg, tp)
     dt = as_dtype(dtype)
     if weights == "bf16":
-        return Target.from_module(Qwen35(cfg, dtype=dt, rngs=nnx.Rngs(seed)), dt)
+        return Target.from_module(Qwen35(cfg, dtype=dt, rngs=nnx.Rngs(seed)), dt).shard(tp, consume=True)
+    if tp > 1:
+        raise ValueError("tensor parallelism of FP8 weights is not supported yet (use tp=1)")
     if weights != "fp8":
         raise ValueError(f"unknown weights '{weights}' (bf16 or fp8)")
     from jaxddtree.model.fp8 import FP8, Fp8Weight

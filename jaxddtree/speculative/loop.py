@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx, struct
 
 from jaxddtree.model import layout as layout_lib
+from jaxddtree.model import sharding
 from jaxddtree.speculative import tree as tree_lib
 from jaxddtree.model.prefill import check_ids, check_vocab, chunk_size, padded_chunks, round_up
 from jaxddtree.model.cache import ModelCache
@@ -71,6 +72,7 @@ class Plan:
     conv_kernel: int
     feature_layers: tuple[int, ...]
     inject: bool = False  # test hook: draft logits from an oracle continuation
+    mesh: Any = None  # tensor parallelism: the target's mesh (model/sharding.py); None: one device
 
 
 def _emit(state: DecodeState, emitted: jax.Array, count: jax.Array, plan: Plan) -> DecodeState:
@@ -145,7 +147,7 @@ def _spec_round(model, dparams, dcfg, embed, lm_head, state: DecodeState, plan: 
     post = tree_lib.posterior_tokens(logits[0], _temperature(state, plan), sub)
     acc = tree_lib.accept(tree, post, mask)
     n_acc = acc.num_accepted
-    cache = commit(state.cache, stashes, acc.path[None], n_acc[None], kernels=plan.kernels)
+    cache = commit(state.cache, stashes, acc.path[None], n_acc[None], kernels=plan.kernels, mesh=plan.mesh)
     ctx = jnp.take(feats, acc.path, axis=1)  # [1, D+1, F]
     # emitted: accepted drafts (depths 1..n_acc-1) then the bonus token
     drafts = tree.tokens[jnp.concatenate([acc.path[1:], acc.path[-1:]])]  # [D+1]
@@ -179,8 +181,9 @@ def run_rounds(leaves, dparams, state, oracle, *, graphdef, treedef, dcfg, plan,
         i, s = carry
         return (i < limit) & ~s.done
 
-    return jax.lax.while_loop(cond, lambda c: (c[0] + 1, body(leaves, dparams, c[1], oracle)),
-                              (jnp.int32(0), state))[1]
+    state = jax.lax.while_loop(cond, lambda c: (c[0] + 1, body(leaves, dparams, c[1], oracle)),
+                               (jnp.int32(0), state))[1]
+    return sharding.constrain(state, plan.mesh)  # the layout `generate` placed it in: one compilation
 
 
 def _max_len(prompt_len: int, max_new: int, slack: int) -> int:
@@ -199,7 +202,7 @@ def check_memory(target: Target, drafter, max_len: int, prompt_len: int, max_new
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if not stats or "bytes_limit" not in stats:
         return
-    cache = _nbytes(jax.eval_shape(lambda: target.init_cache(max_len)))
+    cache = _nbytes(jax.eval_shape(lambda: target.init_cache(max_len))) // target.tp  # split by heads
     if drafter is not None:
         cache += _nbytes(jax.eval_shape(lambda: drafter.init_cache(1, max_len)))
     cfg = target.config
@@ -267,7 +270,7 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     sampling = temperature >= tree_lib.GREEDY_EPS
     plan = Plan(method=method, budget=budget if method == "ddtree" else 0, max_new=max_new, sampling=sampling,
                 kernels=target.kernels, conv_kernel=cfg.linear_conv_kernel_dim, feature_layers=feature_layers,
-                inject=_oracle_tokens is not None)
+                inject=_oracle_tokens is not None, mesh=target.mesh)
 
     t0 = time.perf_counter()
     cache = target.init_cache(S)
@@ -290,7 +293,7 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
         root=first.astype(jnp.int32), out=jnp.zeros((1, max_new + P), jnp.int32), n_out=jnp.int32(0),
         done=jnp.asarray(False), key=key, acc=jnp.zeros((max_new,), jnp.int32), n_rounds=jnp.int32(0),
         stop_mask=jnp.asarray(stop_mask), temperature=jnp.float32(temperature if sampling else 1.0))
-    state = _emit(state, first.astype(jnp.int32), jnp.int32(1), plan)
+    state = sharding.place(_emit(state, first.astype(jnp.int32), jnp.int32(1), plan), target.mesh)
     first_np = int(np.asarray(first)[0])
     ttft = time.perf_counter() - t0
     if on_tokens:

@@ -10,10 +10,13 @@ See ../shared/docs/tree_verify.md for the math.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from kernels_pallas import ops
+from jaxddtree.model import sharding
 from jaxddtree.model.attention import AttentionStash
 from jaxddtree.model.cache import GDNState, KVCache, ModelCache
 from jaxddtree.model.gated_deltanet import GDNStash
@@ -28,10 +31,15 @@ def verify(model, cache: ModelCache, tokens: jax.Array, layout: TokenLayout, fea
     return logits, features, stashes
 
 
-def commit(cache: ModelCache, stashes, path: jax.Array, path_len: jax.Array, kernels: str = "xla") -> ModelCache:
+def commit(cache: ModelCache, stashes, path: jax.Array, path_len: jax.Array, kernels: str = "xla",
+           mesh=None) -> ModelCache:
     """Commit the accepted root->leaf path (path [B, P] node indices in depth order, padded; path_len [B]
     tokens, root included; the same for every batch row today) into the cache. Fixed shapes. A GDN layer's
-    state and conv rows take one `ops.gdn_commit` (kernels="pallas": one kernel per layer, in place)."""
+    state and conv rows take one `ops.gdn_commit` (kernels="pallas": one kernel per layer, in place).
+    `mesh`: a tensor-parallel target's (model/sharding.py): each device commits its own heads."""
+    if mesh is not None:
+        return sharding.commit_per_shard(functools.partial(commit, kernels=kernels), mesh, cache, stashes, path,
+                                         path_len)
     start = cache.length
     n_acc = path_len[0]
     # the path's rows of a stash [B, N, ...] -> [B, P, ...], in depth order (a later row is deeper)

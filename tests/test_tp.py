@@ -1,0 +1,240 @@
+"""Tensor parallelism (jaxddtree/model/sharding.py) on 2 CPU devices: tp=2 == tp=1.
+
+The comparisons run in one subprocess with `XLA_FLAGS=--xla_force_host_platform_device_count=2` (the device
+count is fixed when JAX starts), on a tiny random fp32 model whose head counts, intermediate size and vocab
+divide by 2 (kernels="xla"): logits of a prefill and of a tree verify within 1e-5, AR / DFlash / DDTree
+tokens equal to tp=1's AR tokens with long accepted paths (oracle drafts), every split weight and cache
+really halved per device, and the collectives of a compiled round (2 all-reduces per layer). The abstract
+2-H200 lowering checks that the Pallas kernels lower per shard at 27B shapes inside the shard_map.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def tiny_config(**kw):
+    from jaxddtree.model.config import ATTENTION, GDN, TextConfig
+    base = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                layer_types=(GDN, ATTENTION), num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                rope_theta=1e4, partial_rotary_factor=0.5, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                max_position_embeddings=512)
+    base.update(kw)
+    return TextConfig(**base)
+
+
+def worker() -> dict:
+    """Runs in the 2-device subprocess; returns the measurements as a dict."""
+    from collections import Counter
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxddtree.api import score, score_tree
+    from jaxddtree.checkpoint.builtin import random_drafter_params
+    from jaxddtree.model import sharding
+    from jaxddtree.model.drafter import Drafter
+    from jaxddtree.model.drafter_config import DrafterConfig
+    from jaxddtree.model.target import random_target
+    from jaxddtree.speculative import loop
+
+    out = {"devices": len(jax.devices())}
+    cfg = tiny_config()
+    t1 = random_target(cfg, "float32", seed=0)
+    t2 = t1.shard(2)
+    ids = np.random.default_rng(0).integers(0, 95, 21)
+    a, b = score(t1, ids), score(t2, ids)
+    out["score_err"] = float(np.abs(a - b).max())
+    out["score_scale"] = float(np.abs(a).max())
+    parents, toks = [-1, 0, 1, 1, 0, 4, 2], [5, 7, 9, 11, 13, 15, 17]
+    out["tree_err"] = float(np.abs(score_tree(t1, ids, toks, parents) - score_tree(t2, ids, toks, parents)).max())
+
+    names = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(t2.treedef, t2.leaves))[0]:
+        name = ".".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path[1:]  # less "inner"
+                        if getattr(k, "name", "") != "value")
+        names[name] = {"global": list(x.shape), "shards": [list(s.data.shape) for s in x.addressable_shards],
+                       "devices": sorted(str(s.device) for s in x.addressable_shards)}
+    out["params"] = names
+    cache = t2.init_cache(64)
+    out["cache"] = [{"global": list(x.shape), "shards": [list(s.data.shape) for s in x.addressable_shards]}
+                    for x in jax.tree.leaves(cache.layers)]
+
+    dcfg = DrafterConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
+                         rms_norm_eps=1e-6, rope_theta=1e4, block_size=8, target_layer_ids=(0, 1), mask_token_id=95,
+                         vocab_size=96, num_target_layers=2, layer_windows=(None,))
+    drafter = Drafter(dcfg, sharding.replicate(random_drafter_params(dcfg, jnp.float32, 1), t2.mesh))
+    ar = loop.generate(t1, ids, method="ar", max_new_tokens=24)
+    out["tokens"] = {"ar1": ar.tokens}
+    out["acc"] = {}
+    rounds = loop.run_rounds
+    compiled, collectives = {}, {}
+
+    def aot(*args, **kw):  # each tp=2 round compiled once, ahead of time: a later call whose state changed
+        method = kw["plan"].method  # layout would be refused (AOT executables check input shardings)
+        if method not in compiled:
+            compiled[method] = rounds.lower(*args, **kw).compile()
+            ops = re.findall(r"= \S+ (all-reduce|all-gather|collective-permute|all-to-all|reduce-scatter)"
+                             r"(?:-start)?\(", compiled[method].as_text())
+            collectives[method] = dict(Counter(ops))
+        return compiled[method](*args)
+
+    loop.run_rounds = aot
+    try:
+        for m in ("ar", "dflash", "ddtree"):
+            g = loop.generate(t2, ids, drafter=drafter, method=m, max_new_tokens=24, tree_budget=12,
+                              _oracle_tokens=ar.tokens)
+            out["tokens"][m] = g.tokens
+            out["acc"][m] = g.acceptance_lengths
+    finally:
+        loop.run_rounds = rounds
+    out["collectives"] = collectives
+    errors = {}
+    for label, fn in (("heads", lambda: t1.shard(4)),  # kv heads 2
+                      ("devices", lambda: random_target(tiny_config(num_key_value_heads=4, linear_num_key_heads=4),
+                                                        "float32", tp=4))):
+        try:
+            fn()
+        except ValueError as e:
+            errors[label] = str(e)
+    out["errors"] = errors
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp_run() -> dict:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_logits_match_tp1(tp_run):
+    assert tp_run["devices"] == 2
+    assert tp_run["score_scale"] > 0.5
+    assert tp_run["score_err"] <= 1e-5, tp_run["score_err"]
+    assert tp_run["tree_err"] <= 1e-5, tp_run["tree_err"]
+
+
+def test_tokens_match_tp1(tp_run):
+    ref = tp_run["tokens"]["ar1"]
+    assert len(ref) == 24
+    for m in ("ar", "dflash", "ddtree"):
+        assert tp_run["tokens"][m] == ref, m
+    for m in ("dflash", "ddtree"):  # the paths were long: multi-token commits exercised the sharded stash
+        assert max(tp_run["acc"][m]) >= 4, tp_run["acc"][m]
+
+
+def test_weights_and_caches_are_split(tp_run):
+    p = tp_run["params"]
+    halved = {"layers.0.mixer.w_in": 1, "layers.0.mixer.conv": 1, "layers.0.mixer.w_out": 0,
+              "layers.0.mixer.A_log": 0, "layers.1.mixer.w_qkv": 1, "layers.1.mixer.wo": 0,
+              "layers.0.mlp.w_gate_up": 2, "layers.1.mlp.w_down": 0, "lm_head": 1}
+    for name, axis in halved.items():
+        g, shards = p[name]["global"], p[name]["shards"]
+        assert len(shards) == 2 and len(set(p[name]["devices"])) == 2, name
+        want = list(g)
+        want[axis] //= 2
+        assert shards == [want, want], (name, g, shards)
+    for name in ("embed", "final_norm.weight", "layers.1.mixer.q_norm"):  # replicated
+        assert p[name]["shards"] == [p[name]["global"]] * 2, name
+    for c in tp_run["cache"]:  # KV [B, Hkv, S, hd] / GDN state [B, Hv, dk, dv] by heads, conv by channels
+        axis = 2 if len(c["global"]) == 3 else 1
+        want = list(c["global"])
+        want[axis] //= 2
+        assert c["shards"] == [want, want], c
+
+
+def test_round_collectives(tp_run):
+    # 2 layers x (mixer + MLP) all-reduces of the residual stream, plus the small vocab-sharded argmax /
+    # sampling reductions; no all-gather of a cache, weight or stash
+    ar = tp_run["collectives"]["ar"]
+    assert 4 <= ar.get("all-reduce", 0) <= 6, ar
+    assert set(ar) <= {"all-reduce", "all-gather"}, ar
+    for m in ("dflash", "ddtree"):
+        assert set(tp_run["collectives"][m]) <= {"all-reduce", "all-gather"}, tp_run["collectives"][m]
+
+
+def test_invalid_tp_errors(tp_run):
+    e = tp_run["errors"]
+    assert "tp=4 must divide" in e["heads"] and "valid values: 1, 2" in e["heads"], e["heads"]
+    assert "tp=4 needs 4 devices" in e["devices"] and "2 cpu device(s)" in e["devices"], e["devices"]
+
+
+def test_check_tp_lists_valid_values():
+    from jaxddtree.model.sharding import check_tp, valid_tp
+    from jaxddtree.model.config import ATTENTION, GDN
+    big = tiny_config(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=4,
+                      layer_types=(GDN, GDN, GDN, ATTENTION), num_attention_heads=24, num_key_value_heads=4,
+                      head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48)
+    assert valid_tp(big) == [1, 2, 4]
+    with pytest.raises(ValueError, match=r"tp=3 must divide .*num_key_value_heads=4.*valid values: 1, 2, 4"):
+        check_tp(big, 3)
+    with pytest.raises(ValueError, match="valid values"):
+        check_tp(big, 0)
+
+
+def test_pallas_kernels_lower_per_shard_for_two_h200():
+    """27B shapes (one GDN + one attention layer), tp=2 over an abstract 2-H200 mesh: the decode step, a
+    65-node verify + commit and a prefill chunk lower for CUDA with the Pallas kernels inside the shard_maps,
+    2 all-reduces per layer."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jaxddtree.model import layout as layout_lib, sharding
+    from jaxddtree.model.cache import init_cache
+    from jaxddtree.model.config import ATTENTION, GDN
+    from jaxddtree.model.qwen35 import Qwen35
+    from jaxddtree.speculative.verify import commit
+    from kernels_pallas._common import H200
+
+    cfg = tiny_config(vocab_size=248320, hidden_size=5120, intermediate_size=17408, layer_types=(GDN, ATTENTION),
+                      num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+                      linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+                      partial_rotary_factor=0.25, max_position_embeddings=262144)
+    mesh = jax.sharding.AbstractMesh((2,), (sharding.AXIS,), abstract_device=jax.sharding.AbstractDevice(**H200))
+    model = lambda c: Qwen35(c, jnp.bfloat16, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: sharding.TensorParallel(model(sharding.local_config(cfg, 2)),
+                                                                               mesh)))
+    treedef = jax.tree.structure(state)
+    glob = jax.tree.leaves(nnx.split(nnx.eval_shape(lambda: model(cfg)))[1])
+    sds = lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+    leaves = [sds(g, s) for g, s in zip(glob, sharding.leaf_specs(state))]
+    cache = jax.eval_shape(lambda: init_cache(cfg, 4096, jnp.bfloat16))
+    cache = jax.tree.map(sds, cache, sharding.cache_specs(cache), is_leaf=lambda x: isinstance(x, P))
+    scalar = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=NamedSharding(mesh, P()))
+
+    def step(leaves, cache, tokens, parents):
+        m = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+        if parents is None:
+            return m(tokens, cache, layout_lib.sequence(cache.length, tokens.shape[1], 4, kernels="pallas"))
+        logits, _, _, stashes = m(tokens, cache, layout_lib.tree(cache.length, parents, 4, kernels="pallas"))
+        path = jnp.arange(16, dtype=jnp.int32)[None]  # a chain's first 16 nodes, committed per shard
+        return logits, commit(cache, stashes, path, jnp.asarray([5], jnp.int32), kernels="pallas", mesh=mesh)
+
+    for tokens, parents, kernels in ((scalar((1, 1)), None, {"dense_dot", "gdn_decode_fused", "tree_attention"}),
+                                     (scalar((1, 65)), scalar((65,)), {"gdn_tree_block", "tree_attention"}),
+                                     (scalar((1, 128)), None, {"gdn_prefill_inter_chunk", "prefill_attention"})):
+        with jax.sharding.use_abstract_mesh(mesh):
+            txt = jax.jit(step).trace(leaves, cache, tokens, parents).lower(lowering_platforms=("cuda",)).as_text()
+        assert txt.count("all_reduce") == 4  # 2 layers x (mixer + MLP)
+        assert kernels <= set(re.findall(r'name\s*=\s*\\?"([a-z_0-9]+)', txt)), kernels  # the Pallas kernels
+
+
+if __name__ == "__main__":
+    print(json.dumps(worker()))
