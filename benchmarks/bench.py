@@ -561,6 +561,7 @@ def contexts(args, res, key, target, drafter, dcfg, save, log):
     # the attention kernels read the committed rows only, so the capacity does not change the work)
     pre = res.setdefault("prefill_s_by_context" + key, {})
     chunk = args.prefill_chunk
+    res["prefill_chunk_by_context"] = chunk
     lengths = [int(v) for v in args.prefill_contexts.split(",")]
     cache = target.init_cache(max(lengths) + chunk)
     ids = jnp.asarray(np.random.RandomState(0).randint(0, cfg.vocab_size, (1, chunk)), jnp.int32)
@@ -575,7 +576,6 @@ def contexts(args, res, key, target, drafter, dcfg, save, log):
         pre[str(length)] = round(time.perf_counter() - t, 3)
         log(f"prefill {length} tokens (chunks of {chunk}): {pre[str(length)]} s")
         save()
-    res["prefill_chunk_by_context"] = chunk
     del cache
 
 
