@@ -26,7 +26,8 @@ def load_target(path: str, dtype="bfloat16", progress: bool = False, tp: int = 1
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: not a directory")
     if orbax_format.is_converted(path):
-        sharding.check_tp(load_config(path), tp)
+        if tp != 1:  # before any restore work; tp = 1 leaves the marker checks (kind, version) to the restore
+            sharding.check_tp(load_config(path), tp)
         return orbax_format.restore_target(path, dt).shard(tp, consume=True)
     cfg = load_config(path)
     sharding.check_tp(cfg, tp)

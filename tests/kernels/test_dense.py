@@ -268,6 +268,8 @@ def test_mlp_decode_equals_unfused_bitwise(monkeypatch, kw_gu):
     prologue + the residual) == the unfused chain (ops.dense per projection with FUSED_DECODE off), bit for bit."""
     from kernels_pallas import numerics, ops
     monkeypatch.setattr(ops, "PALLAS_DENSE_MIN_COLS", 1)
+    for flag in ("FUSED_DECODE", "FUSED_MLP", "FUSED_NORM"):  # this chain is off by default (H200 A/B)
+        monkeypatch.setattr(ops, flag, True)
     kernel = dn.dense
     gu_calls = []
 
