@@ -409,7 +409,8 @@ def main(argv=None):
 
         @jax.jit  # embed / head are arguments: closed over, they would be 2.5 GB constants in the HLO
         def draft(dp, dc, ctx, embed, head):
-            lg, _ = draft_logits(dp, dcfg, dc, ctx, jnp.int32(8), jnp.ones((1,), jnp.int32), embed, head)
+            lg, _ = draft_logits(dp, dcfg, dc, ctx, jnp.int32(8), jnp.ones((1,), jnp.int32), embed, head,
+                                 args.kernels)
             return lg
 
         t = time.time()

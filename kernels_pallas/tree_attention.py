@@ -181,7 +181,7 @@ def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret:
     bm = block_m or (16 if decode_like else 128)
     nst = num_stages or 2
     target = target_programs or 132
-    bk = min(block_k, max(16, next_pow2(S)))
+    bk = min(block_k, max(16, 1 << (S.bit_length() - 1)))  # ≤ S: whole blocks are sliced from the cache
     n_rb = -(-R // bm)
     bm_tail = max(16, next_pow2(R - (n_rb - 1) * bm)) if tail else bm
     bm_tail = min(bm_tail, bm)

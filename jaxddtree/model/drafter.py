@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas import ops
 from jaxddtree.model.drafter_config import DrafterConfig, build_target_layer_ids
 from jaxddtree.model.rope import apply_rope, rope_cos_sin
 
@@ -91,12 +92,43 @@ def _window_ok(q_pos: Array, k_pos: Array, window: int | None) -> Array:
     return jnp.abs(q_pos[:, None] - k_pos[None, :]) < window
 
 
+def _block_attention(q: Array, k_cache: Array, v_cache: Array, k_b: Array, v_b: Array, end: Array,
+                     blk_pos: Array, window: int | None) -> Array:
+    """q [B, Bs, nh, hd] over the visible cache rows (< end, within the window) ++ the block keys, one softmax
+    -> [B, Bs, nkv, g, hd]. A window layer scores only the `window` rows before `end` (a static-size slice)."""
+    B, Bs, nh, hd = q.shape
+    nkv, S = k_cache.shape[1], k_cache.shape[2]
+    g = nh // nkv
+    lo = jnp.int32(0)
+    if window is not None and window < S:  # rows below end - window are never visible to the block
+        lo = jnp.clip(end - window, 0, S - window)
+        k_cache = jax.lax.dynamic_slice_in_dim(k_cache, lo, window, axis=2)
+        v_cache = jax.lax.dynamic_slice_in_dim(v_cache, lo, window, axis=2)
+    Sv = k_cache.shape[2]
+    qg = q.reshape(B, Bs, nkv, g, hd)  # [B, Bs, nkv, g, hd]
+    scale = hd ** -0.5
+    s_c = jnp.einsum("btkgd,bksd->bkgts", qg, k_cache.astype(q.dtype), preferred_element_type=jnp.float32) * scale
+    s_b = jnp.einsum("btkgd,bskd->bkgts", qg, k_b, preferred_element_type=jnp.float32) * scale  # [B,nkv,g,Bs,Bs]
+    cache_pos = lo + jnp.arange(Sv, dtype=jnp.int32)
+    ok_c = (cache_pos < end)[None, :] & _window_ok(blk_pos, cache_pos, window)  # [Bs, Sv]
+    ok_b = _window_ok(blk_pos, blk_pos, window)  # [Bs, Bs]
+    neg = jnp.float32(-jnp.inf)
+    scores = jnp.concatenate([jnp.where(ok_c, s_c, neg), jnp.where(ok_b, s_b, neg)], axis=-1)  # [B,nkv,g,Bs,Sv+Bs]
+    p = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    return (jnp.einsum("bkgts,bksd->btkgd", p[..., :Sv], v_cache.astype(q.dtype))
+            + jnp.einsum("bkgts,bskd->btkgd", p[..., Sv:], v_b))  # [B, Bs, nkv, g, hd]
+
+
 def _layer(lp: DrafterLayer, cfg: DrafterConfig, window: int | None, h: Array, ctx: Array,
            k_cache: Array, v_cache: Array, length: Array, num_ctx: Array,
-           all_rope: tuple[Array, Array], blk_rope: tuple[Array, Array], blk_pos: Array):
-    """One decoder layer. h [B, Bs, H], ctx [B, C, H]; returns (h, k_cache, v_cache) with ctx K/V written."""
+           all_rope: tuple[Array, Array], blk_rope: tuple[Array, Array], blk_pos: Array, kernels: str = "xla"):
+    """One decoder layer. h [B, Bs, H], ctx [B, C, H]; returns (h, k_cache, v_cache) with ctx K/V written.
+
+    Only the cache rows a block query can see are read: a sliding-window layer reads the last `window` rows
+    before the block (a static-size slice at a run-time offset), a full-attention layer the committed rows
+    [0, length + num_ctx) through the tree-attention kernel when kernels="pallas" (the XLA form scores the whole
+    cache capacity, whose cost then follows the capacity instead of the context)."""
     B, Bs, _ = h.shape
-    S = k_cache.shape[2]
     nkv, g, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
     eps = cfg.rms_norm_eps
 
@@ -120,19 +152,11 @@ def _layer(lp: DrafterLayer, cfg: DrafterConfig, window: int | None, h: Array, c
     k_cache = jax.lax.dynamic_update_slice(k_cache, k_c.transpose(0, 2, 1, 3).astype(k_cache.dtype), at)
     v_cache = jax.lax.dynamic_update_slice(v_cache, v_c.transpose(0, 2, 1, 3).astype(v_cache.dtype), at)
 
-    # Scores over [cache rows 0..S) ++ [block keys], one softmax.
-    qg = q.reshape(B, Bs, nkv, g, hd)  # [B, Bs, nkv, g, hd]
-    scale = hd ** -0.5
-    s_c = jnp.einsum("btkgd,bksd->bkgts", qg, k_cache.astype(q.dtype), preferred_element_type=jnp.float32) * scale
-    s_b = jnp.einsum("btkgd,bskd->bkgts", qg, k_b, preferred_element_type=jnp.float32) * scale  # [B,nkv,g,Bs,Bs]
-    cache_pos = jnp.arange(S, dtype=jnp.int32)
-    ok_c = (cache_pos < length + num_ctx)[None, :] & _window_ok(blk_pos, cache_pos, window)  # [Bs, S]
-    ok_b = _window_ok(blk_pos, blk_pos, window)  # [Bs, Bs]
-    neg = jnp.float32(-jnp.inf)
-    scores = jnp.concatenate([jnp.where(ok_c, s_c, neg), jnp.where(ok_b, s_b, neg)], axis=-1)  # [B,nkv,g,Bs,S+Bs]
-    p = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    o = (jnp.einsum("bkgts,bksd->btkgd", p[..., :S], v_cache.astype(q.dtype))
-         + jnp.einsum("bkgts,bskd->btkgd", p[..., S:], v_b))  # [B, Bs, nkv, g, hd]
+    end = length + num_ctx  # committed rows after this call's context
+    if window is None and kernels == "pallas":  # rows [0, end) ++ the block (all of it visible), one kernel
+        o = ops.tree_attention(q, k_cache, v_cache, end, k_b, v_b, jnp.ones((B, Bs, Bs), bool), kernels)
+    else:
+        o = _block_attention(q, k_cache, v_cache, k_b, v_b, end, blk_pos, window)
     o = o.reshape(B, Bs, nkv * g, hd)  # [B, Bs, nh, hd]
     h = h + jnp.einsum("btnd,ndh->bth", o, lp.wo)
 
@@ -143,7 +167,7 @@ def _layer(lp: DrafterLayer, cfg: DrafterConfig, window: int | None, h: Array, c
 
 
 def drafter_forward(params: DrafterParams, cfg: DrafterConfig, cache: DraftCache, target_hidden: Array,
-                    num_ctx: Array | int, block_embeds: Array) -> tuple[Array, DraftCache]:
+                    num_ctx: Array | int, block_embeds: Array, kernels: str = "xla") -> tuple[Array, DraftCache]:
     """One drafter call.
 
     target_hidden [B, C, nT*H]: new context features (first `num_ctx` rows real, rest padding);
@@ -169,7 +193,7 @@ def drafter_forward(params: DrafterParams, cfg: DrafterConfig, cache: DraftCache
     ks, vs = [], []
     for i, lp in enumerate(params.layers):
         h, k_i, v_i = _layer(lp, cfg, cfg.layer_windows[i], h, ctx, cache.k[i], cache.v[i], length, num_ctx,
-                             all_rope, blk_rope, blk_pos)
+                             all_rope, blk_rope, blk_pos, kernels)
         ks.append(k_i)
         vs.append(v_i)
     h = rms_norm(h, params.norm, cfg.rms_norm_eps)
@@ -177,21 +201,22 @@ def drafter_forward(params: DrafterParams, cfg: DrafterConfig, cache: DraftCache
 
 
 def draft_logits(params: DrafterParams, cfg: DrafterConfig, cache: DraftCache, target_hidden: Array,
-                 num_ctx: Array | int, root_token: Array, embed_table: Array, lm_head: Array
+                 num_ctx: Array | int, root_token: Array, embed_table: Array, lm_head: Array, kernels: str = "xla"
                  ) -> tuple[Array, DraftCache]:
     """Block [root, MASK x (Bs-1)] -> fp32 logits [B, Bs-1, V] for block slots 1..Bs-1 (slot j predicts the
     token at position length+num_ctx+j). root_token [B] int; embed_table [V, H]; lm_head [H, V]."""
     B, Bs = root_token.shape[0], cfg.block_size
     ids = jnp.concatenate([root_token.astype(jnp.int32)[:, None],
                            jnp.full((B, Bs - 1), cfg.mask_token_id, jnp.int32)], axis=1)  # [B, Bs]
-    h, cache = drafter_forward(params, cfg, cache, target_hidden, num_ctx, jnp.take(embed_table, ids, axis=0))
+    h, cache = drafter_forward(params, cfg, cache, target_hidden, num_ctx, jnp.take(embed_table, ids, axis=0),
+                               kernels)
     logits = jnp.einsum("bth,hv->btv", h[:, 1:], lm_head.astype(h.dtype), preferred_element_type=jnp.float32)
     return logits, cache
 
 
 # ----------------------------------------------------------------------------------------------- Drafter
-_forward_jit = jax.jit(drafter_forward, static_argnums=(1,), donate_argnums=(2,))
-_logits_jit = jax.jit(draft_logits, static_argnums=(1,), donate_argnums=(2,))
+_forward_jit = jax.jit(drafter_forward, static_argnums=(1,), static_argnames=("kernels",), donate_argnums=(2,))
+_logits_jit = jax.jit(draft_logits, static_argnums=(1,), static_argnames=("kernels",), donate_argnums=(2,))
 
 
 @dataclasses.dataclass

@@ -125,7 +125,8 @@ def _oracle_logits(state: DecodeState, oracle: jax.Array, depth: int, vocab: int
 def _spec_round(model, dparams, dcfg, embed, lm_head, state: DecodeState, plan: Plan,
                 oracle=None) -> DecodeState:
     D = dcfg.block_size - 1
-    dl, dcache = draft_logits(dparams, dcfg, state.dcache, state.ctx, state.ctx_n, state.root, embed, lm_head)
+    dl, dcache = draft_logits(dparams, dcfg, state.dcache, state.ctx, state.ctx_n, state.root, embed, lm_head,
+                              plan.kernels)
     dl = dl[0]  # [D, V] (batch 1 today)
     if plan.inject:
         dl = _oracle_logits(state, oracle, D, dl.shape[-1])

@@ -75,3 +75,13 @@ def _structs(T, N, S):
 def test_lowers_for_h200_at_27b_shapes(T, N, S, kw):
     txt = lower_for_h200(functools.partial(ta.tree_attention, **kw), *_structs(T, N, S))
     assert "__gpu$xla.gpu.triton" in txt
+
+
+@pytest.mark.parametrize("S", [4096 + 2048 + 256, 131072 + 8192])
+def test_lowers_for_h200_at_the_drafters_shapes(S):
+    """The DFlash drafter's full-attention layer (27B drafter: 32 q / 8 kv heads, hd 128) over its context cache:
+    16 block rows against the committed rows + the 16 block keys, all visible."""
+    Sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    structs = [Sd((1, 16, 32, 128), bf), Sd((1, 8, S, 128), bf), Sd((1, 8, S, 128), bf), Sd((), jnp.int32),
+               Sd((1, 16, 8, 128), bf), Sd((1, 16, 8, 128), bf), Sd((1, 16, 16), jnp.bool_)]
+    assert "__gpu$xla.gpu.triton" in lower_for_h200(ta.tree_attention, *structs)
