@@ -34,6 +34,7 @@ Design
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -72,11 +73,12 @@ def _cdiv(a, b):
 
 
 def default_config(M: int, K: int, N: int, *, block_n: int | None = None, block_k: int | None = None,
-                   target_programs: int = 4 * N_SM) -> dict:
-    """Block sizes / split-K / warps / stages used when the caller leaves them None."""
+                   target_programs: int = 4 * N_SM, max_block_k: int = 128) -> dict:
+    """Block sizes / split-K / warps / stages used when the caller leaves them None (max_block_k: a bound on
+    the K chunk, e.g. the fp8 scale block)."""
     small = M <= 16
     bn = block_n or min(128, max(16, next_pow2(N)))
-    bk = block_k or min(128 if small else 64, max(16, next_pow2(K)))
+    bk = block_k or min(128 if small else 64, max_block_k, max(16, next_pow2(K)))
     nb, nkb = _cdiv(N, bn), _cdiv(K, bk)
     # fp32 partials (split·M·N·4 bytes) must stay small next to the weights (K·N·2 bytes)
     max_split = max(1, K // (16 * M))
@@ -85,6 +87,47 @@ def default_config(M: int, K: int, N: int, *, block_n: int | None = None, block_
         split *= 2
     return dict(block_n=bn, block_k=bk, split_k=split,
                 num_warps=4 if small else 8, num_stages=3)
+
+
+def split_plan(K: int, bk: int, split: int) -> tuple[int, int]:
+    """(K chunks per program, K ranges) for `split` requested ranges of bk-row chunks: no empty range."""
+    nkb = _cdiv(K, bk)
+    nk = _cdiv(nkb, max(1, min(split, nkb)))
+    return nk, _cdiv(nkb, nk)
+
+
+class Tile(NamedTuple):
+    """Program (j, s) of a (cdiv(N, bn), split) GEMV grid: its output columns and K range, and the masks."""
+    s: jax.Array  # K range index
+    n0: jax.Array  # first output column
+    kbase: jax.Array  # first K row
+    mask_n: bool  # N not a multiple of bn (static)
+    mask_k: bool  # the K ranges overrun K (static)
+    cols: jax.Array  # [bn] output columns
+    rows: jax.Array  # [Mp] x rows
+    n_ok: jax.Array  # [bn]
+    m_ok: jax.Array  # [Mp]
+
+
+def tile(M: int, K: int, N: int, Mp: int, bn: int, bk: int, nk: int, split: int) -> Tile:
+    j, s = pl.program_id(0), pl.program_id(1)
+    cols = pl.multiple_of(j * bn, bn) + jnp.arange(bn, dtype=jnp.int32)
+    rows = jnp.arange(Mp, dtype=jnp.int32)
+    return Tile(s=s, n0=pl.multiple_of(j * bn, bn), kbase=s * (nk * bk), mask_n=N % bn != 0,
+                mask_k=nk * bk * split != K, cols=cols, rows=rows, n_ok=cols < N, m_ok=rows < M)
+
+
+def store_tile(o_ref, acc, t: Tile, M: int, Mp: int, bn: int, split: int):
+    """Store the program's [Mp, bn] result: rows s·M + m of the fp32 partials (split > 1) or of the output."""
+    if Mp == M and not t.mask_n:
+        if split > 1:
+            o_ref[pl.ds(pl.multiple_of(t.s * M, M), M), pl.ds(t.n0, bn)] = acc.astype(o_ref.dtype)
+        else:
+            o_ref[:, pl.ds(t.n0, bn)] = acc.astype(o_ref.dtype)
+    else:
+        out_rows = t.s * M + t.rows if split > 1 else t.rows
+        pltr.store(o_ref.at[out_rows[:, None], t.cols[None, :]], acc.astype(o_ref.dtype),
+                   mask=t.m_ok[:, None] & t.n_ok[None, :])
 
 
 def _kernel(*refs, M, K, N, Mp, bn, bk, nk, split, eps, has_norm, has_gate, has_res, swiglu_parts, act,
@@ -96,15 +139,8 @@ def _kernel(*refs, M, K, N, Mp, bn, bk, nk, split, eps, has_norm, has_gate, has_
     r_ref = next(it) if has_res else None
     o_ref = next(it)
     f32_ = jnp.float32
-    j, s = pl.program_id(0), pl.program_id(1)
-    n0 = pl.multiple_of(j * bn, bn)
-    kbase = s * (nk * bk)
-    mask_n = N % bn != 0
-    mask_k = nk * bk * split != K
-    cols = n0 + jnp.arange(bn, dtype=jnp.int32)
-    rows = jnp.arange(Mp, dtype=jnp.int32)
-    n_ok = cols < N
-    m_ok = rows < M
+    tl = tile(M, K, N, Mp, bn, bk, nk, split)
+    s, n0, kbase, mask_n, mask_k, cols, rows, n_ok, m_ok = tl
 
     def rnd(v):  # fp32 v rounded once to the activations' dtype, as fp32 (see numerics.rounded)
         if jnp.dtype(act) == jnp.float32:
@@ -187,15 +223,7 @@ def _kernel(*refs, M, K, N, Mp, bn, bk, nk, split, eps, has_norm, has_gate, has_
                               other=0)
             acc = rnd(r.astype(f32_) + acc)
 
-    out_rows = s * M + rows if split > 1 else rows
-    if Mp == M and not mask_n:
-        if split > 1:
-            o_ref[pl.ds(pl.multiple_of(s * M, M), M), pl.ds(n0, bn)] = acc.astype(o_ref.dtype)
-        else:
-            o_ref[:, pl.ds(n0, bn)] = acc.astype(o_ref.dtype)
-    else:
-        pltr.store(o_ref.at[out_rows[:, None], cols[None, :]], acc.astype(o_ref.dtype),
-                   mask=m_ok[:, None] & n_ok[None, :])
+    store_tile(o_ref, acc, tl, M, Mp, bn, split)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "swiglu", "reduce", "interpret", "block_n", "block_k", "split_k", "num_warps",
@@ -232,10 +260,7 @@ def dense(x, w, norm_w=None, eps: float = 1e-6, gate=None, residual=None, swiglu
     split = cfg["split_k"] if split_k is None else split_k
     nw = num_warps or cfg["num_warps"]
     ns = num_stages or cfg["num_stages"]
-    nkb = _cdiv(K, bk)
-    split = max(1, min(split, nkb))
-    nk = _cdiv(nkb, split)
-    split = _cdiv(nkb, nk)  # no program with an empty K range
+    nk, split = split_plan(K, bk, split)
     Mp = max(16, next_pow2(M))
     assert Mp <= 256, f"M={M}: up to 256 rows per call"
     out_dtype = act if split == 1 else jnp.float32

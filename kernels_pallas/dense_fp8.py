@@ -30,11 +30,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas import dense
 from kernels_pallas._common import compiler_params, is_pow2, next_pow2, pl, pltr
 
 __all__ = ["dense_fp8", "dense_fp8_reference", "default_config", "dequantize", "max_block_k", "N_SM"]
 
-N_SM = 132  # H200
+N_SM = dense.N_SM
 FP8 = jnp.float8_e4m3fn
 
 
@@ -71,29 +72,15 @@ def max_block_k(block_in: int) -> int:
 
 def default_config(M: int, K: int, N: int, block_in: int = 128, *, block_n: int | None = None,
                    block_k: int | None = None, target_programs: int = 4 * N_SM) -> dict:
-    """Block sizes / split-K / warps / stages used when the caller leaves them None."""
-    small = M <= 16
-    bn = block_n or min(128, max(16, next_pow2(N)))
-    bk = block_k or min(128 if small else 64, max_block_k(block_in), max(16, next_pow2(K)))
-    nb, nkb = _cdiv(N, bn), _cdiv(K, bk)
-    max_split = max(1, K // (16 * M))  # fp32 partials (split·M·N·4 B) small next to the weights (K·N B)
-    split = 1
-    while nb * split < target_programs and split * 2 <= min(nkb, max_split):
-        split *= 2
-    return dict(block_n=bn, block_k=bk, split_k=split, num_warps=4 if small else 8, num_stages=3)
+    """The bf16 GEMV's rule (`dense.default_config`) with K chunks that divide the scale block."""
+    return dense.default_config(M, K, N, block_n=block_n, block_k=block_k, target_programs=target_programs,
+                                max_block_k=max_block_k(block_in))
 
 
 def _kernel(x_ref, q_ref, s_ref, o_ref, *, M, K, N, Mp, bn, bk, nk, split, block_in):
     f32 = jnp.float32
-    j, s = pl.program_id(0), pl.program_id(1)
-    n0 = pl.multiple_of(j * bn, bn)
-    kbase = s * (nk * bk)
-    mask_n = N % bn != 0
-    mask_k = nk * bk * split != K
-    cols = n0 + jnp.arange(bn, dtype=jnp.int32)
-    rows = jnp.arange(Mp, dtype=jnp.int32)
-    n_ok = cols < N
-    m_ok = rows < M
+    tl = dense.tile(M, K, N, Mp, bn, bk, nk, split)
+    s, n0, kbase, mask_n, mask_k, cols, rows, n_ok, m_ok = tl
 
     def load_q(k0):  # [bk, bn] fp8 -> bf16 (exact)
         if not (mask_n or mask_k):
@@ -126,15 +113,7 @@ def _kernel(x_ref, q_ref, s_ref, o_ref, *, M, K, N, Mp, bn, bk, nk, split, block
 
     acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((Mp, bn), f32))
 
-    out_rows = s * M + rows if split > 1 else rows
-    if Mp == M and not mask_n:
-        if split > 1:
-            o_ref[pl.ds(pl.multiple_of(s * M, M), M), pl.ds(n0, bn)] = acc.astype(o_ref.dtype)
-        else:
-            o_ref[:, pl.ds(n0, bn)] = acc.astype(o_ref.dtype)
-    else:
-        pltr.store(o_ref.at[out_rows[:, None], cols[None, :]], acc.astype(o_ref.dtype),
-                   mask=m_ok[:, None] & n_ok[None, :])
+    dense.store_tile(o_ref, acc, tl, M, Mp, bn, split)
 
 
 @functools.partial(jax.jit, static_argnames=("block_in", "interpret", "block_n", "block_k", "split_k",
@@ -160,10 +139,7 @@ def dense_fp8(x, q, scale, *, block_in: int = 128, interpret: bool = False, bloc
     split = cfg["split_k"] if split_k is None else split_k
     nw = num_warps or cfg["num_warps"]
     ns = num_stages or cfg["num_stages"]
-    nkb = _cdiv(K, bk)
-    split = max(1, min(split, nkb))
-    nk = _cdiv(nkb, split)
-    split = _cdiv(nkb, nk)  # no program with an empty K range
+    nk, split = dense.split_plan(K, bk, split)
     Mp = max(16, next_pow2(M))
     assert Mp <= 256, f"M={M}: up to 256 rows per call"
     out_dtype = x.dtype if split == 1 else jnp.float32

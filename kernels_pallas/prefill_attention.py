@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.attention_reference import tree_attention_reference
+from kernels_pallas.tree_attention import kv_head_specs
 from kernels_pallas._common import HIGHEST, compiler_params, feature_pad, next_pow2, pad_axis, pl, pltr
 
 __all__ = ["prefill_attention", "prefill_attention_reference", "prefill_flops"]
@@ -192,14 +193,7 @@ def prefill_attention(q, k_cache, v_cache, start, k_new, v_new, *, interpret: bo
     outs = pl.pallas_call(
         kern,
         grid=(B * hkv, n_rb, ns),
-        in_specs=[
-            pl.BlockSpec((1,), lambda i, rb, s: (0,)),  # start
-            pl.BlockSpec((None, T * H, hdp), lambda i, rb, s: (i // hkv, 0, 0)),  # q rows
-            pl.BlockSpec((None, None, S, hdp), lambda i, rb, s: (i // hkv, i % hkv, 0, 0)),  # k_cache
-            pl.BlockSpec((None, None, S, hdp), lambda i, rb, s: (i // hkv, i % hkv, 0, 0)),  # v_cache
-            pl.BlockSpec((None, T, None, hdp), lambda i, rb, s: (i // hkv, 0, i % hkv, 0)),  # k_new
-            pl.BlockSpec((None, T, None, hdp), lambda i, rb, s: (i // hkv, 0, i % hkv, 0)),  # v_new
-        ],
+        in_specs=kv_head_specs(T * H, S, T, hdp, hkv),
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=compiler_params(nw, num_stages),

@@ -141,6 +141,19 @@ def _rows(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, m_ref, o_ref, lse_re
     pltr.store(lse_ref.at[orow], lse, mask=row_ok)
 
 
+def kv_head_specs(q_rows: int, S: int, N: int, hdp: int, hkv: int) -> list:
+    """BlockSpecs of (start, q [B, q_rows, hdp], k/v cache [B, Hkv, S, hdp], k/v new [B, N, Hkv, hdp]) for a grid
+    whose first axis is b·Hkv + kv head: each program sees its batch row's q rows and its kv head's keys."""
+    return [
+        pl.BlockSpec((1,), lambda i, a, b: (0,)),  # start
+        pl.BlockSpec((None, q_rows, hdp), lambda i, a, b: (i // hkv, 0, 0)),  # q rows
+        pl.BlockSpec((None, None, S, hdp), lambda i, a, b: (i // hkv, i % hkv, 0, 0)),  # k_cache
+        pl.BlockSpec((None, None, S, hdp), lambda i, a, b: (i // hkv, i % hkv, 0, 0)),  # v_cache
+        pl.BlockSpec((None, N, None, hdp), lambda i, a, b: (i // hkv, 0, i % hkv, 0)),  # k_new
+        pl.BlockSpec((None, N, None, hdp), lambda i, a, b: (i // hkv, 0, i % hkv, 0)),  # v_new
+    ]
+
+
 def default_split(B: int, hkv: int, n_rb: int, S: int, bk: int, target_programs: int) -> int:
     """Prefix splits so that the grid holds about `target_programs` programs. More splits mean more
     partial outputs to write and merge (n_split · T·H · hd each)."""
@@ -202,13 +215,7 @@ def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret:
     o_p, lse_p = pl.pallas_call(
         kern,
         grid=(B * hkv, ns, n_rb) if rows_last else (B * hkv, n_rb, ns),
-        in_specs=[
-            pl.BlockSpec((1,), lambda i, a, b: (0,)),  # start
-            pl.BlockSpec((None, T * H, hdp), lambda i, a, b: (i // hkv, 0, 0)),  # q rows
-            pl.BlockSpec((None, None, S, hdp), lambda i, a, b: (i // hkv, i % hkv, 0, 0)),  # k_cache
-            pl.BlockSpec((None, None, S, hdp), lambda i, a, b: (i // hkv, i % hkv, 0, 0)),  # v_cache
-            pl.BlockSpec((None, N, None, hdp), lambda i, a, b: (i // hkv, 0, i % hkv, 0)),  # k_new
-            pl.BlockSpec((None, N, None, hdp), lambda i, a, b: (i // hkv, 0, i % hkv, 0)),  # v_new
+        in_specs=kv_head_specs(T * H, S, N, hdp, hkv) + [
             pl.BlockSpec((None, T, N), lambda i, a, b: (i // hkv, 0, 0)),  # mask
         ],
         out_specs=[
