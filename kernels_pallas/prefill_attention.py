@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.attention_reference import tree_attention_reference
-from kernels_pallas.tree_attention import kv_head_specs
+from kernels_pallas.tree_attention import flash_step, kv_head_specs
 from kernels_pallas._common import HIGHEST, compiler_params, feature_pad, next_pow2, pad_axis, pl, pltr
 
 __all__ = ["prefill_attention", "prefill_attention_reference", "prefill_flops"]
@@ -76,18 +76,8 @@ def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, o_ref, lse_ref, *,
     q = pltr.load(q_ref.at[qrow[:, None], cols[None, :]], mask=row_ok[:, None], other=0)
     prec = HIGHEST if exact else None
 
-    def step(kb, vb, valid, carry):
-        acc, m, l = carry
-        sc = jax.lax.dot_general(q, kb, (((1,), (1,)), ((), ())), precision=prec,
-                                 preferred_element_type=f32) * scale  # [bm, bk] logits × log2(e)
-        if valid is not None:
-            sc = jnp.where(valid, sc, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(sc, axis=1))
-        corr = jnp.exp2(m - m_new)
-        p = jnp.exp2(sc - m_new[:, None])
-        l = l * corr + jnp.sum(p, axis=1)
-        acc = acc * corr[:, None] + jnp.dot(p.astype(vb.dtype), vb, precision=prec, preferred_element_type=f32)
-        return acc, m_new, l
+    def step(kb, vb, valid, carry):  # [bm, bk] logits × log2(e)
+        return flash_step(q, kb, vb, valid, carry, scale=scale, precision=prec)
 
     def full_blocks(k_ref, v_ref, lo, hi, carry):  # whole blocks [lo, hi), every key visible
         def body(j, carry):

@@ -74,23 +74,8 @@ def _rows(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, m_ref, o_ref, lse_re
     q = pltr.load(q_ref.at[qrow[:, None], cols[None, :]], mask=row_ok[:, None], other=0)
     prec = HIGHEST if exact else None
 
-    def dot_t(a, b):  # a @ bᵀ
-        return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=f32)
-
-    def dot(a, b):
-        return jnp.dot(a, b, precision=prec, preferred_element_type=f32)
-
     def step(kb, vb, valid, carry):
-        acc, m, l = carry
-        sc = dot_t(q, kb) * scale  # [rows, bk]
-        if valid is not None:
-            sc = jnp.where(valid, sc, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(sc, axis=1))
-        corr = jnp.exp2(m - m_new)
-        p = jnp.exp2(sc - m_new[:, None])
-        l = l * corr + jnp.sum(p, axis=1)
-        acc = acc * corr[:, None] + dot(p.astype(vb.dtype), vb)
-        return acc, m_new, l
+        return flash_step(q, kb, vb, valid, carry, scale=scale, precision=prec)
 
     init = (jnp.zeros((rows, hd), f32), jnp.full((rows,), _NEG, f32), jnp.zeros((rows,), f32))
 
@@ -139,6 +124,24 @@ def _rows(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, m_ref, o_ref, lse_re
     lse = jnp.where(l > 0, m + jnp.log2(safe_l), -jnp.inf)
     pltr.store(o_ref.at[orow[:, None], cols[None, :]], o.astype(o_ref.dtype), mask=row_ok[:, None])
     pltr.store(lse_ref.at[orow], lse, mask=row_ok)
+
+
+def flash_step(q, kb, vb, valid, carry, *, scale: float, precision):
+    """One key block of the online softmax in base 2 (scale includes log2 e): carry (acc [rows, hd] fp32, running
+    max m [rows], sum l [rows]) updated with q [rows, hd] · kb [bk, hd]ᵀ, keys where `valid` (None: all) -> PV
+    with vb [bk, hd]. fp32 logits and accumulation; p cast to vb's dtype for the PV dot."""
+    acc, m, l = carry
+    sc = jax.lax.dot_general(q, kb, (((1,), (1,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32) * scale  # [rows, bk]
+    if valid is not None:
+        sc = jnp.where(valid, sc, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+    corr = jnp.exp2(m - m_new)
+    p = jnp.exp2(sc - m_new[:, None])
+    l = l * corr + jnp.sum(p, axis=1)
+    acc = acc * corr[:, None] + jnp.dot(p.astype(vb.dtype), vb, precision=precision,
+                                        preferred_element_type=jnp.float32)
+    return acc, m_new, l
 
 
 def kv_head_specs(q_rows: int, S: int, N: int, hdp: int, hkv: int) -> list:
