@@ -43,21 +43,11 @@ from kernels_pallas._testing import rel_err  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_timing  # noqa: E402
-from gpu_timing import gpu_us, wall_ms  # noqa: E402
+from gpu_timing import gpu_us, log, save_json, wall_ms  # noqa: E402
 
 DRY = False
 RESULTS: dict = {"shapes": {}}
 L2_BYTES_MIN = 256 << 20  # distinct weight bytes per timed call ≥ 5x L2
-
-
-def log(*a):
-    print(*a, flush=True)
-
-
-def save(path):
-    if path:
-        with open(path, "w") as fh:
-            json.dump(RESULTS, fh, indent=1, default=str)
 
 
 def IKW():
@@ -311,7 +301,7 @@ def main():
             log(f"{name}@{M} FAILED: {e}")
             traceback.print_exc()
         RESULTS["total_s"] = round(time.perf_counter() - t_all, 1)
-        save(args.out)
+        save_json(args.out, RESULTS)
     del total_share
     log("\n== summary (GB/s of weight stream; best Pallas vs XLA)")
     for k, r in RESULTS["shapes"].items():
@@ -321,7 +311,7 @@ def main():
     for k, r in ch.items():
         log(f"  chain {k:24s} {r.get('gpu_ms_per_layer')} ms/layer  {r.get('GBps')} GB/s")
     log(f"  total {RESULTS.get('total_s')} s")
-    save(args.out)
+    save_json(args.out, RESULTS)
 
 
 if __name__ == "__main__":

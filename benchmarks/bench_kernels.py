@@ -52,7 +52,7 @@ from kernels_pallas._testing import (attention_inputs, gdn_decode_fused_inputs, 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_timing  # noqa: E402
-from gpu_timing import gpu_profile, gpu_us, wall_ms  # noqa: E402
+from gpu_timing import gpu_profile, gpu_us, log, save_json, wall_ms  # noqa: E402
 
 # 27B shapes
 HK, HV, DK, DV, CONV_K = 16, 48, 128, 128, 4
@@ -69,16 +69,6 @@ RESULTS: dict = {}
 
 def IKW():
     return {"interpret": True} if DRY else {}
-
-
-def log(*a):
-    print(*a, flush=True)
-
-
-def save(path):
-    if path:
-        with open(path, "w") as fh:
-            json.dump(RESULTS, fh, indent=1, default=str)
 
 
 def errs(pairs):
@@ -497,7 +487,7 @@ def main():
                 recs, best = section_attn(TREE_N, attn_variants, "tree_attn", deadline)
                 RESULTS["tree_attention"] = recs
                 summarize("tree_attention", recs, best, ATTN_LAYERS, str(TREE_N))
-                save(args.out)
+                save_json(args.out, RESULTS)
                 if args.no_decode_attn:
                     continue
                 recs1, best1 = section_attn(1, {"xla_reference": None, "default": {}, "s1": dict(num_stages=1)},
@@ -519,7 +509,7 @@ def main():
             log(f"section {sec} FAILED: {e}")
             traceback.print_exc()
         RESULTS["total_s"] = round(time.perf_counter() - t_all, 1)
-        save(args.out)
+        save_json(args.out, RESULTS)
     log("\n== summary")
     for k, v in RESULTS.items():
         if isinstance(v, (dict, str, float, int, type(None))) and ("_ms_" in k or k.endswith("variant")):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import glob
+import json
 import os
 import shutil
 import statistics
@@ -16,6 +17,17 @@ import time
 import jax
 
 QUICK = False
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def save_json(path, results):
+    """Write `results` to `path` as JSON (nothing when path is empty); non-JSON values as str."""
+    if path:
+        with open(path, "w") as fh:
+            json.dump(results, fh, indent=1, default=str)
 
 
 def wall_ms(f, args, reps=20, warmup=2):
