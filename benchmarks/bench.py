@@ -257,7 +257,13 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, few runs: check the script on a CPU")
     ap.add_argument("--weights", default="bf16", choices=["bf16", "fp8"],
                     help="fp8: random fp8 target weights (issue 17); writes only the fp8.* keys (see bench_fp8)")
+    ap.add_argument("--allreduce", default="nccl", choices=["nccl", "oneshot"],
+                    help="tp > 1: NCCL all-reduces (XLA's default) or XLA's one-shot all-reduce kernel "
+                         "(sharding.ONESHOT_XLA_FLAG, set before the backend starts); results go into "
+                         "tp<N> (nccl) or tp<N>_oneshot")
     args = ap.parse_args(argv)
+    if args.allreduce == "oneshot":  # read when the backend starts: nothing above has touched a device
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {sharding.ONESHOT_XLA_FLAG}".strip()
     if (args.tp or 1) > 1 and args.contexts:
         ap.error("--contexts runs at tp=1 only (its tree-attention timing calls the kernel outside the model)")
     sections = set(args.sections.split(","))
@@ -276,7 +282,8 @@ def main(argv=None):
     if os.path.exists(args.out):
         res = top = json.load(open(args.out))
     if args.tp is not None:
-        res = top.setdefault(f"tp{args.tp}", {})
+        res = top.setdefault(f"tp{args.tp}" + ("_oneshot" if args.allreduce == "oneshot" else ""), {})
+        res["allreduce"] = args.allreduce
     tp = args.tp or 1
     default_kernels = "pallas" if dev.platform == "gpu" else "xla"
     args.kernels = args.kernels or default_kernels
@@ -286,11 +293,12 @@ def main(argv=None):
 
     def save():
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        if "tp1" in top and "tp2" in top:  # issue 18's goals: tp=2 / tp=1 of the same quantity
-            top["tp_ratios"] = {f"{k}_tp2_over_tp1": round(v2 / v1, 3) for k, v1, v2 in (
-                ("ar_step_ms", top["tp1"].get("ar_step_ms"), top["tp2"].get("ar_step_ms")),
-                ("round_ms_64", top["tp1"].get("round_ms", {}).get("64"), top["tp2"].get("round_ms", {}).get("64")))
-                if v1 and v2}
+        for tp2 in ("tp2", "tp2_oneshot"):  # issue 18's goals: tp=2 / tp=1 of the same quantity
+            if "tp1" in top and tp2 in top:
+                top[f"{tp2}_ratios"] = {f"{k}_tp2_over_tp1": round(v2 / v1, 3) for k, v1, v2 in (
+                    ("ar_step_ms", top["tp1"].get("ar_step_ms"), top[tp2].get("ar_step_ms")),
+                    ("round_ms_64", top["tp1"].get("round_ms", {}).get("64"),
+                     top[tp2].get("round_ms", {}).get("64"))) if v1 and v2}
         with open(args.out, "w") as f:
             json.dump(top, f, indent=1, sort_keys=True)
 

@@ -125,8 +125,14 @@ def main():
     ap.add_argument("--decode-fusions", default="on", choices=["on", "off", "both"],
                     help="decode step with the fused norm/residual/attention-prologue kernels (ops.FUSED_DECODE), "
                          "without, or both (A/B: 'decode' and 'decode_unfused', plus 'decode_ab')")
+    ap.add_argument("--weights", default="bf16", choices=["bf16", "fp8"], help="fp8: random fp8 target weights "
+                    "(`random_target(weights='fp8')`, issue 17)")
+    ap.add_argument("--allreduce", default="nccl", choices=["nccl", "oneshot"],
+                    help="tp > 1: NCCL or XLA's one-shot all-reduce kernel (see benchmarks/bench.py)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (bench.py's), xla: check the script on a CPU")
     args = ap.parse_args()
+    if args.allreduce == "oneshot":  # read when the backend starts
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {sharding.ONESHOT_XLA_FLAG}".strip()
     parts = args.parts.split(",")
     raw, dflash = dict(QWEN36_27B), dict(DFLASH_27B)
     if args.smoke:
@@ -134,7 +140,7 @@ def main():
         dflash.update(SMOKE_DFLASH)
         args.context, args.kernels = 64, "xla"
     cfg = text_config_from_dict(raw)
-    target = random_target(cfg, "bfloat16", 0, tp=args.tp)
+    target = random_target(cfg, "bfloat16", 0, tp=args.tp, weights=args.weights)
     target.kernels = args.kernels
     gd, td = target.graphdef, target.treedef
     L, S = args.context, args.context + 1024
@@ -190,7 +196,7 @@ def main():
         drafter.params = sharding.replicate(drafter.params, target.mesh)
         steps["round"] = make_round(target, drafter, plan, fresh_cache())
 
-    res = {"context": L, "kernels": args.kernels, "tp": args.tp, "nodes": args.nodes, "budget": args.budget,
+    res = {"context": L, "kernels": args.kernels, "tp": args.tp, "weights": args.weights, "allreduce": args.allreduce, "nodes": args.nodes, "budget": args.budget,
            "device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"),
            "decode_fusions": args.decode_fusions}
     if "decode_unfused" in steps:  # A/B, unprofiled: step times (alternating blocks) and one step's logits

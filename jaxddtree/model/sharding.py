@@ -36,6 +36,12 @@ from jaxddtree.model.qwen35 import Qwen35
 
 AXIS = "tp"
 
+# XLA's one-shot all-reduce (a Triton kernel reading the peers' buffers over NVLink: peer access, no multicast)
+# instead of NCCL for the small per-layer all-reduces; XLA keeps NCCL where it does not apply. As per-jit
+# compiler options and as the equivalent XLA_FLAGS entry (benchmarks/bench_allreduce.py times both).
+ONESHOT_ALLREDUCE = {"xla_gpu_experimental_use_collective_kernels": "COLLECTIVE_KERNEL_ALL_REDUCE"}
+ONESHOT_XLA_FLAG = "--xla_gpu_experimental_use_collective_kernels=ALL_REDUCE"
+
 # per parameter name (unique across the layer types): the axis split over the mesh (None: replicated)
 _SPLIT = {"embed": None, "lm_head": 1, "weight": None,  # input / post / final norms
           "w_qkv": 1, "wo": 0, "q_norm": None, "k_norm": None,  # attention
