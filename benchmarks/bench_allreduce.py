@@ -7,6 +7,7 @@ chain of `--chain` dependent psums of [rows, 5120] (rows 1 = decode, 65 = verify
   * "oneshot": `xla_gpu_experimental_use_collective_kernels=COLLECTIVE_KERNEL_ALL_REDUCE` — XLA's Triton
                one-shot kernel: each device reads the peers' buffers over NVLink (peer access, no multicast);
                XLA falls back to NCCL where it does not apply (too big, no peer access).
+  * "nccl_sync", "nccl_userbuf", "nccl_symmetric": XLA options around the NCCL call (see VARIANTS).
 Per variant: µs per all-reduce = (chain time − the same chain without the psum) / chain, wall-clock medians.
 
     python benchmarks/bench_allreduce.py --out $OUT/allreduce.json      # needs >= 2 GPUs
@@ -29,7 +30,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from gpu_timing import log, save_json, wall_ms  # noqa: E402
 from jaxddtree.model.sharding import ONESHOT_ALLREDUCE  # noqa: E402
 
-VARIANTS = {"nccl": {}, "oneshot": ONESHOT_ALLREDUCE}
+VARIANTS = {"nccl": {}, "oneshot": ONESHOT_ALLREDUCE,
+            "nccl_sync": {"xla_gpu_disable_async_collectives": "ALLREDUCE"},  # no async start/done pair
+            "nccl_userbuf": {"xla_gpu_enable_nccl_user_buffers": True},  # NCCL-registered buffers
+            # NCCL's symmetric-memory kernels (NCCL_NVLS_ENABLE=0 stays set on the GPU hosts: no multicast)
+            "nccl_symmetric": {"xla_gpu_experimental_enable_nccl_symmetric_buffers": True}}
 
 
 def chain_fn(mesh, n: int, with_psum: bool, options: dict):
@@ -66,11 +71,19 @@ def main():
                                jax.sharding.NamedSharding(mesh, P("tp")))
             base = None
             for name, opts in VARIANTS.items():
-                if args.smoke and opts:
+                if args.smoke and opts and name != "nccl_sync":
                     continue
                 if base is None:
                     base = wall_ms(chain_fn(mesh, args.chain, False, opts), (x,), reps=reps)
-                ms = wall_ms(chain_fn(mesh, args.chain, True, opts), (x,), reps=reps)
+                f = chain_fn(mesh, args.chain, True, opts)
+                try:
+                    hlo = f.lower(x).compile().as_text()
+                except Exception as e:  # an option this XLA does not take
+                    log(f"{name}: {type(e).__name__}: {str(e)[:300]}")
+                    continue
+                ar = [ln.strip()[:300] for ln in hlo.splitlines() if "all-reduce" in ln and "=" in ln]
+                res.setdefault("hlo", {})[f"{name}/rows{rows}/{jnp.dtype(dt).name}"] = ar[:2]
+                ms = wall_ms(f, (x,), reps=reps)
                 us = (ms - base) * 1e3 / args.chain
                 key = f"{name}/rows{rows}/{jnp.dtype(dt).name}"
                 res["us_per_allreduce"][key] = round(us, 2)

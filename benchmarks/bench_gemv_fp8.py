@@ -49,18 +49,27 @@ RESULTS: dict = {"shapes": {}}
 
 
 def variants_for(M: int) -> dict:
+    """Session 5 sweep: the tensor-core form ("mma", x @ w: the converted fp8 tile is the MMA's second
+    operand) topped out at ≈ 2.1 TB/s at M = 1 whatever the blocks (session-4 sweep, gemv_fp8_h200.json), so
+    the swapped form (wᵀ @ xᵀ: the converted tile is the register operand) and CUDA-core FMAs are tried."""
     if M == 1:
         return {"default": {},
-                "bn256_bk128_w4_s4": dict(block_n=256, block_k=128, num_warps=4, num_stages=4),
-                "bn128_bk128_w4_s4": dict(block_n=128, block_k=128, num_warps=4, num_stages=4),
-                "bn64_bk128_w4_s4": dict(block_n=64, block_k=128, num_warps=4, num_stages=4),
-                "bn256_bk128_w8_s3": dict(block_n=256, block_k=128, num_warps=8, num_stages=3),
-                "default_tp2x": dict(target_programs=2 * df.N_SM)}
+                "swap_bn128_bk128_w4_s3": dict(mode="swap", block_n=128, block_k=128, num_warps=4, num_stages=3),
+                "swap_bn128_bk128_w4_s4": dict(mode="swap", block_n=128, block_k=128, num_warps=4, num_stages=4),
+                "swap_bn64_bk128_w4_s4": dict(mode="swap", block_n=64, block_k=128, num_warps=4, num_stages=4),
+                "swap_bn256_bk128_w8_s3": dict(mode="swap", block_n=256, block_k=128, num_warps=8, num_stages=3),
+                "fma_bn128_bk128_w4_s3": dict(mode="fma", block_n=128, block_k=128, num_warps=4, num_stages=3),
+                "fma_bn256_bk64_w8_s3": dict(mode="fma", block_n=256, block_k=64, num_warps=8, num_stages=3),
+                "fma_bn64_bk128_w4_s4": dict(mode="fma", block_n=64, block_k=128, num_warps=4, num_stages=4),
+                "swap_bn128_bk64_w4_s5": dict(mode="swap", block_n=128, block_k=64, num_warps=4, num_stages=5)}
     return {"default": {},
             "bn64_bk64_w4_s3": dict(block_n=64, block_k=64, num_warps=4, num_stages=3),
-            "bn128_bk128_w8_s3": dict(block_n=128, block_k=128, num_warps=8, num_stages=3),
-            "bn128_bk64_w4_s4": dict(block_n=128, block_k=64, num_warps=4, num_stages=4),
-            "bn256_bk64_w8_s3": dict(block_n=256, block_k=64, num_warps=8, num_stages=3)}
+            "swap_bn64_bk64_w4_s3": dict(mode="swap", block_n=64, block_k=64, num_warps=4, num_stages=3),
+            "swap_bn128_bk64_w4_s3": dict(mode="swap", block_n=128, block_k=64, num_warps=4, num_stages=3),
+            "swap_bn128_bk128_w8_s3": dict(mode="swap", block_n=128, block_k=128, num_warps=8, num_stages=3),
+            "swap_bn64_bk128_w4_s4": dict(mode="swap", block_n=64, block_k=128, num_warps=4, num_stages=4),
+            "bn64_bk128_w4_s3": dict(block_n=64, block_k=128, num_warps=4, num_stages=3),
+            "bn32_bk64_w4_s4": dict(block_n=32, block_k=64, num_warps=4, num_stages=4)}
 
 
 def xla_dequant(x, q, scale):
@@ -118,7 +127,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="")
     ap.add_argument("--dry", action="store_true", help="tiny shapes in interpret mode on the CPU")
-    ap.add_argument("--time-budget-s", type=float, default=100.0)
+    ap.add_argument("--time-budget-s", type=float, default=150.0)
     args = ap.parse_args()
     shapes = SHAPES_DRY if args.dry else SHAPES_27B
     gpu_timing.QUICK = args.dry

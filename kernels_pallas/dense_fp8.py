@@ -73,11 +73,12 @@ def max_block_k(block_in: int) -> int:
 def default_config(M: int, K: int, N: int, block_in: int = 128, *, block_n: int | None = None,
                    block_k: int | None = None, target_programs: int = 4 * N_SM) -> dict:
     """The bf16 GEMV's rule (`dense.default_config`) with K chunks that divide the scale block."""
-    return dense.default_config(M, K, N, block_n=block_n, block_k=block_k, target_programs=target_programs,
-                                max_block_k=max_block_k(block_in))
+    cfg = dense.default_config(M, K, N, block_n=block_n, block_k=block_k, target_programs=target_programs,
+                               max_block_k=max_block_k(block_in))
+    return dict(cfg, mode="mma")
 
 
-def _kernel(x_ref, q_ref, s_ref, o_ref, *, M, K, N, Mp, bn, bk, nk, split, block_in):
+def _kernel(x_ref, q_ref, s_ref, o_ref, *, M, K, N, Mp, bn, bk, nk, split, block_in, mode):
     f32 = jnp.float32
     tl = dense.tile(M, K, N, Mp, bn, bk, nk, split)
     s, n0, kbase, mask_n, mask_k, cols, rows, n_ok, m_ok = tl
@@ -106,25 +107,52 @@ def _kernel(x_ref, q_ref, s_ref, o_ref, *, M, K, N, Mp, bn, bk, nk, split, block
             return s_ref[pl.ds(b, 1), pl.ds(n0, bn)]
         return pltr.load(s_ref.at[b + jnp.zeros((1, 1), jnp.int32), cols[None, :]], mask=n_ok[None, :], other=0)
 
-    def body(i, acc):
-        k0 = pl.multiple_of(kbase + i * bk, bk)
-        part = jnp.dot(load_x(k0), load_q(k0), preferred_element_type=f32)  # [Mp, bn]
-        return acc + part * load_scale(k0)
+    if mode == "mma":  # x tile [Mp, bk] @ weight tile [bk, bn] on the tensor cores
+        def body(i, acc):
+            k0 = pl.multiple_of(kbase + i * bk, bk)
+            part = jnp.dot(load_x(k0), load_q(k0), preferred_element_type=f32)  # [Mp, bn]
+            return acc + part * load_scale(k0)
 
-    acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((Mp, bn), f32))
+        acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((Mp, bn), f32))
+    elif mode == "swap":  # (weight tile)ᵀ [bn, bk] @ (x tile)ᵀ [bk, Mp]: the converted weight is the MMA's
+        # first operand (registers) and the output columns its M dimension; the few x rows are its N
+        def body(i, acc):
+            k0 = pl.multiple_of(kbase + i * bk, bk)
+            part = jax.lax.dot_general(load_q(k0), load_x(k0), (((0,), (1,)), ((), ())),
+                                       preferred_element_type=f32)  # [bn, Mp]
+            return acc + part * load_scale(k0).T
+
+        acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((bn, Mp), f32)).T
+    else:  # "fma", M = 1: CUDA-core multiply-adds into a [bk, bn] fp32 accumulator, summed over k at the end
+        def body(i, acc):
+            k0 = pl.multiple_of(kbase + i * bk, bk)
+            if mask_k:
+                kk = k0 + jnp.arange(bk, dtype=jnp.int32)
+                xc = pltr.load(x_ref.at[0, kk], mask=kk < K, other=0)
+            else:
+                xc = x_ref[0, pl.ds(k0, bk)]
+            return acc + load_q(k0).astype(f32) * xc.astype(f32)[:, None] * load_scale(k0)  # [bk, bn]
+
+        acc = jnp.sum(jax.lax.fori_loop(0, nk, body, jnp.zeros((bk, bn), f32)), axis=0, keepdims=True)
+        acc = jnp.broadcast_to(acc, (Mp, bn))
 
     dense.store_tile(o_ref, acc, tl, M, Mp, bn, split)
 
 
+MODES = ("mma", "swap", "fma")
+
+
 @functools.partial(jax.jit, static_argnames=("block_in", "interpret", "block_n", "block_k", "split_k",
-                                             "num_warps", "num_stages", "target_programs"))
+                                             "num_warps", "num_stages", "target_programs", "mode"))
 def dense_fp8(x, q, scale, *, block_in: int = 128, interpret: bool = False, block_n: int | None = None,
               block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
-              num_stages: int | None = None, target_programs: int = 4 * N_SM):
+              num_stages: int | None = None, target_programs: int = 4 * N_SM, mode: str | None = None):
     """y[M, N] = x[M, K] @ dequantized q[K, N] (fp32 accumulation, block scales on the partial sums), in
     x.dtype (bf16). Leading dims of x are flattened; M ≤ 256.
 
-    block_n / block_k: powers of two ≥ 16, block_k dividing block_in; split_k: number of K ranges."""
+    block_n / block_k: powers of two ≥ 16, block_k dividing block_in; split_k: number of K ranges.
+    mode: how a chunk is contracted — "mma" (x @ w on the tensor cores), "swap" (wᵀ @ xᵀ: the converted
+    weight tile as the MMA's register operand), "fma" (M = 1 only: CUDA-core multiply-adds)."""
     lead = x.shape[:-1]
     K = x.shape[-1]
     x = x.reshape(-1, K)
@@ -139,11 +167,14 @@ def dense_fp8(x, q, scale, *, block_in: int = 128, interpret: bool = False, bloc
     split = cfg["split_k"] if split_k is None else split_k
     nw = num_warps or cfg["num_warps"]
     ns = num_stages or cfg["num_stages"]
+    mode = mode or cfg["mode"]
+    assert mode in MODES and (mode != "fma" or M == 1), (mode, M)
     nk, split = dense.split_plan(K, bk, split)
     Mp = max(16, next_pow2(M))
     assert Mp <= 256, f"M={M}: up to 256 rows per call"
     out_dtype = x.dtype if split == 1 else jnp.float32
-    kern = functools.partial(_kernel, M=M, K=K, N=N, Mp=Mp, bn=bn, bk=bk, nk=nk, split=split, block_in=block_in)
+    kern = functools.partial(_kernel, M=M, K=K, N=N, Mp=Mp, bn=bn, bk=bk, nk=nk, split=split, block_in=block_in,
+                             mode=mode)
     y = pl.pallas_call(
         kern,
         grid=(_cdiv(N, bn), split),

@@ -45,6 +45,10 @@ CASES = [  # M, K, N, block_in, kwargs
     (65, 320, 200, 64, dict(block_n=64, block_k=64)),
     (16, 256, 256, 128, dict(split_k=2, block_k=64)),  # M = Mp: unmasked path
     (256, 160, 128, 16, {}),  # the largest M; the smallest block
+    (1, 512, 384, 128, dict(mode="swap")),  # wᵀ @ xᵀ
+    (65, 320, 200, 64, dict(mode="swap", block_n=64, block_k=32, split_k=2)),  # masked rows / columns / K
+    (1, 512, 384, 128, dict(mode="fma")),  # CUDA-core multiply-adds
+    (1, 300, 96, 64, dict(mode="fma", split_k=4)),
 ]
 
 
