@@ -31,6 +31,7 @@ from gpu_timing import log, save_json, wall_ms  # noqa: E402
 from jaxddtree.model.sharding import ONESHOT_ALLREDUCE  # noqa: E402
 
 VARIANTS = {"nccl": {}, "oneshot": ONESHOT_ALLREDUCE,
+            "oneshot_legacy": {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": True},  # the older flag
             "nccl_sync": {"xla_gpu_disable_async_collectives": "ALLREDUCE"},  # no async start/done pair
             "nccl_userbuf": {"xla_gpu_enable_nccl_user_buffers": True},  # NCCL-registered buffers
             # NCCL's symmetric-memory kernels (NCCL_NVLS_ENABLE=0 stays set on the GPU hosts: no multicast)
@@ -55,6 +56,7 @@ def main():
     ap.add_argument("--chain", type=int, default=128, help="dependent all-reduces per jitted call")
     ap.add_argument("--rows", default="1,65")
     ap.add_argument("--dim", type=int, default=5120)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma list of " + ", ".join(VARIANTS))
     ap.add_argument("--smoke", action="store_true", help="CPU check: no compiler options, few runs")
     args = ap.parse_args()
     devs = jax.devices()[:args.tp]
@@ -70,7 +72,8 @@ def main():
             x = jax.device_put(jax.random.normal(jax.random.key(rows), (args.tp * rows, args.dim), dt),
                                jax.sharding.NamedSharding(mesh, P("tp")))
             base = None
-            for name, opts in VARIANTS.items():
+            for name in args.variants.split(","):
+                opts = VARIANTS[name]
                 if args.smoke and opts and name != "nccl_sync":
                     continue
                 if base is None:
@@ -81,7 +84,7 @@ def main():
                 except Exception as e:  # an option this XLA does not take
                     log(f"{name}: {type(e).__name__}: {str(e)[:300]}")
                     continue
-                ar = [ln.strip()[:300] for ln in hlo.splitlines() if "all-reduce" in ln and "=" in ln]
+                ar = [ln.strip()[:3000] for ln in hlo.splitlines() if "all-reduce" in ln and "=" in ln]
                 res.setdefault("hlo", {})[f"{name}/rows{rows}/{jnp.dtype(dt).name}"] = ar[:2]
                 ms = wall_ms(f, (x,), reps=reps)
                 us = (ms - base) * 1e3 / args.chain
