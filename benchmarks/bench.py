@@ -257,13 +257,11 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, few runs: check the script on a CPU")
     ap.add_argument("--weights", default="bf16", choices=["bf16", "fp8"],
                     help="fp8: random fp8 target weights (issue 17); writes only the fp8.* keys (see bench_fp8)")
-    ap.add_argument("--allreduce", default="nccl", choices=["nccl", "oneshot"],
-                    help="tp > 1: NCCL all-reduces (XLA's default) or XLA's one-shot all-reduce kernel "
-                         "(sharding.ONESHOT_XLA_FLAG, set before the backend starts); results go into "
-                         "tp<N> (nccl) or tp<N>_oneshot")
+    ap.add_argument("--allreduce", default="nccl", choices=list(sharding.ALLREDUCE_MODES),
+                    help="tp > 1: how the all-reduces run (sharding.ALLREDUCE_MODES: XLA_FLAGS set before the "
+                         "backend starts); results go into tp<N> (nccl) or tp<N>_<mode>")
     args = ap.parse_args(argv)
-    if args.allreduce == "oneshot":  # read when the backend starts: nothing above has touched a device
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {sharding.ONESHOT_XLA_FLAG}".strip()
+    sharding.use_allreduce(args.allreduce)  # read when the backend starts: nothing above has touched a device
     if (args.tp or 1) > 1 and args.contexts:
         ap.error("--contexts runs at tp=1 only (its tree-attention timing calls the kernel outside the model)")
     sections = set(args.sections.split(","))
@@ -282,7 +280,7 @@ def main(argv=None):
     if os.path.exists(args.out):
         res = top = json.load(open(args.out))
     if args.tp is not None:
-        res = top.setdefault(f"tp{args.tp}" + ("_oneshot" if args.allreduce == "oneshot" else ""), {})
+        res = top.setdefault(f"tp{args.tp}" + ("" if args.allreduce == "nccl" else f"_{args.allreduce}"), {})
         res["allreduce"] = args.allreduce
     tp = args.tp or 1
     default_kernels = "pallas" if dev.platform == "gpu" else "xla"
@@ -293,7 +291,7 @@ def main(argv=None):
 
     def save():
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        for tp2 in ("tp2", "tp2_oneshot"):  # issue 18's goals: tp=2 / tp=1 of the same quantity
+        for tp2 in [k for k in top if k.startswith("tp2") and not k.endswith("_ratios")]:  # issue 18's goals
             if "tp1" in top and tp2 in top:
                 top[f"{tp2}_ratios"] = {f"{k}_tp2_over_tp1": round(v2 / v1, 3) for k, v1, v2 in (
                     ("ar_step_ms", top["tp1"].get("ar_step_ms"), top[tp2].get("ar_step_ms")),

@@ -4,10 +4,10 @@ At tp = N every decoder layer sums two fp32 partial rows over the devices (`jax.
 shard_map: after the mixer and after the MLP), i.e. 128 small all-reduces per 27B decode step. This times a
 chain of `--chain` dependent psums of [rows, 5120] (rows 1 = decode, 65 = verify) inside one jit, for:
   * "nccl":    XLA's default (an NCCL all-reduce thunk);
-  * "oneshot": `xla_gpu_experimental_use_collective_kernels=COLLECTIVE_KERNEL_ALL_REDUCE` — XLA's Triton
-               one-shot kernel: each device reads the peers' buffers over NVLink (peer access, no multicast);
+  * "oneshot": `xla_gpu_unsupported_use_all_reduce_one_shot_kernel` — XLA's Triton one-shot kernel: each device reads the peers' buffers over NVLink (peer access, no multicast);
                XLA falls back to NCCL where it does not apply (too big, no peer access).
-  * "nccl_sync", "nccl_userbuf", "nccl_symmetric": XLA options around the NCCL call (see VARIANTS).
+  * "graphs": the collectives recorded into XLA's command buffers (CUDA graphs) too;
+  * "nccl_sync", "nccl_userbuf", "nccl_symmetric", "oneshot_new": other XLA options (see VARIANTS).
 Per variant: µs per all-reduce = (chain time − the same chain without the psum) / chain, wall-clock medians.
 
     python benchmarks/bench_allreduce.py --out $OUT/allreduce.json      # needs >= 2 GPUs
@@ -28,10 +28,15 @@ from jax.sharding import Mesh, PartitionSpec as P
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from gpu_timing import log, save_json, wall_ms  # noqa: E402
-from jaxddtree.model.sharding import ONESHOT_ALLREDUCE  # noqa: E402
-
-VARIANTS = {"nccl": {}, "oneshot": ONESHOT_ALLREDUCE,
-            "oneshot_legacy": {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": True},  # the older flag
+_GRAPHS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,COLLECTIVES"}
+_ONESHOT = {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": True}
+VARIANTS = {"nccl": {},
+            # the newer flag: its HLO keeps the NCCL strategy in this XLA (H200 x2, 2026-11-30); the older one
+            # below sets kernel_strategy KERNEL_STRATEGY_TRITON_ONE_SHOT
+            "oneshot_new": {"xla_gpu_experimental_use_collective_kernels": "COLLECTIVE_KERNEL_ALL_REDUCE"},
+            "oneshot": _ONESHOT,
+            "graphs": _GRAPHS,  # the collectives inside the command buffers (CUDA graphs)
+            "graphs_oneshot": {**_GRAPHS, **_ONESHOT},
             "nccl_sync": {"xla_gpu_disable_async_collectives": "ALLREDUCE"},  # no async start/done pair
             "nccl_userbuf": {"xla_gpu_enable_nccl_user_buffers": True},  # NCCL-registered buffers
             # NCCL's symmetric-memory kernels (NCCL_NVLS_ENABLE=0 stays set on the GPU hosts: no multicast)

@@ -127,12 +127,11 @@ def main():
                          "without, or both (A/B: 'decode' and 'decode_unfused', plus 'decode_ab')")
     ap.add_argument("--weights", default="bf16", choices=["bf16", "fp8"], help="fp8: random fp8 target weights "
                     "(`random_target(weights='fp8')`, issue 17)")
-    ap.add_argument("--allreduce", default="nccl", choices=["nccl", "oneshot"],
-                    help="tp > 1: NCCL or XLA's one-shot all-reduce kernel (see benchmarks/bench.py)")
+    ap.add_argument("--allreduce", default="nccl", choices=list(sharding.ALLREDUCE_MODES),
+                    help="tp > 1: how the all-reduces run (sharding.ALLREDUCE_MODES)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (bench.py's), xla: check the script on a CPU")
     args = ap.parse_args()
-    if args.allreduce == "oneshot":  # read when the backend starts
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {sharding.ONESHOT_XLA_FLAG}".strip()
+    sharding.use_allreduce(args.allreduce)  # read when the backend starts
     parts = args.parts.split(",")
     raw, dflash = dict(QWEN36_27B), dict(DFLASH_27B)
     if args.smoke:

@@ -90,7 +90,7 @@ def _kernel(x_ref, q_ref, s_ref, o_ref, *, M, K, N, Mp, bn, bk, nk, split, block
     tl = dense.tile(M, K, N, Mp, bn, bk, nk, split)
     s, n0, kbase, mask_n, mask_k, cols, rows, n_ok, m_ok = tl
 
-    def load_q(k0):  # [bk, bn] fp8 -> bf16 (exact)
+    def load_q(k0, dtype=x_ref.dtype):  # [bk, bn] fp8 -> bf16 (exact)
         if not (mask_n or mask_k):
             t = q_ref[pl.ds(k0, bk), pl.ds(n0, bn)]
         else:
@@ -98,8 +98,8 @@ def _kernel(x_ref, q_ref, s_ref, o_ref, *, M, K, N, Mp, bn, bk, nk, split, block
             msk = (kk < K)[:, None] & n_ok[None, :]
             # masked-off lanes are zeroed after the cast (Triton lowering has no fp8 `other` constant)
             t = pltr.load(q_ref.at[kk[:, None], cols[None, :]], mask=msk)
-            return jnp.where(msk, t.astype(x_ref.dtype), 0)
-        return t.astype(x_ref.dtype)
+            return jnp.where(msk, t.astype(dtype), 0)
+        return t.astype(dtype)
 
     def load_x(k0):  # [Mp, bk]; rows >= M (and k >= K) read as 0
         kk = k0 + jnp.arange(bk, dtype=jnp.int32)
@@ -114,7 +114,15 @@ def _kernel(x_ref, q_ref, s_ref, o_ref, *, M, K, N, Mp, bn, bk, nk, split, block
             return s_ref[pl.ds(b, 1), pl.ds(n0, bn)]
         return pltr.load(s_ref.at[b + jnp.zeros((1, 1), jnp.int32), cols[None, :]], mask=n_ok[None, :], other=0)
 
-    if mode == "mma":  # x tile [Mp, bk] @ weight tile [bk, bn] on the tensor cores
+    if mode == "f16":  # as "mma" with both tiles in f16 (e4m3 -> f16 is one hardware cvt per pair): x must
+        # fit f16's range (|x| < 65504; tiny values lose bits) — a timing probe, never the default
+        def body(i, acc):
+            k0 = pl.multiple_of(kbase + i * bk, bk)
+            part = jnp.dot(load_x(k0).astype(jnp.float16), load_q(k0, jnp.float16), preferred_element_type=f32)
+            return acc + part * load_scale(k0)
+
+        acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((Mp, bn), f32))
+    elif mode == "mma":  # x tile [Mp, bk] @ weight tile [bk, bn] on the tensor cores
         def body(i, acc):
             k0 = pl.multiple_of(kbase + i * bk, bk)
             part = jnp.dot(load_x(k0), load_q(k0), preferred_element_type=f32)  # [Mp, bn]
@@ -146,7 +154,7 @@ def _kernel(x_ref, q_ref, s_ref, o_ref, *, M, K, N, Mp, bn, bk, nk, split, block
     dense.store_tile(o_ref, acc, tl, M, Mp, bn, split)
 
 
-MODES = ("mma", "swap", "fma")
+MODES = ("mma", "swap", "fma", "f16")
 
 
 @functools.partial(jax.jit, static_argnames=("block_in", "interpret", "block_n", "block_k", "split_k",
@@ -159,7 +167,7 @@ def dense_fp8(x, q, scale, *, block_in: int = 128, interpret: bool = False, bloc
 
     block_n / block_k: powers of two ≥ 16, block_k dividing block_in; split_k: number of K ranges.
     mode: how a chunk is contracted — "mma" (x @ w on the tensor cores), "swap" (wᵀ @ xᵀ: the converted
-    weight tile as the MMA's register operand), "fma" (M = 1 only: CUDA-core multiply-adds)."""
+    weight tile as the MMA's register operand), "fma" (M = 1 only: CUDA-core multiply-adds), "f16" (x and w in f16: a timing probe, x must fit f16)."""
     lead = x.shape[:-1]
     K = x.shape[-1]
     x = x.reshape(-1, K)

@@ -36,11 +36,26 @@ from jaxddtree.model.qwen35 import Qwen35
 
 AXIS = "tp"
 
-# XLA's one-shot all-reduce (a Triton kernel reading the peers' buffers over NVLink: peer access, no multicast)
-# instead of NCCL for the small per-layer all-reduces; XLA keeps NCCL where it does not apply. As per-jit
-# compiler options and as the equivalent XLA_FLAGS entry (benchmarks/bench_allreduce.py times both).
-ONESHOT_ALLREDUCE = {"xla_gpu_experimental_use_collective_kernels": "COLLECTIVE_KERNEL_ALL_REDUCE"}
-ONESHOT_XLA_FLAG = "--xla_gpu_experimental_use_collective_kernels=ALL_REDUCE"
+# How the per-layer all-reduces run at tp > 1 (XLA_FLAGS entries; they must be set before the backend starts):
+#   nccl            XLA's default: an NCCL all-reduce per psum, each one ending a command buffer (CUDA graph);
+#   oneshot         XLA's one-shot all-reduce kernel (a Triton kernel reading the peers' buffers over NVLink:
+#                   peer access, no multicast) instead of NCCL where it applies (small, one host);
+#   graphs          collectives recorded into the command buffers too (fewer host launches per step);
+#   graphs_oneshot  both.
+# benchmarks/bench_allreduce.py times them on their own; bench.py / profile_gpu.py --allreduce in the model.
+_ONESHOT = "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true"
+_GRAPHS = "--xla_gpu_enable_command_buffer=+COLLECTIVES"
+ALLREDUCE_MODES = {"nccl": (), "oneshot": (_ONESHOT,), "graphs": (_GRAPHS,), "graphs_oneshot": (_GRAPHS, _ONESHOT)}
+
+
+def use_allreduce(mode: str) -> None:
+    """Append mode's XLA_FLAGS entries to the environment (call before the first device use)."""
+    import os
+    if mode not in ALLREDUCE_MODES:
+        raise ValueError(f"unknown all-reduce mode '{mode}' (choose one of {', '.join(ALLREDUCE_MODES)})")
+    flags = " ".join(ALLREDUCE_MODES[mode])
+    if flags:
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
 
 # per parameter name (unique across the layer types): the axis split over the mesh (None: replicated)
 _SPLIT = {"embed": None, "lm_head": 1, "weight": None,  # input / post / final norms
