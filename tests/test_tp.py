@@ -238,3 +238,18 @@ def test_pallas_kernels_lower_per_shard_for_two_h200():
 
 if __name__ == "__main__":
     print(json.dumps(worker()))
+
+
+def test_allreduce_modes_set_xla_flags(monkeypatch):
+    """`sharding.use_allreduce` appends the mode's XLA_FLAGS entries (kept: what was there), refuses others."""
+    from jaxddtree.model import sharding
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    sharding.use_allreduce("nccl")
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x"
+    sharding.use_allreduce("graphs_oneshot")
+    flags = os.environ["XLA_FLAGS"].split()
+    assert flags[0] == "--xla_dump_to=/tmp/x" and len(flags) == 3
+    assert set(flags[1:]) == set(sharding.ALLREDUCE_MODES["graphs"] + sharding.ALLREDUCE_MODES["oneshot"])
+    with pytest.raises(ValueError, match="unknown all-reduce mode 'ring'.*nccl"):
+        sharding.use_allreduce("ring")
