@@ -50,30 +50,22 @@ VARIANTS = ""  # --variants
 
 
 def variants_for(M: int) -> dict:
-    """Session 5 sweep: the tensor-core form ("mma", x @ w: the converted fp8 tile is the MMA's second
-    operand) topped out at ≈ 2.1 TB/s at M = 1 whatever the blocks (session-4 sweep, gemv_fp8_h200.json), so
-    the swapped form (wᵀ @ xᵀ: the converted tile is the register operand) and CUDA-core FMAs are tried; both
-    lost. ncu (w_in, M = 1): DRAM 38 %, SM 61 %, 96 registers — instruction-bound on the fp8 -> bf16 conversion;
-    "f16" probes the one-instruction e4m3 -> f16 conversion (x in f16)."""
+    """Block shapes and the f16 probe. Session 5 (H200, 2026-11-30) also tried the swapped form (wᵀ @ xᵀ: the
+    converted tile as the MMA's register operand) and CUDA-core FMAs at M = 1: both lost on every shape
+    (gemv_fp8_h200.json) and were removed. ncu (w_in, M = 1): DRAM 38 %, SM 61 %, 96 registers — instruction-bound
+    on the fp8 -> bf16 conversion; "f16" probes the one-instruction e4m3 -> f16 conversion (x in f16)."""
     if M == 1:
         return {"default": {},
                 "f16_default": dict(mode="f16"),
-                "f16_bn128_bk128_w4_s4": dict(mode="f16", block_n=128, block_k=128, num_warps=4, num_stages=4),
-                "swap_bn128_bk128_w4_s3": dict(mode="swap", block_n=128, block_k=128, num_warps=4, num_stages=3),
-                "swap_bn128_bk128_w4_s4": dict(mode="swap", block_n=128, block_k=128, num_warps=4, num_stages=4),
-                "swap_bn64_bk128_w4_s4": dict(mode="swap", block_n=64, block_k=128, num_warps=4, num_stages=4),
-                "swap_bn256_bk128_w8_s3": dict(mode="swap", block_n=256, block_k=128, num_warps=8, num_stages=3),
-                "fma_bn128_bk128_w4_s3": dict(mode="fma", block_n=128, block_k=128, num_warps=4, num_stages=3),
-                "fma_bn256_bk64_w8_s3": dict(mode="fma", block_n=256, block_k=64, num_warps=8, num_stages=3),
-                "fma_bn64_bk128_w4_s4": dict(mode="fma", block_n=64, block_k=128, num_warps=4, num_stages=4),
-                "swap_bn128_bk64_w4_s5": dict(mode="swap", block_n=128, block_k=64, num_warps=4, num_stages=5)}
+                "bn256_bk128_w4_s4": dict(block_n=256, block_k=128, num_warps=4, num_stages=4),
+                "bn128_bk128_w4_s4": dict(block_n=128, block_k=128, num_warps=4, num_stages=4),
+                "bn64_bk128_w4_s4": dict(block_n=64, block_k=128, num_warps=4, num_stages=4),
+                "bn256_bk128_w8_s3": dict(block_n=256, block_k=128, num_warps=8, num_stages=3),
+                "default_tp2x": dict(target_programs=2 * df.N_SM)}
     return {"default": {},
             "f16_default": dict(mode="f16"),
-            "bn64_bk64_w4_s3": dict(block_n=64, block_k=64, num_warps=4, num_stages=3),
-            "swap_bn64_bk64_w4_s3": dict(mode="swap", block_n=64, block_k=64, num_warps=4, num_stages=3),
-            "swap_bn128_bk64_w4_s3": dict(mode="swap", block_n=128, block_k=64, num_warps=4, num_stages=3),
-            "swap_bn128_bk128_w8_s3": dict(mode="swap", block_n=128, block_k=128, num_warps=8, num_stages=3),
-            "swap_bn64_bk128_w4_s4": dict(mode="swap", block_n=64, block_k=128, num_warps=4, num_stages=4),
+            "bn128_bk64_w8_s3": dict(block_n=128, block_k=64, num_warps=8, num_stages=3),
+            "bn128_bk128_w8_s3": dict(block_n=128, block_k=128, num_warps=8, num_stages=3),
             "bn64_bk128_w4_s3": dict(block_n=64, block_k=128, num_warps=4, num_stages=3),
             "bn32_bk64_w4_s4": dict(block_n=32, block_k=64, num_warps=4, num_stages=4)}
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -79,3 +81,27 @@ def attention_inputs(key, rng, B, T, H, Hkv, hd, S, start, *, dtype=jnp.bfloat16
     else:
         mask = jnp.ones((B, T, T), bool)
     return q, kc, vc, jnp.int32(start), kn, vn, mask
+
+
+def assert_kernel_signature(kernel, reference) -> list[str]:
+    """The Pallas kernel takes its jnp reference's parameters first, in order, and `interpret=False`; returns the
+    reference's parameter names."""
+    ref = list(inspect.signature(reference).parameters)
+    ker = inspect.signature(kernel).parameters
+    assert list(ker)[:len(ref)] == ref and ker["interpret"].default is False, (list(ker), ref)
+    return ref
+
+
+def check_attention(out, reference, args):
+    """An attention kernel's output vs its jnp reference on the same args: same shape / dtype, finite; fp32 within
+    1e-5; bf16 within 1e-2 of both the bf16 reference (which rounds logits and probabilities) and exact fp32 math
+    (the reference on the args upcast)."""
+    ref = reference(*args)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert np.all(np.isfinite(np.asarray(out, np.float32)))
+    if ref.dtype == jnp.float32:
+        assert rel_err(out, ref) < 1e-5, rel_err(out, ref)
+    else:
+        up = tuple(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x for x in args)
+        assert rel_err(out, reference(*up)) < 1e-2
+        assert rel_err(out, ref) < 1e-2, rel_err(out, ref)

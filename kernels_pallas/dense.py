@@ -96,6 +96,28 @@ def split_plan(K: int, bk: int, split: int) -> tuple[int, int]:
     return nk, _cdiv(nkb, nk)
 
 
+def resolve(cfg: dict, M: int, K: int, split_k, num_warps, num_stages) -> tuple[int, int, int, int, int]:
+    """(nk, split, num_warps, num_stages, Mp) of a call: the caller's overrides over `cfg`, the K plan, the
+    padded row count (≥ 16, ≤ 256)."""
+    nk, split = split_plan(K, cfg["block_k"], cfg["split_k"] if split_k is None else split_k)
+    Mp = max(16, next_pow2(M))
+    assert Mp <= 256, f"M={M}: up to 256 rows per call"
+    return nk, split, num_warps or cfg["num_warps"], num_stages or cfg["num_stages"], Mp
+
+
+def launch(kern, args, *, M: int, N: int, bn: int, split: int, out_dtype, num_warps: int, num_stages: int,
+           interpret: bool, name: str):
+    """The (cdiv(N, bn), split) grid of a GEMV kernel over args -> [split·M, N] of out_dtype."""
+    return pl.pallas_call(
+        kern,
+        grid=(_cdiv(N, bn), split),
+        out_shape=jax.ShapeDtypeStruct((split * M, N), out_dtype),
+        compiler_params=compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name=name,
+    )(*args)
+
+
 class Tile(NamedTuple):
     """Program (j, s) of a (cdiv(N, bn), split) GEMV grid: its output columns and K range, and the masks."""
     s: jax.Array  # K range index
@@ -257,12 +279,7 @@ def dense(x, w, norm_w=None, eps: float = 1e-6, gate=None, residual=None, swiglu
     cfg = default_config(M, K, N, block_n=block_n, block_k=block_k, target_programs=target_programs)
     bn, bk = cfg["block_n"], cfg["block_k"]
     assert is_pow2(bn) and is_pow2(bk) and bn >= 16 and bk >= 16, (bn, bk)
-    split = cfg["split_k"] if split_k is None else split_k
-    nw = num_warps or cfg["num_warps"]
-    ns = num_stages or cfg["num_stages"]
-    nk, split = split_plan(K, bk, split)
-    Mp = max(16, next_pow2(M))
-    assert Mp <= 256, f"M={M}: up to 256 rows per call"
+    nk, split, nw, ns, Mp = resolve(cfg, M, K, split_k, num_warps, num_stages)
     out_dtype = act if split == 1 else jnp.float32
     args = [x, w]
     if norm_w is not None:
@@ -279,14 +296,8 @@ def dense(x, w, norm_w=None, eps: float = 1e-6, gate=None, residual=None, swiglu
                              has_norm=norm_w is not None, has_gate=gate is not None,
                              has_res=residual is not None and split == 1, swiglu_parts=parts, act=act,
                              interpret=interpret)
-    y = pl.pallas_call(
-        kern,
-        grid=(_cdiv(N, bn), split),
-        out_shape=jax.ShapeDtypeStruct((split * M, N), out_dtype),
-        compiler_params=compiler_params(nw, ns),
-        interpret=interpret,
-        name="dense_dot",
-    )(*args)
+    y = launch(kern, args, M=M, N=N, bn=bn, split=split, out_dtype=out_dtype, num_warps=nw, num_stages=ns,
+               interpret=interpret, name="dense_dot")
     if not reduce:
         return y.reshape(split, M, N)
     if split > 1:  # the partials in order, plain adds: one elementwise fusion with the roundings + residual

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import dense
-from kernels_pallas._common import compiler_params, is_pow2, next_pow2, pl, pltr
+from kernels_pallas._common import is_pow2, pl, pltr
 
 __all__ = ["dense_fp8", "dense_fp8_reference", "default_config", "dequantize", "max_block_k", "N_SM"]
 
@@ -90,7 +90,7 @@ def _kernel(x_ref, q_ref, s_ref, o_ref, *, M, K, N, Mp, bn, bk, nk, split, block
     tl = dense.tile(M, K, N, Mp, bn, bk, nk, split)
     s, n0, kbase, mask_n, mask_k, cols, rows, n_ok, m_ok = tl
 
-    def load_q(k0, dtype=x_ref.dtype):  # [bk, bn] fp8 -> bf16 (exact)
+    def load_q(k0, dtype):  # [bk, bn] fp8 -> dtype (exact: e4m3 ⊂ bf16, f16)
         if not (mask_n or mask_k):
             t = q_ref[pl.ds(k0, bk), pl.ds(n0, bn)]
         else:
@@ -114,47 +114,20 @@ def _kernel(x_ref, q_ref, s_ref, o_ref, *, M, K, N, Mp, bn, bk, nk, split, block
             return s_ref[pl.ds(b, 1), pl.ds(n0, bn)]
         return pltr.load(s_ref.at[b + jnp.zeros((1, 1), jnp.int32), cols[None, :]], mask=n_ok[None, :], other=0)
 
-    if mode == "f16":  # as "mma" with both tiles in f16 (e4m3 -> f16 is one hardware cvt per pair): x must
-        # fit f16's range (|x| < 65504; tiny values lose bits) — a timing probe, never the default
-        def body(i, acc):
-            k0 = pl.multiple_of(kbase + i * bk, bk)
-            part = jnp.dot(load_x(k0).astype(jnp.float16), load_q(k0, jnp.float16), preferred_element_type=f32)
-            return acc + part * load_scale(k0)
+    # x tile [Mp, bk] @ weight tile [bk, bn] on the tensor cores, in bf16 ("mma") or f16 ("f16": e4m3 -> f16 is
+    # one hardware cvt per pair; x must fit f16's range, tiny values lose bits — a timing probe, never the default)
+    dt = jnp.float16 if mode == "f16" else x_ref.dtype
 
-        acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((Mp, bn), f32))
-    elif mode == "mma":  # x tile [Mp, bk] @ weight tile [bk, bn] on the tensor cores
-        def body(i, acc):
-            k0 = pl.multiple_of(kbase + i * bk, bk)
-            part = jnp.dot(load_x(k0), load_q(k0), preferred_element_type=f32)  # [Mp, bn]
-            return acc + part * load_scale(k0)
+    def body(i, acc):
+        k0 = pl.multiple_of(kbase + i * bk, bk)
+        part = jnp.dot(load_x(k0).astype(dt), load_q(k0, dt), preferred_element_type=f32)  # [Mp, bn]
+        return acc + part * load_scale(k0)
 
-        acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((Mp, bn), f32))
-    elif mode == "swap":  # (weight tile)ᵀ [bn, bk] @ (x tile)ᵀ [bk, Mp]: the converted weight is the MMA's
-        # first operand (registers) and the output columns its M dimension; the few x rows are its N
-        def body(i, acc):
-            k0 = pl.multiple_of(kbase + i * bk, bk)
-            part = jax.lax.dot_general(load_q(k0), load_x(k0), (((0,), (1,)), ((), ())),
-                                       preferred_element_type=f32)  # [bn, Mp]
-            return acc + part * load_scale(k0).T
-
-        acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((bn, Mp), f32)).T
-    else:  # "fma", M = 1: CUDA-core multiply-adds into a [bk, bn] fp32 accumulator, summed over k at the end
-        def body(i, acc):
-            k0 = pl.multiple_of(kbase + i * bk, bk)
-            if mask_k:
-                kk = k0 + jnp.arange(bk, dtype=jnp.int32)
-                xc = pltr.load(x_ref.at[0, kk], mask=kk < K, other=0)
-            else:
-                xc = x_ref[0, pl.ds(k0, bk)]
-            return acc + load_q(k0).astype(f32) * xc.astype(f32)[:, None] * load_scale(k0)  # [bk, bn]
-
-        acc = jnp.sum(jax.lax.fori_loop(0, nk, body, jnp.zeros((bk, bn), f32)), axis=0, keepdims=True)
-        acc = jnp.broadcast_to(acc, (Mp, bn))
-
+    acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((Mp, bn), f32))
     dense.store_tile(o_ref, acc, tl, M, Mp, bn, split)
 
 
-MODES = ("mma", "swap", "fma", "f16")
+MODES = ("mma", "f16")
 
 
 @functools.partial(jax.jit, static_argnames=("block_in", "interpret", "block_n", "block_k", "split_k",
@@ -166,8 +139,8 @@ def dense_fp8(x, q, scale, *, block_in: int = 128, interpret: bool = False, bloc
     x.dtype (bf16). Leading dims of x are flattened; M ≤ 256.
 
     block_n / block_k: powers of two ≥ 16, block_k dividing block_in; split_k: number of K ranges.
-    mode: how a chunk is contracted — "mma" (x @ w on the tensor cores), "swap" (wᵀ @ xᵀ: the converted
-    weight tile as the MMA's register operand), "fma" (M = 1 only: CUDA-core multiply-adds), "f16" (x and w in f16: a timing probe, x must fit f16)."""
+    mode: "mma" (x @ w on the tensor cores, bf16 tiles) or "f16" (both tiles in f16: a timing probe of the
+    one-instruction e4m3 -> f16 conversion; x must fit f16's range)."""
     lead = x.shape[:-1]
     K = x.shape[-1]
     x = x.reshape(-1, K)
@@ -179,25 +152,14 @@ def dense_fp8(x, q, scale, *, block_in: int = 128, interpret: bool = False, bloc
     cfg = default_config(M, K, N, block_in, block_n=block_n, block_k=block_k, target_programs=target_programs)
     bn, bk = cfg["block_n"], cfg["block_k"]
     assert is_pow2(bn) and is_pow2(bk) and bn >= 16 and bk >= 16 and block_in % bk == 0, (bn, bk, block_in)
-    split = cfg["split_k"] if split_k is None else split_k
-    nw = num_warps or cfg["num_warps"]
-    ns = num_stages or cfg["num_stages"]
     mode = mode or cfg["mode"]
-    assert mode in MODES and (mode != "fma" or M == 1), (mode, M)
-    nk, split = dense.split_plan(K, bk, split)
-    Mp = max(16, next_pow2(M))
-    assert Mp <= 256, f"M={M}: up to 256 rows per call"
+    assert mode in MODES, mode
+    nk, split, nw, ns, Mp = dense.resolve(cfg, M, K, split_k, num_warps, num_stages)
     out_dtype = x.dtype if split == 1 else jnp.float32
     kern = functools.partial(_kernel, M=M, K=K, N=N, Mp=Mp, bn=bn, bk=bk, nk=nk, split=split, block_in=block_in,
                              mode=mode)
-    y = pl.pallas_call(
-        kern,
-        grid=(_cdiv(N, bn), split),
-        out_shape=jax.ShapeDtypeStruct((split * M, N), out_dtype),
-        compiler_params=compiler_params(nw, ns),
-        interpret=interpret,
-        name="dense_fp8_dot",
-    )(x, q, scale.astype(jnp.float32))
+    y = dense.launch(kern, (x, q, scale.astype(jnp.float32)), M=M, N=N, bn=bn, split=split, out_dtype=out_dtype,
+                     num_warps=nw, num_stages=ns, interpret=interpret, name="dense_fp8_dot")
     if split > 1:
         y = y.reshape(split, M, N).sum(0).astype(x.dtype)
     return y.reshape(*lead, N)

@@ -3,7 +3,6 @@ reference (bitwise in bf16), the model's decode path vs its general sequence pat
 for an H200 at 27B shapes."""
 
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +13,7 @@ from flax import nnx
 from kernels_pallas import attention_decode as A
 from kernels_pallas import ops
 from kernels_pallas._common import lower_for_h200
-from kernels_pallas._testing import rel_err
+from kernels_pallas._testing import assert_kernel_signature, rel_err
 
 EPS = 1e-6
 
@@ -32,9 +31,7 @@ def prep_inputs(key, B, h, hkv, hd, rd, S, dtype):
 
 
 def test_signature_matches_reference():
-    ref = list(inspect.signature(A.decode_attention_prep_reference).parameters)
-    ker = inspect.signature(A.decode_attention_prep).parameters
-    assert list(ker)[:len(ref)] == ref and ker["interpret"].default is False
+    assert_kernel_signature(A.decode_attention_prep, A.decode_attention_prep_reference)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])

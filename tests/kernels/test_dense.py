@@ -2,7 +2,6 @@
 
 import functools
 import importlib.util
-import inspect
 import os
 
 import jax
@@ -12,6 +11,7 @@ import pytest
 
 from kernels_pallas import dense as dn
 from kernels_pallas._common import lower_for_h200
+from kernels_pallas._testing import assert_kernel_signature
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -36,9 +36,7 @@ def _rel(a, b):
 
 
 def test_signature_matches_reference():
-    ref = list(inspect.signature(dn.dense_reference).parameters)
-    ker = inspect.signature(dn.dense).parameters
-    assert list(ker)[:len(ref)] == ref and ker["interpret"].default is False
+    assert_kernel_signature(dn.dense, dn.dense_reference)
 
 
 CASES = [

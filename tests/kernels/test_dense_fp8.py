@@ -2,7 +2,6 @@
 its CUDA lowering at 27B shapes."""
 
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +10,7 @@ import pytest
 
 from kernels_pallas import dense_fp8 as df
 from kernels_pallas._common import lower_for_h200
+from kernels_pallas._testing import assert_kernel_signature
 
 
 def _inputs(M, K, N, block_in, seed=0):
@@ -32,9 +32,7 @@ def _exact(x, q, scale, block_in):
 
 
 def test_signature_matches_reference():
-    ref = list(inspect.signature(df.dense_fp8_reference).parameters)
-    ker = inspect.signature(df.dense_fp8).parameters
-    assert list(ker)[:len(ref)] == ref and ker["interpret"].default is False
+    assert_kernel_signature(df.dense_fp8, df.dense_fp8_reference)
 
 
 CASES = [  # M, K, N, block_in, kwargs
@@ -45,10 +43,8 @@ CASES = [  # M, K, N, block_in, kwargs
     (65, 320, 200, 64, dict(block_n=64, block_k=64)),
     (16, 256, 256, 128, dict(split_k=2, block_k=64)),  # M = Mp: unmasked path
     (256, 160, 128, 16, {}),  # the largest M; the smallest block
-    (1, 512, 384, 128, dict(mode="swap")),  # wᵀ @ xᵀ
-    (65, 320, 200, 64, dict(mode="swap", block_n=64, block_k=32, split_k=2)),  # masked rows / columns / K
-    (1, 512, 384, 128, dict(mode="fma")),  # CUDA-core multiply-adds
-    (1, 300, 96, 64, dict(mode="fma", split_k=4)),
+    (1, 512, 384, 128, dict(mode="f16")),  # the f16 probe
+    (65, 320, 200, 64, dict(mode="f16", block_n=64, block_k=32, split_k=2)),  # masked rows / columns / K
 ]
 
 

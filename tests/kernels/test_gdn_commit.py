@@ -11,7 +11,7 @@ import pytest
 from kernels_pallas import gdn_commit as G
 from kernels_pallas import ops
 from kernels_pallas._common import lower_for_h200
-from kernels_pallas._testing import rel_err
+from kernels_pallas._testing import assert_kernel_signature, rel_err
 
 
 def commit_inputs(seed, B, N, Hk, Hv, dk, dv, C, K, P, dtype):
@@ -36,9 +36,7 @@ def commit_inputs(seed, B, N, Hk, Hv, dk, dv, C, K, P, dtype):
 
 
 def test_signature_matches_reference():
-    ref = list(inspect.signature(G.gdn_commit_reference).parameters)
-    ker = inspect.signature(G.gdn_commit).parameters
-    assert list(ker)[:len(ref)] == ref and ker["interpret"].default is False
+    ref = assert_kernel_signature(G.gdn_commit, G.gdn_commit_reference)
     assert list(inspect.signature(ops.gdn_commit).parameters) == ref + ["kernels"]
 
 

@@ -13,7 +13,7 @@ from flax import nnx
 from kernels_pallas import gdn_decode_fused as F
 from kernels_pallas import ops
 from kernels_pallas._common import lower_for_h200
-from kernels_pallas._testing import gdn_decode_fused_inputs, rel_err
+from kernels_pallas._testing import assert_kernel_signature, gdn_decode_fused_inputs, rel_err
 
 K = 4
 EPS = 1e-6
@@ -28,9 +28,7 @@ def fused_inputs(key, B, hk, hv, dk, dv, dtype):
 
 
 def test_signature_matches_reference():
-    ref = list(inspect.signature(F.gdn_decode_fused_reference).parameters)
-    ker = inspect.signature(F.gdn_decode_fused).parameters
-    assert list(ker)[:len(ref)] == ref and ker["interpret"].default is False
+    ref = assert_kernel_signature(F.gdn_decode_fused, F.gdn_decode_fused_reference)
     disp = inspect.signature(ops.gdn_decode_fused).parameters
     assert sorted(disp) == sorted(ref + ["kernels"]) and disp["kernels"].default == "xla"
     kw_only = lambda ps: [n for n, p in ps.items() if p.kind == p.KEYWORD_ONLY]

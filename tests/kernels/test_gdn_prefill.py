@@ -1,6 +1,5 @@
 """Pallas chunked GDN prefill (kernels_pallas.gdn_prefill) vs the jnp reference, and its CUDA lowering."""
 
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -8,13 +7,11 @@ import pytest
 
 from kernels_pallas import gdn_prefill
 from kernels_pallas._common import lower_for_h200
-from kernels_pallas._testing import gdn_inputs, rel_err
+from kernels_pallas._testing import assert_kernel_signature, gdn_inputs, rel_err
 
 
 def test_signature_matches_reference():
-    ref = list(inspect.signature(gdn_prefill.gdn_chunked_reference).parameters)
-    ker = inspect.signature(gdn_prefill.gdn_chunked).parameters
-    assert list(ker)[:len(ref)] == ref and ker["interpret"].default is False
+    assert_kernel_signature(gdn_prefill.gdn_chunked, gdn_prefill.gdn_chunked_reference)
 
 
 @pytest.mark.parametrize("B,T,Hk,Hv,dk,dv,chunk,kw", [

@@ -1,7 +1,6 @@
 """Pallas causal prefill attention (kernels_pallas.prefill_attention) vs the jnp reference, and its CUDA lowering."""
 
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -10,13 +9,11 @@ import pytest
 
 from kernels_pallas import prefill_attention as pa
 from kernels_pallas._common import lower_for_h200
-from kernels_pallas._testing import attention_inputs, rel_err
+from kernels_pallas._testing import assert_kernel_signature, attention_inputs, check_attention, rel_err
 
 
 def test_signature_matches_reference():
-    ref = list(inspect.signature(pa.prefill_attention_reference).parameters)
-    ker = inspect.signature(pa.prefill_attention).parameters
-    assert list(ker)[:len(ref)] == ref and ker["interpret"].default is False
+    assert_kernel_signature(pa.prefill_attention, pa.prefill_attention_reference)
 
 
 def test_reference_is_the_causal_tree_reference():
@@ -37,15 +34,7 @@ def test_reference_is_the_causal_tree_reference():
 def test_prefill_matches_reference(B, T, H, Hkv, hd, S, start, dtype, kw):
     args = attention_inputs(jax.random.PRNGKey(T + S), None, B, T, H, Hkv, hd, S, start, dtype=dtype)[:6]
     out = pa.prefill_attention(*args, interpret=True, **kw)
-    ref = pa.prefill_attention_reference(*args)
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    assert np.all(np.isfinite(np.asarray(out, np.float32)))
-    if dtype == jnp.float32:
-        assert rel_err(out, ref) < 1e-5, rel_err(out, ref)
-    else:  # vs the bf16 reference (which rounds logits and probabilities) and vs exact fp32 math
-        up = tuple(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x for x in args)
-        assert rel_err(out, pa.prefill_attention_reference(*up)) < 1e-2
-        assert rel_err(out, ref) < 1e-2, rel_err(out, ref)
+    check_attention(out, pa.prefill_attention_reference, args)
 
 
 def _structs(T, S):

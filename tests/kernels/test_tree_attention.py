@@ -1,7 +1,6 @@
 """Pallas tree attention (kernels_pallas.tree_attention) vs the jnp reference, and its CUDA lowering."""
 
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -10,13 +9,11 @@ import pytest
 
 from kernels_pallas import tree_attention as ta
 from kernels_pallas._common import lower_for_h200
-from kernels_pallas._testing import attention_inputs, rel_err
+from kernels_pallas._testing import assert_kernel_signature, attention_inputs, check_attention, rel_err
 
 
 def test_signature_matches_reference():
-    ref = list(inspect.signature(ta.tree_attention_reference).parameters)
-    ker = inspect.signature(ta.tree_attention).parameters
-    assert list(ker)[:len(ref)] == ref and ker["interpret"].default is False
+    assert_kernel_signature(ta.tree_attention, ta.tree_attention_reference)
 
 
 @pytest.mark.parametrize("B,T,H,Hkv,hd,S,start,dtype,kw", [
@@ -34,15 +31,7 @@ def test_tree_matches_reference(B, T, H, Hkv, hd, S, start, dtype, kw):
     args = attention_inputs(jax.random.PRNGKey(T + S), np.random.default_rng(T), B, T, H, Hkv, hd, S, start,
                             dtype=dtype, n_pad=2)
     out = ta.tree_attention(*args, interpret=True, **kw)
-    ref = ta.tree_attention_reference(*args)
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    assert np.all(np.isfinite(np.asarray(out, np.float32)))
-    if dtype == jnp.float32:
-        assert rel_err(out, ref) < 1e-5, rel_err(out, ref)
-    else:  # vs the bf16 reference (which rounds logits and probabilities to bf16) and vs exact fp32 math
-        up = tuple(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x for x in args)
-        assert rel_err(out, ta.tree_attention_reference(*up)) < 1e-2
-        assert rel_err(out, ref) < 1e-2, rel_err(out, ref)
+    check_attention(out, ta.tree_attention_reference, args)
 
 
 def test_decode_matches_reference():

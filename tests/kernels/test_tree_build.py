@@ -11,6 +11,7 @@ import pytest
 from kernels_pallas import ops
 from kernels_pallas import tree_build as T
 from kernels_pallas._common import lower_for_h200
+from kernels_pallas._testing import assert_kernel_signature
 
 
 def inputs(seed, d, k, ties=False, neg_inf=0):
@@ -27,9 +28,7 @@ def inputs(seed, d, k, ties=False, neg_inf=0):
 
 
 def test_signature_matches_reference():
-    ref = list(inspect.signature(T.tree_select_reference).parameters)
-    ker = inspect.signature(T.tree_select).parameters
-    assert list(ker)[:len(ref)] == ref and ker["interpret"].default is False
+    ref = assert_kernel_signature(T.tree_select, T.tree_select_reference)
     assert list(inspect.signature(ops.tree_select).parameters) == ref + ["kernels"]
 
 
