@@ -75,7 +75,7 @@ def default_config(M: int, K: int, N: int, block_in: int = 128, *, block_n: int 
     """The bf16 GEMV's rule (`dense.default_config`) with K chunks that divide the scale block; past 16 rows
     BN = BK = 64 with 4 warps (H200 sweep, benchmarks/results/gemv_fp8_h200.json, 2026-11-30: at M = 65 the
     best variant on all five 27B shapes, 1.6-2.7x the bf16 rule; at M = 1 the bf16 rule stayed best, and the
-    "swap" / "fma" modes lost on every shape)."""
+    swapped (wᵀ @ xᵀ) and CUDA-core FMA forms, tried then removed, lost on every shape)."""
     if M > 16:
         block_n, block_k = block_n or 64, block_k or min(64, max_block_k(block_in))
     cfg = dense.default_config(M, K, N, block_n=block_n, block_k=block_k, target_programs=target_programs,
