@@ -163,6 +163,8 @@ def bench_fp8(args, cfg, dcfg: DrafterConfig, res: dict, save, log):
     then, in this order:
       fp8.ar_step_ms     greedy decode step at --context committed tokens;
       fp8.round_ms.64    DDTree round at budget 64 (same context; the decode cache freed first);
+      fp8.memory_gb_in_use_peak  [in use, peak so far] after building the target, the drafter, the decode
+                         step and the round (where the peak comes from);
       fp8.peak_gb        jax peak_bytes_in_use after those (model + drafter + caches + the jits' temporaries;
                          None where the backend keeps no memory stats, e.g. the CPU);
       fp8.floor_ms       bytes streamed per decode step (every target leaf but the embedding: fp8 q, fp32
@@ -171,6 +173,13 @@ def bench_fp8(args, cfg, dcfg: DrafterConfig, res: dict, save, log):
                          so its 10 GB do not count in the peak), fp8.weight_stream_tb_s, fp8.weights_streamed_gb."""
     from jaxddtree.model.fp8 import FP8
 
+    mem: dict = {}
+
+    def memory(stage):  # (in use, peak so far) in GB after each stage: where the peak comes from
+        st = jax.devices()[0].memory_stats() or {}
+        if st:
+            mem[stage] = [round(st.get("bytes_in_use", 0) / 1e9, 3), round(st.get("peak_bytes_in_use", 0) / 1e9, 3)]
+
     t0 = time.time()
     target = random_target(cfg, "bfloat16", seed=0, weights="fp8")
     target.kernels = args.kernels
@@ -178,8 +187,11 @@ def bench_fp8(args, cfg, dcfg: DrafterConfig, res: dict, save, log):
     streamed = sum(x.size * x.dtype.itemsize for x in target.leaves) - cfg.vocab_size * cfg.hidden_size * 2
     out = res.setdefault("fp8", {})
     out["weights_streamed_gb"] = round(streamed / 1e9, 3)
+    out["memory_gb_in_use_peak"] = mem
+    memory("target")
     log(f"fp8 target built in {time.time() - t0:.1f}s: {n_fp8} fp8 projections, {streamed / 1e9:.2f} GB streamed/token")
     drafter = random_drafter(dcfg, jnp.bfloat16)
+    memory("drafter")
     S = (8192 if not args.smoke else 256) + 256
     L = args.context
 
@@ -199,6 +211,7 @@ def bench_fp8(args, cfg, dcfg: DrafterConfig, res: dict, save, log):
     log(f"fp8 decode compiled in {time.time() - t:.1f}s")
     out["ar_step_ms"] = round(median_ms(step, n=args.runs * 2), 3)
     log(f"fp8 AR step {out['ar_step_ms']} ms")
+    memory("decode (+ its cache)")
     del state
     save()
 
@@ -210,6 +223,8 @@ def bench_fp8(args, cfg, dcfg: DrafterConfig, res: dict, save, log):
     log(f"fp8 ddtree round (budget 64) compiled in {time.time() - t:.1f}s")
     out["round_ms"] = {"64": round(median_ms(one, n=args.runs), 3)}
     log(f"fp8 round budget 64: {out['round_ms']['64']} ms")
+    memory("round (+ its caches)")
+    log(f"fp8 memory (GB in use, peak so far) by stage: {mem}")
     stats = jax.devices()[0].memory_stats() or {}
     peak = stats.get("peak_bytes_in_use")
     out["peak_gb"] = None if peak is None else round(peak / 1e9, 3)
