@@ -82,7 +82,7 @@ def default_config(M: int, K: int, N: int, block_in: int = 128, *, block_n: int 
                                max_block_k=max_block_k(block_in))
     if M > 16:
         cfg["num_warps"] = 4
-    return dict(cfg, mode="mma")
+    return cfg
 
 
 def _kernel(x_ref, q_ref, s_ref, o_ref, *, M, K, N, Mp, bn, bk, nk, split, block_in, mode):
@@ -134,7 +134,7 @@ MODES = ("mma", "f16")
                                              "num_warps", "num_stages", "target_programs", "mode"))
 def dense_fp8(x, q, scale, *, block_in: int = 128, interpret: bool = False, block_n: int | None = None,
               block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
-              num_stages: int | None = None, target_programs: int = 4 * N_SM, mode: str | None = None):
+              num_stages: int | None = None, target_programs: int = 4 * N_SM, mode: str = "mma"):
     """y[M, N] = x[M, K] @ dequantized q[K, N] (fp32 accumulation, block scales on the partial sums), in
     x.dtype (bf16). Leading dims of x are flattened; M ≤ 256.
 
@@ -152,7 +152,6 @@ def dense_fp8(x, q, scale, *, block_in: int = 128, interpret: bool = False, bloc
     cfg = default_config(M, K, N, block_in, block_n=block_n, block_k=block_k, target_programs=target_programs)
     bn, bk = cfg["block_n"], cfg["block_k"]
     assert is_pow2(bn) and is_pow2(bk) and bn >= 16 and bk >= 16 and block_in % bk == 0, (bn, bk, block_in)
-    mode = mode or cfg["mode"]
     assert mode in MODES, mode
     nk, split, nw, ns, Mp = dense.resolve(cfg, M, K, split_k, num_warps, num_stages)
     out_dtype = x.dtype if split == 1 else jnp.float32
