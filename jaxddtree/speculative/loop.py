@@ -26,6 +26,7 @@ from flax import nnx, struct
 
 from jaxddtree.model import layout as layout_lib
 from jaxddtree.model import sharding
+from jaxddtree.speculative import budget as budget_lib
 from jaxddtree.speculative import tree as tree_lib
 from jaxddtree.model.prefill import check_ids, check_vocab, chunk_size, padded_chunks, round_up
 from jaxddtree.model.cache import ModelCache
@@ -59,6 +60,7 @@ class DecodeState:
     stop_mask: jax.Array  # [V] bool: the stop ids as data, so that any stop set shares one compilation
     # sampling temperature as data (used when plan.sampling), so that every temperature shares one compilation
     temperature: jax.Array = dataclasses.field(default_factory=lambda: jnp.float32(1.0))
+    auto: Any = None  # budget_lib.AutoState when tree_budget="auto" (cost table, chosen budget per round)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +75,7 @@ class Plan:
     feature_layers: tuple[int, ...]
     inject: bool = False  # test hook: draft logits from an oracle continuation
     mesh: Any = None  # tensor parallelism: the target's mesh (model/sharding.py); None: one device
+    budgets: tuple[int, ...] = ()  # tree_budget="auto": the candidates (budget_lib.CHAIN = 0); budget = the largest
 
 
 def _emit(state: DecodeState, emitted: jax.Array, count: jax.Array, plan: Plan) -> DecodeState:
@@ -134,12 +137,27 @@ def _spec_round(model, dparams, dcfg, embed, lm_head, state: DecodeState, plan: 
     if plan.method == "ddtree":
         tree = tree_lib.build_tree(root, dl, plan.budget, kernels=plan.kernels)
     else:  # dflash: the argmax chain of the block
-        chain = jnp.argmax(dl, axis=-1).astype(jnp.int32)
-        n = D + 1
-        tree = tree_lib.Tree(tokens=jnp.concatenate([root[None], chain]),
-                             parents=jnp.arange(-1, n - 1, dtype=jnp.int32),
-                             depths=jnp.arange(n, dtype=jnp.int32), valid=jnp.ones((n,), bool), max_depth=D)
+        tree = _chain_tree(root, dl)
     mask = tree_lib.ancestor_mask(tree)
+    branch = functools.partial(_verify_commit, model, dcache=dcache, plan=plan)
+    if plan.budgets:
+        return budget_lib.auto_round(state, plan.budgets, tree, mask, _chain_tree(root, dl), dl, branch)
+    return branch(state, tree, mask)
+
+
+def _chain_tree(root, dl) -> tree_lib.Tree:
+    """The argmax chain of the drafter's block [D, V] as a degenerate tree of D + 1 rows."""
+    n = dl.shape[0] + 1
+    chain = jnp.argmax(dl, axis=-1).astype(jnp.int32)
+    return tree_lib.Tree(tokens=jnp.concatenate([root[None], chain]), parents=jnp.arange(-1, n - 1, dtype=jnp.int32),
+                         depths=jnp.arange(n, dtype=jnp.int32), valid=jnp.ones((n,), bool), max_depth=n - 1)
+
+
+def _verify_commit(model, state: DecodeState, tree: tree_lib.Tree, mask, *, dcache, plan: Plan) -> DecodeState:
+    """Verify `tree` (mask: its ancestor mask, or None), accept, commit, emit and record one round."""
+    D = tree.max_depth
+    if mask is None:
+        mask = tree_lib.ancestor_mask(tree)
     lay = layout_lib.tree(state.cache.length, tree.parents, plan.conv_kernel, mask=mask, depths=tree.depths,
                           kernels=plan.kernels)
     tokens = jnp.where(tree.valid, tree.tokens, 0)[None]  # padding embeds token 0; never accepted
@@ -220,13 +238,15 @@ def check_memory(target: Target, drafter, max_len: int, prompt_len: int, max_new
 
 
 def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", max_new_tokens: int = 128,
-             tree_budget: int = 64, temperature: float = 0.0, seed: int = 0, stop_ids=None,
+             tree_budget: int | str = "auto", temperature: float = 0.0, seed: int = 0, stop_ids=None,
              loop: str = "host", sync_every: int = 4, on_tokens: Callable[[list[int]], None] | None = None,
-             _oracle_tokens=None) -> Generation:
+             budget_costs=None, _oracle_tokens=None) -> Generation:
     """Generate up to `max_new_tokens` new tokens after `prompt_ids`.
 
     method: "ar" (autoregressive), "dflash" (chain of the drafter's block) or "ddtree" (best tree of
-    `tree_budget` drafted nodes). At temperature 0 all three give identical tokens; at T > 0 they sample
+    `tree_budget` drafted nodes; "auto": each round picks the budget, or the chain, with the most expected tokens
+    per second, see `jaxddtree.speculative.budget`; `budget_costs`: its round-time table, a
+    `budget.CostTable`, a dict or a JSON file, None: the default). At temperature 0 all three give identical tokens; at T > 0 they sample
     exactly from the target's distribution. `stop_ids` end generation after their first occurrence
     (inclusive). `on_tokens` receives newly emitted tokens as the host reads them back (streaming).
     """
@@ -245,7 +265,18 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     temperature = float(temperature)
     if not 0 <= temperature < math.inf:
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
-    budget = int(tree_budget)
+    auto = method == "ddtree" and isinstance(tree_budget, str) and tree_budget.strip().lower() == "auto"
+    table = None
+    if auto:
+        table = budget_lib.resolve_costs(budget_costs, cfg.vocab_size, drafter.config.block_size)
+        budget = max(table.candidates)
+    elif isinstance(tree_budget, str) and tree_budget.strip().lower() == "auto":
+        budget = 0  # not a DDTree generation: the budget is unused
+    else:
+        try:
+            budget = int(tree_budget)
+        except (TypeError, ValueError):
+            raise ValueError(f"tree_budget must be an int or 'auto', got {tree_budget!r}") from None
     if method == "ddtree" and not 1 <= budget < cfg.vocab_size:
         raise ValueError(f"tree_budget must be in [1, vocab_size={cfg.vocab_size}), got {tree_budget}")
     stops = sorted({int(s) for s in (stop_ids or ())})
@@ -271,7 +302,8 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     sampling = temperature >= tree_lib.GREEDY_EPS
     plan = Plan(method=method, budget=budget if method == "ddtree" else 0, max_new=max_new, sampling=sampling,
                 kernels=target.kernels, conv_kernel=cfg.linear_conv_kernel_dim, feature_layers=feature_layers,
-                inject=_oracle_tokens is not None, mesh=target.mesh)
+                inject=_oracle_tokens is not None, mesh=target.mesh,
+                budgets=table.candidates if auto else ())
 
     t0 = time.perf_counter()
     cache = target.init_cache(S)
@@ -293,7 +325,8 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
         ctx=jnp.zeros((1, P, max(F, 1)), target.dtype), ctx_n=jnp.int32(0),
         root=first.astype(jnp.int32), out=jnp.zeros((1, max_new + P), jnp.int32), n_out=jnp.int32(0),
         done=jnp.asarray(False), key=key, acc=jnp.zeros((max_new,), jnp.int32), n_rounds=jnp.int32(0),
-        stop_mask=jnp.asarray(stop_mask), temperature=jnp.float32(temperature if sampling else 1.0))
+        stop_mask=jnp.asarray(stop_mask), temperature=jnp.float32(temperature if sampling else 1.0),
+        auto=budget_lib.init_state(table, max_new) if auto else None)
     state = sharding.place(_emit(state, first.astype(jnp.int32), jnp.int32(1), plan), target.mesh)
     first_np = int(np.asarray(first)[0])
     ttft = time.perf_counter() - t0
@@ -328,6 +361,11 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
         "time_to_first_token_s": ttft, "decode_s": decode_s,
         "tokens_per_s": (n_out - 1) / decode_s if decode_s > 0 and n_out > 1 else 0.0,
         "mean_acceptance_length": float(np.mean(acc)) if acc else 0.0,
-        "tree_budget": budget if method == "ddtree" else None,
+        "tree_budget": ("auto" if auto else budget) if method == "ddtree" else None,
     }
+    if auto:  # the candidate chosen per round (budget_lib.CHAIN = 0: chain DFlash) and the cost table used
+        chosen = np.asarray(state.auto.chosen)[:n_rounds].tolist()
+        stats.update(budget_per_round=chosen, budget_counts=budget_lib.summary(chosen),
+                     budget_predicted_mean=float(np.mean(np.asarray(state.auto.predicted)[:n_rounds]))
+                     if n_rounds else 0.0, budget_costs=table.source)
     return Generation(tokens=tokens, acceptance_lengths=acc, stats=stats)

@@ -1,0 +1,300 @@
+"""`tree_budget="auto"`: each round's tree budget chosen to maximise expected tokens per second.
+
+Per round (inside the jitted round, so `loop="device"` needs no host decision):
+
+1. The drafter's block is drafted once and the DDTree is built once, at the largest candidate budget B.
+2. Expected accepted length per candidate, under the draft marginals. The build returns its nodes ordered
+   by (path log-prob desc, depth asc) (`kernels_pallas/tree_build.py`): a node's path probability is at most
+   its parent's and ties put the parent first, so the first b drafted nodes are the best b-node tree (the tree
+   the build at budget b returns, up to ties) and truncating the tree to its first b + 1 rows is a valid tree.
+   A node is accepted iff its whole path is, so E[tokens emitted](b) = 1 (the bonus) + Σ of the first b nodes'
+   path probabilities: one prefix sum gives every budget. Chain DFlash: 1 + Σ_d Π_{k<=d} p_max(k).
+3. Calibration: drafters are often over-confident, so the drafted part of every estimate is scaled by one
+   running factor s = (A + W) / (P + W) (A: drafted tokens actually accepted so far in this generation, P:
+   what the chosen candidates' estimates predicted, W = `PRIOR_TOKENS` pseudo-tokens at s = 1; s clipped to
+   [`S_MIN`, `S_MAX`]): E'(b) = 1 + s (E(b) - 1).
+4. Round cost c(b, L): a table of round times (ms) per candidate × committed length L (`CostTable`),
+   interpolated linearly in L (extrapolated linearly past the ends, floored at 1 µs). The table is data in the
+   decode state, so any table shares one compilation.
+5. b* = argmax E'(b) / c(b, L); a `lax.switch` runs verify + accept + commit on the tree truncated to b* + 1
+   rows (static shapes per branch; the chain is one branch). Every branch updates the caches.
+
+Exact: the choice changes which tree is verified, never the verification, so at T = 0 the tokens are the AR
+tokens, and at T > 0 the choice depends only on the draft and on earlier rounds, not on this round's samples.
+
+Cost tables (`resolve_costs`): an explicit table (a `CostTable`, a dict, or a JSON file holding the
+`round_ms_by_budget_context` key: {"chain" | "16" | ...: {"<context>": ms}}, as `benchmarks/bench.py` writes
+into benchmarks/results/h200.json); else, on an H200, that shipped file if it holds the key; else the
+documented default `model_costs` (linear in tree rows and in L, fitted to the 27B H200 round times of issue 27).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxddtree.speculative import tree as tree_lib
+
+CHAIN = 0  # candidate id of chain DFlash (its tree: the drafter's argmax block, block_size rows)
+CANDIDATES = (CHAIN, 16, 32, 64, 128)
+TABLE_KEY = "round_ms_by_budget_context"  # fixed-budget rounds: {"chain"|"16"|...: {"<context>": ms}}
+AUTO_TABLE_KEY = "auto_round_ms_by_budget_context"  # auto rounds forced to one candidate (same layout)
+PRIOR_TOKENS = 8.0
+S_MIN, S_MAX = 0.05, 2.0
+SHIPPED = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "h200.json"
+
+# default model (ms): c(rows, L) = C0 + C1 L + (rows - 16) (C2 + C3 L), fitted to issue 27's H200 27B round
+# times (device loop, 2026-12-01): chain (16 rows) 17.4 / 20.6 ms and DDTree(64) (65 rows) 20.9 / 33.3 ms at
+# L = 4096 / 131072.
+MODEL = (17.297, 2.520e-5, 6.537e-2, 1.479e-6)
+
+
+def name(b: int) -> str:
+    return "chain" if int(b) == CHAIN else str(int(b))
+
+
+def parse(value) -> int:
+    """A table key ("chain" or a budget) -> candidate id."""
+    s = str(value).strip().lower()
+    if s in ("chain", "dflash", "0"):
+        return CHAIN
+    b = int(s)
+    if b < 1:
+        raise ValueError(f"a budget must be >= 1 or 'chain', got {value!r}")
+    return b
+
+
+@dataclasses.dataclass(frozen=True)
+class CostTable:
+    """Round time (ms) per candidate (`candidates`, CHAIN = 0) × committed length (`contexts`, ascending)."""
+    candidates: tuple[int, ...]
+    contexts: tuple[int, ...]
+    ms: tuple[tuple[float, ...], ...]  # [K][C]
+    source: str = "given"
+
+    def __post_init__(self):
+        if not self.candidates or not self.contexts:
+            raise ValueError("a cost table needs at least one candidate and one context")
+        if list(self.contexts) != sorted(set(self.contexts)):
+            raise ValueError(f"cost table contexts must be distinct and ascending, got {self.contexts}")
+        if len(self.ms) != len(self.candidates) or any(len(r) != len(self.contexts) for r in self.ms):
+            raise ValueError("cost table: one row of ms per candidate, one entry per context")
+        if not all(np.isfinite(v) and v > 0 for r in self.ms for v in r):
+            raise ValueError("cost table: round times must be finite and > 0 ms")
+
+    def at(self, length) -> np.ndarray:
+        """Host version of `interpolate`: [K] ms at committed length `length`."""
+        return np.asarray(interpolate(jnp.asarray(self.contexts, jnp.float32), jnp.asarray(self.ms, jnp.float32),
+                                      jnp.float32(length)))
+
+    def subset(self, candidates) -> "CostTable":
+        """The rows of `candidates` (ValueError naming a missing one)."""
+        rows = []
+        for b in candidates:
+            if b not in self.candidates:
+                raise ValueError(f"the cost table ({self.source}) has no round time for budget {name(b)}; it has "
+                                 f"{', '.join(name(c) for c in self.candidates)}")
+            rows.append(self.ms[self.candidates.index(b)])
+        return CostTable(tuple(candidates), self.contexts, tuple(rows), self.source)
+
+    def flat(self, length) -> "CostTable":
+        """The table at one committed length, constant in L (benchmarks project one context this way)."""
+        return CostTable(self.candidates, (int(length),), tuple((float(v),) for v in self.at(length)),
+                         f"{self.source} at {int(length)}")
+
+
+def model_costs(candidates, block_size: int, contexts=(4096, 131072)) -> CostTable:
+    """The documented default (see `MODEL`): rows = budget + 1 (chain: block_size)."""
+    c0, c1, c2, c3 = MODEL
+    rows = lambda b: block_size if b == CHAIN else b + 1
+    ms = tuple(tuple(max(c0 + c1 * L + (rows(b) - 16) * (c2 + c3 * L), 1e-3) for L in contexts) for b in candidates)
+    return CostTable(tuple(candidates), tuple(contexts), ms, "default model (linear in rows and context)")
+
+
+def from_dict(table: dict, source: str = "given") -> CostTable:
+    """{"chain" | "<budget>": {"<context>": ms}} (or a dict holding it under TABLE_KEY) -> CostTable."""
+    if TABLE_KEY in table:
+        table = table[TABLE_KEY]
+    if not isinstance(table, dict) or not table:
+        raise ValueError(f"{source}: expected {{'chain'|'<budget>': {{'<context>': ms}}}} under '{TABLE_KEY}'")
+    cands = sorted(parse(k) for k in table)
+    by = {parse(k): {int(c): float(v) for c, v in row.items()} for k, row in table.items()}
+    contexts = sorted({c for row in by.values() for c in row})
+    missing = [(name(b), c) for b in cands for c in contexts if c not in by[b]]
+    if missing:
+        raise ValueError(f"{source}: the cost table lacks (budget, context) entries {missing[:4]}")
+    return CostTable(tuple(cands), tuple(contexts), tuple(tuple(by[b][c] for c in contexts) for b in cands), source)
+
+
+def load(path) -> CostTable:
+    """A JSON file holding TABLE_KEY (e.g. benchmarks/results/h200.json) -> CostTable."""
+    path = os.fspath(path)
+    try:
+        with open(path) as f:
+            obj = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read the round-time table {path}: {e}") from None
+    if not isinstance(obj, dict) or TABLE_KEY not in obj:
+        raise ValueError(f"{path} has no '{TABLE_KEY}' (run benchmarks/bench.py to measure it)")
+    return from_dict(obj[TABLE_KEY], path)
+
+
+def resolve_costs(costs, vocab_size: int, block_size: int, device=None) -> CostTable:
+    """The cost table of an auto generation (see the module docstring); its candidates are the table's own
+    (default: CANDIDATES) that the vocabulary allows (`candidates_for`)."""
+    if isinstance(costs, CostTable):
+        table = costs
+    elif isinstance(costs, dict):
+        table = from_dict(costs)
+    elif costs is not None:
+        table = load(costs)
+    else:
+        table = shipped(device)
+        if table is None:
+            return model_costs(candidates_for(vocab_size), block_size)
+    return table.subset(candidates_for(vocab_size, table.candidates))
+
+
+def shipped(device=None) -> CostTable | None:
+    """benchmarks/results/h200.json's table on an H200 when it exists and covers CANDIDATES, else None."""
+    device = device or jax.devices()[0]
+    if "H200" not in getattr(device, "device_kind", "") or not SHIPPED.exists():
+        return None
+    try:
+        table = load(SHIPPED)
+    except ValueError:
+        return None
+    return table.subset(CANDIDATES) if set(CANDIDATES) <= set(table.candidates) else None
+
+
+def candidates_for(vocab_size: int, candidates=CANDIDATES) -> tuple[int, ...]:
+    """The candidates a model allows (tree budgets < vocab_size), chain first, budgets ascending."""
+    out = tuple(sorted({int(b) for b in candidates if b == CHAIN or 1 <= b < vocab_size}))
+    if not any(b != CHAIN for b in out):
+        raise ValueError(f"tree_budget='auto' needs a candidate budget in [1, vocab_size={vocab_size}), got "
+                         f"{', '.join(name(b) for b in candidates)}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- traced
+
+
+@struct.dataclass
+class AutoState:
+    """Carried in DecodeState.auto: the cost table as data, the chosen candidate per round, the calibration."""
+    contexts: jax.Array  # [C] f32
+    ms: jax.Array  # [K, C] f32
+    chosen: jax.Array  # [max_new] int32: candidate id per round (CHAIN = 0)
+    sums: jax.Array  # [2] f32: drafted tokens accepted, drafted tokens predicted (chosen candidates)
+    predicted: jax.Array  # [max_new] f32: the chosen candidate's calibrated E per round
+
+
+def init_state(table: CostTable, max_new: int) -> AutoState:
+    return AutoState(contexts=jnp.asarray(table.contexts, jnp.float32), ms=jnp.asarray(table.ms, jnp.float32),
+                     chosen=jnp.zeros((max_new,), jnp.int32), sums=jnp.zeros((2,), jnp.float32),
+                     predicted=jnp.zeros((max_new,), jnp.float32))
+
+
+def interpolate(contexts, ms, length) -> jax.Array:
+    """ms [K, C] at committed length `length`: linear in L between the table's contexts, linear past the
+    ends (the two nearest columns), floored at 1e-3 ms; one column: constant."""
+    length = jnp.asarray(length, jnp.float32)
+    if contexts.shape[0] == 1:
+        return ms[:, 0]
+    i = jnp.clip(jnp.searchsorted(contexts, length, side="right") - 1, 0, contexts.shape[0] - 2)
+    x0, x1 = contexts[i], contexts[i + 1]
+    w = (length - x0) / (x1 - x0)
+    return jnp.maximum(ms[:, i] + w * (ms[:, i + 1] - ms[:, i]), 1e-3)
+
+
+def draft_logprobs(draft_logits) -> jax.Array:
+    """[D, V] -> fp32 log_softmax (the formula `build_tree` scores with)."""
+    x = draft_logits.astype(jnp.float32)
+    m = jnp.max(x, axis=-1, keepdims=True)
+    return (x - m) - jnp.log(jnp.sum(jnp.exp(x - m), axis=-1, keepdims=True))
+
+
+def tree_expectation(tree: tree_lib.Tree, logp, mask) -> jax.Array:
+    """[N-1]: entry b-1 = expected tokens emitted by the tree truncated to its first b drafted nodes
+    (1 + Σ path probabilities), for a tree in `build_tree`'s order; logp [D, V] = `draft_logprobs`."""
+    n = tree.num_nodes
+    idx = jnp.arange(n)
+    drafted = tree.valid & (idx > 0)
+    lp = jnp.where(drafted, logp[jnp.clip(tree.depths - 1, 0), jnp.maximum(tree.tokens, 0)], 0.0)  # [N]
+    path = jnp.sum(jnp.where(mask, lp[None, :], 0.0), axis=-1)  # [N]: Σ over the node and its ancestors
+    p = jnp.where(drafted, jnp.exp(path), 0.0)
+    return 1.0 + jnp.cumsum(p[1:])
+
+
+def chain_expectation(logp) -> jax.Array:
+    """Expected tokens emitted by the argmax chain: 1 + Σ_d Π_{k<=d} p_max(k)."""
+    return 1.0 + jnp.sum(jnp.exp(jnp.cumsum(jnp.max(logp, axis=-1))))
+
+
+def truncate(tree: tree_lib.Tree, n: int) -> tree_lib.Tree:
+    """The first n rows (parents precede children in `build_tree`'s order, so it is a tree)."""
+    return tree_lib.Tree(tokens=tree.tokens[:n], parents=tree.parents[:n], depths=tree.depths[:n],
+                         valid=tree.valid[:n], max_depth=tree.max_depth)
+
+
+def expectations(candidates, tree, mask, logp) -> jax.Array:
+    """[K] uncalibrated expected tokens per round of each candidate."""
+    e_tree = tree_expectation(tree, logp, mask)
+    e = [chain_expectation(logp) if b == CHAIN else e_tree[b - 1] for b in candidates]
+    return jnp.stack(e)
+
+
+def scale(sums) -> jax.Array:
+    """The calibration factor s of the module docstring."""
+    return jnp.clip((sums[0] + PRIOR_TOKENS) / (sums[1] + PRIOR_TOKENS), S_MIN, S_MAX)
+
+
+def choose(expected, cost) -> jax.Array:
+    """Index of the candidate with the most expected tokens per ms (ties: the first, i.e. the cheapest listed)."""
+    return jnp.argmax(expected / cost).astype(jnp.int32)
+
+
+def auto_round(state, candidates, tree, mask, chain, draft_logits,
+               branch: Callable[[Any, tree_lib.Tree, Any], Any]):
+    """One auto round after the draft and the build at max(candidates). `branch(state, tree, mask)` verifies,
+    accepts, commits, emits and records (appends the acceptance length to state.acc, bumps n_rounds)."""
+    auto: AutoState = state.auto
+    logp = draft_logprobs(draft_logits)
+    raw = expectations(candidates, tree, mask, logp)  # [K]
+    s = scale(auto.sums)
+    expected = 1.0 + s * (raw - 1.0)
+    cost = interpolate(auto.contexts, auto.ms, state.cache.length)
+    k = choose(expected, cost)
+
+    def make(b):
+        if b == CHAIN:
+            return lambda st: branch(st, chain, None)
+        n = b + 1
+        return lambda st: branch(st, truncate(tree, n), mask[:n, :n])
+
+    r = state.n_rounds
+    state = jax.lax.switch(k, [make(b) for b in candidates], state)
+    n_acc = state.acc[r]
+    ids = jnp.asarray(candidates, jnp.int32)
+    auto = state.auto
+    auto = auto.replace(
+        chosen=auto.chosen.at[r].set(ids[k]),
+        predicted=auto.predicted.at[r].set(expected[k]),
+        sums=auto.sums + jnp.stack([(n_acc - 1).astype(jnp.float32), raw[k] - 1.0]))
+    return state.replace(auto=auto)
+
+
+def summary(chosen) -> dict[str, int]:
+    """{"chain" | "<budget>": rounds} of a list of chosen candidate ids."""
+    out: dict[str, int] = {}
+    for b in chosen:
+        out[name(b)] = out.get(name(b), 0) + 1
+    return out
