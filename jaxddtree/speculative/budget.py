@@ -197,8 +197,28 @@ class AutoState:
     predicted: jax.Array  # [max_new] f32: the chosen candidate's calibrated E per round
 
 
+COLUMNS = 8  # tables of up to this many contexts are padded to it: every such table shares one compilation
+
+
+def padded(table: CostTable) -> tuple[np.ndarray, np.ndarray]:
+    """(contexts [C'], ms [K, C']) with C' = max(C, COLUMNS): the extra columns lie past the last context on
+    the table's own extrapolation (the last segment's line; one column: constant), so `interpolate` is
+    unchanged."""
+    x = np.asarray(table.contexts, np.float64)
+    y = np.asarray(table.ms, np.float64)
+    extra = COLUMNS - len(x)
+    if extra <= 0:
+        return x.astype(np.float32), y.astype(np.float32)
+    slope = (y[:, -1] - y[:, -2]) / (x[-1] - x[-2]) if len(x) > 1 else np.zeros(len(y))
+    step = max(x[-1], 1.0)
+    xs = x[-1] + step * np.arange(1, extra + 1)
+    ys = y[:, -1:] + slope[:, None] * (xs - x[-1])[None, :]
+    return np.concatenate([x, xs]).astype(np.float32), np.concatenate([y, ys], axis=1).astype(np.float32)
+
+
 def init_state(table: CostTable, max_new: int) -> AutoState:
-    return AutoState(contexts=jnp.asarray(table.contexts, jnp.float32), ms=jnp.asarray(table.ms, jnp.float32),
+    contexts, ms = padded(table)
+    return AutoState(contexts=jnp.asarray(contexts), ms=jnp.asarray(ms),
                      chosen=jnp.zeros((max_new,), jnp.int32), sums=jnp.zeros((2,), jnp.float32),
                      predicted=jnp.zeros((max_new,), jnp.float32))
 

@@ -1,0 +1,264 @@
+"""tree_budget="auto" (jaxddtree/speculative/budget.py), on CPU with fake cost tables.
+
+  * the expectation: a prefix of the largest tree is the best smaller tree, and 1 + the prefix sum of path
+    probabilities is the exact expected accepted length when the target's tokens follow the draft marginals
+    (enumerated over every continuation of a tiny vocabulary); likewise the chain's cumulative product;
+  * cost tables: linear interpolation in the committed length, extrapolation, JSON / dict parsing, errors,
+    the default model on CPU;
+  * end to end on tiny models: auto == AR tokens at T = 0 with a fake cost table that forces several budgets
+    (chain included) across the rounds of one generation, host and device loops; the per-round choice is in
+    the stats; another table is data (no recompilation); T > 0 runs;
+  * the compiled device loop does not copy the KV caches (the `lax.switch` over branches).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import sys
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+for _p in (os.path.dirname(HERE), HERE):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import helpers_dflash  # noqa: E402
+import hf_models  # noqa: E402
+import jaxddtree  # noqa: E402
+from jaxddtree.speculative import budget as B  # noqa: E402
+from jaxddtree.speculative import loop as loop_lib  # noqa: E402
+from jaxddtree.speculative import tree as tree_lib  # noqa: E402
+
+V = 97
+BLOCK = 8
+MAX_NEW = 40
+PROMPTS = [np.random.RandomState(s).randint(0, V - 1, n).tolist() for s, n in ((0, 17), (1, 20), (2, 24))]
+
+
+# ----------------------------------------------------------------------------------------- expectation
+def _paths(tree):
+    tok, par = np.asarray(tree.tokens), np.asarray(tree.parents)
+    out = []
+    for i in range(1, len(tok)):
+        if not bool(np.asarray(tree.valid)[i]):
+            out.append(None)
+            continue
+        p, j = [], i
+        while j > 0:
+            p.append(int(tok[j]))
+            j = int(par[j])
+        out.append(tuple(p[::-1]))
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tree_prefix_is_the_best_smaller_tree(seed):
+    logits = jax.random.normal(jax.random.key(seed), (5, 11)) * 2.0
+    big = tree_lib.build_tree(jnp.int32(3), logits, 40)
+    paths = _paths(big)
+    for b in (1, 2, 5, 13, 26, 40):
+        small = tree_lib.build_tree(jnp.int32(3), logits, b)
+        assert set(_paths(small)) == set(paths[:b])  # the same b prefixes
+        t = B.truncate(big, b + 1)
+        par = np.asarray(t.parents)
+        assert all(0 <= par[i] < i for i in range(1, b + 1))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_expectation_is_exact_under_the_draft_marginals(seed):
+    """Continuations x_1..x_D drawn from the per-depth marginals: E[accepted] = 1 + the deepest tree node
+    matching x's prefix, enumerated over all V**D continuations."""
+    D, Vs, budget = 3, 4, 20
+    logits = jax.random.normal(jax.random.key(seed), (D, Vs)) * 1.5
+    tree = tree_lib.build_tree(jnp.int32(0), logits, budget)
+    mask = tree_lib.ancestor_mask(tree)
+    logp = B.draft_logprobs(logits)
+    got = np.asarray(B.tree_expectation(tree, logp, mask))
+    p = np.exp(np.asarray(logp, np.float64))
+    paths = _paths(tree)
+    for b in range(1, budget + 1):
+        nodes = {q for q in paths[:b] if q is not None}
+        want = 0.0
+        for x in itertools.product(range(Vs), repeat=D):
+            depth = max([d for d in range(1, D + 1) if x[:d] in nodes], default=0)
+            want += np.prod([p[d, x[d]] for d in range(D)]) * (1 + depth)
+        np.testing.assert_allclose(got[b - 1], want, rtol=1e-5)
+    chain = float(B.chain_expectation(logp))
+    amax = p.argmax(-1)
+    want = sum(np.prod([p[d, x[d]] for d in range(D)]) * (1 + next((d for d in range(D) if x[d] != amax[d]), D))
+               for x in itertools.product(range(Vs), repeat=D))
+    np.testing.assert_allclose(chain, want, rtol=1e-5)
+
+
+def test_choose_and_scale():
+    assert int(B.choose(jnp.array([2.0, 4.0, 5.0]), jnp.array([1.0, 1.5, 2.5]))) == 1
+    assert float(B.scale(jnp.array([0.0, 0.0]))) == 1.0
+    assert float(B.scale(jnp.array([8.0, 24.0]))) == pytest.approx(0.5)
+    assert float(B.scale(jnp.array([1e6, 0.0]))) == B.S_MAX
+
+
+# ----------------------------------------------------------------------------------------- cost tables
+def test_interpolation():
+    t = B.from_dict({"chain": {"1000": 10.0, "3000": 14.0}, "64": {"1000": 20.0, "3000": 30.0}})
+    assert t.candidates == (0, 64) and t.contexts == (1000, 3000)
+    np.testing.assert_allclose(t.at(2000), [12.0, 25.0])
+    np.testing.assert_allclose(t.at(5000), [18.0, 40.0])  # linear past the ends
+    np.testing.assert_allclose(t.at(0), [8.0, 15.0])
+    np.testing.assert_allclose(t.flat(2000).at(10 ** 6), [12.0, 25.0])  # one column: constant
+    with pytest.raises(ValueError, match="no round time for budget 32"):
+        t.subset((0, 32))
+
+
+def test_tables_from_json_and_errors(tmp_path):
+    p = tmp_path / "h200.json"
+    p.write_text(json.dumps({"other": 1, B.TABLE_KEY: {"16": {"4096": 18.0}, "chain": {"4096": 17.0}}}))
+    t = B.load(p)
+    assert t.candidates == (0, 16) and t.ms == ((17.0,), (18.0,))
+    assert B.resolve_costs(str(p), 97, 8).candidates == (0, 16)
+    (tmp_path / "none.json").write_text("{}")
+    with pytest.raises(ValueError, match="has no 'round_ms_by_budget_context'"):
+        B.load(tmp_path / "none.json")
+    with pytest.raises(ValueError, match="lacks"):
+        B.from_dict({"16": {"4096": 1.0}, "chain": {"8192": 1.0}})
+    with pytest.raises(ValueError, match="> 0"):
+        B.from_dict({"16": {"4096": 0.0}})
+    with pytest.raises(ValueError, match="needs a candidate budget"):
+        B.resolve_costs({"chain": {"1": 1.0}, "128": {"1": 2.0}}, 97, 8)  # 128 >= vocab
+
+
+def test_default_model_on_cpu():
+    t = B.resolve_costs(None, 248320, 16)
+    assert t.candidates == B.CANDIDATES and t.source.startswith("default model")
+    c = t.at(4096)
+    assert c[0] == pytest.approx(17.4, abs=0.05) and c[3] == pytest.approx(20.9, abs=0.05)  # chain, 64
+    assert list(c) == sorted(c)  # more rows cost more
+    np.testing.assert_allclose(t.at(131072)[[0, 3]], [20.6, 33.3], atol=0.05)
+    assert B.resolve_costs(None, 97, 8).candidates == (0, 16, 32, 64)  # budgets < vocab only
+
+
+# ----------------------------------------------------------------------------------------- end to end
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    tdir = str(tmp_path_factory.mktemp("budget_target"))
+    hf_models.save_text_only(hf_models.causal_lm(0), tdir)
+    target = jaxddtree.load_target(tdir, "float32")
+    ddir = str(tmp_path_factory.mktemp("budget_drafter"))
+    cfg = helpers_dflash.tiny_config(hidden=64, vocab=V, mask_token_id=V - 1, num_target_layers=4,
+                                     target_layer_ids=(1, 2), block_size=BLOCK)
+    helpers_dflash.write_checkpoint(ddir, cfg, helpers_dflash.random_weights(cfg, seed=1))
+    return target, jaxddtree.load_drafter(ddir, target, "float32")
+
+
+@pytest.fixture(scope="module")
+def ar_ref(pair):
+    target, drafter = pair
+    return [jaxddtree.generate(target, p, method="ar", max_new_tokens=MAX_NEW).tokens for p in PROMPTS]
+
+
+def forcing_table(prompt_len: int):
+    """Chain cheapest for the first committed rows, then budget 2, then budget 7 (costs 1 vs 100 ms)."""
+    a, b = prompt_len + 6, prompt_len + 18
+    ctx = ["0", str(a), str(a + 1), str(b), str(b + 1), "1000"]
+    lo, hi = 1.0, 100.0
+    return {"chain": dict(zip(ctx, [lo, lo, hi, hi, hi, hi])), "2": dict(zip(ctx, [hi, hi, lo, lo, hi, hi])),
+            "7": dict(zip(ctx, [hi, hi, hi, hi, lo, lo]))}
+
+
+def run(pair, prompt, **kw):
+    target, drafter = pair
+    kw.setdefault("max_new_tokens", MAX_NEW)
+    return jaxddtree.generate(target, prompt, drafter=drafter, method="ddtree", **kw)
+
+
+@pytest.mark.parametrize("loop", ["host", "device"])
+def test_auto_is_exact_and_follows_the_cost_table(pair, ar_ref, loop):
+    for i, prompt in enumerate(PROMPTS):
+        table = forcing_table(len(prompt))
+        g = run(pair, prompt, budget_costs=table, loop=loop)
+        assert g.tokens == ar_ref[i]
+        chosen = g.stats["budget_per_round"]
+        assert g.stats["tree_budget"] == "auto" and len(chosen) == g.stats["rounds"] == len(g.acceptance_lengths)
+        assert chosen[0] == B.CHAIN and set(chosen) == {B.CHAIN, 2, 7}, chosen  # all three, in table order
+        assert chosen == sorted(chosen, key=[B.CHAIN, 2, 7].index)
+        assert sum(g.stats["budget_counts"].values()) == len(chosen)
+        # long accepted paths (oracle draft logits): still exact
+        go = run(pair, prompt, budget_costs=table, loop=loop, _oracle_tokens=ar_ref[i])
+        assert go.tokens == ar_ref[i] and max(go.acceptance_lengths) > 3
+
+
+def test_tables_are_data_and_sampling_runs(pair, ar_ref):
+    prompt = PROMPTS[0]
+    run(pair, prompt, budget_costs=forcing_table(len(prompt)))
+    n = loop_lib.run_rounds._cache_size()
+    flat = {"chain": {"0": 5.0}, "2": {"0": 1.0}, "7": {"0": 50.0}}  # budget 2 always
+    g = run(pair, prompt, budget_costs=flat)
+    assert g.tokens == ar_ref[0] and set(g.stats["budget_per_round"]) == {2}
+    assert loop_lib.run_rounds._cache_size() == n  # the same candidates: one compilation
+    gs = run(pair, prompt, budget_costs=flat, temperature=0.8, seed=5)
+    assert len(gs.tokens) == MAX_NEW and all(0 <= t < V for t in gs.tokens)
+    assert set(gs.stats["budget_per_round"]) == {2}
+
+
+def test_default_is_auto(pair, ar_ref):
+    g = run(pair, PROMPTS[1])  # no tree_budget, no table: the default candidates and model
+    assert g.tokens == ar_ref[1] and g.stats["tree_budget"] == "auto"
+    assert set(g.stats["budget_per_round"]) <= {0, 16, 32, 64}
+    assert g.stats["budget_costs"].startswith("default model")
+    with pytest.raises(ValueError, match="tree_budget must be an int or 'auto'"):
+        run(pair, PROMPTS[1], tree_budget="big")
+
+
+def test_device_loop_does_not_copy_the_kv_caches(pair, monkeypatch):
+    """The switch's branches each update the caches: the compiled device loop holds no copy of a KV-cache
+    buffer, and no more top-level copies of cache-shaped buffers than the fixed-budget loop."""
+    captured = {}
+    orig = loop_lib.run_rounds
+
+    def spy(*a, **kw):
+        captured["call"] = (a, kw)
+        return orig(*a, **kw)
+
+    monkeypatch.setattr(loop_lib, "run_rounds", spy)
+
+    def top_level_copies(budget, costs):
+        run(pair, PROMPTS[0], tree_budget=budget, budget_costs=costs, loop="device", max_new_tokens=8)
+        a, kw = captured["call"]
+        text = orig.lower(*a, **kw).compile().as_text()
+        cache = a[2].cache
+        kv = {f"f32{list(x.shape)}".replace(" ", "") for x in jax.tree.leaves(cache) if x.ndim == 4
+              and x.shape[2] > 64}
+        shapes = {f"f32{list(x.shape)}".replace(" ", "") for x in jax.tree.leaves(cache) if x.ndim >= 3}
+        assert kv
+        comp, kv_copies, copies = "", 0, 0
+        for line in text.splitlines():
+            m = re.match(r"^(?:ENTRY )?%(\S+) ", line)
+            if m and line.rstrip().endswith("{"):
+                comp = m.group(1)
+            m = re.search(r"= (f32\[[\d,]*\])\{[^}]*\} copy\(", line)
+            if m and m.group(1) in shapes:
+                kv_copies += m.group(1) in kv
+                copies += "fus" not in comp  # fusion bodies: layout changes of values, not buffer copies
+        return kv_copies, copies
+
+    kv_auto, auto = top_level_copies("auto", {"chain": {"0": 1.0}, "2": {"0": 1.2}, "7": {"0": 1.5}})
+    kv_fixed, fixed = top_level_copies(7, None)
+    assert kv_auto == 0 and kv_fixed == 0
+    assert auto <= fixed, (auto, fixed)
+
+
+def test_padding_keeps_the_function():
+    for table in ({"chain": {"1000": 10.0, "3000": 14.0}, "64": {"1000": 20.0, "3000": 30.0}},
+                  {"chain": {"500": 3.0}, "16": {"500": 4.0}}):
+        t = B.from_dict(table)
+        x, y = B.padded(t)
+        assert x.shape == (B.COLUMNS,) and y.shape == (2, B.COLUMNS)
+        for L in (0, 700, 2000, 3000, 9000, 10 ** 5, 10 ** 6):
+            np.testing.assert_allclose(B.interpolate(jnp.asarray(x), jnp.asarray(y), L), t.at(L), rtol=1e-5)
