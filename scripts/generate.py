@@ -56,6 +56,13 @@ def positive_int(text: str) -> int:
     return v
 
 
+def budget_arg(text: str):
+    """--budget: 'auto' or an integer >= 1."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    return positive_int(text)
+
+
 def finite_non_negative(text: str) -> float:
     try:
         v = float(text)
@@ -107,8 +114,14 @@ def build_parser() -> Parser:
     d.add_argument("--method", choices=("ar", "dflash", "ddtree"), default=None, help="ar: autoregressive; "
                    "dflash: verify the drafter's block as a chain; ddtree: verify the best tree of --budget "
                    "drafted tokens (default: ddtree when a drafter is available, else ar)")
-    d.add_argument("--budget", type=positive_int, default=64, metavar="N", help="DDTree node budget: drafted "
-                   "tokens verified per round, 1 <= N < vocab size (default: 64)")
+    d.add_argument("--budget", type=budget_arg, default="auto", metavar="N|auto", help="DDTree node budget: "
+                   "drafted tokens verified per round, 1 <= N < vocab size; auto: each round takes the budget "
+                   "(16, 32, 64, 128) or the chain with the most expected tokens per second, from the drafter's "
+                   "probabilities and a round-time table (--budget-costs; README: '--budget auto') (default: auto)")
+    d.add_argument("--budget-costs", metavar="FILE", default=None, help="--budget auto's round times: a JSON "
+                   "file with 'round_ms_by_budget_context' ({'chain'|'16'|...: {'<context>': ms}}, as "
+                   "benchmarks/bench.py writes it) (default: benchmarks/results/h200.json on an H200, else a "
+                   "built-in model linear in tree rows and context)")
     d.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N", help="tokens to generate "
                    "at most (default: 256; 64 for the demo pair)")
     d.add_argument("--temperature", type=finite_non_negative, default=0.0, metavar="T", help="sampling "
@@ -345,7 +358,7 @@ def run(argv=None) -> int:
 
     kw = dict(drafter=drafter if method != "ar" else None, method=method, max_new_tokens=max_new,
               tree_budget=args.budget, temperature=args.temperature, seed=args.seed, loop=args.loop,
-              sync_every=args.sync_every)
+              sync_every=args.sync_every, budget_costs=args.budget_costs)
     if not args.json:
         log(f"{method}" + (f" (budget {args.budget})" if method == "ddtree" else "") +
             f", {len(ids)} prompt tokens, max {max_new} new, T={args.temperature:g}, {dtype}, kernels={kernels}, "
@@ -385,7 +398,8 @@ def run(argv=None) -> int:
     n = stats["new_tokens"]
     log(f"-- {n} tokens in {wall:.2f} s: {stats['tokens_per_s']:.1f} tokens/s after the first, "
         f"time to first token {stats['time_to_first_token_s'] * 1e3:.0f} ms, {stats['rounds']} rounds, "
-        f"mean acceptance length tau = {stats['mean_acceptance_length']:.2f}")
+        f"mean acceptance length tau = {stats['mean_acceptance_length']:.2f}" +
+        (f", budgets {stats['budget_counts']}" if stats.get("budget_counts") else ""))
     return 0
 
 
@@ -397,7 +411,9 @@ class _ConfigOnly:
 
 
 def _check_budget(args, cfg, method: str):
-    if method == "ddtree" and args.budget >= cfg.vocab_size:
+    if args.budget_costs is not None and not os.path.isfile(args.budget_costs):
+        raise UsageError(f"argument --budget-costs: no such file {args.budget_costs}")
+    if method == "ddtree" and args.budget != "auto" and args.budget >= cfg.vocab_size:
         raise UsageError(f"argument --budget: must be < the vocabulary size {cfg.vocab_size}, got {args.budget}")
 
 

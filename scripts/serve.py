@@ -31,6 +31,13 @@ def positive_int(text: str) -> int:
     return v
 
 
+def budget_arg(text: str):
+    """--budget: 'auto' or an integer >= 1."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    return positive_int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="serve.py", description="Serve a Qwen3.5/3.6 target (+ DFlash drafter) "
                                 "through the OpenAI API: /v1/completions, /v1/chat/completions (streaming "
@@ -43,7 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 = any free port)")
     p.add_argument("--method", choices=("ar", "dflash", "ddtree"), default=None, help="decoding method "
                    "(default: ddtree with a drafter, else ar)")
-    p.add_argument("--budget", type=positive_int, default=64, metavar="N", help="DDTree node budget (default: 64)")
+    p.add_argument("--budget", type=budget_arg, default="auto", metavar="N|auto", help="DDTree node budget; auto: "
+                   "chosen per round for the most expected tokens per second (see generate.py --help) "
+                   "(default: auto)")
+    p.add_argument("--budget-costs", metavar="FILE", default=None, help="--budget auto's round-time table (JSON "
+                   "with 'round_ms_by_budget_context'; default: benchmarks/results/h200.json on an H200, else a "
+                   "built-in model)")
     p.add_argument("--max-context", type=positive_int, default=None, metavar="N", help="prompt + completion "
                    "tokens at most (default: the model's max_position_embeddings)")
     p.add_argument("--default-max-tokens", type=positive_int, default=256, metavar="N", help="completion "
@@ -112,7 +124,7 @@ def load_engine(args):
     if method != "ar" and drafter is None:
         raise SystemExit(f"serve.py: error: --method {method} needs --drafter")
     engine = Engine(target, drafter, tok, name=args.model_name or name, method=method, budget=args.budget,
-                    max_context=args.max_context, queue_size=args.queue,
+                    budget_costs=args.budget_costs, max_context=args.max_context, queue_size=args.queue,
                     default_max_tokens=args.default_max_tokens)
     if not args.no_warmup:
         t = time.perf_counter()

@@ -64,12 +64,13 @@ class Engine:
     the job's events are ("delta", text) ..., then ("done", info) or ("error", message)."""
 
     def __init__(self, target, drafter, tokenizer, *, name: str = "jaxddtree", method: str = "ddtree",
-                 budget: int = 64, max_context: int | None = None, queue_size: int = 64, stop_ids=None,
-                 default_max_tokens: int = 256):
+                 budget: int | str = "auto", max_context: int | None = None, queue_size: int = 64, stop_ids=None,
+                 default_max_tokens: int = 256, budget_costs=None):
         cfg = target.config
         self.target, self.drafter, self.tokenizer, self.name = target, drafter, tokenizer, name
         self.method = method if drafter is not None else "ar"
         self.budget = budget
+        self.budget_costs = budget_costs  # tree_budget="auto": its round-time table (None: the default)
         self.default_max_tokens = default_max_tokens  # chat completions without max_tokens (completions: 16)
         self.max_context = min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.stop_ids = default_stop_ids(cfg, tokenizer) if stop_ids is None else list(stop_ids)
@@ -107,7 +108,7 @@ class Engine:
 
     def _generate(self, ids, max_new, temperature, seed, stop_ids, on_tokens):
         return generate(self.target, ids, drafter=self.drafter if self.method != "ar" else None,
-                        method=self.method, max_new_tokens=max_new, tree_budget=self.budget,
+                        method=self.method, max_new_tokens=max_new, tree_budget=self.budget, budget_costs=self.budget_costs,
                         temperature=temperature, seed=seed, stop_ids=stop_ids, sync_every=1, on_tokens=on_tokens)
 
     def _work(self):
@@ -180,5 +181,7 @@ class Engine:
             "speculative": {"method": self.method, "tree_budget": self.budget if self.method == "ddtree" else None,
                             "rounds": rounds, "mean_acceptance_length": mean_acc,
                             "time_to_first_token_s": ttft[0], "wall_s": wall,
-                            "tokens_per_s": len(kept) / wall if wall > 0 else 0.0},
+                            "tokens_per_s": len(kept) / wall if wall > 0 else 0.0,
+                            **({"budget_counts": stats["budget_counts"]} if stats and "budget_counts" in stats
+                               else {})},
         })
