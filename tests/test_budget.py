@@ -99,7 +99,11 @@ def test_expectation_is_exact_under_the_draft_marginals(seed):
 
 
 def test_choose_and_scale():
-    assert int(B.choose(jnp.array([2.0, 4.0, 5.0]), jnp.array([1.0, 1.5, 2.5]))) == 1
+    e, c = jnp.array([2.0, 4.0, 5.0]), jnp.array([1.0, 1.5, 2.5])
+    lam0 = B.rate(jnp.zeros(4), e, c)
+    assert float(lam0) == pytest.approx(4.0 / 1.5) and int(B.choose(e, c, lam0)) == 1  # first round: best ratio
+    assert int(B.choose(e, c, 0.5)) == 2 and int(B.choose(e, c, 5.0)) == 0  # slow: buy tokens; fast: save ms
+    assert float(B.rate(jnp.array([0.0, 0.0, 6.0, 4.0]), e, c)) == pytest.approx(1.5)
     assert float(B.scale(jnp.array([0.0, 0.0]))) == 1.0
     assert float(B.scale(jnp.array([8.0, 24.0]))) == pytest.approx(0.5)
     assert float(B.scale(jnp.array([1e6, 0.0]))) == B.S_MAX

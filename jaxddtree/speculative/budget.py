@@ -16,7 +16,8 @@ Per round (inside the jitted round, so `loop="device"` needs no host decision):
 4. Round cost c(b, L): a table of round times (ms) per candidate × committed length L (`CostTable`),
    interpolated linearly in L (extrapolated linearly past the ends, floored at 1 µs). The table is data in the
    decode state, so any table shares one compilation.
-5. b* = argmax E'(b) / c(b, L); a `lax.switch` runs verify + accept + commit on the tree truncated to b* + 1
+5. b* = argmax E'(b) - λ c(b, L), λ = the generation's rate so far in tokens per ms (`choose` says why not
+   the per-round ratio E'/c; the first round takes the best ratio); a `lax.switch` runs verify + accept + commit on the tree truncated to b* + 1
    rows (static shapes per branch; the chain is one branch). Every branch updates the caches.
 
 Exact: the choice changes which tree is verified, never the verification, so at T = 0 the tokens are the AR
@@ -193,7 +194,7 @@ class AutoState:
     contexts: jax.Array  # [C] f32
     ms: jax.Array  # [K, C] f32
     chosen: jax.Array  # [max_new] int32: candidate id per round (CHAIN = 0)
-    sums: jax.Array  # [2] f32: drafted tokens accepted, drafted tokens predicted (chosen candidates)
+    sums: jax.Array  # [4] f32: drafted tokens accepted, predicted (uncalibrated), tokens emitted, table ms
     predicted: jax.Array  # [max_new] f32: the chosen candidate's calibrated E per round
 
 
@@ -219,7 +220,7 @@ def padded(table: CostTable) -> tuple[np.ndarray, np.ndarray]:
 def init_state(table: CostTable, max_new: int) -> AutoState:
     contexts, ms = padded(table)
     return AutoState(contexts=jnp.asarray(contexts), ms=jnp.asarray(ms),
-                     chosen=jnp.zeros((max_new,), jnp.int32), sums=jnp.zeros((2,), jnp.float32),
+                     chosen=jnp.zeros((max_new,), jnp.int32), sums=jnp.zeros((4,), jnp.float32),
                      predicted=jnp.zeros((max_new,), jnp.float32))
 
 
@@ -277,9 +278,18 @@ def scale(sums) -> jax.Array:
     return jnp.clip((sums[0] + PRIOR_TOKENS) / (sums[1] + PRIOR_TOKENS), S_MIN, S_MAX)
 
 
-def choose(expected, cost) -> jax.Array:
-    """Index of the candidate with the most expected tokens per ms (ties: the first, i.e. the cheapest listed)."""
-    return jnp.argmax(expected / cost).astype(jnp.int32)
+def rate(sums, expected, cost) -> jax.Array:
+    """λ (tokens per ms) of `choose`: the generation's rate so far (tokens emitted / table ms of the chosen
+    rounds); before the first round, this round's best ratio (then `choose` picks the best-ratio candidate)."""
+    return jnp.where(sums[3] > 0, sums[2] / jnp.maximum(sums[3], 1e-9), jnp.max(expected / cost))
+
+
+def choose(expected, cost, lam) -> jax.Array:
+    """argmax_b E(b) - λ c(b) (ties: the first listed). The long-run rate of a policy is E[tokens] / E[ms] per
+    round (renewal-reward), and a policy is rate-optimal iff every round maximises E(b) - λ* c(b), λ* its own
+    rate (Dinkelbach), so λ is the running rate; the per-round ratio E(b) / c(b) is not (it over-weights cheap
+    rounds when some rounds are much easier than others)."""
+    return jnp.argmax(expected - lam * cost).astype(jnp.int32)
 
 
 def auto_round(state, candidates, tree, mask, chain, draft_logits,
@@ -292,7 +302,7 @@ def auto_round(state, candidates, tree, mask, chain, draft_logits,
     s = scale(auto.sums)
     expected = 1.0 + s * (raw - 1.0)
     cost = interpolate(auto.contexts, auto.ms, state.cache.length)
-    k = choose(expected, cost)
+    k = choose(expected, cost, rate(auto.sums, expected, cost))
 
     def make(b):
         if b == CHAIN:
@@ -308,7 +318,8 @@ def auto_round(state, candidates, tree, mask, chain, draft_logits,
     auto = auto.replace(
         chosen=auto.chosen.at[r].set(ids[k]),
         predicted=auto.predicted.at[r].set(expected[k]),
-        sums=auto.sums + jnp.stack([(n_acc - 1).astype(jnp.float32), raw[k] - 1.0]))
+        sums=auto.sums + jnp.stack([(n_acc - 1).astype(jnp.float32), raw[k] - 1.0, n_acc.astype(jnp.float32),
+                                    cost[k]]))
     return state.replace(auto=auto)
 
 
