@@ -266,3 +266,40 @@ def test_padding_keeps_the_function():
         assert x.shape == (B.COLUMNS,) and y.shape == (2, B.COLUMNS)
         for L in (0, 700, 2000, 3000, 9000, 10 ** 5, 10 ** 6):
             np.testing.assert_allclose(B.interpolate(jnp.asarray(x), jnp.asarray(y), L), t.at(L), rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------- CLI / server
+def _script(name):
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(HERE), "scripts", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"{name}_script_budget", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("name", ["generate", "serve"])
+def test_scripts_default_to_auto(name, capsys):
+    p = _script(name).build_parser()
+    assert p.parse_args([]).budget == "auto" and p.parse_args([]).budget_costs is None
+    assert p.parse_args(["--budget", "AUTO"]).budget == "auto" and p.parse_args(["--budget", "32"]).budget == 32
+    assert p.parse_args(["--budget-costs", "t.json"]).budget_costs == "t.json"
+    with pytest.raises((SystemExit, Exception)) as e:  # generate.py raises its UsageError, serve.py exits
+        p.parse_args(["--budget", "0"])
+    assert "must be >= 1" in capsys.readouterr().err + str(e.value)
+    assert "auto" in p.format_help() and "round_ms_by_budget_context" in p.format_help()
+
+
+def test_engine_passes_the_table(monkeypatch):
+    from jaxddtree.serving import engine as engine_lib
+
+    seen = {}
+    monkeypatch.setattr(engine_lib, "generate", lambda *a, **kw: seen.update(kw))
+    e = engine_lib.Engine.__new__(engine_lib.Engine)  # no model, no worker thread: only _generate's arguments
+    e.target, e.drafter, e.method, e.budget, e.budget_costs = None, object(), "ddtree", "auto", {"chain": {"0": 1}}
+    e._generate([1, 2], 8, 0.0, 0, [0], None)
+    assert seen["tree_budget"] == "auto" and seen["budget_costs"] == {"chain": {"0": 1}}
+    import inspect
+    sig = inspect.signature(engine_lib.Engine.__init__).parameters
+    assert sig["budget"].default == "auto" and sig["budget_costs"].default is None
