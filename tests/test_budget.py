@@ -203,6 +203,8 @@ def test_tables_are_data_and_sampling_runs(pair, ar_ref):
     run(pair, prompt, budget_costs=forcing_table(len(prompt)))
     n = loop_lib.run_rounds._cache_size()
     flat = {"chain": {"0": 5.0}, "2": {"0": 1.0}, "7": {"0": 50.0}}  # budget 2 always
+    g7 = run(pair, prompt, budget_costs=B.forcing((0, 2, 7), 7))
+    assert g7.tokens == ar_ref[0] and set(g7.stats["budget_per_round"]) == {7}
     g = run(pair, prompt, budget_costs=flat)
     assert g.tokens == ar_ref[0] and set(g.stats["budget_per_round"]) == {2}
     assert loop_lib.run_rounds._cache_size() == n  # the same candidates: one compilation

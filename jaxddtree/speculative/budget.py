@@ -112,6 +112,12 @@ class CostTable:
                          f"{self.source} at {int(length)}")
 
 
+def forcing(candidates, b: int) -> CostTable:
+    """A table under which auto always picks `b` (1 ms vs 1e4 ms for the others): benchmarks time the auto round
+    forced to each candidate with one compilation (`AUTO_TABLE_KEY`)."""
+    return CostTable(tuple(candidates), (0,), tuple((1.0 if c == b else 1e4,) for c in candidates), f"forcing {name(b)}")
+
+
 def model_costs(candidates, block_size: int, contexts=(4096, 131072)) -> CostTable:
     """The documented default (see `MODEL`): rows = budget + 1 (chain: block_size)."""
     c0, c1, c2, c3 = MODEL
