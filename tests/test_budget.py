@@ -305,3 +305,20 @@ def test_engine_passes_the_table(monkeypatch):
     import inspect
     sig = inspect.signature(engine_lib.Engine.__init__).parameters
     assert sig["budget"].default == "auto" and sig["budget_costs"].default is None
+
+
+def test_bench_auto_budget_smoke(tmp_path):
+    """benchmarks/bench_auto_budget.py --smoke (made-up round times, the demo pair, one short prompt) writes
+    auto_budget.<context>.{budget, projected_tok_s, best_fixed_tok_s} into --out, keeping what was there."""
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))
+    import bench_auto_budget
+
+    out = tmp_path / "r.json"
+    out.write_text(json.dumps({"round_ms_by_context": {"4096": 1.0}}))
+    assert bench_auto_budget.main(["--smoke", "--out", str(out), "--contexts", "4096,131072"]) == 0
+    res = json.loads(out.read_text())
+    assert res["round_ms_by_context"] == {"4096": 1.0} and set(res["auto_budget"]) == {"4096", "131072"}
+    for r in res["auto_budget"].values():
+        assert r["budget"] in ("chain", "16", "32") and r["projected_tok_s"] > 0 and r["best_fixed_tok_s"] > 0
+        assert r["best_fixed_tok_s"] == max(r["fixed_tok_s"].values())
+        assert 0.5 < r["ratio"] < 1.5
