@@ -242,28 +242,33 @@ def interpolate(contexts, ms, length) -> jax.Array:
     return jnp.maximum(ms[:, i] + w * (ms[:, i + 1] - ms[:, i]), 1e-3)
 
 
-def draft_logprobs(draft_logits) -> jax.Array:
-    """[D, V] -> fp32 log_softmax (the formula `build_tree` scores with)."""
+def log_norm(draft_logits) -> tuple[jax.Array, jax.Array]:
+    """[D, V] -> (m, lse) [D]: log_softmax(x)[d, v] = (x[d, v] - m[d]) - lse[d] (`build_tree`'s formula, fp32),
+    without forming the [D, V] log-probs."""
     x = draft_logits.astype(jnp.float32)
-    m = jnp.max(x, axis=-1, keepdims=True)
-    return (x - m) - jnp.log(jnp.sum(jnp.exp(x - m), axis=-1, keepdims=True))
+    m = jnp.max(x, axis=-1)
+    return m, jnp.log(jnp.sum(jnp.exp(x - m[:, None]), axis=-1))
 
 
-def tree_expectation(tree: tree_lib.Tree, logp, mask) -> jax.Array:
+def tree_expectation(tree: tree_lib.Tree, draft_logits, mask) -> jax.Array:
     """[N-1]: entry b-1 = expected tokens emitted by the tree truncated to its first b drafted nodes
-    (1 + Σ path probabilities), for a tree in `build_tree`'s order; logp [D, V] = `draft_logprobs`."""
+    (1 + Σ path probabilities), for a tree in `build_tree`'s order; draft_logits [D, V]."""
     n = tree.num_nodes
     idx = jnp.arange(n)
     drafted = tree.valid & (idx > 0)
-    lp = jnp.where(drafted, logp[jnp.clip(tree.depths - 1, 0), jnp.maximum(tree.tokens, 0)], 0.0)  # [N]
+    m, lse = log_norm(draft_logits)
+    d = jnp.clip(tree.depths - 1, 0)
+    x = draft_logits[d, jnp.maximum(tree.tokens, 0)].astype(jnp.float32)  # [N]
+    lp = jnp.where(drafted, (x - m[d]) - lse[d], 0.0)  # [N]
     path = jnp.sum(jnp.where(mask, lp[None, :], 0.0), axis=-1)  # [N]: Σ over the node and its ancestors
     p = jnp.where(drafted, jnp.exp(path), 0.0)
     return 1.0 + jnp.cumsum(p[1:])
 
 
-def chain_expectation(logp) -> jax.Array:
-    """Expected tokens emitted by the argmax chain: 1 + Σ_d Π_{k<=d} p_max(k)."""
-    return 1.0 + jnp.sum(jnp.exp(jnp.cumsum(jnp.max(logp, axis=-1))))
+def chain_expectation(draft_logits) -> jax.Array:
+    """Expected tokens emitted by the argmax chain: 1 + Σ_d Π_{k<=d} p_max(k) (log p_max(d) = -lse[d])."""
+    _, lse = log_norm(draft_logits)
+    return 1.0 + jnp.sum(jnp.exp(jnp.cumsum(-lse)))
 
 
 def truncate(tree: tree_lib.Tree, n: int) -> tree_lib.Tree:
@@ -272,10 +277,10 @@ def truncate(tree: tree_lib.Tree, n: int) -> tree_lib.Tree:
                          valid=tree.valid[:n], max_depth=tree.max_depth)
 
 
-def expectations(candidates, tree, mask, logp) -> jax.Array:
+def expectations(candidates, tree, mask, draft_logits) -> jax.Array:
     """[K] uncalibrated expected tokens per round of each candidate."""
-    e_tree = tree_expectation(tree, logp, mask)
-    e = [chain_expectation(logp) if b == CHAIN else e_tree[b - 1] for b in candidates]
+    e_tree = tree_expectation(tree, draft_logits, mask)
+    e = [chain_expectation(draft_logits) if b == CHAIN else e_tree[b - 1] for b in candidates]
     return jnp.stack(e)
 
 
@@ -303,8 +308,7 @@ def auto_round(state, candidates, tree, mask, chain, draft_logits,
     """One auto round after the draft and the build at max(candidates). `branch(state, tree, mask)` verifies,
     accepts, commits, emits and records (appends the acceptance length to state.acc, bumps n_rounds)."""
     auto: AutoState = state.auto
-    logp = draft_logprobs(draft_logits)
-    raw = expectations(candidates, tree, mask, logp)  # [K]
+    raw = expectations(candidates, tree, mask, draft_logits)  # [K]
     s = scale(auto.sums)
     expected = 1.0 + s * (raw - 1.0)
     cost = interpolate(auto.contexts, auto.ms, state.cache.length)
