@@ -9,7 +9,8 @@ Per round (inside the jitted round, so `loop="device"` needs no host decision):
    the build at budget b returns, up to ties) and truncating the tree to its first b + 1 rows is a valid tree.
    A node is accepted iff its whole path is, so E[tokens emitted](b) = 1 (the bonus) + Σ of the first b nodes'
    path probabilities: one prefix sum gives every budget. Chain DFlash: 1 + Σ_d Π_{k<=d} p_max(k).
-3. Calibration: drafters are often over-confident, so the drafted part of every estimate is scaled by one
+3. Calibration: drafter probabilities are not calibrated (the demo drafter's predict about 20 % fewer tokens
+   per round than it gets, the same share for every candidate, CPU 2026-12-01), so the drafted part of every estimate is scaled by one
    running factor s = (A + W) / (P + W) (A: drafted tokens actually accepted so far in this generation, P:
    what the chosen candidates' estimates predicted, W = `PRIOR_TOKENS` pseudo-tokens at s = 1; s clipped to
    [`S_MIN`, `S_MAX`]): E'(b) = 1 + s (E(b) - 1).
@@ -17,8 +18,9 @@ Per round (inside the jitted round, so `loop="device"` needs no host decision):
    interpolated linearly in L (extrapolated linearly past the ends, floored at 1 µs). The table is data in the
    decode state, so any table shares one compilation.
 5. b* = argmax E'(b) - λ c(b, L), λ = the generation's rate so far in tokens per ms (`choose` says why not
-   the per-round ratio E'/c; the first round takes the best ratio); a `lax.switch` runs verify + accept + commit on the tree truncated to b* + 1
-   rows (static shapes per branch; the chain is one branch). Every branch updates the caches.
+   the per-round ratio E'/c; the first round takes the best ratio); a `lax.switch` runs verify + accept +
+   commit on the tree truncated to b* + 1 rows (static shapes per branch; the chain is one branch). Every
+   branch updates the caches.
 
 Exact: the choice changes which tree is verified, never the verification, so at T = 0 the tokens are the AR
 tokens, and at T > 0 the choice depends only on the draft and on earlier rounds, not on this round's samples.
