@@ -108,8 +108,9 @@ class Engine:
 
     def _generate(self, ids, max_new, temperature, seed, stop_ids, on_tokens):
         return generate(self.target, ids, drafter=self.drafter if self.method != "ar" else None,
-                        method=self.method, max_new_tokens=max_new, tree_budget=self.budget, budget_costs=self.budget_costs,
-                        temperature=temperature, seed=seed, stop_ids=stop_ids, sync_every=1, on_tokens=on_tokens)
+                        method=self.method, max_new_tokens=max_new, tree_budget=self.budget,
+                        budget_costs=self.budget_costs, temperature=temperature, seed=seed, stop_ids=stop_ids,
+                        sync_every=1, on_tokens=on_tokens)
 
     def _work(self):
         while True:

@@ -10,10 +10,10 @@ Per round (inside the jitted round, so `loop="device"` needs no host decision):
    A node is accepted iff its whole path is, so E[tokens emitted](b) = 1 (the bonus) + Σ of the first b nodes'
    path probabilities: one prefix sum gives every budget. Chain DFlash: 1 + Σ_d Π_{k<=d} p_max(k).
 3. Calibration: drafter probabilities are not calibrated (the demo drafter's predict about 20 % fewer tokens
-   per round than it gets, the same share for every candidate, CPU 2026-12-01), so the drafted part of every estimate is scaled by one
-   running factor s = (A + W) / (P + W) (A: drafted tokens actually accepted so far in this generation, P:
-   what the chosen candidates' estimates predicted, W = `PRIOR_TOKENS` pseudo-tokens at s = 1; s clipped to
-   [`S_MIN`, `S_MAX`]): E'(b) = 1 + s (E(b) - 1).
+   per round than it gets, the same share for every candidate, CPU 2026-12-01), so the drafted part of every
+   estimate is scaled by one running factor s = (A + W) / (P + W) (A: drafted tokens actually accepted so far
+   in this generation, P: what the chosen candidates' estimates predicted, W = `PRIOR_TOKENS` pseudo-tokens at
+   s = 1; s clipped to [`S_MIN`, `S_MAX`]): E'(b) = 1 + s (E(b) - 1).
 4. Round cost c(b, L): a table of round times (ms) per candidate × committed length L (`CostTable`),
    interpolated linearly in L (extrapolated linearly past the ends, floored at 1 µs). The table is data in the
    decode state, so any table shares one compilation.
@@ -117,7 +117,8 @@ class CostTable:
 def forcing(candidates, b: int) -> CostTable:
     """A table under which auto always picks `b` (1 ms vs 1e4 ms for the others): benchmarks time the auto round
     forced to each candidate with one compilation (`AUTO_TABLE_KEY`)."""
-    return CostTable(tuple(candidates), (0,), tuple((1.0 if c == b else 1e4,) for c in candidates), f"forcing {name(b)}")
+    return CostTable(tuple(candidates), (0,), tuple((1.0 if c == b else 1e4,) for c in candidates),
+                     f"forcing {name(b)}")
 
 
 def model_costs(candidates, block_size: int, contexts=(4096, 131072)) -> CostTable:

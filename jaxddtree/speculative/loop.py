@@ -244,11 +244,11 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     """Generate up to `max_new_tokens` new tokens after `prompt_ids`.
 
     method: "ar" (autoregressive), "dflash" (chain of the drafter's block) or "ddtree" (best tree of
-    `tree_budget` drafted nodes; "auto": each round picks the budget, or the chain, with the most expected tokens
-    per second, see `jaxddtree.speculative.budget`; `budget_costs`: its round-time table, a
-    `budget.CostTable`, a dict or a JSON file, None: the default). At temperature 0 all three give identical tokens; at T > 0 they sample
-    exactly from the target's distribution. `stop_ids` end generation after their first occurrence
-    (inclusive). `on_tokens` receives newly emitted tokens as the host reads them back (streaming).
+    `tree_budget` drafted nodes; "auto", the default: each round picks the budget, or the chain, with the most
+    expected tokens per second, see `jaxddtree.speculative.budget`; `budget_costs`: its round-time table, a
+    `budget.CostTable`, a dict or a JSON file; None: the default). At temperature 0 all three give identical
+    tokens; at T > 0 they sample exactly from the target's distribution. `stop_ids` end generation after their
+    first occurrence (inclusive). `on_tokens` receives newly emitted tokens as the host reads them back (streaming).
     """
     if method not in METHODS:
         raise ValueError(f"unknown method '{method}' (choose one of {', '.join(METHODS)})")
