@@ -224,7 +224,7 @@ def test_drafter_round_trip(drafter_src, converted, dtype):
 
 def test_converted_round_compiles_once(hf, converted, tmp_path, monkeypatch):
     """Converted parameters are placed as the HF loader places them (uncommitted; committed ones once made
-    the decode state change placement after the first `run_rounds` call: a second compilation inside the
+    the decode state change placement after the first round call: a second compilation inside the
     timed generation). The first generate on a converted pair compiles its round once, and converted and HF
     targets / drafters mix freely on that one compilation."""
     import jax
@@ -243,13 +243,13 @@ def test_converted_round_compiles_once(hf, converted, tmp_path, monkeypatch):
     for x in jax.tree.leaves((targets["conv"].leaves, drafters["conv"].params, fallback.leaves)):
         assert not x.committed
     kw = dict(method="dflash", max_new_tokens=29, sync_every=1)  # a configuration no other test compiles
-    before = loop.run_rounds._cache_size()
+    before = loop.TRACES["rounds"]
     first = jaxddtree.generate(targets["conv"], IDS, drafter=drafters["conv"], **kw)
-    assert first.stats["rounds"] >= 3  # several run_rounds calls
-    assert loop.run_rounds._cache_size() - before == 1
+    assert first.stats["rounds"] >= 3  # several round calls
+    assert loop.TRACES["rounds"] - before == 1
     for t, d in (("conv", "hf"), ("hf", "conv"), ("hf", "hf")):
         assert jaxddtree.generate(targets[t], IDS, drafter=drafters[d], **kw).tokens == first.tokens, (t, d)
-    assert loop.run_rounds._cache_size() - before == 1
+    assert loop.TRACES["rounds"] - before == 1
 
 
 def test_direct_reader_matches_ocp_load(converted, monkeypatch):

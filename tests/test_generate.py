@@ -100,41 +100,44 @@ def check_rounds(g, max_acc=BLOCK):
 def test_one_compilation_per_configuration(pair):
     """Different prompts (same bucket), seeds and stop ids reuse the compiled round of a (method, budget,
     max_new_tokens) configuration. (First in the file: when it runs first, the counts are exact.)"""
-    fresh = loop_lib.run_rounds._cache_size() == 0
-    start = loop_lib.run_rounds._cache_size()
+    fresh = loop_lib.TRACES["rounds"] == 0
+    start = loop_lib.TRACES["rounds"]
     for method, budget in (("ar", 64), ("ddtree", 7)):
-        before = loop_lib.run_rounds._cache_size()
+        before = loop_lib.TRACES["rounds"]
         sizes = []
         for i, (key, prompt) in enumerate(PROMPTS.items()):
             for seed, stops in ((key[0], None), (key[0] + 10, [5, 7]), (key[0] + 20, list(range(0, V, 3)))):
                 run(pair, prompt, method, budget, seed=seed, stop_ids=stops)
-                sizes.append(loop_lib.run_rounds._cache_size())
+                sizes.append(loop_lib.TRACES["rounds"])
         assert sizes[0] - before in (0, 1)  # 0: another test compiled this configuration already
         assert sizes == [sizes[0]] * len(sizes), f"{method}: recompiled across calls: {sizes}"
     if fresh:
-        assert loop_lib.run_rounds._cache_size() - start == 2
+        assert loop_lib.TRACES["rounds"] - start == 2
 
 
 def test_round_runs_without_host_transfers(pair, ar_ref, monkeypatch):
-    """`run_rounds` (host loop: a few rounds per call; device loop: one call to the end) called on a
+    """The bound round (host loop: a few rounds per call; device loop: one call to the end) called on a
     prepared state inside transfer_guard("disallow"): any host<->device transfer inside a round (or a Python scalar smuggled into the call) would raise."""
     calls = []
+    bound = loop_lib.rounds_fn
 
-    def guarded(fn):
+    def guarded(*a, **k):
+        fn = bound(*a, **k)
+
         def wrapper(*args, **kw):
             with jax.transfer_guard("disallow"):
                 with pytest.raises(Exception, match="[Dd]isallowed"):  # the guard bites
                     jax.jit(lambda x: x + 1)(np.ones(2, np.float32))
                 out = fn(*args, **kw)
                 jax.block_until_ready(out)
-            calls.append(fn.__name__)
+            calls.append("rounds")
             return out
         return wrapper
 
-    monkeypatch.setattr(loop_lib, "run_rounds", guarded(loop_lib.run_rounds))
+    monkeypatch.setattr(loop_lib, "rounds_fn", guarded)
     key, prompt = next(iter(PROMPTS.items()))
     g = run(pair, prompt, "ddtree", 7, seed=3)
-    assert g.tokens == ar_ref[key] and "run_rounds" in calls
+    assert g.tokens == ar_ref[key] and "rounds" in calls
     n = len(calls)
     g = run(pair, prompt, "ddtree", 32, loop="device", _oracle_tokens=ar_ref[key])
     assert g.tokens == ar_ref[key] and len(calls) == n + 1  # the whole generation in one call
@@ -252,9 +255,9 @@ def sample_counts(pair, method, n):
 
 @pytest.mark.parametrize("method,n", [("ddtree", N_DDTREE), ("ar", N_AR)])
 def test_sampling_distribution(small_pair, exact_joint, method, n):
-    before = loop_lib.run_rounds._cache_size()
+    before = loop_lib.TRACES["rounds"]
     counts, first_round = sample_counts(small_pair, method, n)
-    assert loop_lib.run_rounds._cache_size() - before <= 1  # one compilation for all the seeds
+    assert loop_lib.TRACES["rounds"] - before <= 1  # one compilation for all the seeds
     p, stat, bins = chi_square_p(counts, exact_joint)
     assert p > 1e-3, f"{method}: chi2 = {stat:.1f} over {bins} bins, p = {p:.2e}"
     if method == "ddtree":
@@ -323,7 +326,7 @@ def test_every_temperature_above_zero_shares_one_compilation(pair):
     target, drafter = pair
     kw = dict(drafter=drafter, method="ddtree", tree_budget=4, max_new_tokens=5)
     jaxddtree.generate(target, [1, 2, 3], temperature=0.5, **kw)
-    before = loop_lib.run_rounds._cache_size()
+    before = loop_lib.TRACES["rounds"]
     outs = [jaxddtree.generate(target, [1, 2, 3], temperature=t, seed=1, **kw).tokens for t in (0.3, 0.7, 1.3)]
-    assert loop_lib.run_rounds._cache_size() == before
+    assert loop_lib.TRACES["rounds"] == before
     assert all(len(o) == 5 for o in outs)

@@ -4,8 +4,11 @@ Round (speculative): draft (drafter on the context features of the last accepted
 tree build (DDTree: best `budget` prefixes; DFlash: the argmax chain) -> one exact verify pass of the
 target over the tree -> accept (on device, greedy or sampled) -> commit (attention KV, GDN states
 rebuilt for the accepted path, drafter context) -> write the emitted tokens into the output buffer.
-No host synchronisation inside a round; the host reads `done`/`n_out` back every few rounds
-(`loop="host"`), or the rounds run inside one `lax.while_loop` (`loop="device"`).
+No host synchronisation inside a round; the rounds run inside one `lax.while_loop` per call, to the end
+(`loop="device"`) or `sync_every` at a time (`loop="host"`, streaming): the host enqueues the next call before
+it reads the previous call's `done` / `n_out` (asynchronous copies), so the GPU never waits on Python between
+calls. The static parts of a round (graph definition, drafter config, `Plan`) are bound once per target and
+plan (`rounds_fn`): a call passes only arrays.
 
 Token bookkeeping: `root` is the last emitted token, not yet seen by the target. A round commits the
 accepted path (root + accepted drafts) to the caches and emits the accepted drafts + the bonus token.
@@ -13,6 +16,7 @@ accepted path (root + accepted drafts) to the caches and emits the accepted draf
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -57,16 +61,25 @@ class DecodeState:
     acc: jax.Array  # [max_new] int32 acceptance length per round
     n_rounds: jax.Array  # int32
     stop_mask: jax.Array  # [V] bool: the stop ids as data, so that any stop set shares one compilation
+    max_new: jax.Array  # int32: tokens to emit at most (data: every max_new_tokens of one buffer size shares a round)
     # sampling temperature as data (used when plan.sampling), so that every temperature shares one compilation
     temperature: jax.Array = dataclasses.field(default_factory=lambda: jnp.float32(1.0))
 
 
+@struct.dataclass
+class Progress:
+    """What the host reads back after a call of rounds (copies: the state itself is donated to the next call)."""
+    done: jax.Array
+    n_out: jax.Array
+    n_rounds: jax.Array
+    out: jax.Array  # [B, max_new + P] the emitted tokens so far (streaming)
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """Static description of a compiled loop (hashable: one compilation per Plan)."""
+    """Static description of a compiled loop (hashable: one compilation per Plan and buffer shapes)."""
     method: str
     budget: int
-    max_new: int
     sampling: bool  # False: greedy (temperature 0); True: sample at state.temperature
     kernels: str
     conv_kernel: int
@@ -75,7 +88,7 @@ class Plan:
     mesh: Any = None  # tensor parallelism: the target's mesh (model/sharding.py); None: one device
 
 
-def _emit(state: DecodeState, emitted: jax.Array, count: jax.Array, plan: Plan) -> DecodeState:
+def _emit(state: DecodeState, emitted: jax.Array, count: jax.Array) -> DecodeState:
     """Append emitted[:count] (fixed-size [P]) to the output, honouring stop ids and max_new."""
     P = emitted.shape[0]
     idx = jnp.arange(P)
@@ -83,10 +96,10 @@ def _emit(state: DecodeState, emitted: jax.Array, count: jax.Array, plan: Plan) 
     first = jnp.argmax(is_stop)
     hit = is_stop.any()
     count = jnp.where(hit, first + 1, count)
-    count = jnp.minimum(count, plan.max_new - state.n_out)
+    count = jnp.minimum(count, state.max_new - state.n_out)
     out = jax.lax.dynamic_update_slice(state.out, emitted[None].astype(jnp.int32), (0, state.n_out))
     n_out = state.n_out + count
-    done = state.done | hit | (n_out >= plan.max_new)
+    done = state.done | hit | (n_out >= state.max_new)
     return state.replace(out=out, n_out=n_out, done=done)
 
 
@@ -106,7 +119,7 @@ def _ar_round(model, state: DecodeState, plan: Plan) -> DecodeState:
     key, sub = jax.random.split(state.key)
     tok = tree_lib.posterior_tokens(logits[0], _temperature(state, plan), sub)  # [1]
     state = state.replace(cache=cache, key=key, root=tok)
-    state = _emit(state, tok, jnp.asarray(1, jnp.int32), plan)
+    state = _emit(state, tok, jnp.asarray(1, jnp.int32))
     return _record(state, jnp.asarray(1, jnp.int32))
 
 
@@ -155,7 +168,7 @@ def _spec_round(model, dparams, dcfg, embed, lm_head, state: DecodeState, plan: 
     emitted = jnp.where(jnp.arange(D + 1) == n_acc - 1, acc.bonus, drafts)
     state = state.replace(cache=cache, dcache=dcache, ctx=ctx.astype(state.ctx.dtype), ctx_n=n_acc,
                           root=acc.bonus[None], key=key)
-    state = _emit(state, emitted, n_acc, plan)
+    state = _emit(state, emitted, n_acc)
     return _record(state, n_acc)
 
 
@@ -166,25 +179,56 @@ def _round(leaves, dparams, state, oracle, *, graphdef, treedef, dcfg, plan):
     return _spec_round(model, dparams, dcfg, model.embed[...], model.lm_head[...], state, plan, oracle)
 
 
-_STATIC = ("graphdef", "treedef", "dcfg", "plan")
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC + ("rounds",), donate_argnames=("state",))
-def run_rounds(leaves, dparams, state, oracle, *, graphdef, treedef, dcfg, plan, rounds: int | None):
-    """Rounds until done, at most `rounds` of them (None: no limit), inside one `lax.while_loop`.
+def run_rounds(leaves, dparams, state, oracle, rounds, *, graphdef, treedef, dcfg, plan):
+    """Rounds until done, at most `rounds` of them (an int32 array: one compilation serves the device loop and
+    every host-loop chunk size), inside one `lax.while_loop` -> (state, Progress). The pure function behind
+    `rounds_fn`, which binds the keyword arguments once and jits it with the state donated.
 
     The loop's condition skips the rounds after `done`, so no `lax.cond` wraps a round (its pass-through
     branch can make XLA copy the carried caches; issue 15)."""
+    TRACES["rounds"] += 1  # runs once per compilation (tests count them)
     body = functools.partial(_round, graphdef=graphdef, treedef=treedef, dcfg=dcfg, plan=plan)
-    limit = jnp.iinfo(jnp.int32).max if rounds is None else rounds
 
     def cond(carry):
         i, s = carry
-        return (i < limit) & ~s.done
+        return (i < rounds) & ~s.done
 
     state = jax.lax.while_loop(cond, lambda c: (c[0] + 1, body(leaves, dparams, c[1], oracle)),
                                (jnp.int32(0), state))[1]
-    return sharding.constrain(state, plan.mesh)  # the layout `generate` placed it in: one compilation
+    state = sharding.constrain(state, plan.mesh)  # the layout `generate` placed it in: one compilation
+    return state, Progress(done=state.done, n_out=state.n_out, n_rounds=state.n_rounds, out=state.out)
+
+
+TRACES = collections.Counter()  # traces (= compilations) of the bound functions, by name
+NO_LIMIT = int(jnp.iinfo(jnp.int32).max)
+
+
+def rounds_fn(target: Target, dcfg, plan: Plan):
+    """`run_rounds` of (target, drafter config, plan), jitted once per target with its static parts bound:
+    `fn(leaves, dparams, state, oracle, rounds) -> (state, Progress)`, the state donated."""
+    return target.bind(("rounds", dcfg, plan), lambda: jax.jit(functools.partial(
+        run_rounds, graphdef=target.graphdef, treedef=target.treedef, dcfg=dcfg, plan=plan),
+        donate_argnames=("state",)))
+
+
+def _start(logits, cache, dcache, seed, stop_mask, temperature, max_new, *, plan: Plan, P: int, F: int,
+           out_len: int, dtype):
+    """The decode state after the prompt: the first token drawn from the last prompt position's logits [1, V]
+    and emitted. One jitted call (a request's setup costs one dispatch, not dozens of eager ops)."""
+    TRACES["start"] += 1
+    key, sub = jax.random.split(jax.random.key(seed))
+    first = tree_lib.posterior_tokens(logits, temperature if plan.sampling else 0.0, sub).astype(jnp.int32)
+    state = DecodeState(
+        cache=cache, dcache=dcache, ctx=jnp.zeros((1, P, F), dtype), ctx_n=jnp.int32(0), root=first,
+        out=jnp.zeros((1, out_len + P), jnp.int32), n_out=jnp.int32(0), done=jnp.asarray(False), key=key,
+        acc=jnp.zeros((out_len,), jnp.int32), n_rounds=jnp.int32(0), stop_mask=stop_mask, max_new=max_new,
+        temperature=temperature if plan.sampling else jnp.float32(1.0))
+    return _emit(state, first, jnp.int32(1))
+
+
+def start_fn(target: Target, plan: Plan, P: int, F: int, out_len: int):
+    return target.bind(("start", plan, P, F, out_len), lambda: jax.jit(functools.partial(
+        _start, plan=plan, P=P, F=F, out_len=out_len, dtype=target.dtype), donate_argnames=("cache", "dcache")))
 
 
 def _max_len(prompt_len: int, max_new: int, slack: int) -> int:
@@ -203,7 +247,7 @@ def check_memory(target: Target, drafter, max_len: int, prompt_len: int, max_new
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if not stats or "bytes_limit" not in stats:
         return
-    cache = _nbytes(jax.eval_shape(lambda: target.init_cache(max_len))) // target.tp  # split by heads
+    cache = target.cache_bytes(max_len) // target.tp  # split by heads
     if drafter is not None:
         cache += _nbytes(jax.eval_shape(lambda: drafter.init_cache(1, max_len)))
     cfg = target.config
@@ -222,13 +266,16 @@ def check_memory(target: Target, drafter, max_len: int, prompt_len: int, max_new
 def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", max_new_tokens: int = 128,
              tree_budget: int = 64, temperature: float = 0.0, seed: int = 0, stop_ids=None,
              loop: str = "host", sync_every: int = 4, on_tokens: Callable[[list[int]], None] | None = None,
-             _oracle_tokens=None) -> Generation:
+             cache_len: int | None = None, _oracle_tokens=None) -> Generation:
     """Generate up to `max_new_tokens` new tokens after `prompt_ids`.
 
     method: "ar" (autoregressive), "dflash" (chain of the drafter's block) or "ddtree" (best tree of
-    `tree_budget` drafted nodes). At temperature 0 all three give identical tokens; at T > 0 they sample
-    exactly from the target's distribution. `stop_ids` end generation after their first occurrence
-    (inclusive). `on_tokens` receives newly emitted tokens as the host reads them back (streaming).
+    `tree_budget` drafted nodes). At temperature 0 all three give identical tokens in fp32 (in bf16, see
+    README "Exactness"); at T > 0 they sample exactly from the target's distribution. `stop_ids` end generation
+    after their first occurrence (inclusive). `on_tokens` receives newly emitted tokens as the host reads them
+    back (streaming: every `sync_every` rounds with loop="host", once at the end with loop="device").
+    `cache_len`: the caches' capacity in positions (default: the prompt + max_new_tokens, bucketed); a server
+    passes one capacity for all its requests so that every request reuses one compiled round.
     """
     if method not in METHODS:
         raise ValueError(f"unknown method '{method}' (choose one of {', '.join(METHODS)})")
@@ -236,6 +283,8 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
         raise ValueError(f"method '{method}' needs a drafter (load one with jaxddtree.load_drafter)")
     if loop not in ("host", "device"):
         raise ValueError(f"loop must be 'host' or 'device', got '{loop}'")
+    if int(sync_every) < 1:
+        raise ValueError(f"sync_every must be >= 1, got {sync_every}")
     cfg = target.config
     ids = check_ids(prompt_ids, "prompt_ids")
     check_vocab(target, ids, "prompt_ids")
@@ -264,62 +313,54 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     if len(ids) + max_new > cfg.max_position_embeddings:
         raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) exceeds the model's "
                          f"max_position_embeddings ({cfg.max_position_embeddings})")
-    S = _max_len(len(ids), max_new, slack)
+    need = _max_len(len(ids), max_new, slack)
+    if cache_len is None:
+        S = need
+    else:
+        S = int(cache_len)
+        if S < need:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) needs caches of {need} "
+                             f"positions, cache_len is {S}")
+    out_len = round_up(max_new, 256) if cache_len is None else S  # buffer sizes: one compilation per bucket
     check_memory(target, drafter if dcfg else None, S, len(ids), max_new, chunk)
     feature_layers = tuple(dcfg.target_layer_ids) if dcfg else ()
     # budget only shapes DDTree rounds: normalised for the others so that it does not split their compilations
     sampling = temperature >= tree_lib.GREEDY_EPS
-    plan = Plan(method=method, budget=budget if method == "ddtree" else 0, max_new=max_new, sampling=sampling,
+    plan = Plan(method=method, budget=budget if method == "ddtree" else 0, sampling=sampling,
                 kernels=target.kernels, conv_kernel=cfg.linear_conv_kernel_dim, feature_layers=feature_layers,
                 inject=_oracle_tokens is not None, mesh=target.mesh)
+    F = len(feature_layers) * cfg.hidden_size
 
     t0 = time.perf_counter()
     cache = target.init_cache(S)
     dparams = drafter.params if dcfg else None
     dcache = drafter.init_cache(1, S) if dcfg else None
     logits = None
-    for padded, n in padded_chunks(ids, chunk):
+    for padded, n in padded_chunks(ids, chunk):  # enqueued back to back: nothing is read until the first token
         logits, cache, feats, _ = target.prefill(cache, padded, n, feature_layers=feature_layers, logits="last")
         if dcfg:  # the drafter's context cache takes the prompt's features
-            blank = jnp.zeros((1, dcfg.block_size, cfg.hidden_size), dparams.norm.dtype)
-            _, dcache = drafter.forward(dcache, feats, jnp.int32(n), blank)
-    logits = logits[:, 0]  # [1, V]: the last prompt position
-    key = jax.random.key(seed)
-    key, sub = jax.random.split(key)
-    first = tree_lib.posterior_tokens(logits, temperature, sub)  # [1]
-    F = len(feature_layers) * cfg.hidden_size
-    state = DecodeState(
-        cache=cache, dcache=dcache,
-        ctx=jnp.zeros((1, P, max(F, 1)), target.dtype), ctx_n=jnp.int32(0),
-        root=first.astype(jnp.int32), out=jnp.zeros((1, max_new + P), jnp.int32), n_out=jnp.int32(0),
-        done=jnp.asarray(False), key=key, acc=jnp.zeros((max_new,), jnp.int32), n_rounds=jnp.int32(0),
-        stop_mask=jnp.asarray(stop_mask), temperature=jnp.float32(temperature if sampling else 1.0))
-    state = sharding.place(_emit(state, first.astype(jnp.int32), jnp.int32(1), plan), target.mesh)
-    first_np = int(np.asarray(first)[0])
+            _, dcache = drafter.forward(dcache, feats, jnp.int32(n), _blank(dcfg, cfg, dparams))
+    state = start_fn(target, plan, P, max(F, 1), out_len)(
+        logits[:, 0], cache, dcache, jnp.uint32(seed % (1 << 32)), jnp.asarray(stop_mask), jnp.float32(temperature),
+        jnp.int32(max_new))
+    state = sharding.place(state, target.mesh)
+    first_np = int(np.asarray(state.root)[0])
     ttft = time.perf_counter() - t0
     if on_tokens:
         on_tokens([first_np])
     oracle = (jnp.asarray(np.asarray(_oracle_tokens, np.int32)) if _oracle_tokens is not None
               else jnp.zeros((1,), jnp.int32))
-    static = dict(graphdef=target.graphdef, treedef=target.treedef, dcfg=dcfg, plan=plan)
+    run = functools.partial(rounds_fn(target, dcfg, plan), target.leaves, dparams)
 
     t1 = time.perf_counter()
-    shown = 1
     if loop == "device":
-        state = run_rounds(target.leaves, dparams, state, oracle, rounds=None, **static)
+        state, prog = run(state, oracle, jnp.int32(NO_LIMIT))
     else:
-        while True:
-            state = run_rounds(target.leaves, dparams, state, oracle, rounds=sync_every, **static)
-            done, n_out = jax.device_get((state.done, state.n_out))
-            if on_tokens and n_out > shown:  # whole (small) buffer to the host: a device-side slice
-                on_tokens(np.asarray(state.out)[0, shown:n_out].tolist())  # would compile per (shown, n_out)
-                shown = int(n_out)
-            if done:
-                break
-    n_out, n_rounds = (int(x) for x in jax.device_get((state.n_out, state.n_rounds)))
-    tokens = np.asarray(state.out)[0, :n_out].tolist()
-    if on_tokens and loop == "device" and n_out > shown:
-        on_tokens(tokens[shown:])
+        state, prog = _host_loop(run, state, oracle, int(sync_every), on_tokens)
+    n_out, n_rounds = (int(x) for x in jax.device_get((prog.n_out, prog.n_rounds)))
+    tokens = np.asarray(prog.out)[0, :n_out].tolist()
+    if on_tokens and loop == "device" and n_out > 1:
+        on_tokens(tokens[1:])
     t2 = time.perf_counter()
     acc = np.asarray(state.acc)[:n_rounds].tolist()
     decode_s = t2 - t1
@@ -331,3 +372,34 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
         "tree_budget": budget if method == "ddtree" else None,
     }
     return Generation(tokens=tokens, acceptance_lengths=acc, stats=stats)
+
+
+def _blank(dcfg, cfg, dparams):
+    return jnp.zeros((1, dcfg.block_size, cfg.hidden_size), dparams.norm.dtype)
+
+
+def _copy_to_host(prog: Progress, with_out: bool):
+    for x in (prog.done, prog.n_out, prog.n_rounds) + ((prog.out,) if with_out else ()):
+        x.copy_to_host_async()
+
+
+def _host_loop(run, state, oracle, sync_every: int, on_tokens):
+    """`sync_every` rounds per call until done, one call always in flight: call k + 1 is enqueued before the
+    host waits for call k's progress (copied to the host asynchronously), so the GPU does not wait on Python
+    between calls. After the call that ends the generation, the one already enqueued runs no round (its loop
+    condition sees `done`). -> (final state, its Progress)."""
+    chunk = jnp.int32(sync_every)
+    stream = on_tokens is not None
+    shown = 1
+    state, prog = run(state, oracle, chunk)
+    _copy_to_host(prog, stream)
+    while True:
+        state, nxt = run(state, oracle, chunk)  # enqueued while `prog`'s rounds may still run
+        _copy_to_host(nxt, stream)
+        done, n_out = bool(np.asarray(prog.done)), int(np.asarray(prog.n_out))
+        if stream and n_out > shown:
+            on_tokens(np.asarray(prog.out)[0, shown:n_out].tolist())
+            shown = n_out
+        if done:
+            return state, nxt
+        prog = nxt
