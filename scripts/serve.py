@@ -111,9 +111,12 @@ def load_engine(args):
     method = args.method or ("ddtree" if drafter is not None else "ar")
     if method != "ar" and drafter is None:
         raise SystemExit(f"serve.py: error: --method {method} needs --drafter")
-    engine = Engine(target, drafter, tok, name=args.model_name or name, method=method, budget=args.budget,
-                    max_context=args.max_context, queue_size=args.queue,
-                    default_max_tokens=args.default_max_tokens)
+    try:
+        engine = Engine(target, drafter, tok, name=args.model_name or name, method=method, budget=args.budget,
+                        max_context=args.max_context, queue_size=args.queue,
+                        default_max_tokens=args.default_max_tokens)
+    except ValueError as e:  # e.g. the caches for --max-context do not fit in the device's memory
+        raise SystemExit(f"serve.py: error: --max-context: {e}") from None
     if not args.no_warmup:
         t = time.perf_counter()
         try:

@@ -39,7 +39,7 @@ BLOCK = 8  # drafter block size: a round accepts at most BLOCK tokens (root + BL
 MAX_NEW = 40
 BUDGETS = (1, 2, 7, 32, 64)
 PROMPTS = {(seed, n): np.random.RandomState(seed).randint(0, V - 1, n).tolist()
-           for seed, n in ((0, 17), (1, 20), (2, 24))}  # one prefill width (24), one cache bucket
+           for seed, n in ((0, 17), (1, 20), (2, 24))}  # one prefill width (64), one cache bucket
 SPEC = [("dflash", 64)] + [("ddtree", b) for b in BUDGETS]
 
 
@@ -294,7 +294,10 @@ def test_bad_values_rejected(pair, call, error, match):
 # ------------------------------------------------------------------------- long prompts, device memory
 def test_long_prompts_prefill_in_long_chunks():
     from jaxddtree.model import prefill
-    assert prefill.chunk_size(100) == 104
+    assert prefill.chunk_size(20) == 64 and prefill.chunk_size(100) == 256
+    assert prefill.chunk_size(100, 512) == 104
+    assert prefill.chunk_widths(100) == [(64, 1), (256, 65)]
+    assert prefill.chunk_widths(100_000)[-1] == (prefill.LONG_PREFILL_CHUNK, prefill.LONG_PROMPT + 1)
     assert prefill.chunk_size(prefill.LONG_PROMPT) == prefill.PREFILL_CHUNK
     assert prefill.chunk_size(prefill.LONG_PROMPT + 1) == prefill.LONG_PREFILL_CHUNK
     assert prefill.chunk_size(100_000, 512) == 512

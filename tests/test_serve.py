@@ -38,7 +38,7 @@ def server():
     pair = builtin.load("float32")
     engine = Engine(pair.target, pair.drafter, pair.tokenizer, name="demo", method="ddtree", budget=64,
                     max_context=MAX_CONTEXT, queue_size=64)
-    engine.warmup(encode_text(pair.tokenizer, "Hello"))
+    engine.warmup(encode_text(pair.tokenizer, "Hello"), temperatures=(0.0, 1.0))
     port = _free_port()
     srv = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
@@ -74,6 +74,50 @@ def _stream_text(stream) -> tuple[str, int, str | None]:
                 parts.append(c.delta.content)
             finish = c.finish_reason or finish
     return "".join(parts), len(parts), finish
+
+
+def test_nothing_compiles_after_warmup(server, client):
+    """After `warmup` (what serve.py runs before it listens), requests of every kind — short and long prompts
+    (both prefill widths), completions and chat, streamed or not, greedy and sampled, any max_tokens — compile
+    nothing: every compilation jax logs while they run fails the test. (First in the file: it runs first.)"""
+    import logging
+
+    import jax
+
+    seen = []
+
+    class Grab(logging.Handler):
+        def emit(self, record):
+            msg = record.getMessage()
+            if "Compiling" in msg or "compil" in msg.lower() and "cache" not in msg.lower():
+                seen.append(msg[:160])
+
+    handler = Grab(level=logging.DEBUG)
+    loggers = [logging.getLogger(n) for n in ("jax._src.interpreters.pxla", "jax._src.dispatch", "jax")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.setLevel(logging.DEBUG)
+    jax.config.update("jax_log_compiles", True)
+    try:
+        long_prompt = "def f(x):\n    return x + 1\n" * 12  # > 64 tokens: the 256-row prefill width
+        for i, (prompt, max_tokens, temperature, stream) in enumerate(
+                [("import os", 5, 0.0, False), (long_prompt, 17, 0.0, True), ("x = ", 40, 0.8, False),
+                 (long_prompt, 3, 1.2, True)]):
+            if i % 2:
+                out = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": prompt}],
+                                                     max_tokens=max_tokens, temperature=temperature, stream=stream)
+            else:
+                out = client.completions.create(model="demo", prompt=prompt, max_tokens=max_tokens,
+                                                temperature=temperature, stream=stream)
+            if stream:
+                list(out)
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        for lg, lv in zip(loggers, levels):
+            lg.removeHandler(handler)
+            lg.setLevel(lv)
+    assert not seen, seen
 
 
 def test_models_and_health(server, client):

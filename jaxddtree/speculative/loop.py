@@ -231,9 +231,14 @@ def start_fn(target: Target, plan: Plan, P: int, F: int, out_len: int):
         _start, plan=plan, P=P, F=F, out_len=out_len, dtype=target.dtype), donate_argnames=("cache", "dcache")))
 
 
-def _max_len(prompt_len: int, max_new: int, slack: int) -> int:
-    """Static cache length: bucketed so that nearby prompt lengths share one compilation."""
-    return round_up(prompt_len + max_new + slack, 256)
+def capacity(target: Target, dcfg, method: str, budget: int, prompt_len: int, max_new: int) -> tuple[int, int]:
+    """(prefill chunk, cache positions) for a prompt of prompt_len tokens + max_new new ones: the prompt's chunks
+    written whole, plus the widest verify block; bucketed to 256 so that nearby lengths share one compilation.
+    A server sizes its caches once as capacity(..., max_context, 0) (every request fits in them)."""
+    P = dcfg.block_size if dcfg else 1
+    n_tree = (budget + 1) if method == "ddtree" else P
+    chunk = chunk_size(prompt_len)
+    return chunk, round_up(prompt_len + max_new + max(chunk, n_tree, P) + P, 256)
 
 
 def _nbytes(tree) -> int:
@@ -305,15 +310,11 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     if drafter is not None:
         check_compatible(drafter.config, target)
     dcfg = drafter.config if (drafter is not None and method != "ar") else None
-    block = dcfg.block_size if dcfg else 1
-    P = block  # rows per round: path length <= block_size
-    n_tree = (budget + 1) if method == "ddtree" else block
-    chunk = chunk_size(len(ids))
-    slack = max(chunk, n_tree, P) + P
+    P = dcfg.block_size if dcfg else 1  # rows per round: path length <= block_size
     if len(ids) + max_new > cfg.max_position_embeddings:
         raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) exceeds the model's "
                          f"max_position_embeddings ({cfg.max_position_embeddings})")
-    need = _max_len(len(ids), max_new, slack)
+    chunk, need = capacity(target, dcfg, method, budget, len(ids), max_new)
     if cache_len is None:
         S = need
     else:
