@@ -333,3 +333,23 @@ def test_every_temperature_above_zero_shares_one_compilation(pair):
     outs = [jaxddtree.generate(target, [1, 2, 3], temperature=t, seed=1, **kw).tokens for t in (0.3, 0.7, 1.3)]
     assert loop_lib.TRACES["rounds"] == before
     assert all(len(o) == 5 for o in outs)
+
+
+def test_round_calls_pass_only_arrays(pair, ar_ref, monkeypatch):
+    """The static parts of a round are bound once (loop.rounds_fn): after the first generation, further ones
+    (host loop, one round per call) compile nothing and never hash the target's graph definition — the
+    per-call cost that made every jitted round call pay milliseconds of host time (issue 24)."""
+    target, drafter = pair
+    key, prompt = next(iter(PROMPTS.items()))
+    kw = dict(method="ddtree", budget=7, loop="host", sync_every=1)
+    first = run(pair, prompt, **kw)
+    assert first.tokens == ar_ref[key]
+    gd_type = type(target.graphdef)
+    hashes = []
+    original = gd_type.__hash__
+    monkeypatch.setattr(gd_type, "__hash__", lambda self: hashes.append(1) or original(self))
+    traces = dict(loop_lib.TRACES)
+    again = run(pair, prompt, **kw)
+    assert again.tokens == first.tokens and again.stats["rounds"] == first.stats["rounds"] > 3
+    assert dict(loop_lib.TRACES) == traces
+    assert not hashes, f"the graph definition was hashed {len(hashes)} times"

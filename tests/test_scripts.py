@@ -17,13 +17,14 @@ def _run(args, timeout=600):
 
 def test_bench_smoke_writes_every_key(tmp_path):
     out = tmp_path / "bench.json"
-    _run(["benchmarks/bench.py", "--smoke", "--sections", "bandwidth,ar,verify,parts,round", "--verify-nodes", "8",
-          "--budgets", "8", "--out", str(out)])
+    _run(["benchmarks/bench.py", "--smoke", "--sections", "bandwidth,ar,verify,parts,round,host", "--verify-nodes",
+          "8", "--budgets", "8", "--out", str(out)])
     res = json.loads(out.read_text())
     for key in ("weight_stream_tb_s", "floor_ms", "ar_step_ms", "draft_ms", "tree_build_ms", "commit_ms",
-                "chain_round_ms", "device", "date", "jax"):
+                "chain_round_ms", "host_overhead_ms", "host", "device", "date", "jax"):
         assert key in res, key
-    assert res["verify_ms"]["9"] > 0 and res["round_ms"]["8"] > 0
+    assert res["verify_ms"]["9"] > 0 and res["round_ms"]["8"] > 0 and res["round_ms"]["64"] > 0  # host: budget 64
+    assert res["host"]["dispatch_ms"] > 0
 
 
 def test_profile_round_smoke(tmp_path):

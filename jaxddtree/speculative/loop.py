@@ -135,15 +135,22 @@ def _oracle_logits(state: DecodeState, oracle: jax.Array, depth: int, vocab: int
     return noise.at[jnp.arange(depth), want].add(boost)
 
 
-def _spec_round(model, dparams, dcfg, embed, lm_head, state: DecodeState, plan: Plan,
-                oracle=None) -> DecodeState:
-    D = dcfg.block_size - 1
+# The four stages of a speculative round, as separate functions so that benchmarks/bench.py times exactly what
+# the round runs (each stage in a jitted loop of its own); `_spec_round` composes them under named scopes (the
+# profile's per-part GPU time, benchmarks/profile_gpu.py).
+def draft_stage(dparams, dcfg, state: DecodeState, embed, lm_head, plan: Plan, oracle=None):
+    """The drafter on the last accepted path's features + the root -> (logits [D, V] fp32, drafter cache)."""
     dl, dcache = draft_logits(dparams, dcfg, state.dcache, state.ctx, state.ctx_n, state.root, embed, lm_head,
                               plan.kernels)
     dl = dl[0]  # [D, V] (batch 1 today)
     if plan.inject:
-        dl = _oracle_logits(state, oracle, D, dl.shape[-1])
-    root = state.root[0]
+        dl = _oracle_logits(state, oracle, dl.shape[0], dl.shape[-1])
+    return dl, dcache
+
+
+def tree_stage(root, dl, plan: Plan):
+    """DDTree: the best `budget` prefixes of the draft; DFlash: its argmax chain -> (Tree, ancestor mask)."""
+    D = dl.shape[0]
     if plan.method == "ddtree":
         tree = tree_lib.build_tree(root, dl, plan.budget, kernels=plan.kernels)
     else:  # dflash: the argmax chain of the block
@@ -152,11 +159,20 @@ def _spec_round(model, dparams, dcfg, embed, lm_head, state: DecodeState, plan: 
         tree = tree_lib.Tree(tokens=jnp.concatenate([root[None], chain]),
                              parents=jnp.arange(-1, n - 1, dtype=jnp.int32),
                              depths=jnp.arange(n, dtype=jnp.int32), valid=jnp.ones((n,), bool), max_depth=D)
-    mask = tree_lib.ancestor_mask(tree)
-    lay = layout_lib.tree(state.cache.length, tree.parents, plan.conv_kernel, mask=mask, depths=tree.depths,
+    return tree, tree_lib.ancestor_mask(tree)
+
+
+def verify_stage(model, cache: ModelCache, tree, mask, plan: Plan):
+    """One exact pass of the target over the tree -> (logits [1, N, V], features, GDN stashes)."""
+    lay = layout_lib.tree(cache.length, tree.parents, plan.conv_kernel, mask=mask, depths=tree.depths,
                           kernels=plan.kernels)
     tokens = jnp.where(tree.valid, tree.tokens, 0)[None]  # padding embeds token 0; never accepted
-    logits, feats, stashes = verify(model, state.cache, tokens, lay, feature_layers=plan.feature_layers)
+    return verify(model, cache, tokens, lay, feature_layers=plan.feature_layers)
+
+
+def commit_stage(state: DecodeState, dcache, tree, mask, logits, feats, stashes, plan: Plan) -> DecodeState:
+    """Accept (greedy or sampled), commit the accepted path (KV, GDN states rebuilt), emit its tokens."""
+    D = tree.max_depth
     key, sub = jax.random.split(state.key)
     post = tree_lib.posterior_tokens(logits[0], _temperature(state, plan), sub)
     acc = tree_lib.accept(tree, post, mask)
@@ -170,6 +186,18 @@ def _spec_round(model, dparams, dcfg, embed, lm_head, state: DecodeState, plan: 
                           root=acc.bonus[None], key=key)
     state = _emit(state, emitted, n_acc)
     return _record(state, n_acc)
+
+
+def _spec_round(model, dparams, dcfg, embed, lm_head, state: DecodeState, plan: Plan,
+                oracle=None) -> DecodeState:
+    with jax.named_scope("draft"):
+        dl, dcache = draft_stage(dparams, dcfg, state, embed, lm_head, plan, oracle)
+    with jax.named_scope("tree_build"):
+        tree, mask = tree_stage(state.root[0], dl, plan)
+    with jax.named_scope("verify"):
+        logits, feats, stashes = verify_stage(model, state.cache, tree, mask, plan)
+    with jax.named_scope("accept_commit"):
+        return commit_stage(state, dcache, tree, mask, logits, feats, stashes, plan)
 
 
 def _round(leaves, dparams, state, oracle, *, graphdef, treedef, dcfg, plan):
