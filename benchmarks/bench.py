@@ -197,15 +197,17 @@ class Rounds:
                 "blocking_call_ms_per_round": statistics.median(blocked) * 1e3}
 
 
-def loop_ms(fn, carry, n: int, runs: int) -> float:
-    """ms per iteration of `fn(carry) -> carry` run n times inside one jitted fori_loop (the carry donated,
-    each iteration depending on the last, so nothing is hoisted out of the loop); median of `runs` calls."""
-    many = jax.jit(lambda c: jax.lax.fori_loop(0, n, lambda i, x: fn(x), c), donate_argnums=0)
-    holder = [many(jax.tree.map(jnp.copy, carry))]  # a copy: the caller's carry stays usable
+def loop_ms(fn, carry, n: int, runs: int, consts=()) -> float:
+    """ms per iteration of `fn(consts, carry) -> carry` run n times inside one jitted fori_loop (the carry
+    donated, each iteration depending on the last, so nothing is hoisted out of the loop; `consts`: arrays the
+    iterations read, passed as arguments — closed over they would be compiled in as constants); median of
+    `runs` calls."""
+    many = jax.jit(lambda k, c: jax.lax.fori_loop(0, n, lambda i, x: fn(k, x), c), donate_argnums=1)
+    holder = [many(consts, jax.tree.map(jnp.copy, carry))]  # a copy: the caller's carry stays usable
     jax.block_until_ready(holder[0])
 
     def once():
-        holder[0] = many(holder[0])
+        holder[0] = many(consts, holder[0])
         return holder[0]
 
     return median_ms(once, n=runs, warmup=1) / n
@@ -484,9 +486,9 @@ def main(argv=None):
 
     def verify_fn(plan):
         """stage fn: tokens [1, N] -> next tokens (the argmax of the verify's logits), the cache unchanged."""
-        def step(carry):
+        def step(leaves, carry):
             cache, tokens, tree = carry
-            model = nnx.merge(gd, jax.tree.unflatten(td, target.leaves))
+            model = nnx.merge(gd, jax.tree.unflatten(td, leaves))
             tree = dataclasses.replace(tree, tokens=tokens[0])
             logits, feats, _ = loop_lib.verify_stage(model, cache, tree, tree_lib.ancestor_mask(tree), plan)
             nxt = jnp.argmax(logits, -1).astype(jnp.int32) + (feats[..., :1, 0] > 1e30).astype(jnp.int32)
@@ -508,7 +510,8 @@ def main(argv=None):
             _, S = loop_lib.capacity(target, dcfg, "ddtree", nn, L, 0)
             cache = fill_random(target.init_cache(S), jax.random.key(3)).replace(length=jnp.int32(L))
             t = time.time()
-            out[str(nn + 1)] = round(loop_ms(verify_fn(plan), (cache, tree.tokens[None], tree), n, runs), 3)
+            out[str(nn + 1)] = round(loop_ms(verify_fn(plan), (cache, tree.tokens[None], tree), n, runs,
+                                             target.leaves), 3)
             log(f"verify N={nn + 1}: {out[str(nn + 1)]} ms ({time.time() - t:.1f}s with compilation)")
             del cache
             save()
@@ -519,20 +522,21 @@ def main(argv=None):
         embed, head = target.embedding, target.lm_head
         dparams = drafter.params
 
-        def draft(carry):  # the drafter on the state's context rows + the root; the next root from its argmax
-            st = carry
+        def draft(consts, st):  # the drafter on the state's context rows + the root; next root from its argmax
+            dparams, embed, head = consts
             dl, dcache = loop_lib.draft_stage(dparams, dcfg, st, embed, head, plan)
             root = jnp.argmax(dl[0]).astype(jnp.int32)[None]
             # keep the committed context where it was (each call appends ctx_n rows): the capacity is not outgrown
             dcache = dataclasses.replace(dcache, length=st.dcache.length)
             return st.replace(dcache=dcache, root=root)
 
-        res["draft_ms" + key] = round(loop_ms(draft, state, n, runs), 3)
+        res["draft_ms" + key] = round(loop_ms(draft, state, n, runs, (dparams, embed, head)), 3)
         log(f"draft {res['draft_ms' + key]} ms")
         state = loop_state(target, drafter, plan, L, (runs + 2) * n * dcfg.block_size)
-        dl0 = loop_lib.draft_stage(dparams, dcfg, state, embed, head, plan)[0]
+        dl0 = jax.jit(lambda dp, st, e, h: loop_lib.draft_stage(dp, dcfg, st, e, h, plan)[0])(
+            dparams, state, embed, head)
 
-        def build(carry):  # the draft logits nudged by the last tree (a data dependence; nothing hoisted)
+        def build(_, carry):  # the draft logits nudged by the last tree (a data dependence; nothing hoisted)
             dl, root = carry
             tree, mask = loop_lib.tree_stage(root, dl, plan)
             nxt = tree.tokens[1] + mask[-1, 0].astype(jnp.int32)
@@ -543,14 +547,15 @@ def main(argv=None):
 
         # accept + commit of a verify's outputs (fixed: computed once), the cache carried (length grows)
         tree, mask = jax.jit(lambda r, d: loop_lib.tree_stage(r, d, plan))(jnp.int32(1), dl0)
-        vout = jax.jit(lambda c, t, m: loop_lib.verify_stage(
-            nnx.merge(gd, jax.tree.unflatten(td, target.leaves)), c, t, m, plan))(state.cache, tree, mask)
+        vout = jax.jit(lambda lv, c, t, m: loop_lib.verify_stage(
+            nnx.merge(gd, jax.tree.unflatten(td, lv)), c, t, m, plan))(target.leaves, state.cache, tree, mask)
         logits, feats, stashes = vout
 
-        def accept_commit(st):
+        def accept_commit(consts, st):
+            tree, mask, logits, feats, stashes = consts
             return loop_lib.commit_stage(st, st.dcache, tree, mask, logits, feats, stashes, plan)
 
-        res["commit_ms" + key] = round(loop_ms(accept_commit, state, n, runs), 3)
+        res["commit_ms" + key] = round(loop_ms(accept_commit, state, n, runs, (tree, mask) + tuple(vout)), 3)
         res["parts_note"] = ("draft / tree build / accept + commit: loop's stage functions, " f"{n} per jitted "
                              "fori_loop (each iteration depends on the last); verify: verify_ms['65']")
         log(f"accept + commit {res['commit_ms' + key]} ms")
@@ -638,12 +643,11 @@ def contexts(args, res, key, target, drafter, dcfg, save, log):
         cache = fill_random(target.init_cache(S), jax.random.key(3)).replace(length=jnp.int32(ctx))
         kv = tuple(c for c in cache.layers if isinstance(c, KVCache))
 
-        def attn(carry, kv=kv, ctx=ctx):  # every attention layer's cache; q of the next pass from the last output
-            qq = carry
+        def attn(kv, qq, ctx=ctx):  # every attention layer's cache; q of the next pass from the last output
             outs = [ops.tree_attention(qq, c.k, c.v, jnp.int32(ctx), kn, vn, mask, args.kernels) for c in kv]
             return qq + (sum(o[..., :1].astype(jnp.float32).sum() for o in outs) * 0).astype(qq.dtype)
 
-        att[str(ctx)] = round(loop_ms(attn, q, n, runs), 3)
+        att[str(ctx)] = round(loop_ms(attn, q, n, runs, kv), 3)
         del kv
         arr = Rounds(target, drafter, make_plan(target, dcfg, "ar"), ctx, 4 * n, (runs + 2) * 4 * n, cache=cache)
         del cache
