@@ -59,6 +59,10 @@ class DecodeState:
     stop_mask: jax.Array  # [V] bool: the stop ids as data, so that any stop set shares one compilation
     # sampling temperature as data (used when plan.sampling), so that every temperature shares one compilation
     temperature: jax.Array = dataclasses.field(default_factory=lambda: jnp.float32(1.0))
+    # truncation of the sampled distribution as data (used when plan.truncate): one compilation for all values
+    top_k: jax.Array = dataclasses.field(default_factory=lambda: jnp.int32(0))
+    top_p: jax.Array = dataclasses.field(default_factory=lambda: jnp.float32(1.0))
+    min_p: jax.Array = dataclasses.field(default_factory=lambda: jnp.float32(0.0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +77,7 @@ class Plan:
     feature_layers: tuple[int, ...]
     inject: bool = False  # test hook: draft logits from an oracle continuation
     mesh: Any = None  # tensor parallelism: the target's mesh (model/sharding.py); None: one device
+    truncate: bool = False  # sampling truncated by state.top_k / top_p / min_p (a sort per row); False: no sort
 
 
 def _emit(state: DecodeState, emitted: jax.Array, count: jax.Array, plan: Plan) -> DecodeState:
@@ -100,11 +105,16 @@ def _temperature(state: DecodeState, plan: Plan):
     return state.temperature if plan.sampling else 0.0
 
 
+def _truncation(state: DecodeState, plan: Plan) -> dict:
+    """posterior_tokens' truncation arguments: the state's traced values, or none (no sort) when off."""
+    return dict(top_k=state.top_k, top_p=state.top_p, min_p=state.min_p) if plan.truncate else {}
+
+
 def _ar_round(model, state: DecodeState, plan: Plan) -> DecodeState:
     lay = layout_lib.sequence(state.cache.length, 1, plan.conv_kernel, kernels=plan.kernels)
     logits, cache, _, _ = model(state.root[:, None], state.cache, lay, logits="all")
     key, sub = jax.random.split(state.key)
-    tok = tree_lib.posterior_tokens(logits[0], _temperature(state, plan), sub)  # [1]
+    tok = tree_lib.posterior_tokens(logits[0], _temperature(state, plan), sub, **_truncation(state, plan))  # [1]
     state = state.replace(cache=cache, key=key, root=tok)
     state = _emit(state, tok, jnp.asarray(1, jnp.int32), plan)
     return _record(state, jnp.asarray(1, jnp.int32))
@@ -145,7 +155,7 @@ def _spec_round(model, dparams, dcfg, embed, lm_head, state: DecodeState, plan: 
     tokens = jnp.where(tree.valid, tree.tokens, 0)[None]  # padding embeds token 0; never accepted
     logits, feats, stashes = verify(model, state.cache, tokens, lay, feature_layers=plan.feature_layers)
     key, sub = jax.random.split(state.key)
-    post = tree_lib.posterior_tokens(logits[0], _temperature(state, plan), sub)
+    post = tree_lib.posterior_tokens(logits[0], _temperature(state, plan), sub, **_truncation(state, plan))
     acc = tree_lib.accept(tree, post, mask)
     n_acc = acc.num_accepted
     cache = commit(state.cache, stashes, acc.path[None], n_acc[None], kernels=plan.kernels, mesh=plan.mesh)
@@ -220,14 +230,20 @@ def check_memory(target: Target, drafter, max_len: int, prompt_len: int, max_new
 
 
 def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", max_new_tokens: int = 128,
-             tree_budget: int = 64, temperature: float = 0.0, seed: int = 0, stop_ids=None,
+             tree_budget: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+             min_p: float = 0.0, seed: int = 0, stop_ids=None,
              loop: str = "host", sync_every: int = 4, on_tokens: Callable[[list[int]], None] | None = None,
              _oracle_tokens=None) -> Generation:
     """Generate up to `max_new_tokens` new tokens after `prompt_ids`.
 
     method: "ar" (autoregressive), "dflash" (chain of the drafter's block) or "ddtree" (best tree of
     `tree_budget` drafted nodes). At temperature 0 all three give identical tokens; at T > 0 they sample
-    exactly from the target's distribution. `stop_ids` end generation after their first occurrence
+    exactly from the target's distribution at that temperature, truncated by `top_k` (the k most probable
+    tokens; 0 = off), `top_p` (the nucleus: the smallest most-probable set with mass >= top_p; 1 = off) and
+    `min_p` (tokens with p >= min_p * p_max; 0 = off), renormalised (`speculative.tree.truncate`; the speculative
+    methods too: their acceptance samples every tree node from the truncated target distribution). The
+    truncation values are data (one compilation for all of them; any truncation at all adds a sort of the
+    vocabulary per verified row). `stop_ids` end generation after their first occurrence
     (inclusive). `on_tokens` receives newly emitted tokens as the host reads them back (streaming).
     """
     if method not in METHODS:
@@ -245,6 +261,7 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     temperature = float(temperature)
     if not 0 <= temperature < math.inf:
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+    top_k, top_p, min_p = tree_lib.check_truncation(top_k, top_p, min_p)
     budget = int(tree_budget)
     if method == "ddtree" and not 1 <= budget < cfg.vocab_size:
         raise ValueError(f"tree_budget must be in [1, vocab_size={cfg.vocab_size}), got {tree_budget}")
@@ -269,9 +286,10 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     feature_layers = tuple(dcfg.target_layer_ids) if dcfg else ()
     # budget only shapes DDTree rounds: normalised for the others so that it does not split their compilations
     sampling = temperature >= tree_lib.GREEDY_EPS
+    truncate = sampling and tree_lib.truncates(top_k, top_p, min_p)  # greedy: truncation keeps the argmax
     plan = Plan(method=method, budget=budget if method == "ddtree" else 0, max_new=max_new, sampling=sampling,
                 kernels=target.kernels, conv_kernel=cfg.linear_conv_kernel_dim, feature_layers=feature_layers,
-                inject=_oracle_tokens is not None, mesh=target.mesh)
+                inject=_oracle_tokens is not None, mesh=target.mesh, truncate=truncate)
 
     t0 = time.perf_counter()
     cache = target.init_cache(S)
@@ -286,14 +304,16 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     logits = logits[:, 0]  # [1, V]: the last prompt position
     key = jax.random.key(seed)
     key, sub = jax.random.split(key)
-    first = tree_lib.posterior_tokens(logits, temperature, sub)  # [1]
+    trunc = dict(top_k=top_k, top_p=top_p, min_p=min_p) if truncate else {}
+    first = tree_lib.posterior_tokens(logits, temperature, sub, **trunc)  # [1]
     F = len(feature_layers) * cfg.hidden_size
     state = DecodeState(
         cache=cache, dcache=dcache,
         ctx=jnp.zeros((1, P, max(F, 1)), target.dtype), ctx_n=jnp.int32(0),
         root=first.astype(jnp.int32), out=jnp.zeros((1, max_new + P), jnp.int32), n_out=jnp.int32(0),
         done=jnp.asarray(False), key=key, acc=jnp.zeros((max_new,), jnp.int32), n_rounds=jnp.int32(0),
-        stop_mask=jnp.asarray(stop_mask), temperature=jnp.float32(temperature if sampling else 1.0))
+        stop_mask=jnp.asarray(stop_mask), temperature=jnp.float32(temperature if sampling else 1.0),
+        top_k=jnp.int32(min(top_k, cfg.vocab_size)), top_p=jnp.float32(top_p), min_p=jnp.float32(min_p))
     state = sharding.place(_emit(state, first.astype(jnp.int32), jnp.int32(1), plan), target.mesh)
     first_np = int(np.asarray(first)[0])
     ttft = time.perf_counter() - t0

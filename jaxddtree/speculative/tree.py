@@ -135,13 +135,67 @@ def ancestor_mask(tree: Tree) -> jax.Array:
     return layout_lib.ancestor_mask(tree.parents, tree.valid, tree.max_depth)
 
 
-def posterior_tokens(logits, temperature, key, top_k: int | None = None,
-                     top_p: float | None = None) -> jax.Array:
+def check_truncation(top_k=0, top_p=1.0, min_p=0.0) -> tuple[int, float, float]:
+    """(top_k, top_p, min_p) as (int, float, float), or ValueError (one line) for a value outside its range:
+    top_k an integer >= 0 (0 = off), 0 < top_p <= 1 (1 = off), 0 <= min_p < 1 (0 = off)."""
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
+    try:
+        top_p, min_p = float(top_p), float(min_p)
+    except (TypeError, ValueError):
+        raise ValueError(f"top_p and min_p must be numbers, got {top_p!r} and {min_p!r}") from None
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
+    if not 0 <= min_p < 1:
+        raise ValueError(f"min_p must be in [0, 1) (0 = off), got {min_p}")
+    return int(top_k), top_p, min_p
+
+
+def truncates(top_k=0, top_p=1.0, min_p=0.0) -> bool:
+    """Whether these (checked) values remove any token at all."""
+    return top_k > 0 or top_p < 1 or min_p > 0
+
+
+def truncate(z, top_k=0, top_p=1.0, min_p=0.0) -> jax.Array:
+    """Scaled logits z [N, V] (logits / T) -> z with every token outside the truncated set at -inf.
+
+    The kept set of a row, in descending order of z (= of the probabilities p = softmax(z)):
+      * top_k > 0: the k most probable tokens;
+      * top_p < 1: the smallest prefix whose mass is >= top_p (a token is kept iff the mass of the tokens
+        before it is < top_p; mass of the full softmax, before any other truncation);
+      * min_p > 0: the tokens with p >= min_p * p_max;
+    the intersection of the three (each is a prefix of the order, so it is the shortest of them; never empty:
+    the most probable token always stays). Ties: every token whose z equals the last kept token's is kept too
+    (as vLLM's top-k), so the set never depends on how a sort orders equal values. Sampling from the result is
+    sampling from the renormalised truncated distribution. The values may be Python numbers or traced scalars
+    (one compilation for all of them); they must be valid (`check_truncation`). Costs a sort of each row.
+    """
+    z = z.astype(jnp.float32)
+    V = z.shape[-1]
+    zs = jnp.sort(z, axis=-1)[:, ::-1]                                      # [N, V] descending
+    p = jnp.exp(zs - zs[:, :1])
+    p = p / jnp.sum(p, axis=-1, keepdims=True)
+    before = jnp.cumsum(p, axis=-1) - p                                     # mass of the better tokens
+    top_k = jnp.asarray(top_k, jnp.int32)
+    top_p = jnp.asarray(top_p, jnp.float32)
+    min_p = jnp.asarray(min_p, jnp.float32)
+    rank = jnp.arange(V, dtype=jnp.int32)[None]
+    keep = (rank < jnp.where(top_k > 0, top_k, V)) \
+        & ((before < top_p) | (top_p >= 1)) \
+        & (zs >= zs[:, :1] + jnp.log(min_p))                                # p >= min_p p_max, in log space
+    n_keep = jnp.maximum(jnp.sum(keep, axis=-1, keepdims=True), 1)         # [N, 1]
+    thresh = jnp.take_along_axis(zs, n_keep - 1, axis=-1)                   # the last kept value
+    return jnp.where(z >= thresh, z, -jnp.inf)
+
+
+def posterior_tokens(logits, temperature, key, top_k=None, top_p=None, min_p=None) -> jax.Array:
     """[N, V] target logits -> [N] int32 posterior token per node.
 
     Greedy (argmax) when temperature < 1e-5; otherwise one independent sample per node from
-    softmax(logits / T) (optionally restricted to the top_k tokens (static int) and/or the top_p
-    nucleus). `temperature` may be a Python float (branch chosen at trace time) or a traced scalar.
+    softmax(logits / T), truncated by `truncate` when any of top_k / top_p / min_p is given (None: that
+    control off; all None: no truncation and no sort). `temperature` and the truncation values may be Python
+    numbers (the greedy branch chosen at trace time) or traced scalars. Truncation never removes the argmax, so
+    greedy decoding ignores it.
     """
     logits = logits.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [N]
@@ -149,16 +203,9 @@ def posterior_tokens(logits, temperature, key, top_k: int | None = None,
         return greedy
     t = jnp.maximum(jnp.asarray(temperature, jnp.float32), GREEDY_EPS)
     z = logits / t  # [N, V]
-    if top_k is not None:
-        kth = jax.lax.top_k(z, top_k)[0][:, -1:]                  # [N, 1]
-        z = jnp.where(z >= kth, z, -jnp.inf)
-    if top_p is not None:
-        z_sorted = jnp.sort(z, axis=-1)[:, ::-1]                  # [N, V] desc
-        p_sorted = jax.nn.softmax(z_sorted, axis=-1)
-        mass_before = jnp.cumsum(p_sorted, axis=-1) - p_sorted    # [N, V] mass of better tokens
-        n_keep = jnp.sum(mass_before < top_p, axis=-1, keepdims=True)  # [N, 1] >= 1
-        thresh = jnp.take_along_axis(z_sorted, n_keep - 1, axis=-1)
-        z = jnp.where(z >= thresh, z, -jnp.inf)
+    if top_k is not None or top_p is not None or min_p is not None:
+        z = truncate(z, 0 if top_k is None else top_k, 1.0 if top_p is None else top_p,
+                     0.0 if min_p is None else min_p)
     sample = jax.random.categorical(key, z, axis=-1).astype(jnp.int32)  # [N], rows independent
     if isinstance(temperature, (int, float)):
         return sample
