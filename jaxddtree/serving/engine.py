@@ -48,6 +48,9 @@ class Job:
     temperature: float = 0.0
     seed: int = 0
     stop: tuple[str, ...] = ()
+    top_k: int = 0      # sampling truncation (generate's top_k / top_p / min_p); the defaults: off
+    top_p: float = 1.0
+    min_p: float = 0.0
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -105,10 +108,11 @@ class Engine:
             self._generate(list(prompt_ids), bucket(max_tokens, self.max_context - len(prompt_ids)), float(t), 0,
                            stop_ids=range(self.target.config.vocab_size), on_tokens=None)
 
-    def _generate(self, ids, max_new, temperature, seed, stop_ids, on_tokens):
+    def _generate(self, ids, max_new, temperature, seed, stop_ids, on_tokens, top_k=0, top_p=1.0, min_p=0.0):
         return generate(self.target, ids, drafter=self.drafter if self.method != "ar" else None,
                         method=self.method, max_new_tokens=max_new, tree_budget=self.budget,
-                        temperature=temperature, seed=seed, stop_ids=stop_ids, sync_every=1, on_tokens=on_tokens)
+                        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                        stop_ids=stop_ids, sync_every=1, on_tokens=on_tokens)
 
     def _work(self):
         while True:
@@ -157,7 +161,7 @@ class Engine:
         stats = None
         try:
             gen = self._generate(job.prompt_ids, bucket(job.max_tokens, room), job.temperature, job.seed,
-                                 self.stop_ids, on_tokens)
+                                 self.stop_ids, on_tokens, top_k=job.top_k, top_p=job.top_p, min_p=job.min_p)
             stats = gen.stats
             finish = "stop" if kept and kept[-1] in self.stop_ids else "length"
         except _Stop as s:
