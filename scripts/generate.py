@@ -155,7 +155,7 @@ def build_parser() -> Parser:
     d.add_argument("--min-p", type=min_p_value, default=0.0, metavar="P", help="keep the tokens with probability "
                    ">= P times the most probable one's, 0 <= P < 1; 0 = off (default: 0.0). The three combine "
                    "(intersection), then the kept tokens are renormalised; ties with the last kept token stay. "
-                   "Qwen3.6 suggests --temperature 0.6 --top-p 0.95 --top-k 20 for thinking mode")
+                   "e.g. --temperature 0.6 --top-p 0.95 --top-k 20 for Qwen's thinking mode")
     d.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed (default: 0)")
     d.add_argument("--stop-ids", type=str, default=None, metavar="IDS", help="comma-separated token ids that "
                    "end generation (inclusive); 'none' disables (default: the tokenizer's/config's EOS ids)")
