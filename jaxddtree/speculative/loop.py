@@ -77,7 +77,7 @@ class Plan:
     feature_layers: tuple[int, ...]
     inject: bool = False  # test hook: draft logits from an oracle continuation
     mesh: Any = None  # tensor parallelism: the target's mesh (model/sharding.py); None: one device
-    truncate: bool = False  # sampling truncated by state.top_k / top_p / min_p (a sort per row); False: no sort
+    truncate: bool = False  # sampling truncated by state.top_k / top_p / min_p (tree.truncate); False: none
 
 
 def _emit(state: DecodeState, emitted: jax.Array, count: jax.Array, plan: Plan) -> DecodeState:
@@ -106,7 +106,7 @@ def _temperature(state: DecodeState, plan: Plan):
 
 
 def _truncation(state: DecodeState, plan: Plan) -> dict:
-    """posterior_tokens' truncation arguments: the state's traced values, or none (no sort) when off."""
+    """posterior_tokens' truncation arguments: the state's traced values, or none (no cost) when off."""
     return dict(top_k=state.top_k, top_p=state.top_p, min_p=state.min_p) if plan.truncate else {}
 
 
@@ -242,7 +242,7 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     tokens; 0 = off), `top_p` (the nucleus: the smallest most-probable set with mass >= top_p; 1 = off) and
     `min_p` (tokens with p >= min_p * p_max; 0 = off), renormalised (`speculative.tree.truncate`; the speculative
     methods too: their acceptance samples every tree node from the truncated target distribution). The
-    truncation values are data (one compilation for all of them; any truncation at all adds a sort of the
+    truncation values are data (one compilation for all of them; any truncation at all adds 32 passes over the
     vocabulary per verified row). `stop_ids` end generation after their first occurrence
     (inclusive). `on_tokens` receives newly emitted tokens as the host reads them back (streaming).
     """

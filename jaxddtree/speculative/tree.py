@@ -156,7 +156,7 @@ def truncates(top_k=0, top_p=1.0, min_p=0.0) -> bool:
     return top_k > 0 or top_p < 1 or min_p > 0
 
 
-def truncate(z, top_k=0, top_p=1.0, min_p=0.0) -> jax.Array:
+def truncate(z, top_k=0, top_p=1.0, min_p=0.0, method: str = "bisect") -> jax.Array:
     """Scaled logits z [N, V] (logits / T) -> z with every token outside the truncated set at -inf.
 
     The kept set of a row, in descending order of z (= of the probabilities p = softmax(z)):
@@ -168,9 +168,19 @@ def truncate(z, top_k=0, top_p=1.0, min_p=0.0) -> jax.Array:
     the most probable token always stays). Ties: every token whose z equals the last kept token's is kept too
     (as vLLM's top-k), so the set never depends on how a sort orders equal values. Sampling from the result is
     sampling from the renormalised truncated distribution. The values may be Python numbers or traced scalars
-    (one compilation for all of them); they must be valid (`check_truncation`). Costs a sort of each row.
+    (one compilation for all of them); they must be valid (`check_truncation`).
+
+    method: "bisect" (default: no sort. The kept set is {z >= v}, v the smallest value u such that fewer than
+    top_k tokens have z > u and their mass is below top_p, raised to the logit of min_p * p_max; v is found exactly
+    by a 32-step bisection over the float32 order, each step one fused pass over the row) or "sort" (the
+    reference: one sort of each row, the definition above step by step). The two agree up to float rounding of
+    the mass sums (tests/test_tree.py; benchmarks/bench_sampling.py times both).
     """
     z = z.astype(jnp.float32)
+    if method == "bisect":
+        return _truncate_bisect(z, top_k, top_p, min_p)
+    if method != "sort":
+        raise ValueError(f"method must be 'sort' or 'bisect', got {method!r}")
     V = z.shape[-1]
     zs = jnp.sort(z, axis=-1)[:, ::-1]                                      # [N, V] descending
     p = jnp.exp(zs - zs[:, :1])
@@ -188,12 +198,47 @@ def truncate(z, top_k=0, top_p=1.0, min_p=0.0) -> jax.Array:
     return jnp.where(z >= thresh, z, -jnp.inf)
 
 
+def _order_keys(z):
+    """float32 [..] -> uint32 keys in the same order (-0.0 counted as +0.0)."""
+    b = jax.lax.bitcast_convert_type(jnp.where(z == 0, jnp.float32(0), z), jnp.uint32)
+    return jnp.where(b >> 31 == 1, ~b, b | jnp.uint32(1 << 31))
+
+
+def _truncate_bisect(z, top_k, top_p, min_p):
+    V = z.shape[-1]
+    zmax = jnp.max(z, axis=-1, keepdims=True)
+    p = jnp.exp(z - zmax)
+    p = p / jnp.sum(p, axis=-1, keepdims=True)
+    keys = _order_keys(z)                                                     # [N, V]
+    k = jnp.asarray(top_k, jnp.int32)
+    k = jnp.where(k > 0, k, V)
+    top_p = jnp.asarray(top_p, jnp.float32)
+
+    def ok(u):  # [N] threshold keys -> [N] bool: few enough and light enough tokens above u (monotone in u)
+        above = keys > u[:, None]
+        count = jnp.sum(above, axis=-1)
+        mass = jnp.sum(jnp.where(above, p, 0), axis=-1)
+        return (count < k) & ((mass < top_p) | (top_p >= 1))
+
+    def step(_, lh):  # invariant: ok(hi); the answer lies in [lo, hi]
+        lo, hi = lh
+        mid = lo + (hi - lo) // 2
+        good = ok(mid)
+        return jnp.where(good, lo, mid + 1), jnp.where(good, mid, hi)
+
+    n = z.shape[0]
+    lo, hi = jax.lax.fori_loop(0, 32, step, (jnp.zeros((n,), jnp.uint32), jnp.max(keys, axis=-1)))
+    floor = _order_keys(zmax[:, 0] + jnp.log(jnp.asarray(min_p, jnp.float32)))  # p >= min_p p_max
+    thresh = jnp.maximum(hi, floor)
+    return jnp.where(keys >= thresh[:, None], z, -jnp.inf)
+
+
 def posterior_tokens(logits, temperature, key, top_k=None, top_p=None, min_p=None) -> jax.Array:
     """[N, V] target logits -> [N] int32 posterior token per node.
 
     Greedy (argmax) when temperature < 1e-5; otherwise one independent sample per node from
     softmax(logits / T), truncated by `truncate` when any of top_k / top_p / min_p is given (None: that
-    control off; all None: no truncation and no sort). `temperature` and the truncation values may be Python
+    control off; all None: no truncation and none of its cost). `temperature` and the truncation values may be Python
     numbers (the greedy branch chosen at trace time) or traced scalars. Truncation never removes the argmax, so
     greedy decoding ignores it.
     """
