@@ -34,6 +34,10 @@ examples:
   python scripts/generate.py --target DIR --drafter DDIR --prompt "Hi" --temperature 1.0 --seed 7 \\
       --stop-ids 151645
 
+  # Qwen's thinking-mode sampling: temperature 0.6, nucleus 0.95, top 20 tokens
+  python scripts/generate.py --target DIR --drafter DDIR --chat --prompt "Hi" --temperature 0.6 \\
+      --top-p 0.95 --top-k 20
+
 exit codes: 0 success, 2 bad arguments or unusable inputs (one error line on stderr)."""
 
 
@@ -63,6 +67,36 @@ def finite_non_negative(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
     if not 0 <= v < math.inf:
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return v
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 = off), got {v}")
+    return v
+
+
+def top_p_value(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1] (1 = off), got {text}")
+    return v
+
+
+def min_p_value(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
+    if not 0 <= v < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1) (0 = off), got {text}")
     return v
 
 
@@ -113,6 +147,15 @@ def build_parser() -> Parser:
                    "at most (default: 256; 64 for the demo pair)")
     d.add_argument("--temperature", type=finite_non_negative, default=0.0, metavar="T", help="sampling "
                    "temperature; 0 = greedy, identical tokens for all methods (default: 0.0)")
+    d.add_argument("--top-k", type=non_negative_int, default=0, metavar="K", help="sample from the K most "
+                   "probable tokens only; 0 = off (default: 0). With --temperature > 0; every method samples "
+                   "exactly from the truncated distribution")
+    d.add_argument("--top-p", type=top_p_value, default=1.0, metavar="P", help="nucleus sampling: the smallest "
+                   "set of most probable tokens whose probability reaches P, 0 < P <= 1; 1 = off (default: 1.0)")
+    d.add_argument("--min-p", type=min_p_value, default=0.0, metavar="P", help="keep the tokens with probability "
+                   ">= P times the most probable one's, 0 <= P < 1; 0 = off (default: 0.0). The three combine "
+                   "(intersection), then the kept tokens are renormalised; ties with the last kept token stay. "
+                   "e.g. --temperature 0.6 --top-p 0.95 --top-k 20 for Qwen's thinking mode")
     d.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed (default: 0)")
     d.add_argument("--stop-ids", type=str, default=None, metavar="IDS", help="comma-separated token ids that "
                    "end generation (inclusive); 'none' disables (default: the tokenizer's/config's EOS ids)")
@@ -344,7 +387,8 @@ def run(argv=None) -> int:
     load_s = time.perf_counter() - t_load
 
     kw = dict(drafter=drafter if method != "ar" else None, method=method, max_new_tokens=max_new,
-              tree_budget=args.budget, temperature=args.temperature, seed=args.seed, loop=args.loop,
+              tree_budget=args.budget, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+              min_p=args.min_p, seed=args.seed, loop=args.loop,
               sync_every=args.sync_every)
     if not args.json:
         log(f"{method}" + (f" (budget {args.budget})" if method == "ddtree" else "") +
@@ -368,7 +412,8 @@ def run(argv=None) -> int:
     text = tok.decode(gen.tokens) if tok is not None else None
     stats = dict(gen.stats)
     stats.update(wall_s=wall, load_s=load_s, compile_s=compile_s, prompt_tokens=len(ids), dtype=dtype,
-                 kernels=kernels, backend=backend, temperature=args.temperature, seed=args.seed,
+                 kernels=kernels, backend=backend, temperature=args.temperature, top_k=args.top_k,
+                 top_p=args.top_p, min_p=args.min_p, seed=args.seed,
                  stop_ids=stops, loop=args.loop, target=target.source,
                  drafter=(getattr(drafter, "path", None) if method != "ar" else None))
     if args.json:

@@ -18,7 +18,12 @@ examples:
   python scripts/serve.py --target ~/models/Qwen3.6-27B --drafter ~/models/Qwen3.6-27B-DFlash --budget 64
 
   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
-      -d '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32, "temperature": 0}'"""
+      -d '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32, "temperature": 0}'
+
+honoured request fields: max_tokens / max_completion_tokens, temperature, top_p, top_k, min_p, seed, stop,
+n (1), stream, stream_options, chat_template_kwargs, tools / tool_choice (chat; tool calls come back as
+tool_calls). Other sampling fields (frequency_penalty, logit_bias, logprobs, ...) get a 400 unless they carry
+their default value. See README.md, "Serving"."""
 
 
 def positive_int(text: str) -> int:

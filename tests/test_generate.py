@@ -215,18 +215,40 @@ def _softmax(x):
 
 
 @pytest.fixture(scope="module")
-def exact_joint(small_pair):
-    """P[t1, t2, t3] of the target's ancestral sampling at T_SAMPLE, by enumeration of (t1, t2)."""
+def joint_logits(small_pair):
+    """L[t1, t2] = the target's logits [3, V] predicting t1, t2, t3 after SMALL_PROMPT + [t1, t2]."""
     target, _ = small_pair
     n = len(SMALL_PROMPT)
+    return np.stack([[np.asarray(jaxddtree.score(target, SMALL_PROMPT + [t1, t2]), np.float64)[n - 1:n + 2]
+                      for t2 in range(VS)] for t1 in range(VS)])  # [VS, VS, 3, V]
+
+
+def _joint(L, probs):
+    """P[t1, t2, t3] of ancestral sampling with `probs` (logits [3, V] -> [3, V]), by enumeration of (t1, t2)."""
     P = np.zeros((VS, VS, VS))
     for t1 in range(VS):
         for t2 in range(VS):
-            lg = np.asarray(jaxddtree.score(target, SMALL_PROMPT + [t1, t2]), np.float64)
-            p = _softmax(lg[n - 1:n + 2])  # rows predicting t1, t2, t3
+            p = probs(L[t1, t2])
             P[t1, t2] = p[0, t1] * p[1, t2] * p[2]
     assert abs(P.sum() - 1) < 1e-6
     return P
+
+
+@pytest.fixture(scope="module")
+def exact_joint(joint_logits):
+    """P[t1, t2, t3] of the target's ancestral sampling at T_SAMPLE."""
+    return _joint(joint_logits, _softmax)
+
+
+# top_k, top_p and min_p together: on this vocabulary each of them is the binding one for some rows
+TRUNC = dict(top_k=5, top_p=0.8, min_p=0.1)
+
+
+@pytest.fixture(scope="module")
+def truncated_joint(joint_logits):
+    """P[t1, t2, t3] of ancestral sampling from the truncated target distribution (helpers_sampling)."""
+    from helpers_sampling import truncated_probs
+    return _joint(joint_logits, lambda lg: truncated_probs(lg, T_SAMPLE, **TRUNC))
 
 
 def chi_square_p(counts, P):
@@ -240,13 +262,13 @@ def chi_square_p(counts, P):
     return float(chi2.sf(stat, len(E) - 1)), stat, len(E)
 
 
-def sample_counts(pair, method, n):
+def sample_counts(pair, method, n, **truncation):
     target, drafter = pair
     counts = np.zeros((VS, VS, VS), np.int64)
     first_round = []
     for seed in range(n):
         g = jaxddtree.generate(target, SMALL_PROMPT, drafter=drafter, method=method, tree_budget=4,
-                               max_new_tokens=3, temperature=T_SAMPLE, seed=seed)
+                               max_new_tokens=3, temperature=T_SAMPLE, seed=seed, **truncation)
         assert len(g.tokens) == 3
         counts[tuple(g.tokens)] += 1
         first_round.append(g.acceptance_lengths[0])
@@ -269,11 +291,38 @@ def test_sampling_distribution(small_pair, exact_joint, method, n):
         assert chi_square_p(counts, wrong)[0] < 1e-3
 
 
+@pytest.mark.parametrize("method,n", [("ddtree", 600), ("dflash", 400), ("ar", 300)])
+def test_truncated_sampling_distribution(small_pair, joint_logits, exact_joint, truncated_joint, method, n):
+    """With top_k / top_p / min_p, every method samples the truncated target distribution: no sample outside
+    its support, chi-square on the rest; one compilation for all the seeds and truncation values."""
+    from helpers_sampling import truncated_probs
+    full = truncated_probs(joint_logits, T_SAMPLE, **TRUNC) > 0
+    for k, v in TRUNC.items():  # each control is the binding one for some conditional
+        alone = truncated_probs(joint_logits, T_SAMPLE, **{k: v}) > 0
+        others = truncated_probs(joint_logits, T_SAMPLE, **{o: w for o, w in TRUNC.items() if o != k}) > 0
+        assert (alone != 1).any() and (others != full).any(), k
+    assert (truncated_joint == 0).mean() > 0.5  # the truncation bites
+    before = loop_lib.run_rounds._cache_size()
+    counts, first_round = sample_counts(small_pair, method, n, **TRUNC)
+    alt, _ = sample_counts(small_pair, method, 50, top_k=3, top_p=0.5, min_p=0.3)  # other values, same plan
+    assert loop_lib.run_rounds._cache_size() - before <= 1
+    assert counts[truncated_joint == 0].sum() == 0, "a sample outside the truncated support"
+    p, stat, bins = chi_square_p(counts, truncated_joint)
+    assert p > 1e-3, f"{method}: chi2 = {stat:.1f} over {bins} bins, p = {p:.2e}"
+    assert chi_square_p(counts, exact_joint)[0] < 1e-3  # the test has power: the untruncated law is rejected
+    if method != "ar":
+        # drafted tokens get accepted (the random drafter's chain less often than the tree)
+        assert (first_round >= 2).mean() > (0.2 if method == "ddtree" else 0.1), np.bincount(first_round)
+
+
 # ------------------------------------------------------------------------- bad values
 @pytest.mark.parametrize("call,error,match", [
     (lambda t, d: jaxddtree.generate(t, [1, 2], temperature=float("nan")), ValueError, "finite number >= 0"),
     (lambda t, d: jaxddtree.generate(t, [1, 2], temperature=float("inf")), ValueError, "finite number >= 0"),
     (lambda t, d: jaxddtree.generate(t, [1, 2], temperature=-0.5), ValueError, "finite number >= 0"),
+    (lambda t, d: jaxddtree.generate(t, [1, 2], temperature=1, top_p=0), ValueError, r"top_p must be in \(0, 1\]"),
+    (lambda t, d: jaxddtree.generate(t, [1, 2], top_k=-2), ValueError, "top_k must be an integer >= 0"),
+    (lambda t, d: jaxddtree.generate(t, [1, 2], min_p=1.0), ValueError, r"min_p must be in \[0, 1\)"),
     (lambda t, d: jaxddtree.generate(t, "hello"), TypeError, "prompt_ids must be integer token ids, not a string"),
     (lambda t, d: jaxddtree.generate(t, [1.5, 2.7], drafter=d, method="ddtree"), TypeError,
      "prompt_ids must be integers, got float64"),

@@ -55,3 +55,11 @@ def test_long_attention_benches_dry(tmp_path):
     assert k["attn_long"]["40"]["variants"]["default"]["tflops"] > 0
     assert all(k["prefill_attn"][f"T16_start{s}"]["variants"]["default"]["tflops"] > 0 for s in (0, 40))
     assert k["prefill_attention_projected_s_72_tokens_2_layers_by_chunk"]["default"]
+
+
+def test_bench_sampling_smoke(tmp_path):
+    out = tmp_path / "s.json"
+    _run(["benchmarks/bench_sampling.py", "--smoke", "--out", str(out)])
+    res = json.loads(out.read_text())["results"]
+    assert res and all(r["methods_agree"] and r["plain_ms"] > 0 and r["sort_ms"] > 0 and r["bisect_ms"] > 0
+                       for r in res)

@@ -42,6 +42,9 @@ class Job:
     temperature: float = 0.0
     seed: int = 0
     stop: tuple[str, ...] = ()
+    top_k: int = 0      # sampling truncation (generate's top_k / top_p / min_p); the defaults: off
+    top_p: float = 1.0
+    min_p: float = 0.0
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -104,12 +107,14 @@ class Engine:
             prompt = (ids * (n // len(ids) + 1))[:n]
             for t in temperatures:
                 self._generate(prompt, 2, float(t), 0, on_tokens=lambda new: None)
+                if t > 0:  # the sampling round with truncation (top_k / top_p / min_p: one compilation for all)
+                    self._generate(prompt, 2, float(t), 0, on_tokens=lambda new: None, top_p=0.5)
 
-    def _generate(self, ids, max_new, temperature, seed, on_tokens):
+    def _generate(self, ids, max_new, temperature, seed, on_tokens, top_k=0, top_p=1.0, min_p=0.0):
         return generate(self.target, ids, drafter=self.drafter if self.method != "ar" else None,
                         method=self.method, max_new_tokens=max_new, tree_budget=self.budget,
-                        temperature=temperature, seed=seed, stop_ids=self.stop_ids, sync_every=1,
-                        on_tokens=on_tokens, cache_len=self.cache_len)
+                        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                        stop_ids=self.stop_ids, sync_every=1, on_tokens=on_tokens, cache_len=self.cache_len)
 
     def _work(self):
         while True:
@@ -157,7 +162,8 @@ class Engine:
         room = self.max_context - len(job.prompt_ids)
         stats = None
         try:
-            gen = self._generate(job.prompt_ids, min(job.max_tokens, room), job.temperature, job.seed, on_tokens)
+            gen = self._generate(job.prompt_ids, min(job.max_tokens, room), job.temperature, job.seed, on_tokens,
+                                 top_k=job.top_k, top_p=job.top_p, min_p=job.min_p)
             stats = gen.stats
             finish = "stop" if kept and kept[-1] in self.stop_ids else "length"
         except _Stop as s:

@@ -64,6 +64,10 @@ class DecodeState:
     max_new: jax.Array  # int32: tokens to emit at most (data: every max_new_tokens of one buffer size shares a round)
     # sampling temperature as data (used when plan.sampling), so that every temperature shares one compilation
     temperature: jax.Array = dataclasses.field(default_factory=lambda: jnp.float32(1.0))
+    # truncation of the sampled distribution as data (used when plan.truncate): one compilation for all values
+    top_k: jax.Array = dataclasses.field(default_factory=lambda: jnp.int32(0))
+    top_p: jax.Array = dataclasses.field(default_factory=lambda: jnp.float32(1.0))
+    min_p: jax.Array = dataclasses.field(default_factory=lambda: jnp.float32(0.0))
 
 
 @struct.dataclass
@@ -86,6 +90,7 @@ class Plan:
     feature_layers: tuple[int, ...]
     inject: bool = False  # test hook: draft logits from an oracle continuation
     mesh: Any = None  # tensor parallelism: the target's mesh (model/sharding.py); None: one device
+    truncate: bool = False  # sampling truncated by state.top_k / top_p / min_p (tree.truncate); False: none
 
 
 def _emit(state: DecodeState, emitted: jax.Array, count: jax.Array) -> DecodeState:
@@ -113,11 +118,16 @@ def _temperature(state: DecodeState, plan: Plan):
     return state.temperature if plan.sampling else 0.0
 
 
+def _truncation(state: DecodeState, plan: Plan) -> dict:
+    """posterior_tokens' truncation arguments: the state's traced values, or none (no cost) when off."""
+    return dict(top_k=state.top_k, top_p=state.top_p, min_p=state.min_p) if plan.truncate else {}
+
+
 def _ar_round(model, state: DecodeState, plan: Plan) -> DecodeState:
     lay = layout_lib.sequence(state.cache.length, 1, plan.conv_kernel, kernels=plan.kernels)
     logits, cache, _, _ = model(state.root[:, None], state.cache, lay, logits="all")
     key, sub = jax.random.split(state.key)
-    tok = tree_lib.posterior_tokens(logits[0], _temperature(state, plan), sub)  # [1]
+    tok = tree_lib.posterior_tokens(logits[0], _temperature(state, plan), sub, **_truncation(state, plan))  # [1]
     state = state.replace(cache=cache, key=key, root=tok)
     state = _emit(state, tok, jnp.asarray(1, jnp.int32))
     return _record(state, jnp.asarray(1, jnp.int32))
@@ -174,7 +184,7 @@ def commit_stage(state: DecodeState, dcache, tree, mask, logits, feats, stashes,
     """Accept (greedy or sampled), commit the accepted path (KV, GDN states rebuilt), emit its tokens."""
     D = tree.max_depth
     key, sub = jax.random.split(state.key)
-    post = tree_lib.posterior_tokens(logits[0], _temperature(state, plan), sub)
+    post = tree_lib.posterior_tokens(logits[0], _temperature(state, plan), sub, **_truncation(state, plan))
     acc = tree_lib.accept(tree, post, mask)
     n_acc = acc.num_accepted
     cache = commit(state.cache, stashes, acc.path[None], n_acc[None], kernels=plan.kernels, mesh=plan.mesh)
@@ -239,18 +249,19 @@ def rounds_fn(target: Target, dcfg, plan: Plan):
         donate_argnames=("state",)))
 
 
-def _start(logits, cache, dcache, seed, stop_mask, temperature, max_new, *, plan: Plan, P: int, F: int,
-           out_len: int, dtype):
+def _start(logits, cache, dcache, seed, stop_mask, temperature, max_new, top_k, top_p, min_p, *, plan: Plan,
+           P: int, F: int, out_len: int, dtype):
     """The decode state after the prompt: the first token drawn from the last prompt position's logits [1, V]
     and emitted. One jitted call (a request's setup costs one dispatch, not dozens of eager ops)."""
     TRACES["start"] += 1
     key, sub = jax.random.split(jax.random.key(seed))
-    first = tree_lib.posterior_tokens(logits, temperature if plan.sampling else 0.0, sub).astype(jnp.int32)
+    trunc = dict(top_k=top_k, top_p=top_p, min_p=min_p) if plan.truncate else {}
+    first = tree_lib.posterior_tokens(logits, temperature if plan.sampling else 0.0, sub, **trunc).astype(jnp.int32)
     state = DecodeState(
         cache=cache, dcache=dcache, ctx=jnp.zeros((1, P, F), dtype), ctx_n=jnp.int32(0), root=first,
         out=jnp.zeros((1, out_len + P), jnp.int32), n_out=jnp.int32(0), done=jnp.asarray(False), key=key,
         acc=jnp.zeros((out_len,), jnp.int32), n_rounds=jnp.int32(0), stop_mask=stop_mask, max_new=max_new,
-        temperature=temperature if plan.sampling else jnp.float32(1.0))
+        temperature=temperature if plan.sampling else jnp.float32(1.0), top_k=top_k, top_p=top_p, min_p=min_p)
     return _emit(state, first, jnp.int32(1))
 
 
@@ -297,14 +308,19 @@ def check_memory(target: Target, drafter, max_len: int, prompt_len: int, max_new
 
 
 def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", max_new_tokens: int = 128,
-             tree_budget: int = 64, temperature: float = 0.0, seed: int = 0, stop_ids=None,
+             tree_budget: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+             min_p: float = 0.0, seed: int = 0, stop_ids=None,
              loop: str = "host", sync_every: int = 4, on_tokens: Callable[[list[int]], None] | None = None,
              cache_len: int | None = None, _oracle_tokens=None) -> Generation:
     """Generate up to `max_new_tokens` new tokens after `prompt_ids`.
 
     method: "ar" (autoregressive), "dflash" (chain of the drafter's block) or "ddtree" (best tree of
     `tree_budget` drafted nodes). At temperature 0 all three give identical tokens in fp32 (in bf16, see
-    README "Exactness"); at T > 0 they sample exactly from the target's distribution. `stop_ids` end generation
+    README "Exactness"); at T > 0 they sample exactly from the target's distribution at that temperature,
+    truncated by `top_k` (the k most probable tokens; 0 = off), `top_p` (the nucleus: the smallest most-probable
+    set with mass >= top_p; 1 = off) and `min_p` (tokens with p >= min_p * p_max; 0 = off), renormalised
+    (`speculative.tree.truncate`; the speculative methods too: their acceptance samples every tree node from
+    the truncated target distribution). The truncation values are data (one compilation for all of them). `stop_ids` end generation
     after their first occurrence (inclusive). `on_tokens` receives newly emitted tokens as the host reads them
     back (streaming: every `sync_every` rounds with loop="host", once at the end with loop="device").
     `cache_len`: the caches' capacity in positions (default: the prompt + max_new_tokens, bucketed); a server
@@ -327,6 +343,7 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     temperature = float(temperature)
     if not 0 <= temperature < math.inf:
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+    top_k, top_p, min_p = tree_lib.check_truncation(top_k, top_p, min_p)
     budget = int(tree_budget)
     if method == "ddtree" and not 1 <= budget < cfg.vocab_size:
         raise ValueError(f"tree_budget must be in [1, vocab_size={cfg.vocab_size}), got {tree_budget}")
@@ -355,9 +372,10 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     feature_layers = tuple(dcfg.target_layer_ids) if dcfg else ()
     # budget only shapes DDTree rounds: normalised for the others so that it does not split their compilations
     sampling = temperature >= tree_lib.GREEDY_EPS
+    truncate = sampling and tree_lib.truncates(top_k, top_p, min_p)  # greedy: truncation keeps the argmax
     plan = Plan(method=method, budget=budget if method == "ddtree" else 0, sampling=sampling,
                 kernels=target.kernels, conv_kernel=cfg.linear_conv_kernel_dim, feature_layers=feature_layers,
-                inject=_oracle_tokens is not None, mesh=target.mesh)
+                inject=_oracle_tokens is not None, mesh=target.mesh, truncate=truncate)
     F = len(feature_layers) * cfg.hidden_size
 
     t0 = time.perf_counter()
@@ -371,7 +389,7 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
             _, dcache = drafter.forward(dcache, feats, jnp.int32(n), _blank(dcfg, cfg, dparams))
     state = start_fn(target, plan, P, max(F, 1), out_len)(
         logits[:, 0], cache, dcache, jnp.uint32(seed % (1 << 32)), jnp.asarray(stop_mask), jnp.float32(temperature),
-        jnp.int32(max_new))
+        jnp.int32(max_new), jnp.int32(min(top_k, cfg.vocab_size)), jnp.float32(top_p), jnp.float32(min_p))
     state = sharding.place(state, target.mesh)
     first_np = int(np.asarray(state.root)[0])
     ttft = time.perf_counter() - t0
