@@ -62,6 +62,13 @@ def _cdiv(a, b):
 
 
 # ------------------------------------------------------------------------------------------------ reference
+def _div(a, b):
+    """a / b, correctly rounded (IEEE, as PyTorch's): XLA rewrites a division by a broadcast into a multiply by
+    the reciprocal (≤ 1 ulp off, which moves e4m3 roundings); b + 0·a is the same divisor (finite a) but no
+    broadcast, and stays in the same elementwise fusion."""
+    return a / (b + 0 * a)
+
+
 def act_quant(x, block_in: int = 128, *, rows: int | None = None):
     """x [M, K] (bf16 / fp32) -> (x_q float8_e4m3fn [rows, nb·block_in], s_x fp32 [rows, nb]), nb =
     ceil(K / block_in): transformers' dynamic per-token, per-group quantization (module docstring). `rows` ≥ M
@@ -70,8 +77,9 @@ def act_quant(x, block_in: int = 128, *, rows: int | None = None):
     rows = M if rows is None else rows
     nb = _cdiv(K, block_in)
     xf = jnp.pad(x.astype(jnp.float32), ((0, rows - M), (0, nb * block_in - K))).reshape(rows, nb, block_in)
-    s = jnp.max(jnp.abs(xf), axis=-1) / FP8_MAX
-    xq = (xf / jnp.maximum(s, SCALE_EPS)[..., None]).astype(FP8)
+    amax = jnp.max(jnp.abs(xf), axis=-1)
+    s = _div(amax, jnp.full_like(amax, FP8_MAX))
+    xq = _div(xf, jnp.broadcast_to(jnp.maximum(s, SCALE_EPS)[..., None], xf.shape)).astype(FP8)
     return xq.reshape(rows, nb * block_in), s
 
 

@@ -166,8 +166,9 @@ def test_conversions_succeed(converted):
         assert r.rc == 0, (key, r.stderr)
         path = converted["paths"][key]
         meta = json.load(open(os.path.join(path, "jaxddtree_checkpoint.json")))
+        from jaxddtree.checkpoint import orbax_format
         assert meta["kind"] == ("drafter" if key[0] == "drafter" else "target")  # drafter kind auto-detected
-        assert meta["dtype"] == key[1] and meta["format_version"] == 3
+        assert meta["dtype"] == key[1] and meta["format_version"] == orbax_format.FORMAT_VERSION
         assert os.path.isfile(os.path.join(path, "config.json")) and os.path.isdir(os.path.join(path, "params"))
         assert not leftovers(converted["dir"])
     quiet = converted["results"][("text", "bfloat16")]
