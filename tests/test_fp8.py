@@ -450,3 +450,55 @@ def test_compact_scales():
     c, g = compact_scales(np.repeat(rs.rand(2, 3), 128, axis=1)[:, :300], 128)
     assert g == 128 and c.shape == (2, 3)
     assert compact_scales(rs.rand(2, 5), 128)[1] == 1
+
+
+def test_format_version_3_fp8_is_compacted_on_load(released, tmp_path):
+    """A target converted before the compact scales (format_version 3: one scale per output column, marker
+    entries without block_out) loads: its scales are compacted on load, exactly (same dequantized weights,
+    same greedy tokens as the FP8 directory)."""
+    import shutil as sh
+    import orbax.checkpoint.experimental.v1 as ocp
+    from jaxddtree.checkpoint import orbax_format
+    from jaxddtree.checkpoint.convert import convert
+    new = str(tmp_path / "v4")
+    meta = convert(released[0], new, dtype="float32")
+    old = tmp_path / "v3"
+    old.mkdir()
+    flat = orbax_format.from_tree(ocp.load(os.path.join(new, "params")))
+    t4 = jaxddtree.load_target(new, "float32").module()
+    n = 0
+    for p, info in meta["fp8"].items():
+        path = tuple(int(k) if k.isdigit() else k for k in p.split("."))
+        w = t4
+        for k in path:
+            w = w[k] if isinstance(k, int) else getattr(w, k)
+        w = w[...]
+        cols = np.repeat(np.asarray(flat[path + ("scale",)]), info["block_out"], axis=1)
+        flat[path + ("scale",)] = cols[:, :int(np.prod(w.q.shape[w.nc:]))].reshape((-1,) + w.q.shape[w.nc:])
+        n += 1
+    assert n > 10
+    writer = orbax_format.PartialWriter(str(old / "params"), 1 << 30)
+    for p, x in flat.items():
+        writer.add(p, np.asarray(x))
+    writer.finalize()
+    sh.copy(os.path.join(new, "config.json"), old / "config.json")
+    extra = {k: v for k, v in meta.items() if k not in ("format", "format_version", "kind", "dtype", "params",
+                                                          "orbax_checkpoint", "dst", "seconds")}
+    extra["fp8"] = {p: {"block_in": v["block_in"], "nc": v["nc"]} for p, v in meta["fp8"].items()}
+    m3 = orbax_format.write_marker(str(old), "target", "float32", **extra)
+    m3["format_version"] = 3
+    with open(old / orbax_format.MARKER, "w") as f:
+        json.dump(m3, f)
+    a, b = jaxddtree.load_target(str(old), "float32"), jaxddtree.load_target(released[0], "float32")
+    import jax
+    from flax import nnx
+    fa, fb = (jax.tree.leaves(nnx.to_pure_dict(nnx.state(t.module())), is_leaf=lambda x: isinstance(x, Fp8Weight))
+              for t in (a, b))
+    for x, y in zip(fa, fb):
+        if isinstance(x, Fp8Weight):
+            assert x.scale.ndim == 2 and x.block_out % y.block_out == 0
+            x, y = x.dequantize(), y.dequantize()
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    prompt = np.random.RandomState(6).randint(0, 96, 12).tolist()
+    ga, gb = (jaxddtree.generate(t, prompt, method="ar", max_new_tokens=8).tokens for t in (a, b))
+    assert ga == gb
