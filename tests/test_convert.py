@@ -166,8 +166,9 @@ def test_conversions_succeed(converted):
         assert r.rc == 0, (key, r.stderr)
         path = converted["paths"][key]
         meta = json.load(open(os.path.join(path, "jaxddtree_checkpoint.json")))
+        from jaxddtree.checkpoint import orbax_format
         assert meta["kind"] == ("drafter" if key[0] == "drafter" else "target")  # drafter kind auto-detected
-        assert meta["dtype"] == key[1] and meta["format_version"] == 3
+        assert meta["dtype"] == key[1] and meta["format_version"] == orbax_format.FORMAT_VERSION
         assert os.path.isfile(os.path.join(path, "config.json")) and os.path.isdir(os.path.join(path, "params"))
         assert not leftovers(converted["dir"])
     quiet = converted["results"][("text", "bfloat16")]
@@ -360,6 +361,7 @@ def test_format_version_1_target_is_refused(converted, tmp_path):
     """A target converted by an older jaxddtree (format_version 1: unfused projections) is refused with one
     line naming the version found and the command that reconverts it; likewise a version-2 drafter (unfused
     drafter projections); a version-2 target (layout unchanged since) still loads."""
+    from jaxddtree.checkpoint import orbax_format
     old = tmp_path / "old"
     shutil.copytree(converted["paths"][("text", "bfloat16")], old)
     meta = json.load(open(old / "jaxddtree_checkpoint.json"))
@@ -368,7 +370,7 @@ def test_format_version_1_target_is_refused(converted, tmp_path):
         jaxddtree.load_target(str(old), "bfloat16")
     msg = str(e.value)
     assert "\n" not in msg
-    assert "format_version 1, this one reads 3" in msg, msg
+    assert f"format_version 1, this one reads {orbax_format.FORMAT_VERSION}" in msg, msg
     assert f"python -m convert {meta['source']} {old} --overwrite" in msg, msg
     json.dump(dict(meta, format_version=2), open(old / "jaxddtree_checkpoint.json", "w"))
     jaxddtree.load_target(str(old), "bfloat16")
@@ -383,7 +385,7 @@ def test_format_version_1_target_is_refused(converted, tmp_path):
     with pytest.raises(jaxddtree.CheckpointError) as e:
         load_drafter(str(d_old), target, "float32")
     msg = str(e.value)
-    assert "\n" not in msg and "format_version 2, this one reads 3" in msg, msg
+    assert "\n" not in msg and f"format_version 2, this one reads {orbax_format.FORMAT_VERSION}" in msg, msg
     assert f"python -m convert {meta['source']} {d_old} --overwrite" in msg, msg
 
 

@@ -134,7 +134,7 @@ FP8_PROJECTIONS = ("w_in", "w_out", "w_qkv", "wo", "w_gate_up", "w_down")
 
 def random_target(cfg: TextConfig, dtype="float32", seed: int = 0, weights: str = "bf16", tp: int = 1) -> Target:
     """A target with random weights. weights="fp8": the FP8_PROJECTIONS are `Fp8Weight`s (random e4m3 values,
-    128-row input-block scales, GDN w_in's b | a as the plain tail), made leaf by leaf on the device without
+    compact 128x128 block scales, GDN w_in's b | a as the plain tail), made leaf by leaf on the device without
     ever materialising the model in `dtype` (benchmarks: device memory of the fp8 model). `tp` > 1 splits the
     (bf16) weights over the first tp devices (model/sharding.py)."""
     sharding.check_tp(cfg, tp)
@@ -165,9 +165,10 @@ def random_target(cfg: TextConfig, dtype="float32", seed: int = 0, weights: str 
             n_tail = 2 * cfg.linear_num_value_heads if name == "w_in" else 0
             qshape = shape[:-1] + (shape[-1] - n_tail,)
             q = jnp.clip(normal(qshape) * 64, -448, 448).astype(FP8)
-            scale = jax.random.uniform(k2, (-(-K // 128),) + qshape[nc:], jnp.float32, 0.5, 1.5) / (64 * K ** 0.5)
+            N = math.prod(qshape[nc:])
+            scale = jax.random.uniform(k2, (-(-K // 128), -(-N // 128)), jnp.float32, 0.5, 1.5) / (64 * K ** 0.5)
             tail = (jax.random.normal(k2, (K, n_tail), dt) * K ** -0.5).astype(dt) if n_tail else None
-            node[name] = Fp8Weight(q=q, scale=scale, tail=tail, block_in=128, nc=nc)
+            node[name] = Fp8Weight(q=q, scale=scale, tail=tail, block_in=128, nc=nc, block_out=128)
         elif name == "dt_bias":
             node[name] = jax.random.uniform(k1, shape, dt, -1, 1)
         elif name == "A_log":
