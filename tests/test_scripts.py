@@ -54,3 +54,14 @@ def test_long_attention_benches_dry(tmp_path):
     assert k["attn_long"]["40"]["variants"]["default"]["tflops"] > 0
     assert all(k["prefill_attn"][f"T16_start{s}"]["variants"]["default"]["tflops"] > 0 for s in (0, 40))
     assert k["prefill_attention_projected_s_72_tokens_2_layers_by_chunk"]["default"]
+
+
+def test_gpu_check_smoke(tmp_path):
+    """gpu_check.py's long-prompt section at smoke shapes (on a CPU its "pallas" runs use xla): the JSON summary."""
+    out = tmp_path / "gpu_check.json"
+    p = _run(["benchmarks/gpu_check.py", "--smoke", "--quick", "--sections", "long", "--long-prompt", "40",
+              "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == res
+    assert res["ok"] and res["long"]["prompt"] == 40 and res["kernels_under_test"] == "xla"
+    assert res["long"]["ar_pallas_vs_xla_first_divergence"] is None
