@@ -66,12 +66,26 @@ def _check(kernels: str):
         raise ValueError(f"unknown kernels '{kernels}' (choose one of {KERNELS})")
 
 
+def _pallas_or(reference, kernel):
+    """kernel() (the Pallas call), or reference() where no tile configuration of the kernel fits the GPU's shared
+    memory for these shapes / dtypes (`_common.SharedMemoryError`, raised while tracing, before any work): one
+    plain line on stderr, once per process and kernel."""
+    from kernels_pallas._common import SharedMemoryError, note_once
+    try:
+        return kernel()
+    except SharedMemoryError as e:
+        note_once(("smem", str(e).split(":")[0]), f"kernels_pallas: {e}; that call runs on the xla path")
+        return reference()
+
+
 def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, kernels="xla"):
     """q [B,T,H,hd] attends to cache rows [0, start) and to new rows j with mask[b,i,j] -> [B,T,H,hd]."""
     _check(kernels)
     if kernels == "pallas":
         from kernels_pallas import tree_attention as ta
-        return ta.tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask)
+        from kernels_pallas.attention_reference import tree_attention_reference
+        return _pallas_or(lambda: tree_attention_reference(q, k_cache, v_cache, start, k_new, v_new, mask),
+                          lambda: ta.tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask))
     from kernels_pallas.attention_reference import tree_attention_reference
     return tree_attention_reference(q, k_cache, v_cache, start, k_new, v_new, mask)
 
@@ -82,7 +96,8 @@ def prefill_attention(q, k_cache, v_cache, start, k_new, v_new, kernels="xla"):
     _check(kernels)
     if kernels == "pallas":
         from kernels_pallas import prefill_attention as pa
-        return pa.prefill_attention(q, k_cache, v_cache, start, k_new, v_new)
+        return _pallas_or(lambda: pa.prefill_attention_reference(q, k_cache, v_cache, start, k_new, v_new),
+                          lambda: pa.prefill_attention(q, k_cache, v_cache, start, k_new, v_new))
     from kernels_pallas.prefill_attention import prefill_attention_reference
     return prefill_attention_reference(q, k_cache, v_cache, start, k_new, v_new)
 
@@ -91,7 +106,8 @@ def gdn_chunked(q, k, v, g, beta, state, kernels="xla"):
     _check(kernels)
     if kernels == "pallas":
         from kernels_pallas import gdn_prefill
-        return gdn_prefill.gdn_chunked(q, k, v, g, beta, state)
+        return _pallas_or(lambda: gdn_reference.gdn_chunked(q, k, v, g, beta, state),
+                          lambda: gdn_prefill.gdn_chunked(q, k, v, g, beta, state))
     return gdn_reference.gdn_chunked(q, k, v, g, beta, state)
 
 
@@ -101,7 +117,8 @@ def gdn_masked_block(q, k, v, g, beta, mask, state, kernels="xla", max_depth: in
     _check(kernels)
     if kernels == "pallas":
         from kernels_pallas import gdn_tree
-        return gdn_tree.gdn_masked_block(q, k, v, g, beta, mask, state, max_depth=max_depth)
+        return _pallas_or(lambda: gdn_reference.gdn_masked_block(q, k, v, g, beta, mask, state),
+                          lambda: gdn_tree.gdn_masked_block(q, k, v, g, beta, mask, state, max_depth=max_depth))
     return gdn_reference.gdn_masked_block(q, k, v, g, beta, mask, state)
 
 
@@ -116,7 +133,9 @@ def gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, ke
                 conv_kernel=conv_kernel, eps=eps)
     if kernels == "pallas":
         from kernels_pallas import gdn_decode_fused as fused
-        return fused.gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, **dims)
+        args = (proj, conv_state, conv_w, A_log, dt_bias, norm_w, state)
+        return _pallas_or(lambda: gdn_reference.gdn_decode_fused(*args, **dims),
+                          lambda: fused.gdn_decode_fused(*args, **dims))
     return gdn_reference.gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, **dims)
 
 
@@ -126,7 +145,8 @@ def gdn_commit(state, conv, k, W, g, x, path, path_len, kernels="xla"):
     _check(kernels)
     if kernels == "pallas" and PALLAS_GDN_COMMIT:
         from kernels_pallas import gdn_commit as commit
-        return commit.gdn_commit(state, conv, k, W, g, x, path, path_len)
+        return _pallas_or(lambda: gdn_reference.gdn_commit(state, conv, k, W, g, x, path, path_len),
+                          lambda: commit.gdn_commit(state, conv, k, W, g, x, path, path_len))
     return gdn_reference.gdn_commit(state, conv, k, W, g, x, path, path_len)
 
 
@@ -136,7 +156,8 @@ def tree_select(top_lp, top_id, budget: int, kernels="xla"):
     _check(kernels)
     from kernels_pallas import tree_build
     if kernels == "pallas" and PALLAS_TREE_SELECT and budget <= TREE_SELECT_MAX_BUDGET:
-        return tree_build.tree_select(top_lp, top_id, budget)
+        return _pallas_or(lambda: tree_build.tree_select_reference(top_lp, top_id, budget),
+                          lambda: tree_build.tree_select(top_lp, top_id, budget))
     return tree_build.tree_select_reference(top_lp, top_id, budget)
 
 
@@ -153,7 +174,9 @@ def attention_decode_prep(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, start
     if (kernels == "pallas" and FUSED_DECODE and k_cache.dtype == jnp.bfloat16 and head_dim >= 16
             and head_dim & (head_dim - 1) == 0):
         from kernels_pallas import attention_decode
-        return attention_decode.decode_attention_prep(*args, **dims)
+        from kernels_pallas.attention_reference import decode_attention_prep
+        return _pallas_or(lambda: decode_attention_prep(*args, **dims),
+                          lambda: attention_decode.decode_attention_prep(*args, **dims))
     from kernels_pallas.attention_reference import decode_attention_prep
     return decode_attention_prep(*args, **dims)
 

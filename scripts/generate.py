@@ -146,7 +146,9 @@ def build_parser() -> Parser:
     d.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N", help="tokens to generate "
                    "at most (default: 256; 64 for the demo pair)")
     d.add_argument("--temperature", type=finite_non_negative, default=0.0, metavar="T", help="sampling "
-                   "temperature; 0 = greedy, identical tokens for all methods (default: 0.0)")
+                   "temperature; 0 = greedy: every token is the target's argmax for its prefix; in float32 all methods give "
+                   "identical tokens, in bfloat16 dflash/ddtree take the argmax as the verify pass computes it, "
+                   "which can differ from ar's one-row pass by bf16 rounding (default: 0.0)")
     d.add_argument("--top-k", type=non_negative_int, default=0, metavar="K", help="sample from the K most "
                    "probable tokens only; 0 = off (default: 0). With --temperature > 0; every method samples "
                    "exactly from the truncated distribution")

@@ -5,6 +5,7 @@ Run from the repository root without installing: `python scripts/serve.py --help
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import time
@@ -72,6 +73,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+SERVER_MODULES = ("fastapi", "uvicorn")  # the `serve` extra of pyproject.toml
+INSTALL_HINT = "pip install -e '.[serve]'"
+
+
+def require_server_extra() -> None:
+    """Exit 2 with one line on stderr naming the install command when the server's extra (fastapi, uvicorn) is
+    not importable; called before any model loads."""
+    missing, why = [], None
+    for name in SERVER_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            missing.append(name)
+            why = why or e
+    if missing:
+        print(f"serve.py: error: the server needs {' and '.join(missing)} ({type(why).__name__}: {why}); install "
+              f"the server's extra from the repository root: {INSTALL_HINT}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
 def load_engine(args):
     """Load the pair and build the Engine (also used by tests and benchmarks with parsed args)."""
     try:
@@ -137,6 +158,7 @@ def load_engine(args):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    require_server_extra()
     engine = load_engine(args)
     import uvicorn
     from jaxddtree.serving import create_app

@@ -528,3 +528,26 @@ def test_ctrl_c(big, tmp_path):
     assert r.rc == 130
     assert_one_line_error(r, "interrupted")
     assert os.listdir(tmp_path) == []
+
+
+def test_bf16_dir_loaded_as_float32_says_one_plain_line(converted, monkeypatch, caplog):
+    """A bf16-converted target + drafter loaded as float32: one plain log line (no Python warning with its source
+    line), for the pair."""
+    import logging
+    import warnings
+
+    import jax
+    from jaxddtree import load_drafter
+    from jaxddtree.checkpoint import orbax_format
+    monkeypatch.setattr(orbax_format, "_UPCAST_NOTED", [])
+    target = types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=64, num_hidden_layers=6,
+                                                                vocab_size=101))
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING, logger="jaxddtree"):
+        warnings.simplefilter("always")
+        t = jaxddtree.load_target(converted["paths"][("text", "bfloat16")], "float32")
+        d = load_drafter(converted["paths"][("drafter", "bfloat16")], target, "float32")
+    assert not [w for w in caught if issubclass(w.category, UserWarning)], [str(w.message) for w in caught]
+    recs = [r.getMessage() for r in caplog.records if r.name == "jaxddtree"]
+    assert len(recs) == 1 and "\n" not in recs[0], recs
+    assert "bfloat16" in recs[0] and "python -m convert --dtype float32" in recs[0], recs[0]
+    assert all(x.dtype == np.float32 for x in jax.tree.leaves(t.leaves) + jax.tree.leaves(d.params))

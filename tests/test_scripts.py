@@ -63,3 +63,14 @@ def test_bench_sampling_smoke(tmp_path):
     res = json.loads(out.read_text())["results"]
     assert res and all(r["methods_agree"] and r["plain_ms"] > 0 and r["sort_ms"] > 0 and r["bisect_ms"] > 0
                        for r in res)
+
+
+def test_gpu_check_smoke(tmp_path):
+    """gpu_check.py's long-prompt section at smoke shapes (on a CPU its "pallas" runs use xla): the JSON summary."""
+    out = tmp_path / "gpu_check.json"
+    p = _run(["benchmarks/gpu_check.py", "--smoke", "--quick", "--sections", "long", "--long-prompt", "40",
+              "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == res
+    assert res["ok"] and res["long"]["prompt"] == 40 and res["kernels_under_test"] == "xla"
+    assert res["long"]["ar_pallas_vs_xla_first_divergence"] is None

@@ -30,6 +30,7 @@ import itertools
 import json
 import os
 import re
+import logging
 import warnings
 from typing import Any
 
@@ -562,14 +563,19 @@ def _restore_orbax(params_dir: str, abstract: dict[tuple, Any], device) -> dict[
     return dict(zip(keys, jax.device_put([flat.pop(k) for k in keys])))
 
 
+_UPCAST_NOTED: list[str] = []
+
+
 def _cast(flat: dict[tuple, Any], stored: str, dtype, path: str) -> dict[tuple, Any]:
     want = dtype_name(dtype)
     if want == stored:
         return flat
-    if stored == "bfloat16" and want == "float32":
-        warnings.warn(f"{path} was converted to bfloat16; loading it as float32 upcasts those values "
-                      "(re-run `python -m convert --dtype float32` for the full-precision weights)",
-                      stacklevel=3)
+    if stored == "bfloat16" and want == "float32" and not _UPCAST_NOTED:
+        # one plain line (no Python warning with its source line), once per process: a pair says it once
+        _UPCAST_NOTED.append(path)
+        logging.getLogger("jaxddtree").warning(
+            f"jaxddtree: {path} holds bfloat16 weights: loaded as float32 they are upcast bf16 values (convert "
+            "with `python -m convert --dtype float32` for full precision; said once per process)")
     import jax.numpy as jnp
     target = jnp.bfloat16 if want == "bfloat16" else jnp.float32
     return {p: x.astype(target) for p, x in flat.items()}
