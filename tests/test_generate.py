@@ -119,7 +119,7 @@ def test_round_runs_without_host_transfers(pair, ar_ref, monkeypatch):
     """The bound round (host loop: a few rounds per call; device loop: one call to the end) called on a
     prepared state inside transfer_guard("disallow"): any host<->device transfer inside a round (or a Python scalar smuggled into the call) would raise."""
     calls = []
-    bound = loop_lib.rounds_fn
+    bound = loop_lib.loop_fn
 
     def guarded(*a, **k):
         fn = bound(*a, **k)
@@ -134,7 +134,7 @@ def test_round_runs_without_host_transfers(pair, ar_ref, monkeypatch):
             return out
         return wrapper
 
-    monkeypatch.setattr(loop_lib, "rounds_fn", guarded)
+    monkeypatch.setattr(loop_lib, "loop_fn", guarded)
     key, prompt = next(iter(PROMPTS.items()))
     g = run(pair, prompt, "ddtree", 7, seed=3)
     assert g.tokens == ar_ref[key] and "rounds" in calls
@@ -302,10 +302,10 @@ def test_truncated_sampling_distribution(small_pair, joint_logits, exact_joint, 
         others = truncated_probs(joint_logits, T_SAMPLE, **{o: w for o, w in TRUNC.items() if o != k}) > 0
         assert (alone != 1).any() and (others != full).any(), k
     assert (truncated_joint == 0).mean() > 0.5  # the truncation bites
-    before = loop_lib.run_rounds._cache_size()
+    before = loop_lib.TRACES["rounds"]
     counts, first_round = sample_counts(small_pair, method, n, **TRUNC)
     alt, _ = sample_counts(small_pair, method, 50, top_k=3, top_p=0.5, min_p=0.3)  # other values, same plan
-    assert loop_lib.run_rounds._cache_size() - before <= 1
+    assert loop_lib.TRACES["rounds"] - before <= 1
     assert counts[truncated_joint == 0].sum() == 0, "a sample outside the truncated support"
     p, stat, bins = chi_square_p(counts, truncated_joint)
     assert p > 1e-3, f"{method}: chi2 = {stat:.1f} over {bins} bins, p = {p:.2e}"

@@ -78,11 +78,11 @@ def worker() -> dict:
     ar = loop.generate(t1, ids, method="ar", max_new_tokens=24)
     out["tokens"] = {"ar1": ar.tokens}
     out["acc"] = {}
-    rounds = loop.rounds_fn
+    rounds = loop.loop_fn
     compiled, collectives = {}, {}
 
-    def aot(target, dcfg, plan):  # each tp=2 round compiled once, ahead of time: a later call whose state
-        fn = rounds(target, dcfg, plan)  # changed layout would be refused (AOT executables check input shardings)
+    def aot(target, dcfg, plan, chunk=None):  # each tp=2 round compiled once, ahead of time: a later call whose
+        fn = rounds(target, dcfg, plan, chunk)  # changed state layout would be refused (AOT checks input shardings)
 
         def call(*args):
             if plan.method not in compiled:
@@ -93,7 +93,7 @@ def worker() -> dict:
             return compiled[plan.method](*args)
         return call
 
-    loop.rounds_fn = aot
+    loop.loop_fn = aot
     try:
         for m in ("ar", "dflash", "ddtree"):
             g = loop.generate(t2, ids, drafter=drafter, method=m, max_new_tokens=24, tree_budget=12,
@@ -101,7 +101,7 @@ def worker() -> dict:
             out["tokens"][m] = g.tokens
             out["acc"][m] = g.acceptance_lengths
     finally:
-        loop.rounds_fn = rounds
+        loop.loop_fn = rounds
     out["collectives"] = collectives
     errors = {}
     for label, fn in (("heads", lambda: t1.shard(4)),  # kv heads 2

@@ -213,26 +213,49 @@ def _spec_round(model, dparams, dcfg, embed, lm_head, state: DecodeState, plan: 
 def _round(leaves, dparams, state, oracle, *, graphdef, treedef, dcfg, plan):
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     if plan.method == "ar":
-        return _ar_round(model, state, plan)
-    return _spec_round(model, dparams, dcfg, model.embed[...], model.lm_head[...], state, plan, oracle)
+        new = _ar_round(model, state, plan)
+    else:
+        new = _spec_round(model, dparams, dcfg, model.embed[...], model.lm_head[...], state, plan, oracle)
+    return _hold_if_done(state, new)
 
 
-def run_rounds(leaves, dparams, state, oracle, rounds, *, graphdef, treedef, dcfg, plan):
-    """Rounds until done, at most `rounds` of them (an int32 array: one compilation serves the device loop and
-    every host-loop chunk size), inside one `lax.while_loop` -> (state, Progress). The pure function behind
-    `rounds_fn`, which binds the keyword arguments once and jits it with the state donated.
+def _hold_if_done(old: DecodeState, new: DecodeState) -> DecodeState:
+    """A round run after `done` changes nothing the host reads (n_out, out[:n_out], acc[:n_rounds], n_rounds,
+    done) and keeps the committed lengths where they were, so that its writes stay inside the caches; what it
+    leaves in the caches' contents is never used (the generation is over). This lets a fixed number of rounds
+    run per call with no data-dependent control flow (`chunk` calls: no host synchronisation inside)."""
+    d = old.done
+    cache = new.cache.replace(length=jnp.where(d, old.cache.length, new.cache.length))
+    dcache = new.dcache
+    if dcache is not None:
+        dcache = dataclasses.replace(dcache, length=jnp.where(d, old.dcache.length, dcache.length))
+    return new.replace(cache=cache, dcache=dcache, n_out=jnp.where(d, old.n_out, new.n_out),
+                       n_rounds=jnp.where(d, old.n_rounds, new.n_rounds), done=d | new.done)
 
-    The loop's condition skips the rounds after `done`, so no `lax.cond` wraps a round (its pass-through
-    branch can make XLA copy the carried caches; issue 15)."""
+
+def run_rounds(leaves, dparams, state, oracle, rounds=None, *, graphdef, treedef, dcfg, plan, chunk=None):
+    """The rounds of one call -> (state, Progress); the pure function behind `loop_fn`, which binds the keyword
+    arguments once and jits it with the state donated.
+
+    chunk=None: rounds until done, at most `rounds` (an int32 array), inside one `lax.while_loop`: the device
+    loop. Its condition skips the rounds after `done`, so no `lax.cond` wraps a round (its pass-through branch
+    can make XLA copy the carried caches; issue 15) — but XLA reads a while loop's condition back on the host
+    every iteration, so a call returns only when its GPU work is done.
+    chunk=k: exactly k rounds (a static trip count, no data-dependent control flow: the call returns at once and
+    the next can be enqueued while these run); rounds after `done` change nothing (`_hold_if_done`)."""
     TRACES["rounds"] += 1  # runs once per compilation (tests count them)
     body = functools.partial(_round, graphdef=graphdef, treedef=treedef, dcfg=dcfg, plan=plan)
+    if chunk is None:
+        def cond(carry):
+            i, s = carry
+            return (i < rounds) & ~s.done
 
-    def cond(carry):
-        i, s = carry
-        return (i < rounds) & ~s.done
-
-    state = jax.lax.while_loop(cond, lambda c: (c[0] + 1, body(leaves, dparams, c[1], oracle)),
-                               (jnp.int32(0), state))[1]
+        state = jax.lax.while_loop(cond, lambda c: (c[0] + 1, body(leaves, dparams, c[1], oracle)),
+                                   (jnp.int32(0), state))[1]
+    elif chunk == 1:
+        state = body(leaves, dparams, state, oracle)
+    else:
+        state = jax.lax.fori_loop(0, chunk, lambda i, s: body(leaves, dparams, s, oracle), state)
     state = sharding.constrain(state, plan.mesh)  # the layout `generate` placed it in: one compilation
     return state, Progress(done=state.done, n_out=state.n_out, n_rounds=state.n_rounds, out=state.out)
 
@@ -241,12 +264,18 @@ TRACES = collections.Counter()  # traces (= compilations) of the bound functions
 NO_LIMIT = int(jnp.iinfo(jnp.int32).max)
 
 
-def rounds_fn(target: Target, dcfg, plan: Plan):
-    """`run_rounds` of (target, drafter config, plan), jitted once per target with its static parts bound:
-    `fn(leaves, dparams, state, oracle, rounds) -> (state, Progress)`, the state donated."""
-    return target.bind(("rounds", dcfg, plan), lambda: jax.jit(functools.partial(
-        run_rounds, graphdef=target.graphdef, treedef=target.treedef, dcfg=dcfg, plan=plan),
+def loop_fn(target: Target, dcfg, plan: Plan, chunk: int | None = None):
+    """`run_rounds` of (target, drafter config, plan, chunk), jitted once per target with its static parts
+    bound, the state donated. chunk=None (the device loop): `fn(leaves, dparams, state, oracle, rounds)`;
+    chunk=k (the host loop: k rounds per call): `fn(leaves, dparams, state, oracle)`. -> (state, Progress)."""
+    return target.bind(("rounds", dcfg, plan, chunk), lambda: jax.jit(functools.partial(
+        run_rounds, graphdef=target.graphdef, treedef=target.treedef, dcfg=dcfg, plan=plan, chunk=chunk),
         donate_argnames=("state",)))
+
+
+def rounds_fn(target: Target, dcfg, plan: Plan):
+    """The device loop of (target, drafter config, plan): `loop_fn(..., chunk=None)`."""
+    return loop_fn(target, dcfg, plan)
 
 
 def _start(logits, cache, dcache, seed, stop_mask, temperature, max_new, top_k, top_p, min_p, *, plan: Plan,
@@ -397,13 +426,13 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
         on_tokens([first_np])
     oracle = (jnp.asarray(np.asarray(_oracle_tokens, np.int32)) if _oracle_tokens is not None
               else jnp.zeros((1,), jnp.int32))
-    run = functools.partial(rounds_fn(target, dcfg, plan), target.leaves, dparams)
 
     t1 = time.perf_counter()
     if loop == "device":
-        state, prog = run(state, oracle, jnp.int32(NO_LIMIT))
+        state, prog = loop_fn(target, dcfg, plan)(target.leaves, dparams, state, oracle, jnp.int32(NO_LIMIT))
     else:
-        state, prog = _host_loop(run, state, oracle, int(sync_every), on_tokens)
+        run = functools.partial(loop_fn(target, dcfg, plan, int(sync_every)), target.leaves, dparams)
+        state, prog = _host_loop(run, state, oracle, int(sync_every), max_new, on_tokens)
     n_out, n_rounds = (int(x) for x in jax.device_get((prog.n_out, prog.n_rounds)))
     tokens = np.asarray(prog.out)[0, :n_out].tolist()
     if on_tokens and loop == "device" and n_out > 1:
@@ -430,23 +459,32 @@ def _copy_to_host(prog: Progress, with_out: bool):
         x.copy_to_host_async()
 
 
-def _host_loop(run, state, oracle, sync_every: int, on_tokens):
-    """`sync_every` rounds per call until done, one call always in flight: call k + 1 is enqueued before the
-    host waits for call k's progress (copied to the host asynchronously), so the GPU does not wait on Python
-    between calls. After the call that ends the generation, the one already enqueued runs no round (its loop
-    condition sees `done`). -> (final state, its Progress)."""
-    chunk = jnp.int32(sync_every)
+def _host_loop(run, state, oracle, k: int, max_new: int, on_tokens):
+    """k rounds per call (`loop_fn(..., chunk=k)`: no host synchronisation inside a call) until done, the next
+    call enqueued before the host waits for the previous one's progress (copied to the host asynchronously), so
+    the GPU does not wait on Python between calls. No call is enqueued once the calls in flight are certain to
+    end the generation (every round emits at least one token): only a stop id can leave rounds that run after
+    `done` (at most one call's; they change nothing). -> (final state, its Progress)."""
     stream = on_tokens is not None
     shown = 1
-    state, prog = run(state, oracle, chunk)
-    _copy_to_host(prog, stream)
+    pending = collections.deque()
+
+    def enqueue(st):
+        st, prog = run(st, oracle)
+        _copy_to_host(prog, stream)
+        pending.append(prog)
+        return st
+
+    state = enqueue(state)
+    latest = pending[-1]
     while True:
-        state, nxt = run(state, oracle, chunk)  # enqueued while `prog`'s rounds may still run
-        _copy_to_host(nxt, stream)
+        if shown + k * len(pending) < max_new:  # the calls in flight may not reach max_new: one more
+            state = enqueue(state)
+            latest = pending[-1]
+        prog = pending.popleft()
         done, n_out = bool(np.asarray(prog.done)), int(np.asarray(prog.n_out))
         if stream and n_out > shown:
             on_tokens(np.asarray(prog.out)[0, shown:n_out].tolist())
-            shown = n_out
-        if done:
-            return state, nxt
-        prog = nxt
+        shown = max(shown, n_out)
+        if done:  # (not done implies n_out < max_new: the rule above has a call in flight)
+            return state, latest
