@@ -169,11 +169,11 @@ def build_parser() -> Parser:
     r.add_argument("--tp", type=positive_int, default=1, metavar="N", help="tensor parallelism: split the target "
                    "over the first N devices (must divide its head counts, intermediate size and vocab; on a CPU "
                    "XLA_FLAGS=--xla_force_host_platform_device_count=N makes N devices; default: 1)")
-    r.add_argument("--loop", choices=("host", "device"), default="host", help="host: the host polls every "
-                   "--sync-every rounds and streams tokens; device: all rounds in one lax.while_loop, text "
-                   "printed at the end (default: host)")
-    r.add_argument("--sync-every", type=positive_int, default=4, metavar="N", help="rounds per host poll with "
-                   "--loop host (default: 4)")
+    r.add_argument("--loop", choices=("host", "device"), default="host", help="host: jitted calls of "
+                   "--sync-every rounds, the next enqueued while the host streams the last one's tokens; device: all "
+                   "rounds in one lax.while_loop, text printed at the end (default: host)")
+    r.add_argument("--sync-every", type=positive_int, default=1, metavar="N", help="rounds per jitted call with "
+                   "--loop host (default: 1)")
     r.add_argument("--no-warmup", action="store_true", help="skip the compile-only warm-up call; then time to "
                    "first token and tokens/s include compilation (default: warm up first)")
     r.add_argument("--compile-cache", metavar="DIR", default=os.environ.get("JAXDDTREE_COMPILE_CACHE"),

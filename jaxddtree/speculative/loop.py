@@ -339,7 +339,7 @@ def check_memory(target: Target, drafter, max_len: int, prompt_len: int, max_new
 def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", max_new_tokens: int = 128,
              tree_budget: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              min_p: float = 0.0, seed: int = 0, stop_ids=None,
-             loop: str = "host", sync_every: int = 4, on_tokens: Callable[[list[int]], None] | None = None,
+             loop: str = "host", sync_every: int = 1, on_tokens: Callable[[list[int]], None] | None = None,
              cache_len: int | None = None, _oracle_tokens=None) -> Generation:
     """Generate up to `max_new_tokens` new tokens after `prompt_ids`.
 
