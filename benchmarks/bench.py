@@ -1,10 +1,15 @@
 #!/usr/bin/env python
 """jax.jit benchmarks at Qwen3.6-27B / Qwen3.6-27B-DFlash shapes with random bf16 weights made on the GPU.
 
-Measures (median of many runs after warm-up, one process): weight-streaming bandwidth and the floor per
-token, AR decode step at a 4K context, 8K prefill, verify of N tree nodes, drafter step, tree build,
-commit, full DDTree rounds at several budgets and a chain-DFlash round. Results are merged into
-`--out` (default benchmarks/results/h200.json); `--sections` picks what to run.
+Every figure is timed the way `jaxddtree.generate` runs it: decode steps and rounds are `loop.rounds_fn` (the
+very function generate calls), N of them inside one jitted call (time / N), on a state made by `loop.start_fn`
+with caches sized by `loop.capacity` for a --context-token prompt; each part of a round (draft, tree build,
+verify, accept + commit: loop's stage functions) runs N times inside one jitted loop of its own. The host's
+share is its own figure: `host_overhead_ms` (one round per call, calls back to back, minus the device loop's
+round) and `dispatch_ms` (the time a call takes to return). `e2e` runs `jaxddtree.generate` itself (AR,
+DFlash, DDTree 64; loop="device", "host", "host" with sync_every=1) and records ms per round. Medians of
+--runs calls after warm-up, one process. Results are merged into `--out` (default
+benchmarks/results/h200.json); `--sections` picks what to run.
 
     python benchmarks/bench.py --sections bandwidth,ar,verify,round --kernels xla
 """
@@ -39,10 +44,10 @@ from jaxddtree.speculative import loop as loop_lib
 from jaxddtree.speculative import tree as tree_lib
 from jaxddtree.model.cache import KVCache
 from jaxddtree.model.config import text_config_from_dict
-from jaxddtree.model.drafter import Drafter, DrafterLayer, DrafterParams, draft_logits, init_draft_cache
+from jaxddtree.model.drafter import Drafter, DrafterLayer, DrafterParams, init_draft_cache
 from jaxddtree.model.drafter_config import DrafterConfig
+from jaxddtree.model.prefill import round_up
 from jaxddtree.model.target import random_target
-from jaxddtree.speculative.verify import commit, verify
 
 QWEN36_27B = {
     "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 5120, "intermediate_size": 17408,
@@ -77,20 +82,6 @@ def median_ms(fn, n=20, warmup=3):
     return statistics.median(ts)
 
 
-def make_decode(target, kernels: str):
-    """Jitted greedy decode step (leaves, cache, tok [1, 1]) -> (next tok [1, 1], cache), cache donated."""
-    gd, td, K = target.graphdef, target.treedef, target.config.linear_conv_kernel_dim
-
-    @functools.partial(jax.jit, donate_argnames=("cache",))
-    def decode(leaves, cache, tok):
-        model = nnx.merge(gd, jax.tree.unflatten(td, leaves))
-        lay = layout_lib.sequence(cache.length, 1, K, kernels=kernels)
-        logits, cache, _, _ = model(tok, cache, lay, logits="all")
-        return jnp.argmax(logits[:, -1], -1).astype(jnp.int32)[:, None], cache
-
-    return decode
-
-
 def random_drafter(cfg: DrafterConfig, dtype, seed=0) -> Drafter:
     key = jax.random.key(seed)
     H, nh, nkv, hd, I = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
@@ -120,28 +111,112 @@ def fill_random(tree, key):
     return jax.tree.unflatten(treedef, out)
 
 
-def make_round(target, drafter: Drafter, plan, cache, rounds: int = 1, runner=None):
-    """A closure running `rounds` rounds of `plan` (loop.run_rounds, state donated) on a random state whose
-    target cache is `cache` (committed length = cache.length) and whose drafter cache holds as many random
-    context rows; returns the emitted-token count to block on. `runner`: another run_rounds (A/B timing)."""
-    dcfg, cfg = drafter.config, target.config
-    F, P = dcfg.num_target_features * cfg.hidden_size, dcfg.block_size
-    dcache = fill_random(init_draft_cache(dcfg, 1, cache.max_len, jnp.bfloat16), jax.random.key(4))
-    state = loop_lib.DecodeState(
-        cache=cache, dcache=dataclasses.replace(dcache, length=jnp.copy(cache.length)), ctx=jnp.zeros((1, P, F), jnp.bfloat16),
-        ctx_n=jnp.int32(1), root=jnp.ones((1,), jnp.int32), out=jnp.zeros((1, 100000 + P), jnp.int32),
-        n_out=jnp.int32(1), done=jnp.asarray(False), key=jax.random.key(0), acc=jnp.zeros((100000,), jnp.int32),
-        n_rounds=jnp.int32(0), stop_mask=jnp.zeros((cfg.vocab_size,), bool))
-    holder = [sharding.place(state, target.mesh)]
-    oracle = jnp.zeros((1,), jnp.int32)
+def make_plan(target, dcfg, method: str, budget: int = 0) -> loop_lib.Plan:
+    """The Plan `generate` makes for (method, budget) at temperature 0."""
+    return loop_lib.Plan(method=method, budget=budget if method == "ddtree" else 0, sampling=False,
+                         kernels=target.kernels, conv_kernel=target.config.linear_conv_kernel_dim,
+                         feature_layers=tuple(dcfg.target_layer_ids) if method != "ar" else (), mesh=target.mesh)
 
-    def one():
-        holder[0] = (runner or loop_lib.run_rounds)(target.leaves, drafter.params, holder[0], oracle,
-                                                    graphdef=target.graphdef, treedef=target.treedef, dcfg=dcfg,
-                                                    plan=plan, rounds=rounds)
-        return holder[0].n_out
 
-    return one
+def loop_state(target, drafter, plan, context: int, max_new: int, cache=None):
+    """The decode state `generate` starts its rounds from after a `context`-token prompt (caches sized by
+    `loop.capacity(context, max_new)`, made by `loop.start_fn`), with random cache contents (committed length
+    = context) and random logits for the first token. `cache`: use this target cache instead (its length is
+    set to context)."""
+    cfg = target.config
+    dcfg = drafter.config if plan.method != "ar" else None
+    _, S = loop_lib.capacity(target, dcfg, plan.method, plan.budget, context, max_new)
+    if cache is None:
+        cache = fill_random(target.init_cache(S), jax.random.key(3))
+    cache = cache.replace(length=jnp.int32(context))
+    dcache = None
+    if dcfg:
+        dcache = fill_random(init_draft_cache(dcfg, 1, cache.max_len, jnp.bfloat16), jax.random.key(4))
+        dcache = dataclasses.replace(dcache, length=jnp.int32(context))
+    P = dcfg.block_size if dcfg else 1
+    F = max(len(plan.feature_layers) * cfg.hidden_size, 1)
+    logits = jax.random.normal(jax.random.key(5), (1, cfg.vocab_size), jnp.float32)
+    start = loop_lib.start_fn(target, plan, P, F, round_up(max_new, 256))
+    state = start(logits, sharding.place(cache, target.mesh), dcache, jnp.uint32(0),
+                  jnp.zeros((cfg.vocab_size,), bool), jnp.float32(1.0), jnp.int32(max_new), jnp.int32(0),
+                  jnp.float32(1.0), jnp.float32(0.0))
+    return sharding.place(state, target.mesh)
+
+
+class Rounds:
+    """`rounds_per_call` rounds of `plan` per call of `loop.rounds_fn` (what `generate` calls) on a
+    `loop_state`; `call()` enqueues one call and returns its Progress (nothing blocks)."""
+
+    def __init__(self, target, drafter, plan, context: int, rounds_per_call: int, total_rounds: int, cache=None):
+        dcfg = drafter.config if plan.method != "ar" else None
+        P = dcfg.block_size if dcfg else 1
+        self.fn = loop_lib.rounds_fn(target, dcfg, plan)
+        self.fn1 = loop_lib.loop_fn(target, dcfg, plan, 1)  # one round per call (the server's host loop)
+        self.args = (target.leaves, drafter.params if dcfg else None)
+        self.state = loop_state(target, drafter, plan, context, total_rounds * P, cache=cache)
+        self.oracle = jnp.zeros((1,), jnp.int32)
+        self.n = jnp.int32(rounds_per_call)
+        self.rounds_per_call = rounds_per_call
+
+    def call(self, n=None):
+        self.state, prog = self.fn(*self.args, self.state, self.oracle, self.n if n is None else n)
+        return prog
+
+    def ms_per_round(self, runs: int) -> float:
+        """Median over `runs` calls of (wall time of one call, blocked) / rounds it ran (checked)."""
+        jax.block_until_ready(self.call())  # compile + warm up
+        ts = []
+        for _ in range(runs):
+            before = int(self.state.n_rounds)
+            t = time.perf_counter()
+            prog = self.call()
+            jax.block_until_ready(prog.n_rounds)
+            dt = time.perf_counter() - t
+            ran = int(prog.n_rounds) - before
+            assert ran == self.rounds_per_call, f"ran {ran} rounds, not {self.rounds_per_call} (done early?)"
+            ts.append(dt * 1e3 / ran)
+        return statistics.median(ts)
+
+    def call1(self):
+        self.state, prog = self.fn1(*self.args, self.state, self.oracle)
+        return prog
+
+    def host_figures(self, calls: int) -> dict:
+        """One round per call (`loop_fn(chunk=1)`, as the host loop with sync_every=1 calls it): `calls` calls back
+        to back (blocked once at the end) -> ms per round; the median time a call takes to return (dispatch);
+        and one blocked call per round (how sessions 2-5 timed rounds)."""
+        jax.block_until_ready(self.call1())
+        t = time.perf_counter()
+        disp = []
+        for _ in range(calls):
+            a = time.perf_counter()
+            prog = self.call1()
+            disp.append(time.perf_counter() - a)
+        jax.block_until_ready(prog.n_rounds)
+        back_to_back = (time.perf_counter() - t) * 1e3 / calls
+        blocked = []
+        for _ in range(calls):
+            a = time.perf_counter()
+            jax.block_until_ready(self.call1().n_rounds)
+            blocked.append(time.perf_counter() - a)
+        return {"back_to_back_ms_per_round": back_to_back, "dispatch_ms": statistics.median(disp) * 1e3,
+                "blocking_call_ms_per_round": statistics.median(blocked) * 1e3}
+
+
+def loop_ms(fn, carry, n: int, runs: int, consts=()) -> float:
+    """ms per iteration of `fn(consts, carry) -> carry` run n times inside one jitted fori_loop (the carry
+    donated, each iteration depending on the last, so nothing is hoisted out of the loop; `consts`: arrays the
+    iterations read, passed as arguments — closed over they would be compiled in as constants); median of
+    `runs` calls."""
+    many = jax.jit(lambda k, c: jax.lax.fori_loop(0, n, lambda i, x: fn(k, x), c), donate_argnums=1)
+    holder = [many(consts, jax.tree.map(jnp.copy, carry))]  # a copy: the caller's carry stays usable
+    jax.block_until_ready(holder[0])
+
+    def once():
+        holder[0] = many(consts, holder[0])
+        return holder[0]
+
+    return median_ms(once, n=runs, warmup=1) / n
 
 
 def random_tree(n_nodes: int, depth: int, seed: int):
@@ -157,20 +232,50 @@ def random_tree(n_nodes: int, depth: int, seed: int):
     return np.asarray(parents, np.int32)
 
 
+def make_decode(target, kernels: str):
+    """A plain jitted greedy decode step (leaves, cache, tok [1, 1]) -> (next tok, cache), cache donated: only
+    for benchmarks/ab_decode_fusions.py (it retraces under the fusion switches); the AR figures of this script
+    are `loop.rounds_fn` rounds, as generate runs them."""
+    gd, td, K = target.graphdef, target.treedef, target.config.linear_conv_kernel_dim
+
+    @functools.partial(jax.jit, donate_argnames=("cache",))
+    def decode(leaves, cache, tok):
+        model = nnx.merge(gd, jax.tree.unflatten(td, leaves))
+        lay = layout_lib.sequence(cache.length, 1, K, kernels=kernels)
+        logits, cache, _, _ = model(tok, cache, lay, logits="all")
+        return jnp.argmax(logits[:, -1], -1).astype(jnp.int32)[:, None], cache
+
+    return decode
+
+
+def stream_rate(d_model: int, cols: int, target_kernels: str, log, smoke=False) -> dict:
+    """TB/s at which one [1, d_model] x [d_model, cols] bf16 GEMV streams its weight, 4 distinct copies in one
+    jit (nothing stays in L2), for XLA and (on a GPU) our Pallas GEMV: the best is the floor's rate."""
+    from kernels_pallas import dense as dense_kernel
+    Ws = [jax.random.normal(jax.random.key(10 + i), (d_model, cols), jnp.bfloat16) for i in range(4)]
+    x = jax.random.normal(jax.random.key(2), (1, d_model), jnp.bfloat16)
+    fns = {"xla": jax.jit(lambda x, Ws: [x @ W for W in Ws])}
+    if target_kernels == "pallas":
+        fns["pallas"] = jax.jit(lambda x, Ws: [dense_kernel.dense(x, W) for W in Ws])
+    out = {}
+    for name, fn in fns.items():
+        ms = median_ms(lambda: fn(x, Ws), n=5 if smoke else 30)
+        out[name] = round(sum(W.size for W in Ws) * 2 / (ms * 1e-3) / 1e12, 3)
+        log(f"GEMV [1,{d_model}] x [{d_model},{cols}] ({name}): {out[name]} TB/s")
+    del Ws
+    return out
+
+
 def bench_fp8(args, cfg, dcfg: DrafterConfig, res: dict, save, log):
-    """--weights fp8 (issue 17 goals), keys fp8.*: a random fp8 target (`random_target(weights="fp8")`, made
-    without a bf16 copy) + the bf16 drafter + target and drafter caches for an 8K context (max_len 8192 + 256),
-    then, in this order:
-      fp8.ar_step_ms     greedy decode step at --context committed tokens;
-      fp8.round_ms.64    DDTree round at budget 64 (same context; the decode cache freed first);
+    """--weights fp8, keys fp8.*: a random fp8 target (`random_target(weights="fp8")`, made without a bf16 copy)
+    + the bf16 drafter + caches for an 8K context (`loop.capacity(8192 - 256, 256)`), then, in this order:
+      fp8.ar_step_ms     greedy decode step (loop rounds, --rounds-per-call per call) at --context tokens;
+      fp8.round_ms.64    DDTree round at budget 64 (same context; the decode state freed first);
       fp8.memory_gb_in_use_peak  [in use, peak so far] after building the target, the drafter, the decode
-                         step and the round (where the peak comes from);
-      fp8.peak_gb        jax peak_bytes_in_use after those (model + drafter + caches + the jits' temporaries;
-                         None where the backend keeps no memory stats, e.g. the CPU);
-      fp8.floor_ms       bytes streamed per decode step (every target leaf but the embedding: fp8 q, fp32
-                         scales, plain tails, bf16 lm_head / norms / GDN tensors) ÷ the GEMV bandwidth measured
-                         now (as the bandwidth section: 4 distinct bf16 lm_head-shaped copies, XLA; measured last
-                         so its 10 GB do not count in the peak), fp8.weight_stream_tb_s, fp8.weights_streamed_gb."""
+                         loop and the round (where the peak comes from);
+      fp8.peak_gb        jax peak_bytes_in_use after those (None where the backend keeps no memory stats);
+      fp8.floor_ms       bytes streamed per decode step (every target leaf but the embedding) ÷ the best bf16
+                         GEMV rate of `stream_rate` (measured last so that its 10 GB do not count in the peak)."""
     from jaxddtree.model.fp8 import FP8
 
     mem: dict = {}
@@ -183,81 +288,88 @@ def bench_fp8(args, cfg, dcfg: DrafterConfig, res: dict, save, log):
     t0 = time.time()
     target = random_target(cfg, "bfloat16", seed=0, weights="fp8")
     target.kernels = args.kernels
-    n_fp8 = sum(x.dtype == FP8 for x in target.leaves)  # the q of each Fp8Weight (a pytree: q, scale, tail)
+    n_fp8 = sum(x.dtype == FP8 for x in target.leaves)
     streamed = sum(x.size * x.dtype.itemsize for x in target.leaves) - cfg.vocab_size * cfg.hidden_size * 2
     out = res.setdefault("fp8", {})
     out["weights_streamed_gb"] = round(streamed / 1e9, 3)
     out["memory_gb_in_use_peak"] = mem
     memory("target")
-    log(f"fp8 target built in {time.time() - t0:.1f}s: {n_fp8} fp8 projections, {streamed / 1e9:.2f} GB streamed/token")
+    log(f"fp8 target built in {time.time() - t0:.1f}s: {n_fp8} fp8 arrays, {streamed / 1e9:.2f} GB streamed/token")
     drafter = random_drafter(dcfg, jnp.bfloat16)
     memory("drafter")
-    S = (8192 if not args.smoke else 256) + 256
     L = args.context
-
-    def fresh_cache(length):
-        c = fill_random(target.init_cache(S), jax.random.key(3))
-        return c.replace(length=jnp.int32(length))
-
-    decode = make_decode(target, args.kernels)
-    state = [jnp.ones((1, 1), jnp.int32), fresh_cache(L)]
-
-    def step():
-        state[0], state[1] = decode(target.leaves, state[1], state[0])
-        return state[0]
-
+    n = args.rounds_per_call
+    ar = Rounds(target, drafter, make_plan(target, dcfg, "ar"), L, 4 * n, (args.runs + 2) * 4 * n)
     t = time.time()
-    jax.block_until_ready(step())
-    log(f"fp8 decode compiled in {time.time() - t:.1f}s")
-    out["ar_step_ms"] = round(median_ms(step, n=args.runs * 2), 3)
-    log(f"fp8 AR step {out['ar_step_ms']} ms")
-    memory("decode (+ its cache)")
-    del state
+    out["ar_step_ms"] = round(ar.ms_per_round(args.runs), 3)
+    log(f"fp8 AR step {out['ar_step_ms']} ms ({time.time() - t:.1f}s with compilation)")
+    memory("decode loop (+ its caches)")
+    del ar
     save()
-
-    plan = loop_lib.Plan(method="ddtree", budget=64, max_new=100000, sampling=False, kernels=args.kernels,
-                         conv_kernel=cfg.linear_conv_kernel_dim, feature_layers=dcfg.target_layer_ids)
-    one = make_round(target, drafter, plan, fresh_cache(L))
-    t = time.time()
-    jax.block_until_ready(one())
-    log(f"fp8 ddtree round (budget 64) compiled in {time.time() - t:.1f}s")
-    out["round_ms"] = {"64": round(median_ms(one, n=args.runs), 3)}
+    rnd = Rounds(target, drafter, make_plan(target, dcfg, "ddtree", 64), L, n, (args.runs + 2) * n)
+    out["round_ms"] = {"64": round(rnd.ms_per_round(args.runs), 3)}
     log(f"fp8 round budget 64: {out['round_ms']['64']} ms")
     memory("round (+ its caches)")
-    log(f"fp8 memory (GB in use, peak so far) by stage: {mem}")
     stats = jax.devices()[0].memory_stats() or {}
     peak = stats.get("peak_bytes_in_use")
     out["peak_gb"] = None if peak is None else round(peak / 1e9, 3)
-    out["peak_note"] = (f"peak_bytes_in_use: fp8 target + bf16 drafter + target/drafter caches of {S} rows "
-                        f"+ the decode / round jits' temporaries")
-    log(f"fp8 peak device memory {out['peak_gb']} GB")
-    del one
+    out["peak_note"] = "peak_bytes_in_use: fp8 target + bf16 drafter + caches + the loops' temporaries"
+    log(f"fp8 memory (GB in use, peak so far) by stage: {mem}; peak {out['peak_gb']} GB")
+    del rnd
+    save()
+    rates = stream_rate(cfg.hidden_size, cfg.vocab_size if not args.smoke else 512, args.kernels, log, args.smoke)
+    out["weight_stream_tb_s"] = max(rates.values())
+    out["floor_ms"] = round(streamed / (out["weight_stream_tb_s"] * 1e12) * 1e3, 3)
+    out["floor_over_ar"] = round(out["floor_ms"] / out["ar_step_ms"], 3)
     save()
 
-    d_model, cols = cfg.hidden_size, cfg.vocab_size
-    Ws = [jax.random.normal(jax.random.key(10 + i), (d_model, cols), jnp.bfloat16) for i in range(4)]
-    x = jax.random.normal(jax.random.key(2), (1, d_model), jnp.bfloat16)
-    chain = jax.jit(lambda x, Ws: [x @ W for W in Ws])
-    ms = median_ms(lambda: chain(x, Ws), n=30)
-    bw = sum(W.size for W in Ws) * 2 / (ms * 1e-3) / 1e12
-    del Ws
-    out["weight_stream_tb_s"] = round(bw, 3)
-    out["floor_ms"] = round(streamed / (bw * 1e12) * 1e3, 3)
-    out["floor_over_ar"] = round(out["floor_ms"] / out["ar_step_ms"], 3)
-    log(f"GEMV bandwidth {bw:.2f} TB/s: fp8 floor {out['floor_ms']} ms ({out['floor_over_ar']} of the AR step)")
-    save()
+
+def e2e(args, target, drafter, res, save, log):
+    """`jaxddtree.generate` itself at these shapes: a --context-token random prompt, --e2e-tokens new tokens,
+    AR / DFlash / DDTree(64) x loop="device" / "host" (sync_every 4) / "host" with sync_every=1 (the server's);
+    ms per round = stats["decode_s"] / stats["rounds"] (median of --e2e-runs; the first call compiles)."""
+    import jaxddtree
+    cfg = target.config
+    ids = np.random.RandomState(0).randint(0, cfg.vocab_size, args.context).tolist()
+    out = res.setdefault("e2e", {})
+    out["note"] = (f"jaxddtree.generate, {args.context}-token random prompt, {args.e2e_tokens} new tokens, "
+                   f"random weights (acceptance ~1); ms per round = decode_s / rounds, median of {args.e2e_runs}")
+    loops = {"device": dict(loop="device"), "host": dict(loop="host"), "host1": dict(loop="host", sync_every=1)}
+    for name, method in (("ar", "ar"), ("dflash", "dflash"), ("ddtree64", "ddtree")):
+        rec = out.setdefault(name, {})
+        kw = dict(drafter=drafter, method=method, tree_budget=64, max_new_tokens=args.e2e_tokens)
+        t = time.time()
+        jaxddtree.generate(target, ids, loop="device", **kw)
+        log(f"e2e {name}: compiled + first run in {time.time() - t:.1f}s")
+        for lname, lkw in loops.items():
+            ms, ttft = [], []
+            for _ in range(args.e2e_runs):
+                g = jaxddtree.generate(target, ids, **kw, **lkw)
+                ms.append(g.stats["decode_s"] / max(g.stats["rounds"], 1) * 1e3)
+                ttft.append(g.stats["time_to_first_token_s"])
+            rec[f"{lname}_ms_per_round"] = round(statistics.median(ms), 3)
+            rec[f"{lname}_ttft_s"] = round(statistics.median(ttft), 3)
+            rec["rounds"] = g.stats["rounds"]
+        rec["host_over_device"] = round(rec["host_ms_per_round"] / rec["device_ms_per_round"], 3)
+        rec["host1_over_device"] = round(rec["host1_ms_per_round"] / rec["device_ms_per_round"], 3)
+        log(f"e2e {name}: {json.dumps(rec)}")
+        save()
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sections", default="bandwidth,ar,prefill,verify,parts,round",
-                    help="comma list of: bandwidth, ar, prefill, verify, parts, round (default: all)")
+    ap.add_argument("--sections", default="bandwidth,ar,prefill,verify,parts,round,host,e2e",
+                    help="comma list of: bandwidth, ar, prefill, verify, parts, round, host, e2e (default: all)")
     ap.add_argument("--kernels", default=None, choices=["xla", "pallas"],
                     help="kernel path (default: pallas on a GPU, else xla); keys of a non-default path get a suffix")
     ap.add_argument("--context", type=int, default=4096, help="committed context length for decode/verify")
     ap.add_argument("--verify-nodes", default="16,32,64,128,256", help="N (non-root) for the verify sweep")
     ap.add_argument("--budgets", default="16,64,256", help="DDTree budgets for the round timings")
-    ap.add_argument("--runs", type=int, default=20, help="timed runs per measurement (median reported)")
+    ap.add_argument("--runs", type=int, default=7, help="timed calls per measurement (median reported)")
+    ap.add_argument("--rounds-per-call", type=int, default=16,
+                    help="rounds (or loop iterations of a part) inside one jitted call; AR steps run 4x as many")
+    ap.add_argument("--e2e-tokens", type=int, default=64, help="new tokens per generate call in the e2e section")
+    ap.add_argument("--e2e-runs", type=int, default=3, help="generate calls per e2e figure (median)")
     ap.add_argument("--out", default="benchmarks/results/h200.json", help="JSON file to merge results into")
     ap.add_argument("--config", default=None, help="HF config.json for other target shapes")
     ap.add_argument("--contexts", default="",
@@ -286,7 +398,7 @@ def main(argv=None):
     if args.smoke:
         raw.update(SMOKE_TARGET)
         dflash.update(SMOKE_DFLASH)
-        args.runs, args.context = 3, 64
+        args.runs, args.context, args.rounds_per_call, args.e2e_tokens, args.e2e_runs = 3, 64, 2, 6, 1
         if args.contexts:
             args.contexts, args.prefill_contexts, args.prefill_chunk = "64,192", "64,128", 32
     cfg = text_config_from_dict(raw, where=args.config or "built-in Qwen3.6-27B shapes")
@@ -323,20 +435,18 @@ def main(argv=None):
         print(json.dumps(res, indent=1, sort_keys=True))
         return
 
+    res["method_note"] = (
+        "device loop: N rounds (AR steps) per jitted call of loop.rounds_fn, time / N; parts: N iterations of "
+        "loop's stage functions in one jitted fori_loop; caches sized by loop.capacity(context, rounds * rows); "
+        "host_overhead_ms = round(64) at one round per call (calls back to back) - the device-loop round")
     if "bandwidth" in sections:
-        # the largest GEMV of a decode step (the lm_head shape, 2.54 GB), over 4 distinct copies in ONE jit
-        # (nothing stays in L2, one dispatch): the best weight-streaming rate XLA reaches on this GPU
         cols = raw.get("text_config", raw)["vocab_size"] if not args.smoke else 512
         d_model = raw.get("text_config", raw)["hidden_size"]
-        Ws = [jax.random.normal(jax.random.key(10 + i), (d_model, cols), jnp.bfloat16) for i in range(4)]
-        x = jax.random.normal(jax.random.key(2), (1, d_model), jnp.bfloat16)
-        chain = jax.jit(lambda x, Ws: [x @ W for W in Ws])
-        ms = median_ms(lambda: chain(x, Ws), n=30)
-        bw = sum(W.size for W in Ws) * 2 / (ms * 1e-3) / 1e12
-        res["weight_stream_tb_s"] = round(bw, 3)
-        res["weight_stream_note"] = f"x[1,{d_model}] @ w[{d_model},{cols}] bf16 (XLA), 4 distinct copies in one jit"
-        del Ws
-        log(f"GEMV bandwidth {bw:.2f} TB/s")
+        rates = stream_rate(d_model, cols, args.kernels, log, args.smoke)
+        res["weight_stream_tb_s_by_kernel"] = rates
+        res["weight_stream_tb_s"] = max(rates.values())
+        res["weight_stream_note"] = (f"x[1,{d_model}] @ w[{d_model},{cols}] bf16, 4 distinct copies in one jit, per "
+                                     "kernel (xla, pallas GEMV); the floor uses the best")
         save()
 
     t0 = time.time()
@@ -350,36 +460,21 @@ def main(argv=None):
         res["floor_ms"] = round(streamed / tp / (res["weight_stream_tb_s"] * 1e12) * 1e3, 3)  # per device
     log(f"target built in {time.time() - t0:.1f}s: {n_bytes / 1e9:.2f} GB ({streamed / 1e9:.2f} GB streamed/token)")
     gd, td = target.graphdef, target.treedef
-    L = args.context
-    S = L + (8192 if not args.smoke else 512) + 512
-
-    def fresh_cache(length):
-        c = fill_random(target.init_cache(S), jax.random.key(3))
-        return sharding.place(c.replace(length=jnp.int32(length)), target.mesh)
+    L, n, runs = args.context, args.rounds_per_call, args.runs
+    dcfg = DrafterConfig(**dflash)
+    drafter = random_drafter(dcfg, jnp.bfloat16)
+    drafter.params = sharding.replicate(drafter.params, target.mesh)
 
     if "ar" in sections:
-        decode = make_decode(target, args.kernels)
-        cache = fresh_cache(L)
-        tok = jnp.ones((1, 1), jnp.int32)
+        ar = Rounds(target, drafter, make_plan(target, dcfg, "ar"), L, 4 * n, (runs + 2) * 4 * n)
         t = time.time()
-        tok, cache = decode(target.leaves, cache, tok)
-        jax.block_until_ready(tok)
-        log(f"decode compiled in {time.time() - t:.1f}s")
-        state = [tok, cache]
-
-        def step():
-            state[0], state[1] = decode(target.leaves, state[1], state[0])
-            return state[0]
-
-        res["ar_step_ms" + key] = round(median_ms(step, n=args.runs * 2), 3)
-        log(f"AR step {res['ar_step_ms' + key]} ms")
-        del state, cache
+        res["ar_step_ms" + key] = round(ar.ms_per_round(runs), 3)
+        log(f"AR step {res['ar_step_ms' + key]} ms ({time.time() - t:.1f}s with compilation)")
+        del ar
         save()
 
     if "prefill" in sections:
         chunk = 2048 if not args.smoke else 64
-        cache = target.init_cache(4 * chunk + chunk)
-        ids = jnp.asarray(np.random.RandomState(0).randint(0, cfg.vocab_size, (1, chunk)), jnp.int32)
 
         def prefill_all():
             c = target.init_cache(4 * chunk + chunk)
@@ -387,194 +482,188 @@ def main(argv=None):
                 lg, c, _, _ = target.prefill(c, ids, chunk)
             return lg
 
+        ids = jnp.asarray(np.random.RandomState(0).randint(0, cfg.vocab_size, (1, chunk)), jnp.int32)
         t = time.time()
         jax.block_until_ready(prefill_all())
         log(f"prefill compiled+run in {time.time() - t:.1f}s")
         res["prefill_8k_s" + key] = round(median_ms(prefill_all, n=3, warmup=1) / 1e3, 3)
         log(f"prefill 8K {res['prefill_8k_s' + key]} s")
-        del cache
         save()
+
+    def verify_fn(plan):
+        """stage fn: tokens [1, N] -> next tokens (the argmax of the verify's logits), the cache unchanged."""
+        def step(leaves, carry):
+            cache, tokens, tree = carry
+            model = nnx.merge(gd, jax.tree.unflatten(td, leaves))
+            tree = dataclasses.replace(tree, tokens=tokens[0])
+            logits, feats, _ = loop_lib.verify_stage(model, cache, tree, tree_lib.ancestor_mask(tree), plan)
+            nxt = jnp.argmax(logits, -1).astype(jnp.int32) + (feats[..., :1, 0] > 1e30).astype(jnp.int32)
+            return cache, nxt, tree
+        return step
+
+    def a_tree(n_nodes, seed):
+        parents = jnp.asarray(random_tree(n_nodes, 15, seed))
+        depths = jnp.asarray(_depths(np.asarray(parents)), jnp.int32)
+        tokens = jnp.asarray(np.random.RandomState(seed).randint(0, cfg.vocab_size, n_nodes), jnp.int32)
+        return tree_lib.Tree(tokens=tokens, parents=parents, depths=depths, valid=jnp.ones((n_nodes,), bool),
+                             max_depth=15)
 
     if "verify" in sections:
-        @jax.jit
-        def run_verify(leaves, cache, tokens, parents):
-            model = nnx.merge(gd, jax.tree.unflatten(td, leaves))
-            lay = layout_lib.tree(cache.length, parents, cfg.linear_conv_kernel_dim, kernels=args.kernels)
-            logits, feats, stashes = verify(model, cache, tokens, lay, feature_layers=dflash["target_layer_ids"])
-            return jnp.argmax(logits, -1), feats
-
-        cache = fresh_cache(L)
         out = res.setdefault("verify_ms" + key, {})
-        for n in [int(v) for v in args.verify_nodes.split(",")]:
-            parents = jnp.asarray(random_tree(n + 1, 15, n))
-            tokens = jnp.asarray(np.random.RandomState(n).randint(0, cfg.vocab_size, (1, n + 1)), jnp.int32)
+        plan = make_plan(target, dcfg, "ddtree", 64)
+        for nn in [int(v) for v in args.verify_nodes.split(",")]:
+            tree = a_tree(nn + 1, nn)
+            _, S = loop_lib.capacity(target, dcfg, "ddtree", nn, L, 0)
+            cache = fill_random(target.init_cache(S), jax.random.key(3)).replace(length=jnp.int32(L))
             t = time.time()
-            jax.block_until_ready(run_verify(target.leaves, cache, tokens, parents))
-            log(f"verify N={n + 1} compiled in {time.time() - t:.1f}s")
-            out[str(n + 1)] = round(median_ms(lambda: run_verify(target.leaves, cache, tokens, parents),
-                                              n=args.runs), 3)
-            log(f"verify N={n + 1}: {out[str(n + 1)]} ms")
+            out[str(nn + 1)] = round(loop_ms(verify_fn(plan), (cache, tree.tokens[None], tree), n, runs,
+                                             target.leaves), 3)
+            log(f"verify N={nn + 1}: {out[str(nn + 1)]} ms ({time.time() - t:.1f}s with compilation)")
+            del cache
             save()
-        del cache
-
-    dcfg = DrafterConfig(**dflash)
-    drafter = random_drafter(dcfg, jnp.bfloat16)
-    drafter.params = sharding.replicate(drafter.params, target.mesh)
 
     if "parts" in sections:
-        dcache = fill_random(init_draft_cache(dcfg, 1, S, jnp.bfloat16), jax.random.key(4))
-        dcache = dataclasses.replace(dcache, length=jnp.int32(L))
-        F = dcfg.num_target_features * cfg.hidden_size
-        ctx = jax.random.normal(jax.random.key(5), (1, dcfg.block_size, F), jnp.bfloat16)
+        plan = make_plan(target, dcfg, "ddtree", 64)
+        state = loop_state(target, drafter, plan, L, (runs + 2) * n * dcfg.block_size)
         embed, head = target.embedding, target.lm_head
+        dparams = drafter.params
 
-        @jax.jit  # embed / head are arguments: closed over, they would be 2.5 GB constants in the HLO
-        def draft(dp, dc, ctx, embed, head):
-            lg, _ = draft_logits(dp, dcfg, dc, ctx, jnp.int32(8), jnp.ones((1,), jnp.int32), embed, head,
-                                 args.kernels)
-            return lg
+        def draft(consts, st):  # the drafter on the state's context rows + the root; next root from its argmax
+            dparams, embed, head = consts
+            dl, dcache = loop_lib.draft_stage(dparams, dcfg, st, embed, head, plan)
+            root = jnp.argmax(dl[0]).astype(jnp.int32)[None]
+            # keep the committed context where it was (each call appends ctx_n rows): the capacity is not outgrown
+            dcache = dataclasses.replace(dcache, length=st.dcache.length)
+            return st.replace(dcache=dcache, root=root)
 
-        t = time.time()
-        jax.block_until_ready(draft(drafter.params, dcache, ctx, embed, head))
-        log(f"draft compiled in {time.time() - t:.1f}s")
-        res["draft_ms" + key] = round(median_ms(lambda: draft(drafter.params, dcache, ctx, embed, head),
-                                                n=args.runs), 3)
+        res["draft_ms" + key] = round(loop_ms(draft, state, n, runs, (dparams, embed, head)), 3)
         log(f"draft {res['draft_ms' + key]} ms")
-        dl = draft(drafter.params, dcache, ctx, embed, head)[0]
-        # tree build and commit with and without their Pallas kernels (A/B in one run; the defaults are
-        # ops.PALLAS_TREE_SELECT / PALLAS_GDN_COMMIT): "_xla" / "_pallas" keys for the non-default variant
-        paths = ["pallas", "xla"] if dev.platform == "gpu" else [args.kernels]
-        default_variant = "pallas" if args.kernels == "pallas" and ops.PALLAS_GDN_COMMIT else "xla"
-        suffix = {kp: "" if kp == default_variant else f"_{kp}" for kp in paths}
+        state = loop_state(target, drafter, plan, L, (runs + 2) * n * dcfg.block_size)
+        dl0 = jax.jit(lambda dp, st, e, h: loop_lib.draft_stage(dp, dcfg, st, e, h, plan)[0])(
+            dparams, state, embed, head)
 
-        def with_kernels(kp, fn):  # trace fn with the Pallas tree/commit kernels on (kp == "pallas") or off
-            flags = ops.PALLAS_TREE_SELECT, ops.PALLAS_GDN_COMMIT
-            ops.PALLAS_TREE_SELECT = ops.PALLAS_GDN_COMMIT = kp == "pallas"
-            try:
-                return jax.block_until_ready(fn())
-            finally:
-                ops.PALLAS_TREE_SELECT, ops.PALLAS_GDN_COMMIT = flags
+        def build(_, carry):  # the draft logits nudged by the last tree (a data dependence; nothing hoisted)
+            dl, root = carry
+            tree, mask = loop_lib.tree_stage(root, dl, plan)
+            nxt = tree.tokens[1] + mask[-1, 0].astype(jnp.int32)
+            return dl + jnp.float32(1e-30) * nxt.astype(jnp.float32), nxt
 
-        for kp in paths:
-            build = jax.jit(lambda r, d, kp=kp: tree_lib.build_tree(r, d, 64, kernels=args.kernels))
-            with_kernels(kp, lambda: build(jnp.int32(1), dl))
-            jax.block_until_ready(build(jnp.int32(1), dl))
-            res["tree_build_ms" + suffix[kp]] = round(median_ms(lambda: build(jnp.int32(1), dl), n=args.runs), 3)
-            log(f"tree build (budget 64, {kp}) {res['tree_build_ms' + suffix[kp]]} ms")
+        res["tree_build_ms" + key] = round(loop_ms(build, (dl0, jnp.int32(1)), n, runs), 3)
+        log(f"tree build (budget 64) {res['tree_build_ms' + key]} ms")
 
-        cache = fresh_cache(L)
-        parents = jnp.asarray(random_tree(65, 15, 1))
-        tokens = jnp.ones((1, 65), jnp.int32)
+        # accept + commit of a verify's outputs (fixed: computed once), the cache carried (length grows)
+        tree, mask = jax.jit(lambda r, d: loop_lib.tree_stage(r, d, plan))(jnp.int32(1), dl0)
+        vout = jax.jit(lambda lv, c, t, m: loop_lib.verify_stage(
+            nnx.merge(gd, jax.tree.unflatten(td, lv)), c, t, m, plan))(target.leaves, state.cache, tree, mask)
+        logits, feats, stashes = vout
 
-        @jax.jit
-        def stashes_of(leaves, cache):
-            model = nnx.merge(gd, jax.tree.unflatten(td, leaves))
-            lay = layout_lib.tree(cache.length, parents, cfg.linear_conv_kernel_dim, kernels=args.kernels)
-            return verify(model, cache, tokens, lay)[2]
+        def accept_commit(consts, st):
+            tree, mask, logits, feats, stashes = consts
+            return loop_lib.commit_stage(st, st.dcache, tree, mask, logits, feats, stashes, plan)
 
-        st = stashes_of(target.leaves, cache)
-        path = jnp.asarray([[0] + [int(i) for i in np.nonzero(np.asarray(parents) == 0)[0][:1]] + [0] * 14], jnp.int32)
-        # the cache is donated, as in the round (otherwise every call copies the whole ~1 GB cache)
-        held = [cache]
-        for kp in paths:
-            do_commit = jax.jit(lambda c, s, kp=kp: commit(c, s, path, jnp.asarray([2], jnp.int32),
-                                                             kernels=args.kernels, mesh=target.mesh),
-                                donate_argnums=0)
-
-            def commit_once():
-                held[0] = do_commit(held[0], st)
-                return held[0].length
-
-            with_kernels(kp, commit_once)
-            res["commit_ms" + suffix[kp]] = round(median_ms(commit_once, n=args.runs), 3)
-            log(f"commit ({kp}) {res['commit_ms' + suffix[kp]]} ms")
-        del held, st, dcache
+        res["commit_ms" + key] = round(loop_ms(accept_commit, state, n, runs, (tree, mask) + tuple(vout)), 3)
+        res["parts_note"] = ("draft / tree build / accept + commit: loop's stage functions, " f"{n} per jitted "
+                             "fori_loop (each iteration depends on the last); verify: verify_ms['65']")
+        log(f"accept + commit {res['commit_ms' + key]} ms")
+        del state, vout, logits, feats, stashes
         save()
 
-    if "round" in sections:
+    if "round" in sections or "host" in sections:
         out = res.setdefault("round_ms" + key, {})
-        plans = [("ddtree", b) for b in [int(v) for v in args.budgets.split(",")]] + [("dflash", 15)]
+        budgets = [int(v) for v in args.budgets.split(",")] if "round" in sections else [64]
+        plans = [("ddtree", b) for b in budgets] + ([("dflash", 15)] if "round" in sections else [])
         for method, budget in plans:
-            plan = loop_lib.Plan(method=method, budget=budget, max_new=100000, sampling=False,
-                                 kernels=args.kernels, conv_kernel=cfg.linear_conv_kernel_dim,
-                                 feature_layers=dcfg.target_layer_ids, mesh=target.mesh)
-            one = make_round(target, drafter, plan, fresh_cache(L))
+            rnd = Rounds(target, drafter, make_plan(target, dcfg, method, budget), L, n, (runs + 2) * n + 2 * 64)
             t = time.time()
-            jax.block_until_ready(one())
-            log(f"{method} round (budget {budget}) compiled in {time.time() - t:.1f}s")
-            ms = round(median_ms(one, n=args.runs), 3)
+            ms = round(rnd.ms_per_round(runs), 3)
             if method == "ddtree":
                 out[str(budget)] = ms
             else:
                 res["chain_round_ms" + key] = ms
-            log(f"{method} round budget {budget}: {ms} ms")
-            del one
+            log(f"{method} round budget {budget}: {ms} ms ({time.time() - t:.1f}s with compilation)")
+            if "host" in sections and method == "ddtree" and budget == 64:
+                h = rnd.host_figures(calls=min(32, runs * 4))
+                res["host_overhead_ms" + key] = round(max(h["back_to_back_ms_per_round"] - ms, 0.0), 3)
+                res["host" + key] = {k: round(v, 3) for k, v in h.items()}
+                res["host_note"] = ("round(64), one round per call: back_to_back = calls enqueued one after the "
+                                    "other (blocked once) / calls; dispatch_ms = time for a call to return; "
+                                    "blocking_call = one blocked call per round (how sessions 2-5 timed rounds)")
+                log(f"host: {res['host' + key]} -> host_overhead_ms {res['host_overhead_ms' + key]}")
+            del rnd
             save()
         ar = res.get("ar_step_ms" + key)
         verify65 = res.get("verify_ms" + key, {}).get("65")
         if verify65 and "64" in out:
             res["round_overhead_ms" + key] = round(out["64"] - verify65, 3)
-            log(f"round overhead (round 64 - verify 65): {res['round_overhead_ms' + key]} ms")
         if ar:  # the goals' ratios, all from this run
             res["ratios" + key] = {k: round(v / ar, 3) for k, v in (
                 ("verify65_over_ar", verify65), ("verify129_over_ar", res.get("verify_ms" + key, {}).get("129")),
                 ("round64_over_ar", out.get("64")), ("chain_round_over_ar", res.get("chain_round_ms" + key)))
                 if v}
+            if "64" in out:
+                res["round64_minus_ar_ms" + key] = round(out["64"] - ar, 3)
             if res.get("floor_ms"):
                 res["ratios" + key]["floor_over_ar"] = round(res["floor_ms"] / ar, 3)
-        if ar and "64" in out:
+        if "64" in out:
             res["projected_tokens_per_s" + key] = {
-                str(tau): round(tau / (out["64"] * 1e-3), 1) for tau in (4, 6, 8, 10)}
+                str(tau): round(tau / (out["64"] * 1e-3), 1) for tau in (4, 6, 6.5, 8, 10)}
             res["projection_note"] = "projected tokens/s = tau / DDTree round time at budget 64 (projection)"
+        save()
+    if "e2e" in sections:
+        e2e(args, target, drafter, res, save, log)
+        rnd64 = res.get("round_ms" + key, {}).get("64")
+        dev = res["e2e"]["ddtree64"].get("device_ms_per_round")
+        if rnd64 and dev:
+            res["round64_over_e2e_device"] = round(rnd64 / dev, 3)
         save()
     if args.contexts:
         contexts(args, res, key, target, drafter, dcfg, save, log)
     print(json.dumps(res, indent=1, sort_keys=True))
 
 
+def _depths(parents: np.ndarray) -> np.ndarray:
+    d = np.zeros(len(parents), np.int32)
+    for i in range(1, len(parents)):
+        d[i] = d[parents[i]] + 1
+    return d
+
+
 def contexts(args, res, key, target, drafter, dcfg, save, log):
-    """Issue 16's sweep over the committed context length: AR step, DDTree round (budget 64), tree attention of
-    65 nodes over the 16 attention layers' caches (one jit), and chunked prefill of whole prompts."""
+    """Issue 16's sweep over the committed context length: AR step and DDTree round (budget 64) on the device
+    loop (caches sized by loop.capacity for each context), tree attention of 65 nodes over the 16 attention
+    layers' caches (a jitted loop of --rounds-per-call passes), and chunked prefill of whole prompts."""
     cfg = target.config
     ctxs = [int(v) for v in args.contexts.split(",")]
-    slack = 8192 if not args.smoke else 64
     ar, rnd, att = (res.setdefault(k + key, {}) for k in
                     ("ar_step_ms_by_context", "round_ms_by_context", "tree_attention_ms_by_context"))
-    decode = make_decode(target, args.kernels)
-    plan = loop_lib.Plan(method="ddtree", budget=64, max_new=100000, sampling=False, kernels=args.kernels,
-                         conv_kernel=cfg.linear_conv_kernel_dim, feature_layers=dcfg.target_layer_ids)
-    n = 65
-    parents = jnp.asarray(random_tree(n, 15, 1))
-    mask = layout_lib.ancestor_mask(parents, jnp.ones((n,), bool), n - 1)[None]  # [1, T, T]
+    n, runs = args.rounds_per_call, args.runs
+    nn = 65
+    parents = jnp.asarray(random_tree(nn, 15, 1))
+    mask = layout_lib.ancestor_mask(parents, jnp.ones((nn,), bool), nn - 1)[None]  # [1, T, T]
     ks = jax.random.split(jax.random.key(7), 3)
-    q = jax.random.normal(ks[0], (1, n, cfg.num_attention_heads, cfg.head_dim), jnp.bfloat16)
-    kn, vn = (jax.random.normal(k, (1, n, cfg.num_key_value_heads, cfg.head_dim), jnp.bfloat16) for k in ks[1:])
+    q = jax.random.normal(ks[0], (1, nn, cfg.num_attention_heads, cfg.head_dim), jnp.bfloat16)
+    kn, vn = (jax.random.normal(k, (1, nn, cfg.num_key_value_heads, cfg.head_dim), jnp.bfloat16) for k in ks[1:])
 
-    @jax.jit
-    def tree_attn(kv, start):  # every attention layer's cache, one jit
-        return [ops.tree_attention(q, c.k, c.v, start, kn, vn, mask, args.kernels) for c in kv]
-
-    S = max(ctxs) + slack  # one capacity for all: one compilation each (the kernels read the committed rows only)
     for ctx in ctxs:
+        _, S = loop_lib.capacity(target, dcfg, "ddtree", 64, ctx, (runs + 2) * n * dcfg.block_size)
         cache = fill_random(target.init_cache(S), jax.random.key(3)).replace(length=jnp.int32(ctx))
-        kv = [c for c in cache.layers if isinstance(c, KVCache)]
-        jax.block_until_ready(tree_attn(kv, jnp.int32(ctx)))
-        att[str(ctx)] = round(median_ms(lambda: tree_attn(kv, jnp.int32(ctx)), n=args.runs), 3)
+        kv = tuple(c for c in cache.layers if isinstance(c, KVCache))
+
+        def attn(kv, qq, ctx=ctx):  # every attention layer's cache; q of the next pass from the last output
+            outs = [ops.tree_attention(qq, c.k, c.v, jnp.int32(ctx), kn, vn, mask, args.kernels) for c in kv]
+            return qq + (sum(o[..., :1].astype(jnp.float32).sum() for o in outs) * 0).astype(qq.dtype)
+
+        att[str(ctx)] = round(loop_ms(attn, q, n, runs, kv), 3)
         del kv
-        state = [jnp.ones((1, 1), jnp.int32), cache]
-
-        def step():
-            state[0], state[1] = decode(target.leaves, state[1], state[0])
-            return state[0]
-
-        jax.block_until_ready(step())
-        ar[str(ctx)] = round(median_ms(step, n=args.runs), 3)
-        cache = state[1].replace(length=jnp.int32(ctx))
-        del state
-        one = make_round(target, drafter, plan, cache)
-        jax.block_until_ready(one())
-        rnd[str(ctx)] = round(median_ms(one, n=args.runs), 3)
-        del one, cache
+        arr = Rounds(target, drafter, make_plan(target, dcfg, "ar"), ctx, 4 * n, (runs + 2) * 4 * n, cache=cache)
+        del cache
+        ar[str(ctx)] = round(arr.ms_per_round(runs), 3)
+        cache = arr.state.cache
+        del arr
+        one = Rounds(target, drafter, make_plan(target, dcfg, "ddtree", 64), ctx, n, (runs + 2) * n, cache=cache)
+        del cache
+        rnd[str(ctx)] = round(one.ms_per_round(runs), 3)
+        del one
         log(f"context {ctx}: AR step {ar[str(ctx)]} ms, round(64) {rnd[str(ctx)]} ms, "
             f"tree attention x{cfg.layer_types.count('full_attention')} {att[str(ctx)]} ms")
         save()

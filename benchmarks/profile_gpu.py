@@ -1,8 +1,10 @@
 #!/usr/bin/env python
-"""Where the time goes: profile the AR decode step, a verify pass and a whole DDTree round (bench.py's
-round: draft, tree build, verify, accept, commit) at 27B shapes, and summarise the GPU kernels per step:
-count and time by category (GEMM, Pallas, XLA fusion, copy), busy time vs span, the top kernels, and the
-copies of >= 1 MB. The jax profiler disables command buffers: read the gaps with care, time unprofiled.
+"""Where the time goes: profile the AR decode step, a verify pass and a whole DDTree round at 27B shapes, run
+as `generate` runs them (bench.py's `Rounds`: --rounds-per-call steps / rounds of `loop.rounds_fn` per jitted
+call), and summarise the GPU kernels per step: count and time by category (GEMM, Pallas, XLA fusion, copy),
+busy time vs span, the top kernels, the copies of >= 1 MB, and for the round the GPU time by part (draft, tree
+build, verify, accept + commit: the round's named scopes, read from the kernels' op names in the trace). The
+jax profiler disables command buffers: read the gaps with care, time unprofiled.
 
     python benchmarks/profile_gpu.py --out prof.json [--kernels xla|pallas] [--context 4096]
         [--merge-into benchmarks/results/h200.json]   # adds decode/verify/round_kernels_per_step
@@ -32,11 +34,10 @@ from jaxddtree.model.config import text_config_from_dict
 from jaxddtree.model.target import random_target
 from jaxddtree.speculative.verify import verify
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import (DFLASH_27B, QWEN36_27B, SMOKE_DFLASH, SMOKE_TARGET, fill_random, make_decode,  # noqa: E402
-                   make_round, median_ms, random_drafter, random_tree)
+from bench import (DFLASH_27B, QWEN36_27B, SMOKE_DFLASH, SMOKE_TARGET, Rounds, fill_random, make_decode,  # noqa: E402
+                   make_plan, median_ms, random_drafter, random_tree)
 from kernels_pallas import ops  # noqa: E402
 from jaxddtree.model.drafter_config import DrafterConfig  # noqa: E402
-from jaxddtree.speculative import loop as loop_lib  # noqa: E402
 
 
 PALLAS_NAMES = ("gdn_tree", "tree_attention", "gdn_decode", "gdn_prefill", "decode_attention", "tree_select",
@@ -71,6 +72,19 @@ def copy_bytes(ev):
     return None
 
 
+PARTS = ("draft", "tree_build", "verify", "accept_commit")  # loop._spec_round's named scopes
+
+
+def part_of(ev) -> str | None:
+    """The round part whose named scope appears in a kernel event's op-name stats, else None."""
+    for _, v in ev.stats:
+        if isinstance(v, str) and "/" in v:
+            for p in PARTS:
+                if f"/{p}/" in v or v.endswith(f"/{p}"):
+                    return p
+    return None
+
+
 def summarise(trace_dir, n_steps):
     from jax.profiler import ProfileData
     fn = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
@@ -78,6 +92,7 @@ def summarise(trace_dir, n_steps):
     per = collections.defaultdict(lambda: [0.0, 0])
     starts, ends, busy = [], [], 0.0
     big_copies = collections.Counter()
+    by_part = collections.defaultdict(float)
     for plane in pd.planes:
         if plane.name != "/device:GPU:0":  # the first GPU (with --tp, every GPU runs the same step)
             continue
@@ -92,6 +107,7 @@ def summarise(trace_dir, n_steps):
                     if nbytes is None or nbytes >= 1 << 20:  # unknown size counts as big: look at it
                         big_copies[f"{ev.name} ({'?' if nbytes is None else f'{nbytes / 2**20:.1f} MiB'})"] += 1
                 busy += ev.duration_ns / 1e3
+                by_part[part_of(ev) or "other"] += ev.duration_ns / 1e3
                 starts.append(ev.start_ns)
                 ends.append(ev.start_ns + ev.duration_ns)
     span = (max(ends) - min(starts)) / 1e3 if starts else 0.0
@@ -105,6 +121,8 @@ def summarise(trace_dir, n_steps):
             "by_category": {c: {"us_per_step": round(v[0] / n_steps, 1), "kernels_per_step": v[1] / n_steps}
                             for c, v in sorted(cats.items(), key=lambda kv: -kv[1][0])},
             "kernels_per_step": sum(v[1] for v in per.values()) / n_steps,
+            "gpu_us_by_part": ({k: round(v / n_steps, 1) for k, v in sorted(by_part.items())}
+                               if set(by_part) - {"other"} else None),
             "copies_ge_1mb_per_step": {k: v / n_steps for k, v in big_copies.most_common(20)},
             "top": [{"name": k[:120], "us_per_step": round(v[0] / n_steps, 1), "count_per_step": v[1] / n_steps}
                     for k, v in top]}
@@ -129,6 +147,8 @@ def main():
                     "(`random_target(weights='fp8')`, issue 17)")
     ap.add_argument("--allreduce", default="nccl", choices=list(sharding.ALLREDUCE_MODES),
                     help="tp > 1: how the all-reduces run (sharding.ALLREDUCE_MODES)")
+    ap.add_argument("--rounds-per-call", type=int, default=8, help="decode steps / rounds per jitted call (a "
+                    "profiled step is one round; the per-step figures divide by it)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (bench.py's), xla: check the script on a CPU")
     args = ap.parse_args()
     sharding.use_allreduce(args.allreduce)  # read when the backend starts
@@ -137,7 +157,7 @@ def main():
     if args.smoke:
         raw.update(SMOKE_TARGET)
         dflash.update(SMOKE_DFLASH)
-        args.context, args.kernels = 64, "xla"
+        args.context, args.kernels, args.rounds_per_call = 64, "xla", 2
     cfg = text_config_from_dict(raw)
     target = random_target(cfg, "bfloat16", 0, tp=args.tp, weights=args.weights)
     target.kernels = args.kernels
@@ -158,8 +178,17 @@ def main():
         logits, feats, _ = verify(model, cache, tokens, lay, feature_layers=dflash["target_layer_ids"])
         return jnp.argmax(logits, -1), feats
 
+    dcfg = DrafterConfig(**dflash)
+    drafter = random_drafter(dcfg, jnp.bfloat16)
+    drafter.params = sharding.replicate(drafter.params, target.mesh)
+    R = args.rounds_per_call
+    per_call = {}  # steps per call of each profiled function
+
     def make_decode_step(fused: bool):
-        decode = make_decode(target, args.kernels)
+        if fused:  # the default kernels: the decode step exactly as generate runs it (loop rounds)
+            rounds = Rounds(target, drafter, make_plan(target, dcfg, "ar"), L, R, 20 * R)
+            return lambda: rounds.call().n_out
+        decode = make_decode(target, args.kernels)  # A/B only: a plain step traced without the fusions
         holder = [jnp.ones((1, 1), jnp.int32), fresh_cache()]
 
         def decode_step():
@@ -182,18 +211,16 @@ def main():
     if "decode" in parts:
         variants = {"on": [True], "off": [False], "both": [True, False]}[args.decode_fusions]
         for fused in variants:
-            steps["decode" if fused or args.decode_fusions == "off" else "decode_unfused"] = make_decode_step(fused)
+            name = "decode" if fused or args.decode_fusions == "off" else "decode_unfused"
+            steps[name] = make_decode_step(fused)
+            per_call[name] = R if fused else 1
     if "verify" in parts:
         vcache = fresh_cache()
         steps["verify"] = lambda: run_verify(target.leaves, vcache)
     if "round" in parts:
-        dcfg = DrafterConfig(**dflash)
-        plan = loop_lib.Plan(method="ddtree", budget=args.budget, max_new=100000, sampling=False,
-                             kernels=args.kernels, conv_kernel=cfg.linear_conv_kernel_dim,
-                             feature_layers=dcfg.target_layer_ids, mesh=target.mesh)
-        drafter = random_drafter(dcfg, jnp.bfloat16)
-        drafter.params = sharding.replicate(drafter.params, target.mesh)
-        steps["round"] = make_round(target, drafter, plan, fresh_cache())
+        rounds = Rounds(target, drafter, make_plan(target, dcfg, "ddtree", args.budget), L, R, 20 * R)
+        steps["round"] = lambda: rounds.call().n_out
+        per_call["round"] = R
 
     res = {"context": L, "kernels": args.kernels, "tp": args.tp, "weights": args.weights, "allreduce": args.allreduce, "nodes": args.nodes, "budget": args.budget,
            "device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"),
@@ -222,8 +249,9 @@ def main():
         with jax.profiler.trace(d):
             for _ in range(n):
                 jax.block_until_ready(fn())
-        res[name] = summarise(d, n)
-        res[name]["wall_ms_per_step_profiled"] = (time.perf_counter() - t) * 1e3 / n
+        res[name] = summarise(d, n * per_call.get(name, 1))
+        res[name]["wall_ms_per_step_profiled"] = (time.perf_counter() - t) * 1e3 / (n * per_call.get(name, 1))
+        res[name]["steps_per_call"] = per_call.get(name, 1)
         print(name, json.dumps({k: v for k, v in res[name].items() if k != "top"}), flush=True)
         for e in res[name]["top"][:25]:
             print("   ", e, flush=True)

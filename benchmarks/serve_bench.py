@@ -102,6 +102,30 @@ def random_27b_engine(args):
     return engine
 
 
+def generate_same(engine, max_tokens: int, chat: bool) -> dict:
+    """`jaxddtree.generate(loop="device")` on the 1-client level's request (same prompt ids, pair, method, budget,
+    caches, stop ids, max_tokens, temperature 0), in this process: tokens_per_s (decode only, generate's own
+    figure) and e2e_tokens_per_s (completion tokens / (time to first token + decode), what a client waits)."""
+    import jaxddtree
+    from jaxddtree.text import encode_chat, encode_text, ensure_chat_template
+    prompt = "def function_00(x):"
+    if chat:
+        ensure_chat_template(engine.tokenizer)
+        ids = encode_chat(engine.tokenizer, [{"role": "user", "content": prompt}])
+    else:
+        ids = encode_text(engine.tokenizer, prompt)
+    kw = dict(drafter=engine.drafter if engine.method != "ar" else None, method=engine.method,
+              tree_budget=engine.budget, max_new_tokens=max_tokens, stop_ids=engine.stop_ids,
+              cache_len=engine.cache_len, loop="device")
+    jaxddtree.generate(engine.target, ids, **kw)  # warm (compiled by the server already)
+    runs = [jaxddtree.generate(engine.target, ids, **kw) for _ in range(3)]
+    g = sorted(runs, key=lambda r: r.stats["decode_s"])[1]  # the median run
+    st = g.stats
+    return {"tokens": st["new_tokens"], "rounds": st["rounds"], "tokens_per_s": round(st["tokens_per_s"], 2),
+            "e2e_tokens_per_s": round(st["new_tokens"] / (st["time_to_first_token_s"] + st["decode_s"]), 2),
+            "ttft_s": round(st["time_to_first_token_s"], 4), "decode_s": round(st["decode_s"], 4)}
+
+
 def main(argv=None) -> int:
     serve = serve_module()
     p = serve.build_parser()
@@ -135,8 +159,15 @@ def main(argv=None) -> int:
               flush=True)
     srv.should_exit = True
     import jax
+    same = generate_same(engine, args.max_tokens, chat) if 1 in args.clients else None
+    if same:
+        one_client = next(r for r in results if r["clients"] == 1)
+        same["server_1_client_over_generate_e2e"] = round(one_client["tokens_per_s"] / same["e2e_tokens_per_s"], 3)
+        same["server_1_client_over_generate_decode"] = round(one_client["tokens_per_s"] / same["tokens_per_s"], 3)
+        print(f"generate (loop=device, same settings): {json.dumps(same)}", flush=True)
     record = {"model": engine.name, "endpoint": "chat/completions" if chat else "completions", "method": engine.method, "budget": engine.budget, "max_tokens": args.max_tokens,
-              "backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d"), "levels": results}
+              "backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d"), "levels": results,
+              "generate_device": same}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)

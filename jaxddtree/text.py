@@ -7,9 +7,35 @@ from __future__ import annotations
 import os
 
 # a tokenizer without a chat template (the demo's) gets ChatML, as plain text where the vocabulary lacks
-# <|im_start|> / <|im_end|>
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# <|im_start|> / <|im_end|>. With `tools`, it renders them, the assistant's tool calls and the tool results in the
+# Qwen3.5 / 3.6 format (jaxddtree/serving/tools.py): the tools as JSON lines in <tools> in a system turn (after
+# the system message, if any), each call as a <tool_call><function=...><parameter=...> block after the
+# assistant's text, the results of consecutive tool messages as <tool_response> blocks of one user turn.
+CHATML = (  # literal text as expressions: transformers renders templates with trim_blocks (a newline after a tag goes)
+    "{%- if tools %}{{ '<|im_start|>system\\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' %}{{ (messages[0]['content'] or '') + '\\n\\n' }}{% endif %}"
+    "{{ '# Tools\\n\\nThese functions are available:\\n<tools>' }}"
+    "{%- for t in tools %}{{ '\\n' }}{{ t | tojson }}{% endfor %}"
+    "{{ '\\n</tools>\\n\\nTo call one, reply with one block per call, and nothing after them:\\n<tool_call>\\n"
+    "<function=NAME>\\n<parameter=ARGUMENT>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'system' and tools and loop.first %}"
+    "{%- elif m['role'] == 'tool' %}"
+    "{%- if loop.first or loop.previtem['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\\n<tool_response>\\n' + (m['content'] or '') + '\\n</tool_response>' }}"
+    "{%- if loop.last or loop.nextitem['role'] != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{%- elif m['role'] == 'assistant' and m['tool_calls'] %}{{ '<|im_start|>assistant\\n' + (m['content'] or '') }}"
+    "{%- for c in m['tool_calls'] %}{% set f = c['function'] if c['function'] is defined else c %}"
+    "{%- if not loop.first %}{{ '\\n' }}{% elif m['content'] %}{{ '\\n\\n' }}{% endif %}"
+    "{{ '<tool_call>\\n<function=' + f['name'] + '>\\n' }}"
+    "{%- for k, v in f['arguments'].items() %}{{ '<parameter=' + k + '>\\n' }}"
+    "{{- v if v is string else v | tojson }}{{ '\\n</parameter>\\n' }}{% endfor %}"
+    "{{ '</function>\\n</tool_call>' }}"
+    "{%- endfor %}{{ '<|im_end|>\\n' }}"
+    "{%- else %}{{ '<|im_start|>' + m['role'] + '\\n' }}{{ m['content'] }}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
 def has_tokenizer(path: str) -> bool:
@@ -37,10 +63,22 @@ def ensure_chat_template(tok) -> None:
     tok.chat_template = CHATML
 
 
+def render_chat(tok, messages: list[dict], tools: list[dict] | None = None, **template_kwargs) -> str:
+    """`messages` (and OpenAI `tools`, when given) rendered by the tokenizer's chat template, ending with the
+    assistant's prompt. Assistant tool calls carry their arguments as a dict (the templates iterate them)."""
+    if tools:
+        template_kwargs["tools"] = tools
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
+
+
+def encode_rendered(tok, text: str) -> list[int]:
+    """Token ids of a rendered chat (its special tokens are in the text already)."""
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
 def encode_chat(tok, messages: list[dict], **template_kwargs) -> list[int]:
     """Token ids of `messages` rendered by the tokenizer's chat template, ending with the assistant's prompt."""
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
-    return list(tok(text, add_special_tokens=False)["input_ids"])
+    return encode_rendered(tok, render_chat(tok, messages, **template_kwargs))
 
 
 def encode_text(tok, text: str) -> list[int]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
 import warnings
 
 import jax
@@ -104,6 +106,58 @@ def feature_pad(d: int) -> int:
     return max(16, next_pow2(d))
 
 
+# Shared memory of one Triton program on the H200 (sm_90): the opt-in maximum per block, 227 KiB. A kernel whose
+# tiles need more fails to launch ("RESOURCE_EXHAUSTED: Shared memory size limit exceeded: requested N,
+# available: 232448"). Read at trace time (tests lower it to force the small-tile and fallback paths).
+SMEM_LIMIT = 232448
+
+
+class SharedMemoryError(ValueError):
+    """No tile configuration of a kernel fits SMEM_LIMIT for this call (ops falls back to the jnp reference)."""
+
+
+def tile_bytes(shape, dtype) -> int:
+    """Bytes of one tile of `shape` (a tuple of ints) in `dtype`."""
+    return math.prod(shape) * jnp.dtype(dtype).itemsize
+
+
+def pipeline_buffers(num_stages: int, async_mma: bool) -> int:
+    """Copies Triton's software pipeliner keeps of each tile a loop loads: one per stage it loads ahead
+    (num_stages - 1), one more while an asynchronous wgmma may still read the current one (a tensor-core dot
+    (bf16, tf32) of >= 64 rows accumulating over the loop); at least one (the staging copy of a dot operand).
+    Checked against Triton's own allocation (tests/kernels/test_shared_memory.py)."""
+    return max(1, num_stages - 1 + int(async_mma))
+
+
+def smem_limit(limit: int | None = None) -> int:
+    return SMEM_LIMIT if limit is None else int(limit)
+
+
+def first_fit(candidates, estimate, limit: int | None = None, *, what: str):
+    """The first candidate config whose `estimate(config)` (bytes of shared memory) is <= the limit; raises
+    SharedMemoryError naming the smallest estimate otherwise."""
+    lim, best = smem_limit(limit), None
+    for c in candidates:
+        b = estimate(c)
+        if b <= lim:
+            return c
+        best = b if best is None else min(best, b)
+    raise SharedMemoryError(f"{what}: no tile configuration fits {lim} bytes of shared memory "
+                            f"(the smallest needs {best})")
+
+
+_NOTED: set = set()
+log = logging.getLogger("kernels_pallas")
+
+
+def note_once(key, message: str) -> None:
+    """One plain line on stderr (a `logging` warning: no source line), once per process and key."""
+    if key in _NOTED:
+        return
+    _NOTED.add(key)
+    log.warning(message)
+
+
 H200 = dict(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
 
 
@@ -123,5 +177,6 @@ def lower_for_h200(f, *structs):
     return lowered.as_text()
 
 
-__all__ = ["pl", "pltr", "HIGHEST", "PRECISIONS", "next_pow2", "is_pow2", "dot_fn", "matmul_fns", "split_bf16", "compiler_params",
+__all__ = ["pl", "pltr", "HIGHEST", "SMEM_LIMIT", "SharedMemoryError", "tile_bytes", "pipeline_buffers",
+           "smem_limit", "first_fit", "note_once", "PRECISIONS", "next_pow2", "is_pow2", "dot_fn", "matmul_fns", "split_bf16", "compiler_params",
            "pad_axis", "feature_pad", "abstract_h200", "lower_for_h200"]

@@ -35,9 +35,16 @@ import jax.numpy as jnp
 
 from kernels_pallas.attention_reference import decode_attention_prep as decode_attention_prep_reference
 from kernels_pallas.numerics import rounded
-from kernels_pallas._common import compiler_params, is_pow2, pl, pltr
+from kernels_pallas._common import SharedMemoryError, compiler_params, is_pow2, pl, pltr
+from kernels_pallas._common import smem_limit as _limit
 
-__all__ = ["decode_attention_prep", "decode_attention_prep_reference"]
+__all__ = ["decode_attention_prep", "decode_attention_prep_reference", "smem_bytes"]
+
+
+def smem_bytes(num_warps: int) -> int:
+    """Shared memory (bytes, an upper estimate) of a program: no tile is staged (no dot), only the cross-warp
+    exchanges of its two norms' sums of squares. 27B widths, 4 warps: 32 (Triton's allocation: 16), any dtype."""
+    return 2 * 4 * num_warps
 
 
 def _kernel(start_ref, qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, kc_ref, vc_ref,
@@ -99,10 +106,10 @@ def _kernel(start_ref, qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, kc_ref, vc_ref
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "head_dim", "eps", "interpret",
-                                             "num_warps"))
+                                             "num_warps", "smem_limit"))
 def decode_attention_prep(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, start, *, num_heads: int,
                           num_kv_heads: int, head_dim: int, eps: float, interpret: bool = False,
-                          num_warps: int = 4):
+                          num_warps: int = 4, smem_limit: int | None = None):
     """One token's attention prologue (see `decode_attention_prep_reference` for the arguments and results)."""
     h, hkv, hd = num_heads, num_kv_heads, head_dim
     nparts = qkv.shape[0] if qkv.ndim == 3 else 0  # split-K partials of the projection: summed in here
@@ -113,6 +120,9 @@ def decode_attention_prep(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, start
     assert cos.shape == sin.shape == (B, rd) and q_norm.shape == k_norm.shape == (hd,)
     S = k_cache.shape[2]
     assert k_cache.shape == v_cache.shape == (B, hkv, S, hd), (k_cache.shape, v_cache.shape)
+    if smem_bytes(num_warps) > _limit(smem_limit):
+        raise SharedMemoryError(f"decode_attention_prep: {smem_bytes(num_warps)} bytes of shared memory needed, "
+                                f"{_limit(smem_limit)} available")
     act = k_cache.dtype if nparts else qkv.dtype
     kern = functools.partial(_kernel, h=h, hkv=hkv, hd=hd, rd=rd, eps=float(eps), nparts=nparts, act=act,
                              interpret=interpret)

@@ -39,10 +39,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas._common import compiler_params, is_pow2, next_pow2, pl, pltr
+from kernels_pallas._common import compiler_params, first_fit, is_pow2, next_pow2, pipeline_buffers, pl, pltr, tile_bytes
 from kernels_pallas.numerics import f32, rms_norm_1p, rounded, sum_partials, swiglu as swiglu_ref
 
-__all__ = ["dense", "dense_reference", "default_config", "N_SM"]
+__all__ = ["dense", "dense_reference", "default_config", "fit_config", "smem_bytes", "N_SM"]
 
 N_SM = 132  # H200
 
@@ -87,6 +87,43 @@ def default_config(M: int, K: int, N: int, *, block_n: int | None = None, block_
         split *= 2
     return dict(block_n=bn, block_k=bk, split_k=split,
                 num_warps=4 if small else 8, num_stages=3)
+
+
+def smem_bytes(M: int, K: int, bk: int, bn: int, x_dtype, w_dtype, num_stages: int, *, swiglu_parts: int = 0,
+               has_norm: bool = False, has_gate: bool = False) -> int:
+    """Shared memory (bytes, an upper estimate) of a `dense` program: per K chunk the [bk, bn] weight tile and the
+    [Mp, bk] x tile (swiglu: the 2·S partial tiles it sums; a gate: its tile; a norm: its bk weights), kept
+    `pipeline_buffers` times (wgmma, asynchronous from 64 rows), plus the norm's pre-pass over the rows' squares.
+    bf16, M = 1, 128 x 128: 73728 (Triton's own allocation, the same); fp32 at 129 rows, 3 stages: 294912."""
+    Mp = max(16, next_pow2(M))
+    bufs = pipeline_buffers(num_stages, async_mma=Mp >= 64)
+    per = tile_bytes((bk, bn), w_dtype)
+    per += (2 * swiglu_parts if swiglu_parts else 1) * tile_bytes((Mp, bk), x_dtype)
+    if has_gate:
+        per += tile_bytes((Mp, bk), x_dtype)
+    if has_norm:
+        per += tile_bytes((bk,), x_dtype)
+    pre = 0
+    if has_norm:
+        sr, sk = (1, min(next_pow2(K), 2048)) if M == 1 else (Mp, bk)
+        pre = bufs * tile_bytes((sr, sk), x_dtype)
+    return bufs * per + pre
+
+
+def fit_config(cfg: dict, M: int, K: int, x_dtype, w_dtype, num_stages: int | None = None, *, swiglu_parts: int = 0,
+               has_norm: bool = False, has_gate: bool = False, limit: int | None = None) -> dict:
+    """`cfg` (a `default_config`) with block_k / num_stages (num_stages: the caller's, else cfg's) lowered where the
+    tiles do not fit the shared memory for these dtypes (`smem_bytes`): fewer stages first (down to 1), then half
+    the K chunk (down to 16); SharedMemoryError when none fits. bf16 at 27B widths: unchanged; fp32 from 65 rows:
+    2 stages."""
+    ns = num_stages or cfg["num_stages"]
+    bks = [cfg["block_k"]]
+    while bks[-1] > 16:
+        bks.append(bks[-1] // 2)
+    est = lambda c: smem_bytes(M, K, c[0], cfg["block_n"], x_dtype, w_dtype, c[1], swiglu_parts=swiglu_parts,
+                               has_norm=has_norm, has_gate=has_gate)
+    bk, st = first_fit([(b, n) for b in bks for n in range(ns, 0, -1)], est, limit, what="dense")
+    return dict(cfg, block_k=bk, num_stages=st, smem=est((bk, st)))
 
 
 def split_plan(K: int, bk: int, split: int) -> tuple[int, int]:
@@ -249,18 +286,20 @@ def _kernel(*refs, M, K, N, Mp, bn, bk, nk, split, eps, has_norm, has_gate, has_
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "swiglu", "reduce", "interpret", "block_n", "block_k", "split_k", "num_warps",
-                                             "num_stages", "target_programs"))
+                                             "num_stages", "target_programs", "smem_limit"))
 def dense(x, w, norm_w=None, eps: float = 1e-6, gate=None, residual=None, swiglu: bool = False, *,
           reduce: bool = True, interpret: bool = False, block_n: int | None = None, block_k: int | None = None,
           split_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-          target_programs: int = 4 * N_SM):
+          target_programs: int = 4 * N_SM, smem_limit: int | None = None):
     """y[M, N] = x[M, K] @ w[K, N], fp32 accumulation, in x.dtype. Any leading dims of x (and of gate /
     residual, which have x's / y's shape) are flattened. norm_w / gate / residual / swiglu: see
     `dense_reference` (swiglu: x [S, M, 2K], the prologue sums the partials; the activations' dtype is w's).
 
     reduce=False: return the split-K partials [S, M, N] unsummed (fp32; S = 1: [1, M, N] in the activations'
     dtype, already rounded) for a consumer that sums them (a swiglu call): no XLA kernel after this one.
-    block_n / block_k: powers of two; split_k: number of K ranges (fp32 partials summed after the kernel)."""
+    block_n / block_k: powers of two; split_k: number of K ranges (fp32 partials summed after the kernel).
+    block_k / num_stages are lowered where the tiles would not fit `smem_limit` (default `_common.SMEM_LIMIT`) for
+    the dtypes (`fit_config`)."""
     parts = 0
     if swiglu:
         parts = x.shape[0]
@@ -277,9 +316,11 @@ def dense(x, w, norm_w=None, eps: float = 1e-6, gate=None, residual=None, swiglu
     K2, N = w.shape
     assert K2 == K, (x.shape, w.shape)
     cfg = default_config(M, K, N, block_n=block_n, block_k=block_k, target_programs=target_programs)
+    cfg = fit_config(cfg, M, K, x.dtype, w.dtype, num_stages, swiglu_parts=parts, has_norm=norm_w is not None,
+                     has_gate=gate is not None, limit=smem_limit)
     bn, bk = cfg["block_n"], cfg["block_k"]
     assert is_pow2(bn) and is_pow2(bk) and bn >= 16 and bk >= 16, (bn, bk)
-    nk, split, nw, ns, Mp = resolve(cfg, M, K, split_k, num_warps, num_stages)
+    nk, split, nw, ns, Mp = resolve(cfg, M, K, split_k, num_warps, None)
     out_dtype = act if split == 1 else jnp.float32
     args = [x, w]
     if norm_w is not None:

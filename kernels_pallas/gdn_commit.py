@@ -17,10 +17,19 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas._common import compiler_params, dot_fn, is_pow2, next_pow2, pl, pltr
+from kernels_pallas._common import compiler_params, dot_fn, first_fit, is_pow2, next_pow2, pl, pltr, tile_bytes
 from kernels_pallas.gdn_reference import gdn_commit as gdn_commit_reference
 
-__all__ = ["gdn_commit", "gdn_commit_reference"]
+__all__ = ["gdn_commit", "gdn_commit_reference", "smem_bytes"]
+
+
+def smem_bytes(dk: int, P: int, bv: int, CB: int = 0, conv_bytes: int = 2) -> int:
+    """Shared memory (bytes, an upper estimate) of a commit program: the fp32 dot's operands staged, (k·coef)ᵀ
+    [dk, Pp] and W [Pp, bv] (Pp = P padded), and the conv rows block it rewrites. 27B widths: 24576 + the conv
+    block (Triton's allocation: 24576)."""
+    Pp = max(16, next_pow2(P))
+    f32 = jnp.float32
+    return tile_bytes((dk, Pp), f32) + tile_bytes((Pp, bv), f32) + CB * conv_bytes
 
 
 def _kernel(path_ref, plen_ref, k_ref, W_ref, g_ref, x_ref, s_ref, c_ref, so_ref, co_ref, *,
@@ -62,9 +71,9 @@ def _kernel(path_ref, plen_ref, k_ref, W_ref, g_ref, x_ref, s_ref, c_ref, so_ref
             pltr.store(co_ref.at[b, jnp.full((1, 1), i, i32), ic[None, :]], new[i], mask=m[None, :])
 
 
-@functools.partial(jax.jit, static_argnames=("precision", "block_v", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("precision", "block_v", "num_warps", "interpret", "smem_limit"))
 def gdn_commit(state, conv, k, W, g, x, path, path_len, *, precision: str = "ieee", block_v: int = 64,
-               num_warps: int = 4, interpret: bool = False):
+               num_warps: int = 4, interpret: bool = False, smem_limit: int | None = None):
     """Pallas version of `gdn_commit_reference` (one launch per layer; state and conv updated in place).
     precision: the fp32 dot's algorithm (`_common.PRECISIONS`; "ieee": plain fp32, the state is exact to
     fp32 summation order); block_v: state columns per program (grid (B, Hv, dv / block_v): 96 programs at
@@ -75,9 +84,12 @@ def gdn_commit(state, conv, k, W, g, x, path, path_len, *, precision: str = "iee
     P = path.shape[1]
     assert Hv % Hk == 0 and is_pow2(dk) and is_pow2(dv) and dk >= 16 and dv >= 16, (state.shape, k.shape)
     assert W.shape == (B, N, Hv, dv) and g.shape == (B, N, Hv) and x.shape == (B, N, C), (W.shape, x.shape)
-    bv = min(block_v, dv)
-    assert is_pow2(bv) and bv >= 16, bv
     CB = next_pow2(-(-C // Hv))  # conv channels per program: ceil(C / CB) <= Hv programs carry a block
+    bvs = [min(block_v, dv)]
+    while bvs[-1] > 16:  # halved where the staged operands do not fit the shared memory (`smem_bytes`)
+        bvs.append(bvs[-1] // 2)
+    bv = first_fit(bvs, lambda b: smem_bytes(dk, P, b, CB, conv.dtype.itemsize), smem_limit, what="gdn_commit")
+    assert is_pow2(bv) and bv >= 16, bv
     kern = functools.partial(_kernel, r=Hv // Hk, P=P, Pp=max(16, next_pow2(P)), km1=km1, C=C, CB=CB,
                              bv=bv, precision=precision, interpret=interpret)
     return pl.pallas_call(

@@ -42,9 +42,17 @@ import jax.numpy as jnp
 
 from kernels_pallas.gdn_reference import gdn_decode_fused as gdn_decode_fused_reference
 from kernels_pallas.numerics import rounded
-from kernels_pallas._common import compiler_params, feature_pad, is_pow2, pl, pltr
+from kernels_pallas._common import SharedMemoryError, compiler_params, feature_pad, is_pow2, pl, pltr
+from kernels_pallas._common import smem_limit as _limit
 
-__all__ = ["gdn_decode_fused", "gdn_decode_fused_reference"]
+__all__ = ["gdn_decode_fused", "gdn_decode_fused_reference", "smem_bytes"]
+
+
+def smem_bytes(bv: int, num_warps: int) -> int:
+    """Shared memory (bytes, an upper estimate) of a program: no tile is staged (no dot), only the cross-warp
+    exchanges of its reductions: the state tile's column sums (bv values per warp) and scalar sums. 27B widths
+    (bv 128, 4 warps): 2112 (Triton's allocation: 2048), in every dtype."""
+    return 4 * num_warps * (bv + 4)
 
 L2NORM_EPS = 1e-6  # the model's l2norm(q), l2norm(k)
 
@@ -172,11 +180,11 @@ def _kernel(proj_ref, cs_ref, cw_ref, alog_ref, dtb_ref, nw_ref, s_ref, o_ref, c
 
 @functools.partial(jax.jit, static_argnames=("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim",
                                              "conv_kernel", "eps", "interpret", "block_v", "num_warps",
-                                             "num_stages"))
+                                             "num_stages", "smem_limit"))
 def gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, *, num_k_heads: int,
                      num_v_heads: int, head_k_dim: int, head_v_dim: int, conv_kernel: int, eps: float,
                      interpret: bool = False, block_v: int | None = None, num_warps: int = 4,
-                     num_stages: int = 1):
+                     num_stages: int = 1, smem_limit: int | None = None):
     """One token through a GDN layer (see `gdn_decode_fused_reference` for the arguments).
 
     block_v: state columns per step of the program's static loop (a power of two; default the whole
@@ -196,6 +204,9 @@ def gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, *,
     dkp, dvp = feature_pad(dk), feature_pad(dv)
     bv = min(block_v or dvp, dvp)
     assert is_pow2(bv) and bv >= 16, bv
+    if smem_bytes(bv, num_warps) > _limit(smem_limit):
+        raise SharedMemoryError(f"gdn_decode_fused: {smem_bytes(bv, num_warps)} bytes of shared memory needed, "
+                                f"{_limit(smem_limit)} available")
     nvt = -(-dv // bv)
     act = conv_state.dtype if nparts else proj.dtype
     kern = functools.partial(_kernel, hk=hk, hv=hv, dk=dk, dv=dv, K=K, eps=float(eps), dkp=dkp, bv=bv,

@@ -20,9 +20,34 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.gdn_reference import gdn_chunked as gdn_chunked_reference
-from kernels_pallas._common import HIGHEST, compiler_params, dot_fn, feature_pad, is_pow2, pad_axis, pl, pltr
+from kernels_pallas._common import (HIGHEST, compiler_params, dot_fn, feature_pad, first_fit, is_pow2, pad_axis,
+                                    pipeline_buffers, pl, pltr, tile_bytes)
 
-__all__ = ["gdn_chunked", "gdn_chunked_reference", "intra_chunk"]
+__all__ = ["gdn_chunked", "gdn_chunked_reference", "intra_chunk", "smem_bytes", "plan"]
+
+
+def smem_bytes(C: int, dkp: int, bv: int, num_stages: int) -> int:
+    """Shared memory (bytes, an upper estimate) of the inter-chunk program: per chunk the W0 [C, bv], U / Qt / k
+    [C, dkp] and G rows (fp32), kept `pipeline_buffers` times (its dots do not accumulate over the loop: not
+    asynchronous), plus the dot operands staged as hi / lo pairs: S [dkp, bv] for U·S and Qt·S, then Ktᵀ [dkp, C]
+    and W [C, bv] for the state update. 27B widths (dk 128, C 64, bv 64, 2 stages): 213504, Triton's allocation."""
+    f32 = jnp.float32
+    loads = tile_bytes((C, bv), f32) + 3 * tile_bytes((C, dkp), f32) + 2 * tile_bytes((C,), f32)
+    staged = 2 * max(tile_bytes((dkp, bv), f32), tile_bytes((dkp, C), f32) + tile_bytes((C, bv), f32))
+    return pipeline_buffers(num_stages, async_mma=False) * loads + staged
+
+
+def plan(C: int, dkp: int, dvp: int, *, block_v: int | None = None, num_stages: int = 2,
+         limit: int | None = None) -> dict:
+    """(block_v, num_stages) of a call: bv = block_v or 64 (at most dvp), halved (down to 16), then fewer stages,
+    where the tiles do not fit the shared memory (`smem_bytes`; every dtype runs in fp32 here)."""
+    bv = min(block_v or 64, dvp)
+    bvs = [bv]
+    while bvs[-1] > 16:
+        bvs.append(bvs[-1] // 2)
+    cands = [(b, n) for n in range(num_stages, 0, -1) for b in bvs]
+    bv, ns = first_fit(cands, lambda c: smem_bytes(C, dkp, c[0], c[1]), limit, what="gdn_prefill")
+    return dict(block_v=bv, num_stages=ns, smem=smem_bytes(C, dkp, bv, ns))
 
 
 def intra_chunk(q, k, v, g, beta, C: int):
@@ -76,9 +101,9 @@ def _kernel(o0_ref, w0_ref, u_ref, qt_ref, k_ref, G_ref, s_ref, o_ref, so_ref, *
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "interpret", "block_v", "num_warps", "num_stages",
-                                             "precision"))
+                                             "precision", "smem_limit"))
 def gdn_chunked(q, k, v, g, beta, state, chunk: int = 64, *, interpret: bool = False, block_v: int | None = None,
-                num_warps: int = 4, num_stages: int = 2, precision: str = "tf32x3"):
+                num_warps: int = 4, num_stages: int = 2, precision: str = "tf32x3", smem_limit: int | None = None):
     """Chunked prefill over T tokens. q,k [B,T,Hk,dk]; v [B,T,Hv,dv]; g,beta [B,T,Hv]; state [B,Hv,dk,dv]
     -> (o [B,T,Hv,dv], state). Same as `gdn_chunked_reference`."""
     f32 = jnp.float32
@@ -101,7 +126,8 @@ def gdn_chunked(q, k, v, g, beta, state, chunk: int = 64, *, interpret: bool = F
     if dvp != dv:
         v, state = pad_axis(v, 3, dvp), pad_axis(state, 3, dvp)
     O0, W0, U, Qt, Gc = intra_chunk(q, k, v, g, beta, Cp)
-    bv = min(block_v or 64, dvp)
+    cfg = plan(Cp, dkp, dvp, block_v=block_v, num_stages=num_stages, limit=smem_limit)
+    bv, num_stages = cfg["block_v"], cfg["num_stages"]
     assert is_pow2(bv) and dvp % bv == 0
     kern = functools.partial(_kernel, C=Cp, n=n, dot=dot_fn(precision, interpret))
     o, state_new = pl.pallas_call(

@@ -38,9 +38,33 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.gdn_reference import gdn_masked_block as gdn_masked_block_reference
-from kernels_pallas._common import compiler_params, feature_pad, is_pow2, matmul_fns, next_pow2, pad_axis, pl, pltr
+from kernels_pallas._common import (SharedMemoryError, compiler_params, feature_pad, is_pow2, matmul_fns, next_pow2,
+                                    pad_axis, pl, pltr, smem_limit as _limit, tile_bytes)
 
-__all__ = ["gdn_masked_block", "gdn_masked_block_reference", "key_grams"]
+__all__ = ["gdn_masked_block", "gdn_masked_block_reference", "key_grams", "smem_bytes", "plan"]
+
+
+def smem_bytes(bh: int, dkp: int, bv: int) -> int:
+    """Shared memory (bytes, an upper estimate) of a tree-block program with a head block of bh rows: the larger of
+    the q / k rows [bh, dkp] staged (fp32) and the solve's operands staged as bf16 hi / lo pairs ([bh, bh] and
+    [bh, bv]; the 16-row tail blocks need less). 27B widths (bh 128, dk 128, bv 64): 131072 (Triton: 98304)."""
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    return max(2 * tile_bytes((bh, dkp), f32), 2 * (tile_bytes((bh, bh), bf16) + tile_bytes((bh, bv), bf16)) * 2)
+
+
+def plan(N: int, dkp: int, dvp: int, *, block_v: int | None = None, block_t: int = 16, head_block: int | None = None,
+         limit: int | None = None) -> dict:
+    """(head_block, block_v) of a call: the defaults (head block: N rounded up to a power of two, in
+    [block_t, 128]; bv 64, at most dvp), the head block halved (down to block_t) where they do not fit the
+    shared memory (`smem_bytes`; every dtype runs in fp32 here); SharedMemoryError when none fits."""
+    bh = head_block or max(block_t, min(128, next_pow2(N)))
+    bv = min(block_v or 64, dvp)
+    while smem_bytes(bh, dkp, bv) > _limit(limit) and bh > block_t:
+        bh //= 2
+    if smem_bytes(bh, dkp, bv) > _limit(limit):
+        raise SharedMemoryError(f"gdn_tree: no tile configuration fits {_limit(limit)} bytes of shared memory "
+                                f"(the smallest needs {smem_bytes(bh, dkp, bv)})")
+    return dict(head_block=bh, block_v=bv, smem=smem_bytes(bh, dkp, bv))
 
 
 def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, m_ref, s_ref, kk_ref, qk_ref, o_ref, w_ref, G_ref, *, n: int,
@@ -157,10 +181,11 @@ def key_grams(q, k):
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_v", "block_t", "head_block", "max_depth",
-                                             "num_warps", "num_stages", "precision"))
+                                             "num_warps", "num_stages", "precision", "smem_limit"))
 def gdn_masked_block(q, k, v, g, beta, mask, state, *, interpret: bool = False, block_v: int | None = None,
                      block_t: int = 16, head_block: int | None = None, max_depth: int | None = None,
-                     num_warps: int | None = None, num_stages: int = 1, precision: str = "bf16x3m"):
+                     num_warps: int | None = None, num_stages: int = 1, precision: str = "bf16x3m",
+                     smem_limit: int | None = None):
     """The WY form over one block of N tokens related by `mask` (ancestor-or-self, [B,N,N] bool).
 
     q,k [B,N,Hk,dk]; v [B,N,Hv,dv]; g,beta [B,N,Hv]; state [B,Hv,dk,dv] (all fp32).
@@ -180,16 +205,17 @@ def gdn_masked_block(q, k, v, g, beta, mask, state, *, interpret: bool = False, 
     Hv, dv = v.shape[2], v.shape[3]
     r = Hv // Hk
     assert is_pow2(block_t) and block_t >= 16, block_t
-    bh = head_block or max(block_t, min(128, next_pow2(N)))
-    assert is_pow2(bh) and bh >= block_t, bh
     dkp, dvp = feature_pad(dk), feature_pad(dv)
+    cfg = plan(N, dkp, dvp, block_v=block_v, block_t=block_t, head_block=head_block, limit=smem_limit)
+    bh = cfg["head_block"]
+    assert is_pow2(bh) and bh >= block_t, bh
     f32 = jnp.float32
     q, k, v, g, beta, state = (x.astype(f32) for x in (q, k, v, g, beta, state))
     if dkp != dk:  # tiny test shapes only: zero features change nothing
         q, k, state = pad_axis(q, 3, dkp), pad_axis(k, 3, dkp), pad_axis(state, 2, dkp)
     if dvp != dv:
         v, state = pad_axis(v, 3, dvp), pad_axis(state, 3, dvp)
-    bv = min(block_v or 64, dvp)
+    bv = cfg["block_v"]
     num_warps = num_warps or (8 if bh >= 64 else 4)
     assert is_pow2(bv) and dvp % bv == 0
     nvt = dvp // bv

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -65,12 +66,26 @@ def _check(kernels: str):
         raise ValueError(f"unknown kernels '{kernels}' (choose one of {KERNELS})")
 
 
+def _pallas_or(reference, kernel):
+    """kernel() (the Pallas call), or reference() where no tile configuration of the kernel fits the GPU's shared
+    memory for these shapes / dtypes (`_common.SharedMemoryError`, raised while tracing, before any work): one
+    plain line on stderr, once per process and kernel."""
+    from kernels_pallas._common import SharedMemoryError, note_once
+    try:
+        return kernel()
+    except SharedMemoryError as e:
+        note_once(("smem", str(e).split(":")[0]), f"kernels_pallas: {e}; that call runs on the xla path")
+        return reference()
+
+
 def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, kernels="xla"):
     """q [B,T,H,hd] attends to cache rows [0, start) and to new rows j with mask[b,i,j] -> [B,T,H,hd]."""
     _check(kernels)
     if kernels == "pallas":
         from kernels_pallas import tree_attention as ta
-        return ta.tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask)
+        from kernels_pallas.attention_reference import tree_attention_reference
+        return _pallas_or(lambda: tree_attention_reference(q, k_cache, v_cache, start, k_new, v_new, mask),
+                          lambda: ta.tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask))
     from kernels_pallas.attention_reference import tree_attention_reference
     return tree_attention_reference(q, k_cache, v_cache, start, k_new, v_new, mask)
 
@@ -81,7 +96,8 @@ def prefill_attention(q, k_cache, v_cache, start, k_new, v_new, kernels="xla"):
     _check(kernels)
     if kernels == "pallas":
         from kernels_pallas import prefill_attention as pa
-        return pa.prefill_attention(q, k_cache, v_cache, start, k_new, v_new)
+        return _pallas_or(lambda: pa.prefill_attention_reference(q, k_cache, v_cache, start, k_new, v_new),
+                          lambda: pa.prefill_attention(q, k_cache, v_cache, start, k_new, v_new))
     from kernels_pallas.prefill_attention import prefill_attention_reference
     return prefill_attention_reference(q, k_cache, v_cache, start, k_new, v_new)
 
@@ -90,7 +106,8 @@ def gdn_chunked(q, k, v, g, beta, state, kernels="xla"):
     _check(kernels)
     if kernels == "pallas":
         from kernels_pallas import gdn_prefill
-        return gdn_prefill.gdn_chunked(q, k, v, g, beta, state)
+        return _pallas_or(lambda: gdn_reference.gdn_chunked(q, k, v, g, beta, state),
+                          lambda: gdn_prefill.gdn_chunked(q, k, v, g, beta, state))
     return gdn_reference.gdn_chunked(q, k, v, g, beta, state)
 
 
@@ -100,7 +117,8 @@ def gdn_masked_block(q, k, v, g, beta, mask, state, kernels="xla", max_depth: in
     _check(kernels)
     if kernels == "pallas":
         from kernels_pallas import gdn_tree
-        return gdn_tree.gdn_masked_block(q, k, v, g, beta, mask, state, max_depth=max_depth)
+        return _pallas_or(lambda: gdn_reference.gdn_masked_block(q, k, v, g, beta, mask, state),
+                          lambda: gdn_tree.gdn_masked_block(q, k, v, g, beta, mask, state, max_depth=max_depth))
     return gdn_reference.gdn_masked_block(q, k, v, g, beta, mask, state)
 
 
@@ -115,7 +133,9 @@ def gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, ke
                 conv_kernel=conv_kernel, eps=eps)
     if kernels == "pallas":
         from kernels_pallas import gdn_decode_fused as fused
-        return fused.gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, **dims)
+        args = (proj, conv_state, conv_w, A_log, dt_bias, norm_w, state)
+        return _pallas_or(lambda: gdn_reference.gdn_decode_fused(*args, **dims),
+                          lambda: fused.gdn_decode_fused(*args, **dims))
     return gdn_reference.gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, **dims)
 
 
@@ -125,7 +145,8 @@ def gdn_commit(state, conv, k, W, g, x, path, path_len, kernels="xla"):
     _check(kernels)
     if kernels == "pallas" and PALLAS_GDN_COMMIT:
         from kernels_pallas import gdn_commit as commit
-        return commit.gdn_commit(state, conv, k, W, g, x, path, path_len)
+        return _pallas_or(lambda: gdn_reference.gdn_commit(state, conv, k, W, g, x, path, path_len),
+                          lambda: commit.gdn_commit(state, conv, k, W, g, x, path, path_len))
     return gdn_reference.gdn_commit(state, conv, k, W, g, x, path, path_len)
 
 
@@ -135,7 +156,8 @@ def tree_select(top_lp, top_id, budget: int, kernels="xla"):
     _check(kernels)
     from kernels_pallas import tree_build
     if kernels == "pallas" and PALLAS_TREE_SELECT and budget <= TREE_SELECT_MAX_BUDGET:
-        return tree_build.tree_select(top_lp, top_id, budget)
+        return _pallas_or(lambda: tree_build.tree_select_reference(top_lp, top_id, budget),
+                          lambda: tree_build.tree_select(top_lp, top_id, budget))
     return tree_build.tree_select_reference(top_lp, top_id, budget)
 
 
@@ -152,7 +174,9 @@ def attention_decode_prep(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, start
     if (kernels == "pallas" and FUSED_DECODE and k_cache.dtype == jnp.bfloat16 and head_dim >= 16
             and head_dim & (head_dim - 1) == 0):
         from kernels_pallas import attention_decode
-        return attention_decode.decode_attention_prep(*args, **dims)
+        from kernels_pallas.attention_reference import decode_attention_prep
+        return _pallas_or(lambda: decode_attention_prep(*args, **dims),
+                          lambda: attention_decode.decode_attention_prep(*args, **dims))
     from kernels_pallas.attention_reference import decode_attention_prep
     return decode_attention_prep(*args, **dims)
 
@@ -201,30 +225,66 @@ def _gemv(x, w, rows: int, cols: int) -> bool:
             and cols >= PALLAS_DENSE_MIN_COLS)
 
 
+class Pick(NamedTuple):
+    """The kernel of one projection einsum(spec, x, w) (`pick`): kernel is "gemv" (the Pallas bf16
+    weight-streaming GEMV, kernels_pallas/dense.py), "xla" (XLA's einsum), "w8a8" (the Pallas W8A8 block FP8
+    kernel, kernels_pallas/w8a8.py) or "w8a8_ref" (its jnp reference: the same function on XLA); nc contracted
+    axes, rows x rows, K contracted and N output elements of the flattened [rows, K] x [K, N] problem."""
+    kernel: str
+    nc: int
+    rows: int
+    K: int
+    N: int
+
+
+def _contraction(spec: str, x, w_ndim: int):
+    """(nc, rows, flat): flat when the spec contracts x's trailing axes with w's leading ones in order and keeps
+    the rest in order (every projection of the model)."""
+    lhs, out = spec.split("->")
+    xs, ws = lhs.split(",")
+    contracted = [c for c in xs if c in ws and c not in out]
+    nc = len(contracted)
+    flat = (len(ws) == w_ndim and xs.endswith("".join(contracted)) and ws.startswith("".join(contracted))
+            and out == xs[:len(xs) - nc] + ws[nc:])
+    return nc, math.prod(x.shape[:x.ndim - nc]), flat
+
+
+def pick(spec: str, x, w, kernels: str = "xla", fp8_blocks: tuple[int, int] | None = None) -> Pick:
+    """The one place a projection's kernel is chosen, from (weight format, row count): w a plain array, or the
+    fp8 values q of an FP8 weight with fp8_blocks = (block_in, block_out) of its compact scale grid.
+      fp8: "w8a8" with kernels="pallas" (bf16 / fp32 activations, any row count: decode, verify, prefill) where
+           a power-of-two K chunk ≥ 16 divides block_in, else "w8a8_ref" — the same W8A8 numerics either way;
+      plain: "gemv" with kernels="pallas", bf16, 1..PALLAS_DENSE_MAX_ROWS rows and ≥ PALLAS_DENSE_MIN_COLS
+           outputs, else "xla"."""
+    _check(kernels)
+    nc, rows, flat = _contraction(spec, x, w.ndim)
+    K, N = math.prod(w.shape[:nc]), math.prod(w.shape[nc:])
+    if fp8_blocks is not None:
+        from kernels_pallas import w8a8
+        assert flat, spec
+        ok = (kernels == "pallas" and x.dtype in (jnp.bfloat16, jnp.float32)
+              and w8a8.applies(rows, K, N, *fp8_blocks))
+        return Pick("w8a8" if ok else "w8a8_ref", nc, rows, K, N)
+    gemv = kernels == "pallas" and flat and _gemv(x, w, rows, N)
+    return Pick("gemv" if gemv else "xla", nc, rows, K, N)
+
+
 def dense(spec: str, x, w, kernels="xla", *, norm=None, gate=None, residual=None):
     """einsum(spec, x, w) with fp32 accumulation, returned UNROUNDED in fp32 (the caller rounds), for specs
     that contract x's trailing axes with w's leading axes (every projection of the model), e.g.
-    "btd,dhe->bthe" or "bthe,hed->btd". With kernels="pallas", bf16 operands and few rows, it runs the Pallas
-    weight-streaming GEMV on the flattened [rows, K] x [K, N] problem (one bf16 rounding of the fp32 sum, as the
-    caller's rounding would give).
+    "btd,dhe->bthe" or "bthe,hed->btd". With kernels="pallas", bf16 operands and few rows (`pick`), it runs the
+    Pallas weight-streaming GEMV on the flattened [rows, K] x [K, N] problem (one bf16 rounding of the fp32 sum,
+    as the caller's rounding would give).
 
     Optional parts of a decoder layer around the projection (the same ops on every path; on the GEMV path, with
     FUSED_DECODE, inside the kernel's prologue / epilogue instead of separate kernels):
       norm = (w_n, eps): x -> rms_norm_1p(x, w_n, eps) first (the layer's input / post / final norm);
       gate (x's shape): x -> rounded(x · gate) first (attention's output gate);
       residual (the output's shape): y -> rounded(residual + rounded(y)) (returned in fp32, already rounded)."""
-    _check(kernels)
-    lhs, out = spec.split("->")
-    xs, ws = lhs.split(",")
-    contracted = [c for c in xs if c in ws and c not in out]
-    nc = len(contracted)
-    rows = math.prod(x.shape[:x.ndim - nc])
-    cols = math.prod(w.shape[nc:])
-    flat = (xs.endswith("".join(contracted)) and ws.startswith("".join(contracted))
-            and out == xs[:len(xs) - nc] + ws[nc:])
-    gemv = kernels == "pallas" and flat and _gemv(x, w, rows, cols)
+    p = pick(spec, x, w, kernels)
+    nc, rows, K = p.nc, p.rows, p.K
+    gemv = p.kernel == "gemv"
     out_shape = x.shape[:x.ndim - nc] + w.shape[nc:]
-    K = math.prod(w.shape[:nc])
     if gemv and FUSED_DECODE and (norm is None or nc == 1):
         from kernels_pallas import dense as dense_kernel
         if norm is not None and not FUSED_NORM:
@@ -249,46 +309,23 @@ def dense(spec: str, x, w, kernels="xla", *, norm=None, gate=None, residual=None
     return y
 
 
-# The weight-only fp8 kernel (kernels_pallas/dense_fp8.py) runs every fp8 projection of a pass with at most
-# PALLAS_DENSE_FP8_MAX_ROWS rows (decode GEMV, verify skinny GEMM); longer passes (prefill) dequantize and use
-# XLA's GEMM (the caller's fallback).
-PALLAS_DENSE_FP8_MAX_ROWS = 256
-
-
-def _flat_contraction(spec: str, x, w_ndim: int):
-    """(nc, rows) for a spec contracting x's trailing axes with w's leading ones in order, else None."""
-    lhs, out = spec.split("->")
-    xs, ws = lhs.split(",")
-    contracted = [c for c in xs if c in ws and c not in out]
-    nc = len(contracted)
-    flat = (len(ws) == w_ndim and xs.endswith("".join(contracted)) and ws.startswith("".join(contracted))
-            and out == xs[:len(xs) - nc] + ws[nc:])
-    return (nc, math.prod(x.shape[:x.ndim - nc])) if flat else None
-
-
-def dense_fp8_applies(spec: str, x, q, block_in: int, kernels: str = "xla") -> bool:
-    """Whether `dense_fp8` runs this projection: kernels="pallas", bf16 activations, a flat contraction
-    with 1..PALLAS_DENSE_FP8_MAX_ROWS rows, and input blocks a BK ≥ 16 divides."""
-    _check(kernels)
-    from kernels_pallas.dense_fp8 import max_block_k
-    fc = _flat_contraction(spec, x, q.ndim)
-    return (kernels == "pallas" and fc is not None and x.dtype == jnp.bfloat16
-            and 0 < fc[1] <= PALLAS_DENSE_FP8_MAX_ROWS and max_block_k(block_in) >= 16)
-
-
-def dense_fp8(spec: str, x, q, scale, tail, block_in: int):
-    """einsum(spec, x, W) for an fp8 weight W = q ⊙ block scales [| tail], fp32 result (the caller rounds),
-    on the Pallas kernel (`dense_fp8_applies` must hold). q fp8 in the model's layout (contracted axes
-    first), scale fp32 [ceil(K / block_in), *q.shape[nc:]], tail None or the trailing plain columns
-    [K, n_tail] of a 2-D weight (its product runs on XLA and is concatenated)."""
-    from kernels_pallas import dense_fp8 as kernel
-    nc, rows = _flat_contraction(spec, x, q.ndim)
-    K = math.prod(q.shape[:nc])
-    x2 = x.reshape(rows, K)
-    y = kernel.dense_fp8(x2, q.reshape(K, -1), scale.reshape(scale.shape[0], -1),
-                         block_in=block_in).astype(jnp.float32)
-    lead = x.shape[:x.ndim - nc]
+def dense_w8a8(spec: str, x, q, scale, tail, block_in: int, block_out: int, kernels: str = "xla"):
+    """einsum(spec, x, W) for an FP8 weight W = q ⊙ compact block scales [| tail] with transformers' W8A8
+    numerics (kernels_pallas/w8a8.py: x quantized per row and input block to e4m3, the block-scaled fp8
+    product), fp32 result holding values already rounded to x's dtype (the caller's rounding keeps them).
+    q fp8 in the model's layout (contracted axes first), scale fp32 [ceil(K / block_in), ceil(N / block_out)],
+    tail None or the trailing plain columns [K, n_tail] of a 2-D weight (an XLA product in fp32, concatenated:
+    the caller rounds it). The kernel is `pick`'s: the Pallas kernel or its jnp reference."""
+    from kernels_pallas import w8a8
+    p = pick(spec, x, q, kernels, (block_in, block_out))
+    x2, q2 = x.reshape(p.rows, p.K), q.reshape(p.K, p.N)
+    if p.kernel == "w8a8":
+        y = w8a8.w8a8(x2, q2, scale, block_in=block_in, block_out=block_out)
+    else:
+        y = w8a8.w8a8_reference(x2, q2, scale, block_in=block_in, block_out=block_out)
+    y = y.astype(jnp.float32)
+    lead = x.shape[:x.ndim - p.nc]
     if tail is None:
-        return y.reshape(lead + q.shape[nc:])
+        return y.reshape(lead + q.shape[p.nc:])
     y = jnp.concatenate([y, jnp.dot(x2, tail.astype(x.dtype), preferred_element_type=jnp.float32)], axis=-1)
     return y.reshape(lead + y.shape[-1:])

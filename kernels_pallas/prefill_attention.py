@@ -30,10 +30,10 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.attention_reference import tree_attention_reference
-from kernels_pallas.tree_attention import flash_step, kv_head_specs
+from kernels_pallas.tree_attention import flash_blocks, flash_smem_bytes, flash_step, kv_head_specs
 from kernels_pallas._common import HIGHEST, compiler_params, feature_pad, next_pow2, pad_axis, pl, pltr
 
-__all__ = ["prefill_attention", "prefill_attention_reference", "prefill_flops"]
+__all__ = ["prefill_attention", "prefill_attention_reference", "prefill_flops", "plan"]
 
 _LOG2E = 1.4426950408889634  # the softmax runs in base 2 (exp2 is one MUFU op; expf is a libdevice sequence)
 _NEG = -1e30  # running-max init: finite, so fully masked blocks give exp2(-inf - _NEG) = 0
@@ -145,15 +145,32 @@ def default_split(programs: int, n_blocks: int, num_cores: int) -> int:
     return next((ns for ns in cands if fill(ns) >= 0.9), max(cands, key=fill))
 
 
+def plan(T: int, H: int, hkv: int, hd: int, S: int, dtype, *, block_m: int = 128, block_k: int = 64,
+         num_stages: int = 2, limit: int | None = None) -> dict:
+    """The blocks a `prefill_attention` call runs with (T tokens of H heads, hkv kv heads, head dim hd, S cache
+    rows, q's dtype): block_m rows (at most the padded R = T·H/hkv) x block_k keys (at most the padded max(S, T)),
+    shrunk where they do not fit the shared memory for the dtype (`tree_attention.flash_blocks`; fp32 at 27B
+    widths: 128 x 32), with their estimate `smem`."""
+    R = T * (H // hkv)
+    hdp = feature_pad(hd)
+    bm = min(block_m, max(16, next_pow2(R)))
+    bk = min(block_k, max(16, next_pow2(max(S, T))))
+    bm, bk = flash_blocks(bm, bk, hdp, dtype, num_stages, False, limit, what="prefill_attention")
+    return dict(block_m=bm, block_k=bk, num_stages=num_stages,
+                smem=flash_smem_bytes(bm, bk, hdp, dtype, num_stages, False))
+
+
 @functools.partial(jax.jit, static_argnames=("interpret", "block_m", "block_k", "n_split", "num_warps",
-                                             "num_stages", "num_cores"))
+                                             "num_stages", "num_cores", "smem_limit"))
 def prefill_attention(q, k_cache, v_cache, start, k_new, v_new, *, interpret: bool = False,
                       block_m: int = 128, block_k: int = 64, n_split: int | None = None,
-                      num_warps: int | None = None, num_stages: int = 2, num_cores: int = 132):
+                      num_warps: int | None = None, num_stages: int = 2, num_cores: int = 132,
+                      smem_limit: int | None = None):
     """q [B,T,H,hd]; k/v_cache [B,Hkv,S,hd]; start int32 scalar; k/v_new [B,T,Hkv,hd] -> [B,T,H,hd]
     (q.dtype). Same as `prefill_attention_reference`. Grid (B·Hkv, row blocks, n_split); n_split > 1
     (by default only when the row blocks leave the last wave of `num_cores` programs under 90 % full)
-    adds a jnp log-sum-exp merge of fp32 partials."""
+    adds a jnp log-sum-exp merge of fp32 partials. The blocks are `plan`'s (shrunk to fit `smem_limit`, default
+    `_common.SMEM_LIMIT`, for q's dtype; SharedMemoryError when none fits)."""
     B, T, H, hd = q.shape
     hkv, S = k_cache.shape[1], k_cache.shape[2]
     G = H // hkv
@@ -161,8 +178,9 @@ def prefill_attention(q, k_cache, v_cache, start, k_new, v_new, *, interpret: bo
     hdp = feature_pad(hd)
     if hdp != hd:  # tiny test shapes only: zero features change no logit
         q, k_cache, v_cache, k_new, v_new = (pad_axis(x, 3, hdp) for x in (q, k_cache, v_cache, k_new, v_new))
-    bm = min(block_m, max(16, next_pow2(R)))
-    bk = min(block_k, max(16, next_pow2(max(S, T))))
+    cfg = plan(T, H, hkv, hd, S, q.dtype, block_m=block_m, block_k=block_k, num_stages=num_stages,
+               limit=smem_limit)
+    bm, bk = cfg["block_m"], cfg["block_k"]
     nw = num_warps or (4 if bm <= 64 else 8)
     n_rb = -(-R // bm)
     ns = n_split or default_split(B * hkv * n_rb, -(-(S + T) // bk), num_cores)

@@ -30,9 +30,10 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.attention_reference import tree_attention_reference
-from kernels_pallas._common import HIGHEST, compiler_params, feature_pad, next_pow2, pad_axis, pl, pltr
+from kernels_pallas._common import (HIGHEST, compiler_params, feature_pad, first_fit, next_pow2, pad_axis,
+                                    pipeline_buffers, pl, pltr, tile_bytes)
 
-__all__ = ["tree_attention", "tree_attention_reference"]
+__all__ = ["tree_attention", "tree_attention_reference", "flash_smem_bytes", "flash_blocks", "plan"]
 
 _LOG2E = 1.4426950408889634  # the softmax runs in base 2 (exp2 is one MUFU op; expf is a libdevice sequence)
 _NEG = -1e30  # running-max init: finite, so fully masked blocks give exp2(-inf - _NEG) = 0
@@ -144,6 +145,50 @@ def flash_step(q, kb, vb, valid, carry, *, scale: float, precision):
     return acc, m_new, l
 
 
+def flash_smem_bytes(bm: int, bk: int, hdp: int, dtype, num_stages: int, mask: bool) -> int:
+    """Shared memory (bytes, an upper estimate) of a flash-attention program with [bm, hdp] query rows and [bk, hdp]
+    key / value blocks (`tree_attention`, `prefill_attention`): q staged once as the QKᵀ operand, the K and V
+    blocks of the loop `pipeline_buffers` times (bf16: wgmma, asynchronous from 64 rows; fp32: exact FMA dots,
+    not asynchronous), p [bm, bk] as the PV operand, the int8 mask block (tree blocks) and the row max / sum
+    exchanges. fp32 at 27B widths (hd 256), 128 x 64 tiles: 295424 + the mask block; Triton's allocation for
+    that kernel is 295424 (the H200's "requested 295424, available: 232448")."""
+    exact = jnp.dtype(dtype) == jnp.float32
+    bufs = pipeline_buffers(num_stages, async_mma=not exact and bm >= 64)
+    return (tile_bytes((bm, hdp), dtype) + bufs * 2 * tile_bytes((bk, hdp), dtype) + tile_bytes((bm, bk), dtype)
+            + (bm * bk if mask else 0) + 4 * bm)
+
+
+def flash_blocks(bm: int, bk: int, hdp: int, dtype, num_stages: int, mask: bool, limit: int | None = None,
+                 what: str = "attention") -> tuple[int, int]:
+    """(bm, bk): the requested blocks, or the largest smaller ones that fit the shared memory (`flash_smem_bytes`):
+    the key block halved first (down to 16), then the row block; SharedMemoryError when none fits."""
+    cands = [(m, k) for m in _halvings(bm) for k in _halvings(bk)]
+    return first_fit(cands, lambda c: flash_smem_bytes(c[0], c[1], hdp, dtype, num_stages, mask), limit,
+                     what=what)
+
+
+def _halvings(n: int) -> list[int]:
+    out = [n]
+    while out[-1] > 16:
+        out.append(max(16, out[-1] // 2))
+    return out
+
+
+def plan(T: int, H: int, hkv: int, hd: int, S: int, dtype, *, block_m: int | None = None, block_k: int = 64,
+         num_stages: int | None = None, limit: int | None = None) -> dict:
+    """The blocks a `tree_attention` call runs with (T query rows of H heads, hkv kv heads, head dim hd, S cache
+    rows, q's dtype): the H200 defaults (R = T·H/hkv <= 16 rows: 16-row blocks, else 128; 64-key blocks, at most
+    S; 2 stages), shrunk where they do not fit the shared memory for the dtype (`flash_blocks`; fp32 at 27B
+    widths: 128 x 32), with their estimate `smem`."""
+    R = T * (H // hkv)
+    hdp = feature_pad(hd)
+    nst = num_stages or 2
+    bm = block_m or (16 if R <= 16 else 128)
+    bk = min(block_k, max(16, 1 << (S.bit_length() - 1)))  # ≤ S: whole blocks are sliced from the cache
+    bm, bk = flash_blocks(bm, bk, hdp, dtype, nst, True, limit, what="tree_attention")
+    return dict(block_m=bm, block_k=bk, num_stages=nst, smem=flash_smem_bytes(bm, bk, hdp, dtype, nst, True))
+
+
 def kv_head_specs(q_rows: int, S: int, N: int, hdp: int, hkv: int) -> list:
     """BlockSpecs of (start, q [B, q_rows, hdp], k/v cache [B, Hkv, S, hdp], k/v new [B, N, Hkv, hdp]) for a grid
     whose first axis is b·Hkv + kv head: each program sees its batch row's q rows and its kv head's keys."""
@@ -165,11 +210,12 @@ def default_split(B: int, hkv: int, n_rb: int, S: int, bk: int, target_programs:
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_m", "block_k", "n_split", "num_warps",
                                              "num_stages", "partial_dtype", "target_programs", "rows_last",
-                                             "tail"))
+                                             "tail", "smem_limit"))
 def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret: bool = False,
                    block_m: int | None = None, block_k: int = 64, n_split: int | None = None,
                    num_warps: int | None = None, num_stages: int | None = None, partial_dtype=None,
-                   target_programs: int | None = None, rows_last: bool | None = None, tail: bool = False):
+                   target_programs: int | None = None, rows_last: bool | None = None, tail: bool = False,
+                   smem_limit: int | None = None):
     """q [B,T,H,hd]; k/v_cache [B,Hkv,S,hd]; start int32 scalar; k/v_new [B,N,Hkv,hd]; mask [B,T,N] bool
     -> [B,T,H,hd] (q.dtype). Same as `tree_attention_reference`.
 
@@ -182,7 +228,10 @@ def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret:
     grid is (B·Hkv, n_split, row blocks) so that the light tail programs launch after the full ones. Off by
     default: H200, T = 65, 27B shapes (bench_kernels attn_long, 2026-11-30): 40.0 / 239.5 / 882 µs per layer at
     4K / 32K / 128K with the tail vs 37.2 / 214.1 µs without (its extra split count leaves a second, bandwidth-only
-    wave of tail programs)."""
+    wave of tail programs).
+
+    The blocks are `plan`'s: the defaults (or block_m / block_k) shrunk to fit `smem_limit` (default
+    `_common.SMEM_LIMIT`, the H200's) for q's dtype; SharedMemoryError when no block fits."""
     B, T, H, hd = q.shape
     hkv, S = k_cache.shape[1], k_cache.shape[2]
     N = k_new.shape[1]
@@ -192,12 +241,11 @@ def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret:
     hdp = feature_pad(hd)
     if hdp != hd:  # tiny test shapes only: zero features change no logit
         q, k_cache, v_cache, k_new, v_new = (pad_axis(x, 3, hdp) for x in (q, k_cache, v_cache, k_new, v_new))
-    decode_like = R <= 16
     # defaults measured on the H200 at 27B shapes (hd 256, see benchmarks/results/kernels_h200.json)
-    bm = block_m or (16 if decode_like else 128)
-    nst = num_stages or 2
+    cfg = plan(T, H, hkv, hd, S, q.dtype, block_m=block_m, block_k=block_k, num_stages=num_stages,
+               limit=smem_limit)
+    bm, bk, nst = cfg["block_m"], cfg["block_k"], cfg["num_stages"]
     target = target_programs or 132
-    bk = min(block_k, max(16, 1 << (S.bit_length() - 1)))  # ≤ S: whole blocks are sliced from the cache
     n_rb = -(-R // bm)
     bm_tail = max(16, next_pow2(R - (n_rb - 1) * bm)) if tail else bm
     bm_tail = min(bm_tail, bm)

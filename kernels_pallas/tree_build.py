@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas._common import compiler_params, next_pow2, pl
+from kernels_pallas._common import SharedMemoryError, compiler_params, next_pow2, pl
+from kernels_pallas._common import smem_limit as _limit
 
 PAD_TOKEN = -1
 CHUNK = 64  # candidates compared per step of the kernel's rank loop
@@ -189,14 +190,25 @@ def _kernel(lp_ref, id_ref, ci_ref, cr_ref, tok_ref, par_ref, dep_ref, val_ref, 
     val_ref[...] = valid.astype(i32)
 
 
-@functools.partial(jax.jit, static_argnames=("budget", "num_warps", "interpret"))
-def tree_select(top_lp, top_id, budget: int, *, num_warps: int = 8, interpret: bool = False):
+def smem_bytes(Cp: int, Bp: int, num_warps: int) -> int:
+    """Shared memory (bytes, an upper estimate) of the one program: no tile is staged (no dot), only the
+    cross-warp exchanges of its reductions (at most max(Cp, Bp) values per warp). Budget 64: 16384 (Triton's
+    allocation: 2048); scores are fp32 whatever the model's dtype."""
+    return 4 * num_warps * max(Cp, Bp)
+
+
+@functools.partial(jax.jit, static_argnames=("budget", "num_warps", "interpret", "smem_limit"))
+def tree_select(top_lp, top_id, budget: int, *, num_warps: int = 8, interpret: bool = False,
+                smem_limit: int | None = None):
     """Pallas version of `tree_select_reference` (one launch)."""
     d_max, k = top_lp.shape
     b = int(budget)
     Dp, Kp, Bp = next_pow2(d_max), next_pow2(k), next_pow2(b)
     ci, cr = candidate_pairs(b, k)
     Cp = max(CHUNK, next_pow2(len(ci)))  # a power of two >= CHUNK: a multiple of CHUNK
+    if smem_bytes(Cp, Bp, num_warps) > _limit(smem_limit):
+        raise SharedMemoryError(f"tree_select: {smem_bytes(Cp, Bp, num_warps)} bytes of shared memory needed, "
+                                f"{_limit(smem_limit)} available")
     ci = np.pad(ci, (0, Cp - len(ci)), constant_values=-1)
     cr = np.pad(cr, (0, Cp - len(cr)), constant_values=-1)
     lp = jnp.pad(top_lp.astype(jnp.float32), ((0, Dp - d_max), (0, Kp - k)), constant_values=-jnp.inf)

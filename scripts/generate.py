@@ -34,6 +34,10 @@ examples:
   python scripts/generate.py --target DIR --drafter DDIR --prompt "Hi" --temperature 1.0 --seed 7 \\
       --stop-ids 151645
 
+  # Qwen's thinking-mode sampling: temperature 0.6, nucleus 0.95, top 20 tokens
+  python scripts/generate.py --target DIR --drafter DDIR --chat --prompt "Hi" --temperature 0.6 \\
+      --top-p 0.95 --top-k 20
+
 exit codes: 0 success, 2 bad arguments or unusable inputs (one error line on stderr)."""
 
 
@@ -70,6 +74,36 @@ def finite_non_negative(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
     if not 0 <= v < math.inf:
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return v
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 = off), got {v}")
+    return v
+
+
+def top_p_value(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1] (1 = off), got {text}")
+    return v
+
+
+def min_p_value(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
+    if not 0 <= v < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1) (0 = off), got {text}")
     return v
 
 
@@ -125,7 +159,18 @@ def build_parser() -> Parser:
     d.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N", help="tokens to generate "
                    "at most (default: 256; 64 for the demo pair)")
     d.add_argument("--temperature", type=finite_non_negative, default=0.0, metavar="T", help="sampling "
-                   "temperature; 0 = greedy, identical tokens for all methods (default: 0.0)")
+                   "temperature; 0 = greedy: every token is the target's argmax for its prefix; in float32 all methods give "
+                   "identical tokens, in bfloat16 dflash/ddtree take the argmax as the verify pass computes it, "
+                   "which can differ from ar's one-row pass by bf16 rounding (default: 0.0)")
+    d.add_argument("--top-k", type=non_negative_int, default=0, metavar="K", help="sample from the K most "
+                   "probable tokens only; 0 = off (default: 0). With --temperature > 0; every method samples "
+                   "exactly from the truncated distribution")
+    d.add_argument("--top-p", type=top_p_value, default=1.0, metavar="P", help="nucleus sampling: the smallest "
+                   "set of most probable tokens whose probability reaches P, 0 < P <= 1; 1 = off (default: 1.0)")
+    d.add_argument("--min-p", type=min_p_value, default=0.0, metavar="P", help="keep the tokens with probability "
+                   ">= P times the most probable one's, 0 <= P < 1; 0 = off (default: 0.0). The three combine "
+                   "(intersection), then the kept tokens are renormalised; ties with the last kept token stay. "
+                   "e.g. --temperature 0.6 --top-p 0.95 --top-k 20 for Qwen's thinking mode")
     d.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed (default: 0)")
     d.add_argument("--stop-ids", type=str, default=None, metavar="IDS", help="comma-separated token ids that "
                    "end generation (inclusive); 'none' disables (default: the tokenizer's/config's EOS ids)")
@@ -137,11 +182,11 @@ def build_parser() -> Parser:
     r.add_argument("--tp", type=positive_int, default=1, metavar="N", help="tensor parallelism: split the target "
                    "over the first N devices (must divide its head counts, intermediate size and vocab; on a CPU "
                    "XLA_FLAGS=--xla_force_host_platform_device_count=N makes N devices; default: 1)")
-    r.add_argument("--loop", choices=("host", "device"), default="host", help="host: the host polls every "
-                   "--sync-every rounds and streams tokens; device: all rounds in one lax.while_loop, text "
-                   "printed at the end (default: host)")
-    r.add_argument("--sync-every", type=positive_int, default=4, metavar="N", help="rounds per host poll with "
-                   "--loop host (default: 4)")
+    r.add_argument("--loop", choices=("host", "device"), default="host", help="host: jitted calls of "
+                   "--sync-every rounds, the next enqueued while the host streams the last one's tokens; device: all "
+                   "rounds in one lax.while_loop, text printed at the end (default: host)")
+    r.add_argument("--sync-every", type=positive_int, default=1, metavar="N", help="rounds per jitted call with "
+                   "--loop host (default: 1)")
     r.add_argument("--no-warmup", action="store_true", help="skip the compile-only warm-up call; then time to "
                    "first token and tokens/s include compilation (default: warm up first)")
     r.add_argument("--compile-cache", metavar="DIR", default=os.environ.get("JAXDDTREE_COMPILE_CACHE"),
@@ -357,7 +402,8 @@ def run(argv=None) -> int:
     load_s = time.perf_counter() - t_load
 
     kw = dict(drafter=drafter if method != "ar" else None, method=method, max_new_tokens=max_new,
-              tree_budget=args.budget, temperature=args.temperature, seed=args.seed, loop=args.loop,
+              tree_budget=args.budget, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+              min_p=args.min_p, seed=args.seed, loop=args.loop,
               sync_every=args.sync_every, budget_costs=args.budget_costs)
     if not args.json:
         log(f"{method}" + (f" (budget {args.budget})" if method == "ddtree" else "") +
@@ -381,7 +427,8 @@ def run(argv=None) -> int:
     text = tok.decode(gen.tokens) if tok is not None else None
     stats = dict(gen.stats)
     stats.update(wall_s=wall, load_s=load_s, compile_s=compile_s, prompt_tokens=len(ids), dtype=dtype,
-                 kernels=kernels, backend=backend, temperature=args.temperature, seed=args.seed,
+                 kernels=kernels, backend=backend, temperature=args.temperature, top_k=args.top_k,
+                 top_p=args.top_p, min_p=args.min_p, seed=args.seed,
                  stop_ids=stops, loop=args.loop, target=target.source,
                  drafter=(getattr(drafter, "path", None) if method != "ar" else None))
     if args.json:

@@ -5,6 +5,7 @@ Run from the repository root without installing: `python scripts/serve.py --help
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import time
@@ -18,7 +19,12 @@ examples:
   python scripts/serve.py --target ~/models/Qwen3.6-27B --drafter ~/models/Qwen3.6-27B-DFlash --budget 64
 
   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
-      -d '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32, "temperature": 0}'"""
+      -d '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32, "temperature": 0}'
+
+honoured request fields: max_tokens / max_completion_tokens, temperature, top_p, top_k, min_p, seed, stop,
+n (1), stream, stream_options, chat_template_kwargs, tools / tool_choice (chat; tool calls come back as
+tool_calls). Other sampling fields (frequency_penalty, logit_bias, logprobs, ...) get a 400 unless they carry
+their default value. See README.md, "Serving"."""
 
 
 def positive_int(text: str) -> int:
@@ -79,6 +85,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+SERVER_MODULES = ("fastapi", "uvicorn")  # the `serve` extra of pyproject.toml
+INSTALL_HINT = "pip install -e '.[serve]'"
+
+
+def require_server_extra() -> None:
+    """Exit 2 with one line on stderr naming the install command when the server's extra (fastapi, uvicorn) is
+    not importable; called before any model loads."""
+    missing, why = [], None
+    for name in SERVER_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            missing.append(name)
+            why = why or e
+    if missing:
+        print(f"serve.py: error: the server needs {' and '.join(missing)} ({type(why).__name__}: {why}); install "
+              f"the server's extra from the repository root: {INSTALL_HINT}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
 def load_engine(args):
     """Load the pair and build the Engine (also used by tests and benchmarks with parsed args)."""
     try:
@@ -89,6 +115,7 @@ def load_engine(args):
     import jaxddtree as jd
     from jaxddtree.checkpoint import builtin
     from jaxddtree.serving import Engine
+    from jaxddtree.speculative import budget as budget_lib
     from jaxddtree.model.sharding import check_tp, replicate
     from jaxddtree.text import encode_text, has_tokenizer, load_hf_tokenizer
 
@@ -98,6 +125,12 @@ def load_engine(args):
         except ValueError as e:
             raise SystemExit(f"serve.py: error: --tp: {e}") from None
 
+    costs = args.budget_costs
+    if costs is not None:  # read before the models load: a bad file is one line, at once
+        try:
+            costs = budget_lib.load(costs)
+        except ValueError as e:
+            raise SystemExit(f"serve.py: error: argument --budget-costs: {e}") from None
     if args.compile_cache:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compile_cache))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
@@ -123,9 +156,12 @@ def load_engine(args):
     method = args.method or ("ddtree" if drafter is not None else "ar")
     if method != "ar" and drafter is None:
         raise SystemExit(f"serve.py: error: --method {method} needs --drafter")
-    engine = Engine(target, drafter, tok, name=args.model_name or name, method=method, budget=args.budget,
-                    budget_costs=args.budget_costs, max_context=args.max_context, queue_size=args.queue,
-                    default_max_tokens=args.default_max_tokens)
+    try:
+        engine = Engine(target, drafter, tok, name=args.model_name or name, method=method, budget=args.budget,
+                        budget_costs=costs, max_context=args.max_context, queue_size=args.queue,
+                        default_max_tokens=args.default_max_tokens)
+    except ValueError as e:  # e.g. the caches for --max-context do not fit in the device's memory
+        raise SystemExit(f"serve.py: error: --max-context: {e}") from None
     if not args.no_warmup:
         t = time.perf_counter()
         try:
@@ -141,6 +177,7 @@ def load_engine(args):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    require_server_extra()
     engine = load_engine(args)
     import uvicorn
     from jaxddtree.serving import create_app

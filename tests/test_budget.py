@@ -200,13 +200,13 @@ def test_auto_is_exact_and_follows_the_cost_table(pair, ar_ref, loop):
 def test_tables_are_data_and_sampling_runs(pair, ar_ref):
     prompt = PROMPTS[0]
     run(pair, prompt, budget_costs=forcing_table(len(prompt)))
-    n = loop_lib.run_rounds._cache_size()
+    n = loop_lib.TRACES["rounds"]
     flat = {"chain": {"0": 5.0}, "2": {"0": 1.0}, "7": {"0": 50.0}}  # budget 2 always
     g7 = run(pair, prompt, budget_costs=B.forcing((0, 2, 7), 7))
     assert g7.tokens == ar_ref[0] and set(g7.stats["budget_per_round"]) == {7}
     g = run(pair, prompt, budget_costs=flat)
     assert g.tokens == ar_ref[0] and set(g.stats["budget_per_round"]) == {2}
-    assert loop_lib.run_rounds._cache_size() == n  # the same candidates: one compilation
+    assert loop_lib.TRACES["rounds"] == n  # the same candidates: one compilation
     gs = run(pair, prompt, budget_costs=flat, temperature=0.8, seed=5)
     assert len(gs.tokens) == MAX_NEW and all(0 <= t < V for t in gs.tokens)
     assert set(gs.stats["budget_per_round"]) == {2}
@@ -225,19 +225,22 @@ def test_device_loop_does_not_copy_the_kv_caches(pair, monkeypatch):
     """The switch's branches each update the caches: the compiled device loop holds no copy of a KV-cache
     buffer, and no more top-level copies of cache-shaped buffers than the fixed-budget loop."""
     captured = {}
-    orig = loop_lib.run_rounds
+    orig = loop_lib.loop_fn
 
     def spy(*a, **kw):
-        captured["call"] = (a, kw)
-        return orig(*a, **kw)
+        fn = orig(*a, **kw)
 
-    monkeypatch.setattr(loop_lib, "run_rounds", spy)
+        def call(*args):
+            captured["text"] = fn.lower(*args).compile().as_text()
+            captured["cache"] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args[2].cache)
+            return fn(*args)
+        return call
+
+    monkeypatch.setattr(loop_lib, "loop_fn", spy)
 
     def top_level_copies(budget, costs):
         run(pair, PROMPTS[0], tree_budget=budget, budget_costs=costs, loop="device", max_new_tokens=8)
-        a, kw = captured["call"]
-        text = orig.lower(*a, **kw).compile().as_text()
-        cache = a[2].cache
+        text, cache = captured["text"], captured["cache"]
         kv = {f"f32{list(x.shape)}".replace(" ", "") for x in jax.tree.leaves(cache) if x.ndim == 4
               and x.shape[2] > 64}
         shapes = {f"f32{list(x.shape)}".replace(" ", "") for x in jax.tree.leaves(cache) if x.ndim >= 3}
@@ -299,7 +302,8 @@ def test_engine_passes_the_table(monkeypatch):
     monkeypatch.setattr(engine_lib, "generate", lambda *a, **kw: seen.update(kw))
     e = engine_lib.Engine.__new__(engine_lib.Engine)  # no model, no worker thread: only _generate's arguments
     e.target, e.drafter, e.method, e.budget, e.budget_costs = None, object(), "ddtree", "auto", {"chain": {"0": 1}}
-    e._generate([1, 2], 8, 0.0, 0, [0], None)
+    e.stop_ids, e.cache_len = [0], 512
+    e._generate([1, 2], 8, 0.0, 0, None)
     assert seen["tree_budget"] == "auto" and seen["budget_costs"] == {"chain": {"0": 1}}
     import inspect
     sig = inspect.signature(engine_lib.Engine.__init__).parameters

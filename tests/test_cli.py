@@ -114,7 +114,8 @@ def test_help_lists_every_flag():
     assert rc == 0, err
     flags = [s for a in load_script().build_parser()._actions for s in a.option_strings if s.startswith("--")]
     expected = {"--target", "--drafter", "--prompt", "--prompt-ids", "--no-chat-template", "--enable-thinking",
-                "--method", "--budget", "--max-new-tokens", "--temperature", "--seed", "--dtype", "--stop-ids",
+                "--method", "--budget", "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--min-p",
+                "--seed", "--dtype", "--stop-ids",
                 "--kernels", "--loop", "--json"}
     assert expected <= set(flags)
     for f in flags:
@@ -293,6 +294,11 @@ def test_errors_before_loading(dirs, tmp_path, capsys):
     cases = [
         (["--temperature", "inf"], "--temperature: must be a finite number >= 0, got inf"),
         (["--temperature", "nan"], "--temperature: must be a finite number >= 0, got nan"),
+        (["--top-p", "0"], "--top-p: must be in (0, 1] (1 = off), got 0"),
+        (["--top-p", "1.5"], "--top-p: must be in (0, 1]"),
+        (["--top-k", "-1"], "--top-k: must be >= 0 (0 = off), got -1"),
+        (["--min-p", "1"], "--min-p: must be in [0, 1) (0 = off), got 1"),
+        (["--min-p", "x"], "--min-p: expected a number"),
         (["--prompt", ""], "--prompt: empty prompt"),
         (["--chat", "--no-chat-template"], "--no-chat-template"),
         (["--no-think", "--enable-thinking"], "not allowed with"),

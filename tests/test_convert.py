@@ -166,8 +166,9 @@ def test_conversions_succeed(converted):
         assert r.rc == 0, (key, r.stderr)
         path = converted["paths"][key]
         meta = json.load(open(os.path.join(path, "jaxddtree_checkpoint.json")))
+        from jaxddtree.checkpoint import orbax_format
         assert meta["kind"] == ("drafter" if key[0] == "drafter" else "target")  # drafter kind auto-detected
-        assert meta["dtype"] == key[1] and meta["format_version"] == 3
+        assert meta["dtype"] == key[1] and meta["format_version"] == orbax_format.FORMAT_VERSION
         assert os.path.isfile(os.path.join(path, "config.json")) and os.path.isdir(os.path.join(path, "params"))
         assert not leftovers(converted["dir"])
     quiet = converted["results"][("text", "bfloat16")]
@@ -224,7 +225,7 @@ def test_drafter_round_trip(drafter_src, converted, dtype):
 
 def test_converted_round_compiles_once(hf, converted, tmp_path, monkeypatch):
     """Converted parameters are placed as the HF loader places them (uncommitted; committed ones once made
-    the decode state change placement after the first `run_rounds` call: a second compilation inside the
+    the decode state change placement after the first round call: a second compilation inside the
     timed generation). The first generate on a converted pair compiles its round once, and converted and HF
     targets / drafters mix freely on that one compilation."""
     import jax
@@ -243,13 +244,13 @@ def test_converted_round_compiles_once(hf, converted, tmp_path, monkeypatch):
     for x in jax.tree.leaves((targets["conv"].leaves, drafters["conv"].params, fallback.leaves)):
         assert not x.committed
     kw = dict(method="dflash", max_new_tokens=29, sync_every=1)  # a configuration no other test compiles
-    before = loop.run_rounds._cache_size()
+    before = loop.TRACES["rounds"]
     first = jaxddtree.generate(targets["conv"], IDS, drafter=drafters["conv"], **kw)
-    assert first.stats["rounds"] >= 3  # several run_rounds calls
-    assert loop.run_rounds._cache_size() - before == 1
+    assert first.stats["rounds"] >= 3  # several round calls
+    assert loop.TRACES["rounds"] - before == 1
     for t, d in (("conv", "hf"), ("hf", "conv"), ("hf", "hf")):
         assert jaxddtree.generate(targets[t], IDS, drafter=drafters[d], **kw).tokens == first.tokens, (t, d)
-    assert loop.run_rounds._cache_size() - before == 1
+    assert loop.TRACES["rounds"] - before == 1
 
 
 def test_direct_reader_matches_ocp_load(converted, monkeypatch):
@@ -360,6 +361,7 @@ def test_format_version_1_target_is_refused(converted, tmp_path):
     """A target converted by an older jaxddtree (format_version 1: unfused projections) is refused with one
     line naming the version found and the command that reconverts it; likewise a version-2 drafter (unfused
     drafter projections); a version-2 target (layout unchanged since) still loads."""
+    from jaxddtree.checkpoint import orbax_format
     old = tmp_path / "old"
     shutil.copytree(converted["paths"][("text", "bfloat16")], old)
     meta = json.load(open(old / "jaxddtree_checkpoint.json"))
@@ -368,7 +370,7 @@ def test_format_version_1_target_is_refused(converted, tmp_path):
         jaxddtree.load_target(str(old), "bfloat16")
     msg = str(e.value)
     assert "\n" not in msg
-    assert "format_version 1, this one reads 3" in msg, msg
+    assert f"format_version 1, this one reads {orbax_format.FORMAT_VERSION}" in msg, msg
     assert f"python -m convert {meta['source']} {old} --overwrite" in msg, msg
     json.dump(dict(meta, format_version=2), open(old / "jaxddtree_checkpoint.json", "w"))
     jaxddtree.load_target(str(old), "bfloat16")
@@ -383,7 +385,7 @@ def test_format_version_1_target_is_refused(converted, tmp_path):
     with pytest.raises(jaxddtree.CheckpointError) as e:
         load_drafter(str(d_old), target, "float32")
     msg = str(e.value)
-    assert "\n" not in msg and "format_version 2, this one reads 3" in msg, msg
+    assert "\n" not in msg and f"format_version 2, this one reads {orbax_format.FORMAT_VERSION}" in msg, msg
     assert f"python -m convert {meta['source']} {d_old} --overwrite" in msg, msg
 
 
@@ -526,3 +528,26 @@ def test_ctrl_c(big, tmp_path):
     assert r.rc == 130
     assert_one_line_error(r, "interrupted")
     assert os.listdir(tmp_path) == []
+
+
+def test_bf16_dir_loaded_as_float32_says_one_plain_line(converted, monkeypatch, caplog):
+    """A bf16-converted target + drafter loaded as float32: one plain log line (no Python warning with its source
+    line), for the pair."""
+    import logging
+    import warnings
+
+    import jax
+    from jaxddtree import load_drafter
+    from jaxddtree.checkpoint import orbax_format
+    monkeypatch.setattr(orbax_format, "_UPCAST_NOTED", [])
+    target = types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=64, num_hidden_layers=6,
+                                                                vocab_size=101))
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING, logger="jaxddtree"):
+        warnings.simplefilter("always")
+        t = jaxddtree.load_target(converted["paths"][("text", "bfloat16")], "float32")
+        d = load_drafter(converted["paths"][("drafter", "bfloat16")], target, "float32")
+    assert not [w for w in caught if issubclass(w.category, UserWarning)], [str(w.message) for w in caught]
+    recs = [r.getMessage() for r in caplog.records if r.name == "jaxddtree"]
+    assert len(recs) == 1 and "\n" not in recs[0], recs
+    assert "bfloat16" in recs[0] and "python -m convert --dtype float32" in recs[0], recs[0]
+    assert all(x.dtype == np.float32 for x in jax.tree.leaves(t.leaves) + jax.tree.leaves(d.params))

@@ -7,13 +7,17 @@ partial edge blocks), write the FP8 checkpoint (config `quantization_config`, `w
 
   * loading keeps fp8 weights + block scales on device (`Fp8Weight`), in_proj_b/a as the bf16 tail of
     GDN `w_in`, and modules left out by `modules_to_not_convert` plain;
-  * fp32 logits equal the dequantized reference's (prefill and decode steps), for blocks that do not
-    divide the matrices, bf16 and fp32 scales, a fused parameter with a plain part in the middle;
+  * the model computes transformers' FP8 forward (W8A8: `activation_scheme: "dynamic"`): fp32 and bf16 logits
+    (prefill and decode steps) match transformers' model on the dequantized weights with every FP8Linear run
+    as the torch emulation of its W8A8 kernel (tests/fp8_torch.py), for blocks that do not divide the
+    matrices, bf16 and fp32 scales, a fused parameter with a plain part in the middle; parameters dequantize
+    to exactly the reference checkpoint's weights (compact scale grids);
   * DDTree == DFlash == AR tokens at T = 0 on the fp8 target;
   * malformed checkpoints (missing scale, wrong scale shape, unknown fmt, scale on a plain weight) give
     a CheckpointError naming the tensor;
   * `python -m convert` keeps fp8 + scales and restores them (same parameters, same tokens);
-  * kernels="pallas": the fp8 GEMV / skinny GEMM (interpret mode) inside the model matches kernels="xla".
+  * kernels="pallas": the W8A8 Pallas kernel (interpret mode) inside the model matches kernels="xla" (its
+    jnp reference).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import numpy as np
 import pytest
 import torch
 
+import fp8_torch
 import hf_models
 import jaxddtree
 from jaxddtree.checkpoint.params import CheckpointError
@@ -122,9 +127,12 @@ def test_layout_released(released):
     hv = cfg.linear_num_value_heads
     assert w_in.tail is not None and w_in.tail.shape == (cfg.hidden_size, 2 * hv)
     assert w_in.shape == (cfg.hidden_size, cfg.conv_dim + hv * cfg.linear_value_head_dim + 2 * hv)
-    assert w_in.scale.shape == (-(-cfg.hidden_size // 24), cfg.conv_dim + hv * cfg.linear_value_head_dim)
-    assert isinstance(m.layers[0].mlp.w_gate_up[...], Fp8Weight)
-    assert m.layers[0].mlp.w_gate_up[...].scale.shape == (-(-cfg.hidden_size // 24), 2, cfg.intermediate_size)
+    n_in = cfg.conv_dim + hv * cfg.linear_value_head_dim
+    assert 32 % w_in.block_out == 0  # compact: a divisor of the 32-row output blocks
+    assert w_in.scale.shape == (-(-cfg.hidden_size // 24), -(-n_in // w_in.block_out))
+    gu = m.layers[0].mlp.w_gate_up[...]
+    assert isinstance(gu, Fp8Weight) and 32 % gu.block_out == 0
+    assert gu.scale.shape == (-(-cfg.hidden_size // 24), -(-2 * cfg.intermediate_size // gu.block_out))
     wo = m.layers[3].mixer.wo[...]
     assert isinstance(wo, Fp8Weight) and wo.nc == 2 and wo.shape == (4, 16, cfg.hidden_size)
     assert not isinstance(m.layers[1].mlp.w_down[...], Fp8Weight)  # modules_to_not_convert
@@ -144,28 +152,65 @@ def _logits(jx, target, ids, steps):
     return np.concatenate(out)
 
 
+# fused parameters with a plain part in the middle are dequantized on load (jaxddtree/checkpoint/hf_target.py):
+# their fp8 parts then run as plain projections of the dequantized weights
+DEQUANTIZED_ON_LOAD = {"everything": ("model.layers.3.self_attn.q_proj", "model.layers.3.self_attn.v_proj")}
+
+
+def transformers_fp8(fp8_dir, ref_dir, dtype, skip=()):
+    """transformers' model on the dequantized weights with every FP8Linear of the FP8 checkpoint (fp8
+    `weight` + `weight_scale_inv`) running the torch emulation of its W8A8 forward."""
+    from safetensors.torch import load_file
+    with open(os.path.join(fp8_dir, "config.json")) as f:
+        block = tuple(json.load(f)["quantization_config"]["weight_block_size"])
+    if dtype == torch.bfloat16:
+        model = hf_models.from_pretrained_bf16(ref_dir)
+    else:
+        model = hf_models.Qwen3_5ForCausalLM.from_pretrained(ref_dir, dtype=dtype, attn_implementation="eager").eval()
+    patched = fp8_torch.patch_fp8_linears(model, load_file(os.path.join(fp8_dir, "model.safetensors")), block, skip)
+    assert len(patched) > 10
+    return model
+
+
+def _compare_with_transformers(jx, which, fp8_dir, ref_dir, dtype, ids, steps=3):
+    """Per position (the prompt, then `steps` greedy decode steps; transformers run over the same tokens):
+    max|ours - transformers' FP8 forward| and max|the weight-only model - it|, over max|logits|."""
+    name = str(dtype).split(".")[-1]
+    ours = _logits(jx, jaxddtree.load_target(fp8_dir, name), ids, steps)
+    toks = list(ids) + [int(np.argmax(ours[len(ids) - 1 + i])) for i in range(steps)]
+    ref = hf_models.hf_logits(transformers_fp8(fp8_dir, ref_dir, dtype, DEQUANTIZED_ON_LOAD.get(which, ())),
+                              [toks])[0][:len(ours)]
+    weight_only = _logits(jx, jaxddtree.load_target(ref_dir, name), np.asarray(toks), 0)
+    scale = np.abs(ref).max()
+    return (np.abs(ours - ref).max(axis=-1) / scale, np.abs(weight_only - ref).max(axis=-1) / scale)
+
+
+def _check_w8a8_errors(err, err_weight_only, typical, worst):
+    """Two fp32 implementations of W8A8 agree to fp32 rounding except where an activation lands on an e4m3
+    rounding boundary: then one element moves by an e4m3 step (6 %) and its layer's outputs by up to ~1 % (the
+    lm_head's input: that position's logits). So: typical positions within `typical`, a few flips within
+    `worst`, and the weight-only product (no activation quantization) far off everywhere."""
+    print(f"max per position: {np.array2string(err, precision=1)}; weight-only median {np.median(err_weight_only):.3g}")
+    assert np.median(err) <= typical and np.mean(err > 10 * typical) <= 0.25 and err.max() <= worst, err
+    assert np.median(err_weight_only) > 30 * max(np.median(err), typical)
+
+
 @pytest.mark.parametrize("which", ["released", "everything"])
-def test_logits_match_dequantized(which, request, jx):
+def test_logits_match_transformers_fp8(which, request, jx):
+    """fp32 compute: W8A8 in fp32 (x quantized from fp32, fp32 outputs), prefill and decode steps. Measured:
+    released max 3e-7 over all positions; everything median 1e-7, a flip of 1e-2 (its lm_head is fp8)."""
     fp8_dir, ref_dir = request.getfixturevalue(which)
     ids = np.random.RandomState(0).randint(0, 96, 21)
-    ours = _logits(jx, jaxddtree.load_target(fp8_dir, "float32"), ids, 3)
-    ref = _logits(jx, jaxddtree.load_target(ref_dir, "float32"), ids, 3)
-    err = hf_models.rel_err(ours, ref)
-    assert err <= 1e-6, err  # measured: 0.0 (the same dequantized fp32 weights, the same contractions)
-    # and the dequantized reference is what transformers computes from those weights
-    model = hf_models.Qwen3_5ForCausalLM.from_pretrained(ref_dir, dtype=torch.float32,
-                                                          attn_implementation="eager").eval()
-    assert hf_models.rel_err(ours[:len(ids)], hf_models.hf_logits(model, ids[None])[0]) <= 1e-4
+    _check_w8a8_errors(*_compare_with_transformers(jx, which, fp8_dir, ref_dir, torch.float32, ids), 1e-6, 3e-2)
 
 
-def test_bf16_compute_matches_dequantized(released, jx):
-    """`dtype` is the compute dtype: in bf16 the fp8 target computes what the dequantized checkpoint loaded
-    in bf16 does (dequantized in fp32, rounded once to bf16)."""
-    fp8_dir, ref_dir = released
+def test_bf16_compute_matches_transformers_fp8(pow2_blocks, jx):
+    """`dtype` is the compute dtype: in bf16 the fp8 target computes what transformers' FP8 model does in bf16
+    (bf16 activations quantized per token, bf16 outputs, transformers' bf16 roundings elsewhere)."""
+    fp8_dir, ref_dir = pow2_blocks
     ids = np.random.RandomState(2).randint(0, 96, 21)
-    ours = _logits(jx, jaxddtree.load_target(fp8_dir, "bfloat16"), ids, 1)
-    ref = _logits(jx, jaxddtree.load_target(ref_dir, "bfloat16"), ids, 1)
-    assert hf_models.rel_err(ours, ref) <= 1e-6
+    _check_w8a8_errors(*_compare_with_transformers(jx, "pow2", fp8_dir, ref_dir, torch.bfloat16, ids, steps=1),
+                       1e-6, 5e-2)  # measured: equal at every position
 
 
 def test_dequantize_matches_reference_weights(everything):
@@ -261,8 +306,10 @@ def test_convert_roundtrip(released, tmp_path):
     from jaxddtree.checkpoint.convert import convert
     out = str(tmp_path / "conv")
     meta = convert(released[0], out, dtype="float32")
-    assert meta["fp8"]["layers.0.mixer.w_in"] == {"block_in": 24, "nc": 1}
-    assert meta["fp8"]["layers.3.mixer.wo"] == {"block_in": 24, "nc": 2}
+    a0 = jaxddtree.load_target(released[0], "float32").module()
+    assert meta["fp8"]["layers.0.mixer.w_in"] == {"block_in": 24, "nc": 1,
+                                                  "block_out": a0.layers[0].mixer.w_in[...].block_out}
+    assert meta["fp8"]["layers.3.mixer.wo"] == {"block_in": 24, "nc": 2, "block_out": 32}
     assert "layers.1.mlp.w_down" not in meta["fp8"]  # modules_to_not_convert: plain
     a, b = jaxddtree.load_target(out, "float32"), jaxddtree.load_target(released[0], "float32")
     assert orbax_format.last_restore["reader"] == "direct"
@@ -355,20 +402,21 @@ def pow2_blocks(tmp_path_factory):
 
 def test_pallas_fp8_kernel_in_model(pow2_blocks, jx, monkeypatch):
     """kernels="pallas" runs every fp8 projection (prefill of 21 rows, decode GEMVs, w_in with its bf16 tail)
-    on the fp8 kernel (interpret mode; the other kernels stay on their references here): bf16 logits match
-    kernels="xla" (dequantize + XLA) up to bf16 rounding, and are as close to the fp32 dequantized model."""
+    on the W8A8 kernel (interpret mode; the other kernels stay on their references here): bf16 logits match
+    kernels="xla" (the kernel's jnp reference: the same function) up to fp32 summation order."""
     import dataclasses
-    from kernels_pallas import dense_fp8 as df
     from kernels_pallas import ops
+    from kernels_pallas import w8a8
     fp8_dir, ref_dir = pow2_blocks
     ids = np.random.RandomState(4).randint(0, 96, 21)
     target = jaxddtree.load_target(fp8_dir, "bfloat16")
     xla = _logits(jx, target, ids, 2)
-    exact = _logits(jx, jaxddtree.load_target(ref_dir, "float32"), ids, 2)
+    weight_only = _logits(jx, jaxddtree.load_target(ref_dir, "bfloat16"), ids, 2)
     calls = []
-    kernel = df.dense_fp8
-    monkeypatch.setattr(df, "dense_fp8", lambda x, q, s, block_in: calls.append(x.shape) or
-                        kernel(x, q, s, block_in=block_in, interpret=True))
+    kernel = w8a8.w8a8
+    monkeypatch.setattr(w8a8, "w8a8", lambda x, q, s, **kw: calls.append(x.shape) or
+                        kernel(x, q, s, interpret=True, **kw))
+
     def on_reference(f):
         def g(*a, **k):
             b = inspect.signature(f).bind(*a, **k)
@@ -382,7 +430,75 @@ def test_pallas_fp8_kernel_in_model(pow2_blocks, jx, monkeypatch):
     # traced per jit (prefill; decode once or twice): 4 layers x 4 fp8 projections (w_in | w_qkv, w_out | wo,
     # w_gate_up, w_down) per trace, with 21 rows and with 1
     assert len(calls) % 16 == 0 and len(calls) >= 32 and sorted({c[0] for c in calls}) == [1, 21]
-    e_pallas, e_xla = hf_models.rel_err(pallas, exact), hf_models.rel_err(xla, exact)
-    print(f"pallas vs xla {hf_models.rel_err(pallas, xla):.3g}; vs fp32: pallas {e_pallas:.3g} xla {e_xla:.3g}")
-    assert hf_models.rel_err(pallas, xla) <= 3e-2
-    assert e_pallas <= 1.5 * e_xla + 1e-3
+    e, e_wo = hf_models.rel_err(pallas, xla), hf_models.rel_err(weight_only, xla)
+    print(f"pallas vs xla {e:.3g}; weight-only vs xla {e_wo:.3g}")
+    assert e <= 1e-2 and e < 0.2 * e_wo
+
+
+def test_compact_scales():
+    """The compact grid is exact: the widest divisor of the block whose column groups are constant."""
+    from jaxddtree.model.fp8 import compact_scales
+    rs = np.random.RandomState(0)
+    parts = [np.repeat(rs.rand(3, -(-n // 8)).astype(np.float32), 8, axis=1)[:, :n]  # 8-column blocks
+             for n in (24, 20, 13)]
+    cols = np.concatenate(parts, axis=1)  # part boundaries at 24 and 44: groups of 4 never straddle
+    c, g = compact_scales(cols, 8)
+    assert g == 4 and c.shape == (3, -(-57 // 4))
+    np.testing.assert_array_equal(np.repeat(c, g, axis=1)[:, :57], cols)
+    c, g = compact_scales(np.concatenate(parts[:2], axis=1), 8)
+    assert g == 8  # one boundary (24): 8-wide groups fit; the last group past the end is padded
+    c, g = compact_scales(np.repeat(rs.rand(2, 3), 128, axis=1)[:, :300], 128)
+    assert g == 128 and c.shape == (2, 3)
+    assert compact_scales(rs.rand(2, 5), 128)[1] == 1
+
+
+def test_format_version_3_fp8_is_compacted_on_load(released, tmp_path):
+    """A target converted before the compact scales (format_version 3: one scale per output column, marker
+    entries without block_out) loads: its scales are compacted on load, exactly (same dequantized weights,
+    same greedy tokens as the FP8 directory)."""
+    import shutil as sh
+    import orbax.checkpoint.experimental.v1 as ocp
+    from jaxddtree.checkpoint import orbax_format
+    from jaxddtree.checkpoint.convert import convert
+    new = str(tmp_path / "v4")
+    meta = convert(released[0], new, dtype="float32")
+    old = tmp_path / "v3"
+    old.mkdir()
+    flat = orbax_format.from_tree(ocp.load(os.path.join(new, "params")))
+    t4 = jaxddtree.load_target(new, "float32").module()
+    n = 0
+    for p, info in meta["fp8"].items():
+        path = tuple(int(k) if k.isdigit() else k for k in p.split("."))
+        w = t4
+        for k in path:
+            w = w[k] if isinstance(k, int) else getattr(w, k)
+        w = w[...]
+        cols = np.repeat(np.asarray(flat[path + ("scale",)]), info["block_out"], axis=1)
+        flat[path + ("scale",)] = cols[:, :int(np.prod(w.q.shape[w.nc:]))].reshape((-1,) + w.q.shape[w.nc:])
+        n += 1
+    assert n > 10
+    writer = orbax_format.PartialWriter(str(old / "params"), 1 << 30)
+    for p, x in flat.items():
+        writer.add(p, np.asarray(x))
+    writer.finalize()
+    sh.copy(os.path.join(new, "config.json"), old / "config.json")
+    extra = {k: v for k, v in meta.items() if k not in ("format", "format_version", "kind", "dtype", "params",
+                                                          "orbax_checkpoint", "dst", "seconds")}
+    extra["fp8"] = {p: {"block_in": v["block_in"], "nc": v["nc"]} for p, v in meta["fp8"].items()}
+    m3 = orbax_format.write_marker(str(old), "target", "float32", **extra)
+    m3["format_version"] = 3
+    with open(old / orbax_format.MARKER, "w") as f:
+        json.dump(m3, f)
+    a, b = jaxddtree.load_target(str(old), "float32"), jaxddtree.load_target(released[0], "float32")
+    import jax
+    from flax import nnx
+    fa, fb = (jax.tree.leaves(nnx.to_pure_dict(nnx.state(t.module())), is_leaf=lambda x: isinstance(x, Fp8Weight))
+              for t in (a, b))
+    for x, y in zip(fa, fb):
+        if isinstance(x, Fp8Weight):
+            assert x.scale.ndim == 2 and x.block_out % y.block_out == 0
+            x, y = x.dequantize(), y.dequantize()
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    prompt = np.random.RandomState(6).randint(0, 96, 12).tolist()
+    ga, gb = (jaxddtree.generate(t, prompt, method="ar", max_new_tokens=8).tokens for t in (a, b))
+    assert ga == gb

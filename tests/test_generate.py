@@ -39,7 +39,7 @@ BLOCK = 8  # drafter block size: a round accepts at most BLOCK tokens (root + BL
 MAX_NEW = 40
 BUDGETS = (1, 2, 7, 32, 64)
 PROMPTS = {(seed, n): np.random.RandomState(seed).randint(0, V - 1, n).tolist()
-           for seed, n in ((0, 17), (1, 20), (2, 24))}  # one prefill width (24), one cache bucket
+           for seed, n in ((0, 17), (1, 20), (2, 24))}  # one prefill width (64), one cache bucket
 SPEC = [("dflash", 64)] + [("ddtree", b) for b in BUDGETS]
 
 
@@ -100,41 +100,44 @@ def check_rounds(g, max_acc=BLOCK):
 def test_one_compilation_per_configuration(pair):
     """Different prompts (same bucket), seeds and stop ids reuse the compiled round of a (method, budget,
     max_new_tokens) configuration. (First in the file: when it runs first, the counts are exact.)"""
-    fresh = loop_lib.run_rounds._cache_size() == 0
-    start = loop_lib.run_rounds._cache_size()
+    fresh = loop_lib.TRACES["rounds"] == 0
+    start = loop_lib.TRACES["rounds"]
     for method, budget in (("ar", 64), ("ddtree", 7)):
-        before = loop_lib.run_rounds._cache_size()
+        before = loop_lib.TRACES["rounds"]
         sizes = []
         for i, (key, prompt) in enumerate(PROMPTS.items()):
             for seed, stops in ((key[0], None), (key[0] + 10, [5, 7]), (key[0] + 20, list(range(0, V, 3)))):
                 run(pair, prompt, method, budget, seed=seed, stop_ids=stops)
-                sizes.append(loop_lib.run_rounds._cache_size())
+                sizes.append(loop_lib.TRACES["rounds"])
         assert sizes[0] - before in (0, 1)  # 0: another test compiled this configuration already
         assert sizes == [sizes[0]] * len(sizes), f"{method}: recompiled across calls: {sizes}"
     if fresh:
-        assert loop_lib.run_rounds._cache_size() - start == 2
+        assert loop_lib.TRACES["rounds"] - start == 2
 
 
 def test_round_runs_without_host_transfers(pair, ar_ref, monkeypatch):
-    """`run_rounds` (host loop: a few rounds per call; device loop: one call to the end) called on a
+    """The bound round (host loop: a few rounds per call; device loop: one call to the end) called on a
     prepared state inside transfer_guard("disallow"): any host<->device transfer inside a round (or a Python scalar smuggled into the call) would raise."""
     calls = []
+    bound = loop_lib.loop_fn
 
-    def guarded(fn):
+    def guarded(*a, **k):
+        fn = bound(*a, **k)
+
         def wrapper(*args, **kw):
             with jax.transfer_guard("disallow"):
                 with pytest.raises(Exception, match="[Dd]isallowed"):  # the guard bites
                     jax.jit(lambda x: x + 1)(np.ones(2, np.float32))
                 out = fn(*args, **kw)
                 jax.block_until_ready(out)
-            calls.append(fn.__name__)
+            calls.append("rounds")
             return out
         return wrapper
 
-    monkeypatch.setattr(loop_lib, "run_rounds", guarded(loop_lib.run_rounds))
+    monkeypatch.setattr(loop_lib, "loop_fn", guarded)
     key, prompt = next(iter(PROMPTS.items()))
     g = run(pair, prompt, "ddtree", 7, seed=3)
-    assert g.tokens == ar_ref[key] and "run_rounds" in calls
+    assert g.tokens == ar_ref[key] and "rounds" in calls
     n = len(calls)
     g = run(pair, prompt, "ddtree", 32, loop="device", _oracle_tokens=ar_ref[key])
     assert g.tokens == ar_ref[key] and len(calls) == n + 1  # the whole generation in one call
@@ -212,18 +215,40 @@ def _softmax(x):
 
 
 @pytest.fixture(scope="module")
-def exact_joint(small_pair):
-    """P[t1, t2, t3] of the target's ancestral sampling at T_SAMPLE, by enumeration of (t1, t2)."""
+def joint_logits(small_pair):
+    """L[t1, t2] = the target's logits [3, V] predicting t1, t2, t3 after SMALL_PROMPT + [t1, t2]."""
     target, _ = small_pair
     n = len(SMALL_PROMPT)
+    return np.stack([[np.asarray(jaxddtree.score(target, SMALL_PROMPT + [t1, t2]), np.float64)[n - 1:n + 2]
+                      for t2 in range(VS)] for t1 in range(VS)])  # [VS, VS, 3, V]
+
+
+def _joint(L, probs):
+    """P[t1, t2, t3] of ancestral sampling with `probs` (logits [3, V] -> [3, V]), by enumeration of (t1, t2)."""
     P = np.zeros((VS, VS, VS))
     for t1 in range(VS):
         for t2 in range(VS):
-            lg = np.asarray(jaxddtree.score(target, SMALL_PROMPT + [t1, t2]), np.float64)
-            p = _softmax(lg[n - 1:n + 2])  # rows predicting t1, t2, t3
+            p = probs(L[t1, t2])
             P[t1, t2] = p[0, t1] * p[1, t2] * p[2]
     assert abs(P.sum() - 1) < 1e-6
     return P
+
+
+@pytest.fixture(scope="module")
+def exact_joint(joint_logits):
+    """P[t1, t2, t3] of the target's ancestral sampling at T_SAMPLE."""
+    return _joint(joint_logits, _softmax)
+
+
+# top_k, top_p and min_p together: on this vocabulary each of them is the binding one for some rows
+TRUNC = dict(top_k=5, top_p=0.8, min_p=0.1)
+
+
+@pytest.fixture(scope="module")
+def truncated_joint(joint_logits):
+    """P[t1, t2, t3] of ancestral sampling from the truncated target distribution (helpers_sampling)."""
+    from helpers_sampling import truncated_probs
+    return _joint(joint_logits, lambda lg: truncated_probs(lg, T_SAMPLE, **TRUNC))
 
 
 def chi_square_p(counts, P):
@@ -237,13 +262,13 @@ def chi_square_p(counts, P):
     return float(chi2.sf(stat, len(E) - 1)), stat, len(E)
 
 
-def sample_counts(pair, method, n):
+def sample_counts(pair, method, n, **truncation):
     target, drafter = pair
     counts = np.zeros((VS, VS, VS), np.int64)
     first_round = []
     for seed in range(n):
         g = jaxddtree.generate(target, SMALL_PROMPT, drafter=drafter, method=method, tree_budget=4,
-                               max_new_tokens=3, temperature=T_SAMPLE, seed=seed)
+                               max_new_tokens=3, temperature=T_SAMPLE, seed=seed, **truncation)
         assert len(g.tokens) == 3
         counts[tuple(g.tokens)] += 1
         first_round.append(g.acceptance_lengths[0])
@@ -252,9 +277,9 @@ def sample_counts(pair, method, n):
 
 @pytest.mark.parametrize("method,n", [("ddtree", N_DDTREE), ("ar", N_AR)])
 def test_sampling_distribution(small_pair, exact_joint, method, n):
-    before = loop_lib.run_rounds._cache_size()
+    before = loop_lib.TRACES["rounds"]
     counts, first_round = sample_counts(small_pair, method, n)
-    assert loop_lib.run_rounds._cache_size() - before <= 1  # one compilation for all the seeds
+    assert loop_lib.TRACES["rounds"] - before <= 1  # one compilation for all the seeds
     p, stat, bins = chi_square_p(counts, exact_joint)
     assert p > 1e-3, f"{method}: chi2 = {stat:.1f} over {bins} bins, p = {p:.2e}"
     if method == "ddtree":
@@ -266,11 +291,38 @@ def test_sampling_distribution(small_pair, exact_joint, method, n):
         assert chi_square_p(counts, wrong)[0] < 1e-3
 
 
+@pytest.mark.parametrize("method,n", [("ddtree", 600), ("dflash", 400), ("ar", 300)])
+def test_truncated_sampling_distribution(small_pair, joint_logits, exact_joint, truncated_joint, method, n):
+    """With top_k / top_p / min_p, every method samples the truncated target distribution: no sample outside
+    its support, chi-square on the rest; one compilation for all the seeds and truncation values."""
+    from helpers_sampling import truncated_probs
+    full = truncated_probs(joint_logits, T_SAMPLE, **TRUNC) > 0
+    for k, v in TRUNC.items():  # each control is the binding one for some conditional
+        alone = truncated_probs(joint_logits, T_SAMPLE, **{k: v}) > 0
+        others = truncated_probs(joint_logits, T_SAMPLE, **{o: w for o, w in TRUNC.items() if o != k}) > 0
+        assert (alone != 1).any() and (others != full).any(), k
+    assert (truncated_joint == 0).mean() > 0.5  # the truncation bites
+    before = loop_lib.TRACES["rounds"]
+    counts, first_round = sample_counts(small_pair, method, n, **TRUNC)
+    alt, _ = sample_counts(small_pair, method, 50, top_k=3, top_p=0.5, min_p=0.3)  # other values, same plan
+    assert loop_lib.TRACES["rounds"] - before <= 1
+    assert counts[truncated_joint == 0].sum() == 0, "a sample outside the truncated support"
+    p, stat, bins = chi_square_p(counts, truncated_joint)
+    assert p > 1e-3, f"{method}: chi2 = {stat:.1f} over {bins} bins, p = {p:.2e}"
+    assert chi_square_p(counts, exact_joint)[0] < 1e-3  # the test has power: the untruncated law is rejected
+    if method != "ar":
+        # drafted tokens get accepted (the random drafter's chain less often than the tree)
+        assert (first_round >= 2).mean() > (0.2 if method == "ddtree" else 0.1), np.bincount(first_round)
+
+
 # ------------------------------------------------------------------------- bad values
 @pytest.mark.parametrize("call,error,match", [
     (lambda t, d: jaxddtree.generate(t, [1, 2], temperature=float("nan")), ValueError, "finite number >= 0"),
     (lambda t, d: jaxddtree.generate(t, [1, 2], temperature=float("inf")), ValueError, "finite number >= 0"),
     (lambda t, d: jaxddtree.generate(t, [1, 2], temperature=-0.5), ValueError, "finite number >= 0"),
+    (lambda t, d: jaxddtree.generate(t, [1, 2], temperature=1, top_p=0), ValueError, r"top_p must be in \(0, 1\]"),
+    (lambda t, d: jaxddtree.generate(t, [1, 2], top_k=-2), ValueError, "top_k must be an integer >= 0"),
+    (lambda t, d: jaxddtree.generate(t, [1, 2], min_p=1.0), ValueError, r"min_p must be in \[0, 1\)"),
     (lambda t, d: jaxddtree.generate(t, "hello"), TypeError, "prompt_ids must be integer token ids, not a string"),
     (lambda t, d: jaxddtree.generate(t, [1.5, 2.7], drafter=d, method="ddtree"), TypeError,
      "prompt_ids must be integers, got float64"),
@@ -291,7 +343,10 @@ def test_bad_values_rejected(pair, call, error, match):
 # ------------------------------------------------------------------------- long prompts, device memory
 def test_long_prompts_prefill_in_long_chunks():
     from jaxddtree.model import prefill
-    assert prefill.chunk_size(100) == 104
+    assert prefill.chunk_size(20) == 64 and prefill.chunk_size(100) == 256
+    assert prefill.chunk_size(100, 512) == 104
+    assert prefill.chunk_widths(100) == [(64, 1), (256, 65)]
+    assert prefill.chunk_widths(100_000)[-1] == (prefill.LONG_PREFILL_CHUNK, prefill.LONG_PROMPT + 1)
     assert prefill.chunk_size(prefill.LONG_PROMPT) == prefill.PREFILL_CHUNK
     assert prefill.chunk_size(prefill.LONG_PROMPT + 1) == prefill.LONG_PREFILL_CHUNK
     assert prefill.chunk_size(100_000, 512) == 512
@@ -323,7 +378,27 @@ def test_every_temperature_above_zero_shares_one_compilation(pair):
     target, drafter = pair
     kw = dict(drafter=drafter, method="ddtree", tree_budget=4, max_new_tokens=5)
     jaxddtree.generate(target, [1, 2, 3], temperature=0.5, **kw)
-    before = loop_lib.run_rounds._cache_size()
+    before = loop_lib.TRACES["rounds"]
     outs = [jaxddtree.generate(target, [1, 2, 3], temperature=t, seed=1, **kw).tokens for t in (0.3, 0.7, 1.3)]
-    assert loop_lib.run_rounds._cache_size() == before
+    assert loop_lib.TRACES["rounds"] == before
     assert all(len(o) == 5 for o in outs)
+
+
+def test_round_calls_pass_only_arrays(pair, ar_ref, monkeypatch):
+    """The static parts of a round are bound once (loop.rounds_fn): after the first generation, further ones
+    (host loop, one round per call) compile nothing and never hash the target's graph definition — the
+    per-call cost that made every jitted round call pay milliseconds of host time (issue 24)."""
+    target, drafter = pair
+    key, prompt = next(iter(PROMPTS.items()))
+    kw = dict(method="ddtree", budget=7, loop="host", sync_every=1)
+    first = run(pair, prompt, **kw)
+    assert first.tokens == ar_ref[key]
+    gd_type = type(target.graphdef)
+    hashes = []
+    original = gd_type.__hash__
+    monkeypatch.setattr(gd_type, "__hash__", lambda self: hashes.append(1) or original(self))
+    traces = dict(loop_lib.TRACES)
+    again = run(pair, prompt, **kw)
+    assert again.tokens == first.tokens and again.stats["rounds"] == first.stats["rounds"] > 3
+    assert dict(loop_lib.TRACES) == traces
+    assert not hashes, f"the graph definition was hashed {len(hashes)} times"

@@ -17,13 +17,14 @@ def _run(args, timeout=600):
 
 def test_bench_smoke_writes_every_key(tmp_path):
     out = tmp_path / "bench.json"
-    _run(["benchmarks/bench.py", "--smoke", "--sections", "bandwidth,ar,verify,parts,round", "--verify-nodes", "8",
-          "--budgets", "8", "--out", str(out)])
+    _run(["benchmarks/bench.py", "--smoke", "--sections", "bandwidth,ar,verify,parts,round,host", "--verify-nodes",
+          "8", "--budgets", "8", "--out", str(out)])
     res = json.loads(out.read_text())
     for key in ("weight_stream_tb_s", "floor_ms", "ar_step_ms", "draft_ms", "tree_build_ms", "commit_ms",
-                "chain_round_ms", "device", "date", "jax"):
+                "chain_round_ms", "host_overhead_ms", "host", "device", "date", "jax"):
         assert key in res, key
-    assert res["verify_ms"]["9"] > 0 and res["round_ms"]["8"] > 0
+    assert res["verify_ms"]["9"] > 0 and res["round_ms"]["8"] > 0 and res["round_ms"]["64"] > 0  # host: budget 64
+    assert res["host"]["dispatch_ms"] > 0
 
 
 def test_profile_round_smoke(tmp_path):
@@ -54,3 +55,22 @@ def test_long_attention_benches_dry(tmp_path):
     assert k["attn_long"]["40"]["variants"]["default"]["tflops"] > 0
     assert all(k["prefill_attn"][f"T16_start{s}"]["variants"]["default"]["tflops"] > 0 for s in (0, 40))
     assert k["prefill_attention_projected_s_72_tokens_2_layers_by_chunk"]["default"]
+
+
+def test_bench_sampling_smoke(tmp_path):
+    out = tmp_path / "s.json"
+    _run(["benchmarks/bench_sampling.py", "--smoke", "--out", str(out)])
+    res = json.loads(out.read_text())["results"]
+    assert res and all(r["methods_agree"] and r["plain_ms"] > 0 and r["sort_ms"] > 0 and r["bisect_ms"] > 0
+                       for r in res)
+
+
+def test_gpu_check_smoke(tmp_path):
+    """gpu_check.py's long-prompt section at smoke shapes (on a CPU its "pallas" runs use xla): the JSON summary."""
+    out = tmp_path / "gpu_check.json"
+    p = _run(["benchmarks/gpu_check.py", "--smoke", "--quick", "--sections", "long", "--long-prompt", "40",
+              "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == res
+    assert res["ok"] and res["long"]["prompt"] == 40 and res["kernels_under_test"] == "xla"
+    assert res["long"]["ar_pallas_vs_xla_first_divergence"] is None

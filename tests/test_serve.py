@@ -38,7 +38,7 @@ def server():
     pair = builtin.load("float32")
     engine = Engine(pair.target, pair.drafter, pair.tokenizer, name="demo", method="ddtree", budget=64,
                     max_context=MAX_CONTEXT, queue_size=64)
-    engine.warmup(encode_text(pair.tokenizer, "Hello"))
+    engine.warmup(encode_text(pair.tokenizer, "Hello"), temperatures=(0.0, 1.0))
     port = _free_port()
     srv = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
@@ -74,6 +74,50 @@ def _stream_text(stream) -> tuple[str, int, str | None]:
                 parts.append(c.delta.content)
             finish = c.finish_reason or finish
     return "".join(parts), len(parts), finish
+
+
+def test_nothing_compiles_after_warmup(server, client):
+    """After `warmup` (what serve.py runs before it listens), requests of every kind — short and long prompts
+    (both prefill widths), completions and chat, streamed or not, greedy and sampled, any max_tokens — compile
+    nothing: every compilation jax logs while they run fails the test. (First in the file: it runs first.)"""
+    import logging
+
+    import jax
+
+    seen = []
+
+    class Grab(logging.Handler):
+        def emit(self, record):
+            msg = record.getMessage()
+            if "Compiling" in msg or "compil" in msg.lower() and "cache" not in msg.lower():
+                seen.append(msg[:160])
+
+    handler = Grab(level=logging.DEBUG)
+    loggers = [logging.getLogger(n) for n in ("jax._src.interpreters.pxla", "jax._src.dispatch", "jax")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.setLevel(logging.DEBUG)
+    jax.config.update("jax_log_compiles", True)
+    try:
+        long_prompt = "def f(x):\n    return x + 1\n" * 12  # > 64 tokens: the 256-row prefill width
+        for i, (prompt, max_tokens, temperature, stream) in enumerate(
+                [("import os", 5, 0.0, False), (long_prompt, 17, 0.0, True), ("x = ", 40, 0.8, False),
+                 (long_prompt, 3, 1.2, True)]):
+            if i % 2:
+                out = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": prompt}],
+                                                     max_tokens=max_tokens, temperature=temperature, stream=stream)
+            else:
+                out = client.completions.create(model="demo", prompt=prompt, max_tokens=max_tokens,
+                                                temperature=temperature, stream=stream)
+            if stream:
+                list(out)
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        for lg, lv in zip(loggers, levels):
+            lg.removeHandler(handler)
+            lg.setLevel(lv)
+    assert not seen, seen
 
 
 def test_models_and_health(server, client):
@@ -152,9 +196,38 @@ def test_concurrent_streams(client):
     ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ({"prompt": [1, 2, 10 ** 9]}, 400, "prompt"),
     ({"max_tokens": 5}, 400, "prompt"),
+    # sampling controls out of range
+    ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ({"prompt": "hi", "top_k": -2}, 400, "top_k"),
+    ({"prompt": "hi", "top_k": 2.5}, 400, "top_k"),
+    ({"messages": [{"role": "user", "content": "hi"}], "min_p": 1.0}, 400, "min_p"),
+    ({"messages": [{"role": "user", "content": "hi"}], "min_p": -0.1}, 400, "min_p"),
+    # sampling fields the server does not honour, with a value that would change the answer
+    ({"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ({"messages": [{"role": "user", "content": "hi"}], "presence_penalty": -1}, 400, "presence_penalty"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 1.1}, 400, "repetition_penalty"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, 400,
+     "response_format"),
+    ({"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ({"prompt": "hi", "echo": True}, 400, "echo"),
+    ({"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    # tools
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "not json"}}]}]}, 400, "messages[1]"),
 ], ids=["malformed-json", "empty-messages", "content-type", "max-tokens-type", "max-tokens-0",
         "beyond-context", "unknown-model", "n-2", "prompt-too-long", "empty-prompt", "temperature-type",
-        "ids-outside-vocab", "missing-prompt"])
+        "ids-outside-vocab", "missing-prompt", "top-p-0", "top-p-big", "top-k-negative", "top-k-float",
+        "min-p-1", "min-p-negative", "frequency-penalty", "presence-penalty", "logit-bias", "logprobs",
+        "top-logprobs", "repetition-penalty", "response-format", "best-of", "echo", "completion-logprobs",
+        "tool-choice-unknown", "tool-choice-without-tools", "tool-without-function", "tool-arguments-not-json"])
 def test_bad_input(server, body, status, param):
     url = server[0] + ("/v1/completions" if "messages" not in body else "/v1/chat/completions")
     raw = body if isinstance(body, str) else json.dumps(body)
@@ -224,3 +297,143 @@ def test_queue_full_503(server, client, monkeypatch):
         assert r.json()["error"]["type"] == "server_error"
         gate.set()
         assert running.result().status_code == 200 and waiting.result().status_code == 200
+
+
+# ------------------------------------------------------------------------------------------- sampling controls
+def test_defaults_of_unhonoured_fields_accepted(server, client):
+    """Fields that change nothing (a default value, `user`, stream options, ...) are accepted as clients send
+    them, and the answer is the plain request's."""
+    base, _ = server
+    msgs = [{"role": "user", "content": "def parse(path):"}]
+    plain = _chat(client, "def parse(path):", max_tokens=8).choices[0].message.content
+    extra = {"frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "logprobs": False,
+             "repetition_penalty": 1, "user": "u-1", "top_p": 1, "top_k": -1, "min_p": 0, "n": 1,
+             "parallel_tool_calls": True, "store": False, "metadata": {"a": "b"}, "response_format": {"type": "text"},
+             "stream_options": None, "tool_choice": "none"}
+    r = httpx.post(base + "/v1/chat/completions", json={"model": "demo", "messages": msgs, "max_tokens": 8,
+                                                         "temperature": 0, **extra}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == plain
+    r = httpx.post(base + "/v1/completions", json={"model": "demo", "prompt": "import os\n", "max_tokens": 4,
+                                                    "temperature": 0, "best_of": 1, "echo": False, "suffix": None,
+                                                    "logprobs": None, "user": "u"}, timeout=120)
+    assert r.status_code == 200, r.text
+
+
+def test_truncation_reaches_generate(client):
+    """top_k = 1 (or min_p near 1) keeps only the most probable token: sampling at T = 1.5 then gives the greedy
+    text, through the speculative rounds; without truncation the same seeds give other texts."""
+    kw = dict(model="demo", prompt="class Parser:\n    def __init__(self):\n", max_tokens=12)
+    greedy = client.completions.create(temperature=0, **kw).choices[0].text
+    for seed in (1, 2):
+        topk = client.completions.create(temperature=1.5, seed=seed, extra_body={"top_k": 1}, **kw)
+        assert topk.choices[0].text == greedy
+        minp = client.completions.create(temperature=1.5, seed=seed, extra_body={"min_p": 0.999}, **kw)
+        assert minp.choices[0].text == greedy
+    free = {client.completions.create(temperature=1.5, seed=s, **kw).choices[0].text for s in (1, 2)}
+    assert free != {greedy}
+
+
+# ------------------------------------------------------------------------------------------------ tool calls
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object", "properties": {
+                                               "city": {"type": "string"}, "days": {"type": "integer"}},
+                                               "required": ["city"]}}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"tz": {"type": "string"}}}}}]
+
+
+def _block(name, **params) -> str:
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+def _scripted(engine, text, prompts):
+    """An engine._generate that records the prompt and 'generates' `text` (then a stop id) in 5-token rounds, so
+    that tags are split across stream events."""
+    from jaxddtree.text import encode_text
+    ids = encode_text(engine.tokenizer, text) + [engine.stop_ids[0]]
+
+    def fake(prompt_ids, max_new, temperature, seed, on_tokens, **kw):
+        prompts.append(engine.tokenizer.decode(prompt_ids))
+        for i in range(0, len(ids), 5):
+            on_tokens(ids[i:i + 5])  # raises at the stop id
+        raise AssertionError("unreachable: the stop id ends the job")
+    return fake
+
+
+def _stream_message(stream):
+    """(content, [(id, name, arguments)], finish_reason) accumulated from a streamed chat completion."""
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for tc in c.delta.tool_calls or ():
+                cur = calls.setdefault(tc.index, ["", "", ""])
+                cur[0] += tc.id or ""
+                cur[1] += (tc.function.name or "") if tc.function else ""
+                cur[2] += (tc.function.arguments or "") if tc.function else ""
+            finish = c.finish_reason or finish
+    return content, [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+def test_tool_call_round_trip(server, client, monkeypatch):
+    """tools through the template; the model's blocks back as tool_calls (whole and streamed), finish_reason
+    tool_calls; the assistant's calls and the tool results rendered back in the next prompt."""
+    _, engine = server
+    assert engine.stop_ids
+    prompts = []
+    out = "Let me check.\n\n" + _block("get_weather", city="Paris", days=3) + "\n" + _block("get_time", tz="UTC")
+    monkeypatch.setattr(engine, "_generate", _scripted(engine, out, prompts))
+    msgs = [{"role": "user", "content": "Weather and time in Paris?"}]
+    r = client.chat.completions.create(model="demo", messages=msgs, tools=TOOLS, max_tokens=200)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content == "Let me check."
+    got = [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls]
+    assert got == [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"tz": "UTC"})]
+    assert all(t.type == "function" and t.id.startswith("call_") for t in c.message.tool_calls)
+    assert "<tools>" in prompts[0] and json.dumps(TOOLS[0]) in prompts[0] and prompts[0].endswith("assistant\n")
+
+    content, calls, finish = _stream_message(client.chat.completions.create(
+        model="demo", messages=msgs, tools=TOOLS, max_tokens=200, stream=True))
+    assert content == "Let me check." and finish == "tool_calls"
+    assert [(n, json.loads(a)) for _, n, a in calls] == got and all(i.startswith("call_") for i, _, _ in calls)
+
+    history = msgs + [c.message.model_dump(exclude_none=True),
+                      {"role": "tool", "tool_call_id": c.message.tool_calls[0].id, "content": "sunny, 21 C"},
+                      {"role": "tool", "tool_call_id": c.message.tool_calls[1].id, "content": "12:00"}]
+    monkeypatch.setattr(engine, "_generate", _scripted(engine, "Sunny, 21 C; it is noon.", prompts))
+    r2 = client.chat.completions.create(model="demo", messages=history, tools=TOOLS, max_tokens=200)
+    assert r2.choices[0].message.content == "Sunny, 21 C; it is noon." and r2.choices[0].finish_reason == "stop"
+    assert not r2.choices[0].message.tool_calls
+    p = prompts[-1]
+    assert ("Let me check.\n\n" + _block("get_weather", city="Paris", days=3) + "\n"
+            + _block("get_time", tz="UTC")) in p
+    assert "<tool_response>\nsunny, 21 C\n</tool_response>\n<tool_response>\n12:00\n</tool_response>" in p
+
+
+def test_tool_call_malformed_and_tool_choice(server, client, monkeypatch):
+    _, engine = server
+    prompts = []
+    bad = "Sure.\n<tool_call>\n<function=get_weather>\nParis\n</function>\n</tool_call>"
+    monkeypatch.setattr(engine, "_generate", _scripted(engine, bad, prompts))
+    msgs = [{"role": "user", "content": "Weather?"}]
+    r = client.chat.completions.create(model="demo", messages=msgs, tools=TOOLS, max_tokens=200)
+    assert r.choices[0].message.content == bad and not r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "stop"
+    content, calls, finish = _stream_message(client.chat.completions.create(
+        model="demo", messages=msgs, tools=TOOLS, max_tokens=200, stream=True))
+    assert (content, calls, finish) == (bad, [], "stop")
+
+    good = _block("get_weather", city="Oslo")
+    monkeypatch.setattr(engine, "_generate", _scripted(engine, good, prompts))
+    r = client.chat.completions.create(model="demo", messages=msgs, tools=TOOLS, tool_choice="none", max_tokens=200)
+    assert r.choices[0].message.content == good and not r.choices[0].message.tool_calls  # neither rendered nor parsed
+    assert "<tools>" not in prompts[-1]
+    r = client.chat.completions.create(model="demo", messages=msgs, tools=TOOLS, max_tokens=200,
+                                       tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert r.choices[0].message.tool_calls[0].function.name == "get_weather"  # named: rendered, not enforced
+    assert '"get_time"' in prompts[-1] and '"get_weather"' not in prompts[-1]
+    r = client.chat.completions.create(model="demo", messages=msgs, tools=TOOLS, tool_choice="required",
+                                       max_tokens=200)
+    assert r.choices[0].finish_reason == "tool_calls"

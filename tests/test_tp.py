@@ -78,19 +78,22 @@ def worker() -> dict:
     ar = loop.generate(t1, ids, method="ar", max_new_tokens=24)
     out["tokens"] = {"ar1": ar.tokens}
     out["acc"] = {}
-    rounds = loop.run_rounds
+    rounds = loop.loop_fn
     compiled, collectives = {}, {}
 
-    def aot(*args, **kw):  # each tp=2 round compiled once, ahead of time: a later call whose state changed
-        method = kw["plan"].method  # layout would be refused (AOT executables check input shardings)
-        if method not in compiled:
-            compiled[method] = rounds.lower(*args, **kw).compile()
-            ops = re.findall(r"= \S+ (all-reduce|all-gather|collective-permute|all-to-all|reduce-scatter)"
-                             r"(?:-start)?\(", compiled[method].as_text())
-            collectives[method] = dict(Counter(ops))
-        return compiled[method](*args)
+    def aot(target, dcfg, plan, chunk=None):  # each tp=2 round compiled once, ahead of time: a later call whose
+        fn = rounds(target, dcfg, plan, chunk)  # changed state layout would be refused (AOT checks input shardings)
 
-    loop.run_rounds = aot
+        def call(*args):
+            if plan.method not in compiled:
+                compiled[plan.method] = fn.lower(*args).compile()
+                ops = re.findall(r"= \S+ (all-reduce|all-gather|collective-permute|all-to-all|reduce-scatter)"
+                                 r"(?:-start)?\(", compiled[plan.method].as_text())
+                collectives[plan.method] = dict(Counter(ops))
+            return compiled[plan.method](*args)
+        return call
+
+    loop.loop_fn = aot
     try:
         for m in ("ar", "dflash", "ddtree"):
             g = loop.generate(t2, ids, drafter=drafter, method=m, max_new_tokens=24, tree_budget=12,
@@ -98,7 +101,7 @@ def worker() -> dict:
             out["tokens"][m] = g.tokens
             out["acc"][m] = g.acceptance_lengths
     finally:
-        loop.run_rounds = rounds
+        loop.loop_fn = rounds
     out["collectives"] = collectives
     errors = {}
     for label, fn in (("heads", lambda: t1.shard(4)),  # kv heads 2

@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxddtree.speculative.tree import (PAD_TOKEN, Tree, accept, ancestor_mask, build_tree, posterior_tokens,
-                                        top_k_rows)
+from helpers_sampling import truncated_probs
+from jaxddtree.speculative.tree import (PAD_TOKEN, Tree, accept, ancestor_mask, build_tree, check_truncation,
+                                        posterior_tokens, top_k_rows, truncate)
 
 
 # ----------------------------------------------------------------------------- oracles (host)
@@ -350,6 +351,90 @@ def test_posterior_top_k_top_p():
     assert set(np.unique(s)) == {0, 1}
     s = np.asarray(f(keys, None, 0.85))  # 0.8 < 0.85 -> keep {0, 1, 2}
     assert set(np.unique(s)) == {0, 1, 2}
+
+
+# (top_k, top_p, min_p): each alone, together, and edge values (a 1-token nucleus, min_p near 1, top_k >= V)
+TRUNCATIONS = [(0, 1.0, 0.0), (3, 1.0, 0.0), (0, 0.6, 0.0), (0, 1.0, 0.2), (5, 0.9, 0.05), (2, 0.3, 0.5),
+               (0, 1e-6, 0.0), (0, 1.0, 0.999), (1000, 1.0, 0.0), (1, 1.0, 0.0)]
+
+
+@pytest.mark.parametrize("method", ["sort", "bisect"])
+@pytest.mark.parametrize("temperature", [0.6, 1.0, 1.7])
+def test_truncate_matches_host_definition(temperature, method):
+    """One jit with traced values for every setting; the kept set equals the host restatement's."""
+    logits = jax.random.normal(jax.random.key(5), (16, 40)) * 2.0
+    logits = logits.at[3].set(jnp.round(logits[3]))  # a row of ties
+    logits = logits.at[4].set(-jnp.abs(logits[4]) - 50.0)  # negative logits only
+    traces = []
+
+    @jax.jit
+    def kept(z, k, p, m):
+        traces.append(1)
+        return jnp.isfinite(truncate(z / temperature, k, p, m, method=method))
+
+    for k, p, m in TRUNCATIONS:
+        got = np.asarray(kept(logits, jnp.int32(k), jnp.float32(p), jnp.float32(m)))
+        want = truncated_probs(np.asarray(logits), temperature, k, p, m) > 0
+        np.testing.assert_array_equal(got, want, err_msg=str((k, p, m)))
+        assert got.sum(-1).min() >= 1
+    assert len(traces) == 1
+    # each control really truncates here, and the nucleus is the smallest set reaching top_p
+    q = truncated_probs(np.asarray(logits), temperature, 0, 0.6, 0.0)
+    full = np.asarray(jax.nn.softmax(logits / temperature, -1), np.float64)
+    mass = np.where(q > 0, full, 0).sum(-1)
+    smallest = np.where(q > 0, full, np.inf).min(-1)
+    untied = np.arange(16) != 3  # with ties at the boundary the set may be larger than the smallest
+    assert (mass >= 0.6 - 1e-6).all() and (mass - smallest < 0.6)[untied].all()
+
+
+@pytest.mark.parametrize("method", ["sort", "bisect"])
+def test_truncate_ties_kept(method):
+    z = jnp.asarray([[3.0, 1.0, 2.0, 2.0, -0.0, 2.0, 0.0]])
+    kept = lambda *a: np.isfinite(np.asarray(truncate(z, *a, method=method)))
+    assert kept(2).tolist() == [[True, False, True, True, False, True, False]]
+    assert kept(1).sum() == 1 and kept(6).sum() == 7  # -0.0 ties +0.0
+    np.testing.assert_array_equal(kept(2), truncated_probs(z, 1.0, 2) > 0)
+
+
+def test_truncate_methods_agree_on_a_large_vocabulary():
+    logits = jax.random.normal(jax.random.key(2), (6, 5000)) * 3.0
+    f = jax.jit(lambda z, k, p, m, method: truncate(z, k, p, m, method=method), static_argnames="method")
+    for k, p, m in [(20, 0.95, 0.0), (0, 0.5, 0.0), (0, 1.0, 0.01), (300, 0.9, 0.001)]:
+        a = np.isfinite(np.asarray(f(logits, k, p, m, "sort")))
+        b = np.isfinite(np.asarray(f(logits, k, p, m, "bisect")))
+        np.testing.assert_array_equal(a, b)
+        assert (a.sum(-1) < 5000).all()
+
+
+@pytest.mark.parametrize("k,p,m", [(3, 1.0, 0.0), (0, 0.7, 0.0), (0, 1.0, 0.3), (4, 0.8, 0.1)])
+def test_posterior_truncated_frequencies(k, p, m):
+    """Samples (traced temperature and truncation) follow the renormalised truncated distribution."""
+    n, v, s = 3, 7, 20000
+    logits = jax.random.normal(jax.random.key(1), (n, v)) * 1.5
+    keys = jax.random.split(jax.random.key(9), s)
+    f = jax.jit(jax.vmap(posterior_tokens, in_axes=(None, None, 0, None, None, None)))
+    samples = np.asarray(f(logits, jnp.float32(0.8), keys, jnp.int32(k), jnp.float32(p), jnp.float32(m)))
+    want = truncated_probs(np.asarray(logits), 0.8, k, p, m)
+    freq = np.stack([np.bincount(samples[:, i], minlength=v) / s for i in range(n)])
+    assert (freq[want == 0] == 0).all()
+    assert (want == 0).any()  # the setting removes tokens
+    np.testing.assert_allclose(freq, want, atol=0.015)
+    # greedy ignores the truncation
+    np.testing.assert_array_equal(f(logits, jnp.float32(0.0), keys[:2], jnp.int32(k), jnp.float32(p),
+                                    jnp.float32(m))[0], np.argmax(np.asarray(logits), -1))
+
+
+@pytest.mark.parametrize("args,match", [
+    ((-1, 1.0, 0.0), "top_k must be an integer >= 0"), ((1.5, 1.0, 0.0), "top_k must be an integer"),
+    ((True, 1.0, 0.0), "top_k must be an integer"), ((0, 0.0, 0.0), r"top_p must be in \(0, 1\]"),
+    ((0, 1.5, 0.0), "top_p must be in"), ((0, float("nan"), 0.0), "top_p must be in"),
+    ((0, 1.0, 1.0), r"min_p must be in \[0, 1\)"), ((0, 1.0, -0.1), "min_p must be in"),
+    ((0, "x", 0.0), "must be numbers"),
+])
+def test_check_truncation(args, match):
+    with pytest.raises(ValueError, match=match):
+        check_truncation(*args)
+    assert check_truncation(np.int64(3), 1, 0) == (3, 1.0, 0.0)
 
 
 # ----------------------------------------------------------------------------- jit: compile once

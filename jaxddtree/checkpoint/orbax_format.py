@@ -30,6 +30,7 @@ import itertools
 import json
 import os
 import re
+import logging
 import warnings
 from typing import Any
 
@@ -41,7 +42,10 @@ MARKER = "jaxddtree_checkpoint.json"
 FORMAT = "jaxddtree-orbax"
 # 2: fused same-input projections (GDN `w_in`, MLP `w_gate_up`, attention `w_qkv`) in target checkpoints.
 # 3: fused drafter projections (`w_qkv`, `w_gate_up`); the target's layout did not change.
-FORMAT_VERSION = 3
+# 4: FP8 targets' block scales in the compact grid [ceil(K / block_in), ceil(N / block_out)] (marker "fp8"
+#    entries gain "block_out"); version-3 FP8 targets (per-column scales [K / block_in, *output axes]) are
+#    compacted on load (`_fp8_params` / `restore_target`: exact), nothing else changed.
+FORMAT_VERSION = 4
 # The oldest version each kind can be read from: version-1 targets hold the unfused projections (w_qkv, w_z,
 # w_b, w_a; w_gate, w_up; wq, wk, wv), version-1/2 drafters theirs (wq, wk, wv; w_gate, w_up); both must be
 # reconverted.
@@ -559,14 +563,19 @@ def _restore_orbax(params_dir: str, abstract: dict[tuple, Any], device) -> dict[
     return dict(zip(keys, jax.device_put([flat.pop(k) for k in keys])))
 
 
+_UPCAST_NOTED: list[str] = []
+
+
 def _cast(flat: dict[tuple, Any], stored: str, dtype, path: str) -> dict[tuple, Any]:
     want = dtype_name(dtype)
     if want == stored:
         return flat
-    if stored == "bfloat16" and want == "float32":
-        warnings.warn(f"{path} was converted to bfloat16; loading it as float32 upcasts those values "
-                      "(re-run `python -m convert --dtype float32` for the full-precision weights)",
-                      stacklevel=3)
+    if stored == "bfloat16" and want == "float32" and not _UPCAST_NOTED:
+        # one plain line (no Python warning with its source line), once per process: a pair says it once
+        _UPCAST_NOTED.append(path)
+        logging.getLogger("jaxddtree").warning(
+            f"jaxddtree: {path} holds bfloat16 weights: loaded as float32 they are upcast bf16 values (convert "
+            "with `python -m convert --dtype float32` for full precision; said once per process)")
     import jax.numpy as jnp
     target = jnp.bfloat16 if want == "bfloat16" else jnp.float32
     return {p: x.astype(target) for p, x in flat.items()}
@@ -627,13 +636,21 @@ def restore_target(path: str, dtype):
     if fp8:
         from jaxddtree.model.fp8 import Fp8Weight
         for p, info in fp8.items():
-            flat[p] = Fp8Weight(q=fp8_leaves[p + ("q",)], scale=fp8_leaves[p + ("scale",)],
-                                tail=flat.pop(p + ("tail",), None), block_in=info["block_in"], nc=info["nc"])
+            scale = fp8_leaves[p + ("scale",)]
+            block_out = info.get("block_out")
+            if block_out is None:  # format_version 3: one scale per output column -> the compact grid (exact)
+                import jax
+                from jaxddtree.model.fp8 import compact_scales
+                scale, block_out = compact_scales(np.asarray(scale).reshape(scale.shape[0], -1))
+                scale = jax.device_put(scale)
+            flat[p] = Fp8Weight(q=fp8_leaves[p + ("q",)], scale=scale, tail=flat.pop(p + ("tail",), None),
+                                block_in=info["block_in"], nc=info["nc"], block_out=block_out)
     return target_from_params(cfg, flat, as_dtype(dtype), source=path)
 
 
 # the leaves of an FP8 parameter (`jaxddtree.model.fp8.Fp8Weight`) in a converted target: name -> stored dtype
-# (None: the marker's dtype). The marker's "fp8" map lists those parameters: {dotted path: {block_in, nc}}.
+# (None: the marker's dtype). The marker's "fp8" map lists those parameters: {dotted path: {block_in, nc,
+# block_out}} (block_out since format_version 4).
 FP8_LEAVES = {"q": "float8_e4m3fn", "scale": "float32", "tail": None}
 
 
@@ -641,7 +658,7 @@ def _fp8_params(path: str, meta: dict) -> dict[tuple, dict]:
     fp8 = meta.get("fp8", {})
     ok = isinstance(fp8, dict) and all(
         isinstance(v, dict) and isinstance(v.get("block_in"), int) and isinstance(v.get("nc"), int)
-        for v in fp8.values())
+        and isinstance(v.get("block_out", 1), int) for v in fp8.values())
     if not ok:
         raise CheckpointError(f"{os.path.join(path, MARKER)}: malformed \"fp8\" entry")
     return {tuple(int(k) if k.isdigit() else k for k in name.split(".")): v for name, v in fp8.items()}

@@ -6,16 +6,20 @@ dequantized weight is `fp8 value * scale of its block`, element (r, c) using sca
 (partial edge blocks have their own scale), computed in fp32.
 
 `Fp8Weight` holds one model parameter in the model's layout, its contracted (input) axes leading:
-  q      float8_e4m3fn, the parameter's shape (or its first columns, see `tail`);
-  scale  float32 [ceil(K / block_in), *q.shape[nc:]]: per input block (K = prod of the nc contracted axes,
-         in HF's input order) and per output channel. The block scales are expanded along the output
-         channels, so the parts of a fused parameter (GDN `w_in`, attention `w_qkv`, MLP `w_gate_up`) keep
-         their own scale grids (different row-block boundaries) in one array: 4 bytes per output channel
-         and input block (3 % of the fp8 bytes at 128-wide blocks);
-  tail   None, or the trailing output columns of a 2-D fused parameter whose last parts are not quantized
-         (GDN `w_in`'s in_proj_b | in_proj_a in the Qwen3.6 FP8 checkpoints), in the compute dtype.
+  q          float8_e4m3fn, the parameter's shape (or its first columns, see `tail`);
+  scale      float32 [ceil(K / block_in), ceil(N / block_out)], COMPACT: K = prod of the nc contracted axes (HF's
+             input order), N = prod of q's output axes; output column n of input block b has scale
+             scale[b, n // block_out];
+  block_out  the column-block width of that grid: the checkpoint's output block bo when every part of a fused
+             parameter (GDN `w_in`, attention `w_qkv`, MLP `w_gate_up`) starts at a multiple of bo — true for
+             all Qwen3.6-27B shapes (bo = 128) — else the largest width whose column groups never straddle two
+             scale blocks (`compact_scales`: a divisor of bo; 1 at worst, one scale per column). Exact either way;
+             tiny test models with odd part sizes get narrow groups, the kernel gathers their scales per column;
+  tail       None, or the trailing output columns of a 2-D fused parameter whose last parts are not quantized
+             (GDN `w_in`'s in_proj_b | in_proj_a in the Qwen3.6 FP8 checkpoints), in the compute dtype.
 `dequantize(dtype)` gives exactly the array the plain loader would produce from the same checkpoint
-dequantized to fp32 (fp32 product, one cast to `dtype`).
+dequantized to fp32 (fp32 product, one cast to `dtype`). The model's numerics for an Fp8Weight are W8A8
+(`kernels_pallas/w8a8.py`: transformers' dynamic per-token activation quantization + the block-scaled product).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class Fp8Weight:
     tail: jax.Array | None = None
     block_in: int = struct.field(pytree_node=False, default=128)
     nc: int = struct.field(pytree_node=False, default=1)  # leading contracted axes
+    block_out: int = struct.field(pytree_node=False, default=128)
 
     @property
     def shape(self) -> tuple:
@@ -57,9 +62,9 @@ class Fp8Weight:
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         K = math.prod(self.q.shape[:self.nc])
-        nb = self.scale.shape[0]
-        s = jnp.repeat(self.scale.reshape(nb, -1).astype(jnp.float32), self.block_in, axis=0)[:K]
-        w = (self.q.astype(jnp.float32).reshape(K, -1) * s).reshape(self.q.shape).astype(dtype)
+        s = jnp.repeat(jnp.repeat(self.scale.astype(jnp.float32), self.block_in, axis=0), self.block_out, axis=1)
+        q2 = self.q.astype(jnp.float32).reshape(K, -1)
+        w = (q2 * s[:K, :q2.shape[1]]).reshape(self.q.shape).astype(dtype)
         if self.tail is not None:
             w = jnp.concatenate([w, self.tail.astype(dtype)], axis=-1)
         return w
@@ -70,3 +75,20 @@ class Fp8Weight:
 
 def is_fp8(w) -> bool:
     return isinstance(w, Fp8Weight)
+
+
+def compact_scales(cols, max_block: int = 128):
+    """A per-column scale grid cols [nb, N] (numpy) -> (compact [nb, ceil(N / g)], g): g the widest column
+    group, among the divisors of `max_block` (descending), over which every row of `cols` is constant — so
+    compact[b, n // g] == cols[b, n] exactly. The checkpoint's output block when the parts of a fused
+    parameter start at its multiples (every 27B projection: g = 128), narrower otherwise (1: per column)."""
+    import numpy as np
+    cols = np.asarray(cols, np.float32)
+    nb, N = cols.shape
+    for g in [d for d in range(max_block, 0, -1) if max_block % d == 0]:
+        ng = -(-N // g)
+        padded = np.concatenate([cols, np.repeat(cols[:, -1:], ng * g - N, axis=1)], axis=1)
+        grp = padded.reshape(nb, ng, g)
+        if (grp == grp[:, :, :1]).all():
+            return np.ascontiguousarray(grp[:, :, 0]), g
+    raise AssertionError("unreachable: g = 1 always holds")

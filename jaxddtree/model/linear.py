@@ -27,20 +27,17 @@ def dense(spec: str, x: jax.Array, w: jax.Array, kernels: str = "xla", *, norm=N
     norm = (w_n, eps) / gate / residual: the RMSNorm of x, x's gate and the residual add around the projection
     (`ops.dense`; folded into the GEMV on a decode step). `reduce`: a mesh axis (tensor parallelism) over which
     the partial products are summed before the rounding and the residual add (`reduced`).
-    An FP8 weight (`fp8.Fp8Weight`) runs the weight-only fp8 Pallas kernel where `ops.dense_fp8_applies`
-    (kernels="pallas", bf16, up to 256 rows: decode and verify); otherwise (xla, fp32, prefill) it is
-    dequantized to x's dtype and contracted on XLA, exactly as the same checkpoint dequantized would be; its
-    norm / gate / residual run as separate ops."""
+    An FP8 weight (`fp8.Fp8Weight`) computes transformers' W8A8 block FP8 product (`ops.dense_w8a8`: x
+    quantized per row and input block to e4m3, fp8 × fp8 per block, scaled by both scales, fp32 accumulation):
+    on the Pallas kernel with kernels="pallas", on its jnp reference with "xla" (`ops.pick` decides, once);
+    its norm / gate / residual run as separate ops."""
     parts = dict(norm=norm, gate=gate, residual=residual)
     if isinstance(w, Fp8Weight):
         if norm is not None:
             x = rms_norm_1p(x, *norm)
         if gate is not None:
             x = rounded(f32(x) * f32(gate), x.dtype)
-        if ops.dense_fp8_applies(spec, x, w.q, w.block_in, kernels):
-            y = rounded(ops.dense_fp8(spec, x, w.q, w.scale, w.tail, w.block_in), x.dtype)
-        else:
-            y = rounded(ops.dense(spec, x, w.dequantize(x.dtype), "xla"), x.dtype)
+        y = rounded(ops.dense_w8a8(spec, x, w.q, w.scale, w.tail, w.block_in, w.block_out, kernels), x.dtype)
         return y if residual is None else rounded(f32(residual) + f32(y), residual.dtype)
     if reduce is not None:  # tensor parallelism: the residual is added once, after the sum over the shards
         return reduced(ops.dense(spec, x, w, kernels, norm=norm, gate=gate), x.dtype, residual, reduce)

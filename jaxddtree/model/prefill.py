@@ -9,6 +9,9 @@ import numpy as np
 from jaxddtree.model.target import Target
 
 PREFILL_CHUNK = 256
+# Shorter prompts are padded to one of these widths (one compilation each, so a server can compile every width
+# before it listens); at 27B a 64- or 256-row chunk streams the same weights as a 16-row one.
+SHORT_WIDTHS = (64, PREFILL_CHUNK)
 # Prompts longer than LONG_PROMPT are prefilled in chunks of LONG_PREFILL_CHUNK: at 27B a 256-row chunk streams
 # all 51 GB of weights for 256 tokens (≈ 12 ms of weights per 3.4 TFLOP), a 2048-row chunk for 2048 (compute-bound
 # GEMMs); the padding of the last chunk costs at most one chunk.
@@ -38,16 +41,32 @@ def check_vocab(target: Target, ids: np.ndarray, name: str):
 
 
 def chunk_size(n_tokens: int, chunk: int | None = None) -> int:
-    """Rows per prefill call for a prompt of n_tokens (one compilation per size): `chunk` (default: by the
-    prompt's length, see LONG_PROMPT), or the prompt rounded up to 8 when shorter."""
-    chunk = chunk or (LONG_PREFILL_CHUNK if n_tokens > LONG_PROMPT else PREFILL_CHUNK)
-    return min(chunk, round_up(n_tokens, 8))
+    """Rows per prefill call for a prompt of n_tokens (one compilation per size): `chunk` if given (or the prompt
+    rounded up to 8 when shorter); by default LONG_PREFILL_CHUNK past LONG_PROMPT tokens, else the smallest of
+    SHORT_WIDTHS that holds the prompt (PREFILL_CHUNK-row chunks past it)."""
+    if chunk:
+        return min(chunk, round_up(n_tokens, 8))
+    if n_tokens > LONG_PROMPT:
+        return LONG_PREFILL_CHUNK
+    return next((w for w in SHORT_WIDTHS if n_tokens <= w), PREFILL_CHUNK)
 
 
-def padded_chunks(ids: np.ndarray, chunk: int | None = None):
+def chunk_widths(max_tokens: int) -> list[tuple[int, int]]:
+    """(width, a prompt length that uses it) for every default chunk width a prompt of <= max_tokens tokens can
+    use: what a server compiles before it listens."""
+    out, lo = [], 1
+    for w in SHORT_WIDTHS + (LONG_PREFILL_CHUNK,):
+        n = lo if w != LONG_PREFILL_CHUNK else LONG_PROMPT + 1
+        if n <= max_tokens and chunk_size(n) == w:
+            out.append((w, n))
+        lo = w + 1
+    return out
+
+
+def padded_chunks(ids: np.ndarray, size: int | None = None):
     """Yield (tokens [1, size] int32, n real) for `ids` cut into chunks of one fixed size (one compilation
-    per size): size = min(chunk, len(ids) rounded up to 8); the last chunk is zero-padded."""
-    size = chunk_size(len(ids), chunk)
+    per size): `size` as given (a `chunk_size`), default chunk_size(len(ids)); the last chunk is zero-padded."""
+    size = size or chunk_size(len(ids))
     for s in range(0, len(ids), size):
         part = ids[s:s + size]
         padded = np.zeros((1, size), np.int32)

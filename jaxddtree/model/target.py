@@ -45,6 +45,18 @@ class Target:
     kernels: str = dataclasses.field(default_factory=lambda: default_kernels())
     # tensor parallelism (model/sharding.py): the 1-D "tp" mesh the leaves are split over; None: one device
     mesh: Any = None
+    # callables bound to this target once (`bind`): jitted functions whose static parts (graph definition, tree
+    # definition, plan) are closed over, so that a call passes only arrays (no per-call hashing of the graphdef)
+    _bound: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def bind(self, key, make):
+        """`make()` for `key`, built once per target and kept: e.g. a jitted round of one plan. The kernel path
+        is part of every key (`kernels` may be changed after loading)."""
+        key = (key, self.kernels)
+        fn = self._bound.get(key)
+        if fn is None:
+            fn = self._bound[key] = make()
+        return fn
 
     @property
     def tp(self) -> int:
@@ -83,20 +95,30 @@ class Target:
         return dataclasses.replace(self, graphdef=graphdef, treedef=treedef, leaves=leaves, mesh=mesh)
 
     def init_cache(self, max_len: int, batch: int = 1) -> ModelCache:
+        """Zeroed caches for max_len positions, made on the device by one jitted call per shape."""
         if self.mesh is not None:
             return sharding.init_sharded_cache(self.config, self.mesh, max_len, self.dtype, batch)
-        return init_cache(self.config, max_len, self.dtype, batch)
+        return self.bind(("init_cache", max_len, batch),
+                         lambda: jax.jit(lambda: init_cache(self.config, max_len, self.dtype, batch)))()
+
+    def cache_bytes(self, max_len: int) -> int:
+        """Device bytes of `init_cache(max_len)` (all shards together)."""
+        return self.bind(("cache_bytes", max_len), lambda: sum(
+            x.size * jnp.dtype(x.dtype).itemsize
+            for x in jax.tree.leaves(jax.eval_shape(lambda: init_cache(self.config, max_len, self.dtype)))))
 
     def prefill(self, cache, tokens, num_valid=None, feature_layers=(), logits="last"):
         """tokens [B, T] continuing the cache (the first num_valid real, the rest padding) -> (logits,
-        cache, features, None); the cache is donated. One compilation per (T, feature_layers, logits)."""
+        cache, features, None); the cache is donated. One compilation per (T, feature_layers, logits); the
+        static parts are bound once per target (`bind`), so a call passes only arrays."""
         nv = jnp.int32(tokens.shape[1] if num_valid is None else num_valid)
-        return _prefill(self.leaves, cache, tokens, nv, graphdef=self.graphdef, treedef=self.treedef,
-                        feature_layers=tuple(feature_layers), logits=logits, kernels=self.kernels)
+        fl = tuple(feature_layers)
+        fn = self.bind(("prefill", fl, logits), lambda: jax.jit(functools.partial(
+            _prefill, graphdef=self.graphdef, treedef=self.treedef, feature_layers=fl, logits=logits,
+            kernels=self.kernels), donate_argnames=("cache",)))
+        return fn(self.leaves, cache, tokens, nv)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "treedef", "feature_layers", "logits", "kernels"),
-                   donate_argnames=("cache",))
 def _prefill(leaves, cache, tokens, num_valid, *, graphdef, treedef, feature_layers, logits, kernels):
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     lay = layout_lib.sequence(cache.length, tokens.shape[1], model.cfg.linear_conv_kernel_dim,
@@ -112,7 +134,7 @@ FP8_PROJECTIONS = ("w_in", "w_out", "w_qkv", "wo", "w_gate_up", "w_down")
 
 def random_target(cfg: TextConfig, dtype="float32", seed: int = 0, weights: str = "bf16", tp: int = 1) -> Target:
     """A target with random weights. weights="fp8": the FP8_PROJECTIONS are `Fp8Weight`s (random e4m3 values,
-    128-row input-block scales, GDN w_in's b | a as the plain tail), made leaf by leaf on the device without
+    compact 128x128 block scales, GDN w_in's b | a as the plain tail), made leaf by leaf on the device without
     ever materialising the model in `dtype` (benchmarks: device memory of the fp8 model). `tp` > 1 splits the
     (bf16) weights over the first tp devices (model/sharding.py)."""
     sharding.check_tp(cfg, tp)
@@ -143,9 +165,10 @@ def random_target(cfg: TextConfig, dtype="float32", seed: int = 0, weights: str 
             n_tail = 2 * cfg.linear_num_value_heads if name == "w_in" else 0
             qshape = shape[:-1] + (shape[-1] - n_tail,)
             q = jnp.clip(normal(qshape) * 64, -448, 448).astype(FP8)
-            scale = jax.random.uniform(k2, (-(-K // 128),) + qshape[nc:], jnp.float32, 0.5, 1.5) / (64 * K ** 0.5)
+            N = math.prod(qshape[nc:])
+            scale = jax.random.uniform(k2, (-(-K // 128), -(-N // 128)), jnp.float32, 0.5, 1.5) / (64 * K ** 0.5)
             tail = (jax.random.normal(k2, (K, n_tail), dt) * K ** -0.5).astype(dt) if n_tail else None
-            node[name] = Fp8Weight(q=q, scale=scale, tail=tail, block_in=128, nc=nc)
+            node[name] = Fp8Weight(q=q, scale=scale, tail=tail, block_in=128, nc=nc, block_out=128)
         elif name == "dt_bias":
             node[name] = jax.random.uniform(k1, shape, dt, -1, 1)
         elif name == "A_log":

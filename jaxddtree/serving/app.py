@@ -1,5 +1,9 @@
 """The FastAPI app: /v1/completions, /v1/chat/completions (both with `stream: true` as server-sent events),
-/v1/models, /health. Requests are validated here (OpenAI-style 4xx errors) and run by the `Engine`."""
+/v1/models, /health. Requests are validated here (OpenAI-style 4xx errors) and run by the `Engine`.
+
+Sampling: temperature, top_p, top_k, min_p (vLLM's extra fields), seed, stop, max_tokens are honoured; a sampling
+field it does not honour with a non-default value is a 400 naming it (protocol.UNHONOURED). Chat `tools` go
+through the chat template, the model's tool-call blocks come back as `tool_calls` (serving/tools.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +20,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxddtree.serving.engine import Engine, Job, QueueFull
-from jaxddtree.serving.protocol import APIError, ChatRequest, CompletionRequest, parse
-from jaxddtree.text import encode_chat, encode_text, ensure_chat_template
+from jaxddtree.serving.protocol import APIError, ChatRequest, CompletionRequest, parse, unhonoured
+from jaxddtree.serving.tools import ToolCallParser, prompt_in_think
+from jaxddtree.speculative.tree import check_truncation
+from jaxddtree.text import encode_rendered, encode_text, ensure_chat_template, render_chat
 
 MAX_STOPS = 4
 
@@ -57,7 +63,7 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse(CompletionRequest, await _json(request))
+        req = _checked(parse(CompletionRequest, await _json(request)))
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
@@ -78,21 +84,73 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = parse(ChatRequest, await _json(request))
+        req = _checked(parse(ChatRequest, await _json(request)))
         if not req.messages:
             raise APIError(400, "'messages' must contain at least one message", param="messages")
         tok = engine.tokenizer
+        tools = _tools(req)
+        turns = [_turn(m, i) for i, m in enumerate(req.messages)]
         try:
             ensure_chat_template(tok)
-            turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                     for m in req.messages]
-            ids = encode_chat(tok, turns, **(req.chat_template_kwargs or {}))
+            text = render_chat(tok, turns, tools=tools, **(req.chat_template_kwargs or {}))
+            ids = encode_rendered(tok, text)
         except Exception as e:  # the template rejected the conversation
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
         max_tokens, param = ((req.max_completion_tokens, "max_completion_tokens")
                              if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens"))
         job = _job(req, ids, max_tokens, param, default_max=engine.default_max_tokens)
-        return await _respond(request, req, job, chat=True)
+        parser = (lambda: ToolCallParser(tools, in_think=prompt_in_think(text))) if tools else None
+        return await _respond(request, req, job, chat=True, parser=parser)
+
+    def _checked(req):
+        name = unhonoured(req)
+        if name is not None:
+            raise APIError(400, f"'{name}' is not supported by this server: leave it out or send its default "
+                           f"(honoured: temperature, top_p, top_k, min_p, seed, stop, max_tokens)", param=name,
+                           code="unsupported_parameter")
+        return req
+
+    def _tools(req: ChatRequest) -> list[dict] | None:
+        """The tools to render and parse (as dicts), or None. tool_choice "none": none; "auto" (default) and
+        "required": all (required is not enforced: the model may still answer in text); a named function: that
+        one only (not enforced either)."""
+        choice = req.tool_choice
+        if not req.tools:
+            if choice not in (None, "none", "auto"):
+                raise APIError(400, "'tool_choice' names a tool, but the request has no 'tools'", param="tool_choice")
+            return None
+        if choice == "none":
+            return None
+        tools = [t.model_dump(exclude_none=True) for t in req.tools]
+        if choice is not None and not isinstance(choice, str):
+            name = choice.function.get("name")
+            tools = [t for t in tools if t["function"]["name"] == name]
+            if not tools:
+                raise APIError(400, f"'tool_choice' names the function {name!r}, which is not in 'tools'",
+                               param="tool_choice")
+        return tools
+
+    def _turn(m, i: int) -> dict:
+        """A message as the chat templates take it: tool calls with their arguments as a dict."""
+        turn = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.tool_calls:
+            calls = []
+            for c in m.tool_calls:
+                args = c.function.arguments
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args) if args.strip() else {}
+                    except ValueError:
+                        args = None
+                if not isinstance(args, dict):
+                    raise APIError(400, f"'messages[{i}].tool_calls': the arguments of {c.function.name!r} must be "
+                                   "a JSON object", param=f"messages[{i}]")
+                calls.append({"id": c.id, "type": "function", "function": {"name": c.function.name,
+                                                                            "arguments": args}})
+            turn["tool_calls"] = calls
+        if m.tool_call_id is not None:
+            turn["tool_call_id"] = m.tool_call_id
+        return turn
 
     def _job(req, ids, max_tokens, param, default_max) -> Job:
         if req.model is not None and req.model != engine.name:
@@ -119,14 +177,23 @@ def create_app(engine: Engine) -> FastAPI:
         if not (0 <= temperature <= 2 and math.isfinite(temperature)):
             raise APIError(400, f"'temperature' must be in [0, 2], got {req.temperature}", param="temperature",
                            code="invalid_value")
+        top_k = 0 if req.top_k in (None, -1) else req.top_k  # -1: off, as vLLM
+        top_p = 1.0 if req.top_p is None else req.top_p
+        min_p = 0.0 if req.min_p is None else req.min_p
+        for name, value in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
+            try:
+                check_truncation(**{name: value})
+            except ValueError as e:
+                raise APIError(400, f"'{name}': {e}".replace(f"{name} must", "must", 1), param=name,
+                               code="invalid_value") from None
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stop) > MAX_STOPS:
             raise APIError(400, f"at most {MAX_STOPS} stop sequences", param="stop", code="invalid_value")
         seed = req.seed if req.seed is not None else (0 if temperature == 0 else random.randrange(2 ** 31))
         return Job(prompt_ids=ids, max_tokens=max_tokens, temperature=temperature, seed=seed % 2 ** 32,
-                   stop=tuple(stop))
+                   stop=tuple(stop), top_k=top_k, top_p=float(top_p), min_p=float(min_p))
 
-    async def _respond(request: Request, req, job: Job, chat: bool):
+    async def _respond(request: Request, req, job: Job, chat: bool, parser=None):
         try:
             engine.submit(job)
         except QueueFull as e:
@@ -136,7 +203,7 @@ def create_app(engine: Engine) -> FastAPI:
                 "created": int(time.time()), "model": engine.name}
         if req.stream:
             include_usage = bool((req.stream_options or {}).get("include_usage"))
-            return StreamingResponse(_stream(job, base, chat, include_usage), media_type="text/event-stream",
+            return StreamingResponse(_stream(job, base, chat, include_usage, parser), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         parts, info = [], None
         try:
@@ -158,26 +225,48 @@ def create_app(engine: Engine) -> FastAPI:
             job.cancel()  # no-op once done; stops the generation if this handler was cancelled
         text = "".join(parts)
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": info["finish_reason"]}
+            message, finish = {"role": "assistant", "content": text}, info["finish_reason"]
+            if parser is not None:
+                p = parser()
+                (content, calls), (rest, more) = p.feed(text), p.finish()
+                content, calls = content + rest, calls + more
+                message["content"] = content if (content or not calls) else None
+                if calls:
+                    message["tool_calls"] = [c.openai() for c in calls]
+                    finish = "tool_calls" if finish == "stop" else finish
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": info["finish_reason"]}
         return {**base, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
                 "usage": info["usage"], "speculative": info["speculative"]}
 
-    async def _stream(job: Job, base: dict, chat: bool, include_usage: bool):
+    async def _stream(job: Job, base: dict, chat: bool, include_usage: bool, parser=None):
         def event(obj) -> str:
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-        def chunk(delta: str | None, finish=None, role=False):
+        def chunk(delta: str | None, finish=None, role=False, tool_calls=None):
             if chat:
                 d = {} if delta is None else {"content": delta}
                 if role:
                     d["role"] = "assistant"
+                if tool_calls:
+                    d["tool_calls"] = tool_calls
                 c = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
             else:
                 c = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
             return {**base, "choices": [c]}
+
+        p = parser() if parser is not None else None
+        n_calls = 0
+
+        def parsed(text: str, final: bool):  # content and tool-call chunks of a text delta
+            nonlocal n_calls
+            content, calls = p.finish() if final else p.feed(text)
+            if content:
+                yield event(chunk(content))
+            for c in calls:
+                yield event(chunk(None, tool_calls=[c.openai(n_calls)]))
+                n_calls += 1
 
         try:
             if chat:
@@ -185,12 +274,21 @@ def create_app(engine: Engine) -> FastAPI:
             while True:
                 kind, value = await job.events.get()
                 if kind == "delta":
-                    yield event(chunk(value))
+                    if p is None:
+                        yield event(chunk(value))
+                    else:
+                        for e in parsed(value, final=False):
+                            yield e
                 elif kind == "error":
                     yield event(APIError(500, value, type="server_error").body())
                     break
                 else:
-                    last = chunk(None, finish=value["finish_reason"])
+                    finish = value["finish_reason"]
+                    if p is not None:
+                        for e in parsed("", final=True):
+                            yield e
+                        finish = "tool_calls" if (n_calls and finish == "stop") else finish
+                    last = chunk(None, finish=finish)
                     last["speculative"] = value.get("speculative")
                     if not include_usage:
                         last["usage"] = value.get("usage")

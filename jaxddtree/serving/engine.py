@@ -1,9 +1,12 @@
 """The single-worker generation engine: one request at a time on the device, the others in a bounded queue.
 
-A worker thread runs `jaxddtree.generate` for each job; its `on_tokens` callback detokenises each round's
-tokens (`TextStream`), hands the text deltas to the job's asyncio queue (thread-safe, through the event loop)
-and stops the generation early, by raising, when the client went away, a stop string appeared or max_tokens
-were reached. Generation lengths are bucketed (`bucket`) so that the compiled round is reused across requests.
+A worker thread runs `jaxddtree.generate` for each job (`sync_every=1`: the host loop keeps the next round
+enqueued while it streams the last one's tokens); its `on_tokens` callback detokenises each round's tokens
+(`TextStream`), hands the text deltas to the job's asyncio queue (thread-safe, through the event loop) and stops
+the generation early, by raising, when the client went away, a stop string appeared or max_tokens were reached.
+Every request uses caches of one capacity (`cache_len`, for `max_context` tokens) and max_tokens is data, so
+one compiled round per temperature class serves all requests; `warmup` compiles it, and every prefill chunk
+width, before the server listens: nothing compiles afterwards.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ import threading
 import time
 from typing import Any
 
+from jaxddtree.model.prefill import chunk_widths
 from jaxddtree.text import TextStream, default_stop_ids
-from jaxddtree.speculative.loop import generate
+from jaxddtree.speculative.loop import capacity, check_memory, generate, resolve_budget
 
 
 class QueueFull(Exception):
@@ -31,16 +35,6 @@ class _Stop(Exception):
         self.reason = reason
 
 
-def bucket(max_tokens: int, room: int, minimum: int = 256) -> int:
-    """Tokens to ask generate for: a power of two >= max_tokens (at least `minimum`), at most `room`. The
-    compiled round depends on it, so nearby max_tokens share one compilation; the extra tokens are never
-    produced (the job stops at max_tokens)."""
-    n = minimum
-    while n < max_tokens:
-        n *= 2
-    return max(min(n, room), max_tokens)
-
-
 @dataclasses.dataclass
 class Job:
     prompt_ids: list[int]
@@ -48,6 +42,9 @@ class Job:
     temperature: float = 0.0
     seed: int = 0
     stop: tuple[str, ...] = ()
+    top_k: int = 0      # sampling truncation (generate's top_k / top_p / min_p); the defaults: off
+    top_p: float = 1.0
+    min_p: float = 0.0
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -70,10 +67,16 @@ class Engine:
         self.target, self.drafter, self.tokenizer, self.name = target, drafter, tokenizer, name
         self.method = method if drafter is not None else "ar"
         self.budget = budget
-        self.budget_costs = budget_costs  # tree_budget="auto": its round-time table (None: the default)
         self.default_max_tokens = default_max_tokens  # chat completions without max_tokens (completions: 16)
         self.max_context = min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.stop_ids = default_stop_ids(cfg, tokenizer) if stop_ids is None else list(stop_ids)
+        dcfg = drafter.config if self.method != "ar" else None
+        # budget="auto": its round-time table resolved once (a CostTable; None: the default), the caches sized for
+        # the widest verify (the largest candidate)
+        widest, self.budget_costs = resolve_budget(budget, self.method, cfg.vocab_size, dcfg, budget_costs)
+        chunk, self.cache_len = capacity(target, dcfg, self.method, widest, self.max_context, 0)
+        # one line, before anything is compiled, when the caches for max_context do not fit (ValueError)
+        check_memory(target, drafter if dcfg else None, self.cache_len, self.max_context, 0, chunk)
         self.queue_size = queue_size
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0}
@@ -98,19 +101,24 @@ class Engine:
         self._queue.put(None)
 
     # ---------------------------------------------------------------- worker side
-    def warmup(self, prompt_ids, max_tokens: int | None = None, temperatures=(0.0,)):
-        """Compile prefill and the round for `max_tokens` (default: the chat default, so its bucket) at each
-        temperature (only one token is produced)."""
-        max_tokens = max_tokens or self.default_max_tokens
-        for t in temperatures:
-            self._generate(list(prompt_ids), bucket(max_tokens, self.max_context - len(prompt_ids)), float(t), 0,
-                           stop_ids=range(self.target.config.vocab_size), on_tokens=None)
+    def warmup(self, prompt_ids, temperatures=(0.0,)):
+        """Compile everything a request can run: the prefill of every chunk width a prompt of up to max_context
+        tokens uses (prompts of those lengths, made from `prompt_ids`), the request setup and the round of each
+        temperature class (greedy, sampling: every T > 0 shares one), with a few rounds each."""
+        ids = list(prompt_ids) or [0]
+        for _, n in chunk_widths(self.max_context - 2):
+            prompt = (ids * (n // len(ids) + 1))[:n]
+            for t in temperatures:
+                self._generate(prompt, 2, float(t), 0, on_tokens=lambda new: None)
+                if t > 0:  # the sampling round with truncation (top_k / top_p / min_p: one compilation for all)
+                    self._generate(prompt, 2, float(t), 0, on_tokens=lambda new: None, top_p=0.5)
 
-    def _generate(self, ids, max_new, temperature, seed, stop_ids, on_tokens):
+    def _generate(self, ids, max_new, temperature, seed, on_tokens, top_k=0, top_p=1.0, min_p=0.0):
         return generate(self.target, ids, drafter=self.drafter if self.method != "ar" else None,
                         method=self.method, max_new_tokens=max_new, tree_budget=self.budget,
-                        budget_costs=self.budget_costs, temperature=temperature, seed=seed, stop_ids=stop_ids,
-                        sync_every=1, on_tokens=on_tokens)
+                        budget_costs=self.budget_costs, temperature=temperature, top_k=top_k, top_p=top_p,
+                        min_p=min_p, seed=seed, stop_ids=self.stop_ids, sync_every=1, on_tokens=on_tokens,
+                        cache_len=self.cache_len)
 
     def _work(self):
         while True:
@@ -158,8 +166,8 @@ class Engine:
         room = self.max_context - len(job.prompt_ids)
         stats = None
         try:
-            gen = self._generate(job.prompt_ids, bucket(job.max_tokens, room), job.temperature, job.seed,
-                                 self.stop_ids, on_tokens)
+            gen = self._generate(job.prompt_ids, min(job.max_tokens, room), job.temperature, job.seed, on_tokens,
+                                 top_k=job.top_k, top_p=job.top_p, min_p=job.min_p)
             stats = gen.stats
             finish = "stop" if kept and kept[-1] in self.stop_ids else "length"
         except _Stop as s:

@@ -1,4 +1,5 @@
-"""OpenAI request bodies (the fields the server honours; unknown fields are accepted and ignored) and the
+"""OpenAI request bodies (the fields the server honours; other fields are accepted and ignored, except the
+sampling fields of `UNHONOURED` with a non-default value: `unhonoured` names them, the app answers 400) and the
 OpenAI-style error (`APIError` -> {"error": {"message", "type", "param", "code"}})."""
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ class _Request(BaseModel):
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # vLLM / SGLang extra field; 0 or -1 = off
+    min_p: float | None = None  # vLLM / SGLang extra field
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int | None = None
@@ -41,10 +45,25 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: str
+    arguments: str | dict[str, Any]  # OpenAI: a JSON string; a JSON object is taken too
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -52,10 +71,60 @@ class Message(BaseModel):
         return self.content or ""
 
 
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["function"]
+    function: dict[str, Any]
+
+
 class ChatRequest(_Request):
     messages: list[Message]
     max_completion_tokens: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+
+
+def _is(*defaults):
+    """Default test: the value is None or equals one of `defaults` (a bool only equals a bool)."""
+    return lambda v: v is None or any(v == d and isinstance(v, bool) == isinstance(d, bool) for d in defaults)
+
+
+def _empty(v) -> bool:
+    return v is None or v == {} or v == [] or v == ""
+
+
+# sampling / output fields the server does not honour -> whether a value changes nothing (the default). A request
+# with any other value gets a 400 naming the field, rather than a silently different answer.
+UNHONOURED = {
+    "frequency_penalty": _is(0), "presence_penalty": _is(0), "repetition_penalty": _is(1),
+    "length_penalty": _is(1), "logit_bias": _empty, "logprobs": _is(False), "top_logprobs": _is(0),
+    "prompt_logprobs": _is(0), "best_of": _is(1), "echo": _is(False), "suffix": _empty, "min_tokens": _is(0),
+    "use_beam_search": _is(False), "ignore_eos": _is(False), "typical_p": _is(1), "stop_token_ids": _empty,
+    "bad_words": _empty, "allowed_token_ids": _empty, "logits_processors": _empty,
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "guided_json": _empty, "guided_regex": _empty, "guided_choice": _empty, "guided_grammar": _empty,
+    "structured_outputs": _empty,
+}
+
+
+def unhonoured(req: BaseModel) -> str | None:
+    """The first field of `UNHONOURED` that the request sets to a value other than its default, if any."""
+    extra = req.model_extra or {}
+    return next((k for k, is_default in UNHONOURED.items() if k in extra and not is_default(extra[k])), None)
 
 
 def parse(model: type[BaseModel], body: Any) -> BaseModel:

@@ -18,9 +18,10 @@ Per round (inside the jitted round, so `loop="device"` needs no host decision):
    interpolated linearly in L (extrapolated linearly past the ends, floored at 1 µs). The table is data in the
    decode state, so any table shares one compilation.
 5. b* = argmax E'(b) - λ c(b, L), λ = the generation's rate so far in tokens per ms (`choose` says why not
-   the per-round ratio E'/c; the first round takes the best ratio); a `lax.switch` runs verify + accept +
-   commit on the tree truncated to b* + 1 rows (static shapes per branch; the chain is one branch). Every
-   branch updates the caches.
+   the per-round ratio E'/c; the first round takes the best ratio; `decide`); a `lax.switch` in
+   `loop._spec_round` runs the round's `verify_stage` + `commit_stage` on the tree truncated to b* + 1 rows
+   (static shapes per branch; the chain is one branch), then `record` updates the statistics. Every branch
+   updates the caches.
 
 Exact: the choice changes which tree is verified, never the verification, so at T = 0 the tokens are the AR
 tokens, and at T > 0 the choice depends only on the draft and on earlier rounds, not on this round's samples.
@@ -37,7 +38,6 @@ import dataclasses
 import json
 import os
 import pathlib
-from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -226,11 +226,12 @@ def padded(table: CostTable) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate([x, xs]).astype(np.float32), np.concatenate([y, ys], axis=1).astype(np.float32)
 
 
-def init_state(table: CostTable, max_new: int) -> AutoState:
-    contexts, ms = padded(table)
-    return AutoState(contexts=jnp.asarray(contexts), ms=jnp.asarray(ms),
-                     chosen=jnp.zeros((max_new,), jnp.int32), sums=jnp.zeros((4,), jnp.float32),
-                     predicted=jnp.zeros((max_new,), jnp.float32))
+def init_state(contexts, ms, out_len: int) -> AutoState:
+    """The auto state of a new generation (traceable: `loop._start` builds it in its one call) from `padded`'s
+    arrays; per-round buffers of `out_len` rounds (the decode state's acceptance buffer)."""
+    return AutoState(contexts=jnp.asarray(contexts, jnp.float32), ms=jnp.asarray(ms, jnp.float32),
+                     chosen=jnp.zeros((out_len,), jnp.int32), sums=jnp.zeros((4,), jnp.float32),
+                     predicted=jnp.zeros((out_len,), jnp.float32))
 
 
 def interpolate(contexts, ms, length) -> jax.Array:
@@ -306,34 +307,33 @@ def choose(expected, cost, lam) -> jax.Array:
     return jnp.argmax(expected - lam * cost).astype(jnp.int32)
 
 
-def auto_round(state, candidates, tree, mask, chain, draft_logits,
-               branch: Callable[[Any, tree_lib.Tree, Any], Any]):
-    """One auto round after the draft and the build at max(candidates). `branch(state, tree, mask)` verifies,
-    accepts, commits, emits and records (appends the acceptance length to state.acc, bumps n_rounds)."""
-    auto: AutoState = state.auto
+@struct.dataclass
+class Decision:
+    """One round's choice (`decide`): the index k into the candidates and what `record` keeps of it."""
+    k: jax.Array  # int32 index into the candidates
+    expected: jax.Array  # f32: the chosen candidate's calibrated E
+    raw: jax.Array  # f32: its uncalibrated E
+    cost: jax.Array  # f32: its table ms at this committed length
+
+
+def decide(auto: AutoState, length, candidates, tree, mask, draft_logits) -> Decision:
+    """The candidate of this round (module docstring, steps 2-5), from the draft and the tree built at
+    max(candidates) (`build_tree`'s order; mask: its ancestor mask) at committed length `length`."""
     raw = expectations(candidates, tree, mask, draft_logits)  # [K]
     s = scale(auto.sums)
     expected = 1.0 + s * (raw - 1.0)
-    cost = interpolate(auto.contexts, auto.ms, state.cache.length)
+    cost = interpolate(auto.contexts, auto.ms, length)
     k = choose(expected, cost, rate(auto.sums, expected, cost))
+    return Decision(k=k, expected=expected[k], raw=raw[k], cost=cost[k])
 
-    def make(b):
-        if b == CHAIN:
-            return lambda st: branch(st, chain, None)
-        n = b + 1
-        return lambda st: branch(st, truncate(tree, n), mask[:n, :n])
 
-    r = state.n_rounds
-    state = jax.lax.switch(k, [make(b) for b in candidates], state)
-    n_acc = state.acc[r]
+def record(auto: AutoState, r, n_acc, candidates, d: Decision) -> AutoState:
+    """`auto` after round r (0-based) ran candidate d.k and accepted n_acc rows (bonus included)."""
     ids = jnp.asarray(candidates, jnp.int32)
-    auto = state.auto
-    auto = auto.replace(
-        chosen=auto.chosen.at[r].set(ids[k]),
-        predicted=auto.predicted.at[r].set(expected[k]),
-        sums=auto.sums + jnp.stack([(n_acc - 1).astype(jnp.float32), raw[k] - 1.0, n_acc.astype(jnp.float32),
-                                    cost[k]]))
-    return state.replace(auto=auto)
+    return auto.replace(
+        chosen=auto.chosen.at[r].set(ids[d.k]), predicted=auto.predicted.at[r].set(d.expected),
+        sums=auto.sums + jnp.stack([(n_acc - 1).astype(jnp.float32), d.raw - 1.0, n_acc.astype(jnp.float32),
+                                    d.cost]))
 
 
 def summary(chosen) -> dict[str, int]:

@@ -4,8 +4,11 @@ Round (speculative): draft (drafter on the context features of the last accepted
 tree build (DDTree: best `budget` prefixes; DFlash: the argmax chain) -> one exact verify pass of the
 target over the tree -> accept (on device, greedy or sampled) -> commit (attention KV, GDN states
 rebuilt for the accepted path, drafter context) -> write the emitted tokens into the output buffer.
-No host synchronisation inside a round; the host reads `done`/`n_out` back every few rounds
-(`loop="host"`), or the rounds run inside one `lax.while_loop` (`loop="device"`).
+No host synchronisation inside a round; the rounds run inside one `lax.while_loop` per call, to the end
+(`loop="device"`) or `sync_every` at a time (`loop="host"`, streaming): the host enqueues the next call before
+it reads the previous call's `done` / `n_out` (asynchronous copies), so the GPU never waits on Python between
+calls. The static parts of a round (graph definition, drafter config, `Plan`) are bound once per target and
+plan (`rounds_fn`): a call passes only arrays.
 
 Token bookkeeping: `root` is the last emitted token, not yet seen by the target. A round commits the
 accepted path (root + accepted drafts) to the caches and emits the accepted drafts + the bonus token.
@@ -13,6 +16,7 @@ accepted path (root + accepted drafts) to the caches and emits the accepted draf
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -58,27 +62,41 @@ class DecodeState:
     acc: jax.Array  # [max_new] int32 acceptance length per round
     n_rounds: jax.Array  # int32
     stop_mask: jax.Array  # [V] bool: the stop ids as data, so that any stop set shares one compilation
+    max_new: jax.Array  # int32: tokens to emit at most (data: every max_new_tokens of one buffer size shares a round)
     # sampling temperature as data (used when plan.sampling), so that every temperature shares one compilation
     temperature: jax.Array = dataclasses.field(default_factory=lambda: jnp.float32(1.0))
-    auto: Any = None  # budget_lib.AutoState when tree_budget="auto" (cost table, chosen budget per round)
+    # truncation of the sampled distribution as data (used when plan.truncate): one compilation for all values
+    top_k: jax.Array = dataclasses.field(default_factory=lambda: jnp.int32(0))
+    top_p: jax.Array = dataclasses.field(default_factory=lambda: jnp.float32(1.0))
+    min_p: jax.Array = dataclasses.field(default_factory=lambda: jnp.float32(0.0))
+    auto: Any = None  # budget_lib.AutoState when tree_budget="auto" (cost table as data, chosen budget per round)
+
+
+@struct.dataclass
+class Progress:
+    """What the host reads back after a call of rounds (copies: the state itself is donated to the next call)."""
+    done: jax.Array
+    n_out: jax.Array
+    n_rounds: jax.Array
+    out: jax.Array  # [B, max_new + P] the emitted tokens so far (streaming)
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """Static description of a compiled loop (hashable: one compilation per Plan)."""
+    """Static description of a compiled loop (hashable: one compilation per Plan and buffer shapes)."""
     method: str
     budget: int
-    max_new: int
     sampling: bool  # False: greedy (temperature 0); True: sample at state.temperature
     kernels: str
     conv_kernel: int
     feature_layers: tuple[int, ...]
     inject: bool = False  # test hook: draft logits from an oracle continuation
     mesh: Any = None  # tensor parallelism: the target's mesh (model/sharding.py); None: one device
+    truncate: bool = False  # sampling truncated by state.top_k / top_p / min_p (tree.truncate); False: none
     budgets: tuple[int, ...] = ()  # tree_budget="auto": the candidates (budget_lib.CHAIN = 0); budget = the largest
 
 
-def _emit(state: DecodeState, emitted: jax.Array, count: jax.Array, plan: Plan) -> DecodeState:
+def _emit(state: DecodeState, emitted: jax.Array, count: jax.Array) -> DecodeState:
     """Append emitted[:count] (fixed-size [P]) to the output, honouring stop ids and max_new."""
     P = emitted.shape[0]
     idx = jnp.arange(P)
@@ -86,10 +104,10 @@ def _emit(state: DecodeState, emitted: jax.Array, count: jax.Array, plan: Plan) 
     first = jnp.argmax(is_stop)
     hit = is_stop.any()
     count = jnp.where(hit, first + 1, count)
-    count = jnp.minimum(count, plan.max_new - state.n_out)
+    count = jnp.minimum(count, state.max_new - state.n_out)
     out = jax.lax.dynamic_update_slice(state.out, emitted[None].astype(jnp.int32), (0, state.n_out))
     n_out = state.n_out + count
-    done = state.done | hit | (n_out >= plan.max_new)
+    done = state.done | hit | (n_out >= state.max_new)
     return state.replace(out=out, n_out=n_out, done=done)
 
 
@@ -103,13 +121,18 @@ def _temperature(state: DecodeState, plan: Plan):
     return state.temperature if plan.sampling else 0.0
 
 
+def _truncation(state: DecodeState, plan: Plan) -> dict:
+    """posterior_tokens' truncation arguments: the state's traced values, or none (no cost) when off."""
+    return dict(top_k=state.top_k, top_p=state.top_p, min_p=state.min_p) if plan.truncate else {}
+
+
 def _ar_round(model, state: DecodeState, plan: Plan) -> DecodeState:
     lay = layout_lib.sequence(state.cache.length, 1, plan.conv_kernel, kernels=plan.kernels)
     logits, cache, _, _ = model(state.root[:, None], state.cache, lay, logits="all")
     key, sub = jax.random.split(state.key)
-    tok = tree_lib.posterior_tokens(logits[0], _temperature(state, plan), sub)  # [1]
+    tok = tree_lib.posterior_tokens(logits[0], _temperature(state, plan), sub, **_truncation(state, plan))  # [1]
     state = state.replace(cache=cache, key=key, root=tok)
-    state = _emit(state, tok, jnp.asarray(1, jnp.int32), plan)
+    state = _emit(state, tok, jnp.asarray(1, jnp.int32))
     return _record(state, jnp.asarray(1, jnp.int32))
 
 
@@ -125,45 +148,51 @@ def _oracle_logits(state: DecodeState, oracle: jax.Array, depth: int, vocab: int
     return noise.at[jnp.arange(depth), want].add(boost)
 
 
-def _spec_round(model, dparams, dcfg, embed, lm_head, state: DecodeState, plan: Plan,
-                oracle=None) -> DecodeState:
-    D = dcfg.block_size - 1
+# The four stages of a speculative round, as separate functions so that benchmarks/bench.py times exactly what
+# the round runs (each stage in a jitted loop of its own); `_spec_round` composes them under named scopes (the
+# profile's per-part GPU time, benchmarks/profile_gpu.py).
+def draft_stage(dparams, dcfg, state: DecodeState, embed, lm_head, plan: Plan, oracle=None):
+    """The drafter on the last accepted path's features + the root -> (logits [D, V] fp32, drafter cache)."""
     dl, dcache = draft_logits(dparams, dcfg, state.dcache, state.ctx, state.ctx_n, state.root, embed, lm_head,
                               plan.kernels)
     dl = dl[0]  # [D, V] (batch 1 today)
     if plan.inject:
-        dl = _oracle_logits(state, oracle, D, dl.shape[-1])
-    root = state.root[0]
+        dl = _oracle_logits(state, oracle, dl.shape[0], dl.shape[-1])
+    return dl, dcache
+
+
+def tree_stage(root, dl, plan: Plan):
+    """DDTree: the best `budget` prefixes of the draft (auto: at the largest candidate); DFlash: its argmax chain
+    -> (Tree, ancestor mask)."""
     if plan.method == "ddtree":
         tree = tree_lib.build_tree(root, dl, plan.budget, kernels=plan.kernels)
     else:  # dflash: the argmax chain of the block
-        tree = _chain_tree(root, dl)
-    mask = tree_lib.ancestor_mask(tree)
-    branch = functools.partial(_verify_commit, model, dcache=dcache, plan=plan)
-    if plan.budgets:
-        return budget_lib.auto_round(state, plan.budgets, tree, mask, _chain_tree(root, dl), dl, branch)
-    return branch(state, tree, mask)
+        tree = chain_tree(root, dl)
+    return tree, tree_lib.ancestor_mask(tree)
 
 
-def _chain_tree(root, dl) -> tree_lib.Tree:
-    """The argmax chain of the drafter's block [D, V] as a degenerate tree of D + 1 rows."""
+def chain_tree(root, dl) -> tree_lib.Tree:
+    """The argmax chain of the drafter's block dl [D, V] as a degenerate tree of D + 1 rows (chain DFlash's tree;
+    the chain candidate of tree_budget="auto")."""
     n = dl.shape[0] + 1
     chain = jnp.argmax(dl, axis=-1).astype(jnp.int32)
     return tree_lib.Tree(tokens=jnp.concatenate([root[None], chain]), parents=jnp.arange(-1, n - 1, dtype=jnp.int32),
                          depths=jnp.arange(n, dtype=jnp.int32), valid=jnp.ones((n,), bool), max_depth=n - 1)
 
 
-def _verify_commit(model, state: DecodeState, tree: tree_lib.Tree, mask, *, dcache, plan: Plan) -> DecodeState:
-    """Verify `tree` (mask: its ancestor mask, or None), accept, commit, emit and record one round."""
-    D = tree.max_depth
-    if mask is None:
-        mask = tree_lib.ancestor_mask(tree)
-    lay = layout_lib.tree(state.cache.length, tree.parents, plan.conv_kernel, mask=mask, depths=tree.depths,
+def verify_stage(model, cache: ModelCache, tree, mask, plan: Plan):
+    """One exact pass of the target over the tree -> (logits [1, N, V], features, GDN stashes)."""
+    lay = layout_lib.tree(cache.length, tree.parents, plan.conv_kernel, mask=mask, depths=tree.depths,
                           kernels=plan.kernels)
     tokens = jnp.where(tree.valid, tree.tokens, 0)[None]  # padding embeds token 0; never accepted
-    logits, feats, stashes = verify(model, state.cache, tokens, lay, feature_layers=plan.feature_layers)
+    return verify(model, cache, tokens, lay, feature_layers=plan.feature_layers)
+
+
+def commit_stage(state: DecodeState, dcache, tree, mask, logits, feats, stashes, plan: Plan) -> DecodeState:
+    """Accept (greedy or sampled), commit the accepted path (KV, GDN states rebuilt), emit its tokens."""
+    D = tree.max_depth
     key, sub = jax.random.split(state.key)
-    post = tree_lib.posterior_tokens(logits[0], _temperature(state, plan), sub)
+    post = tree_lib.posterior_tokens(logits[0], _temperature(state, plan), sub, **_truncation(state, plan))
     acc = tree_lib.accept(tree, post, mask)
     n_acc = acc.num_accepted
     cache = commit(state.cache, stashes, acc.path[None], n_acc[None], kernels=plan.kernels, mesh=plan.mesh)
@@ -173,41 +202,162 @@ def _verify_commit(model, state: DecodeState, tree: tree_lib.Tree, mask, *, dcac
     emitted = jnp.where(jnp.arange(D + 1) == n_acc - 1, acc.bonus, drafts)
     state = state.replace(cache=cache, dcache=dcache, ctx=ctx.astype(state.ctx.dtype), ctx_n=n_acc,
                           root=acc.bonus[None], key=key)
-    state = _emit(state, emitted, n_acc, plan)
+    state = _emit(state, emitted, n_acc)
     return _record(state, n_acc)
+
+
+def _spec_round(model, dparams, dcfg, embed, lm_head, state: DecodeState, plan: Plan,
+                oracle=None) -> DecodeState:
+    with jax.named_scope("draft"):
+        dl, dcache = draft_stage(dparams, dcfg, state, embed, lm_head, plan, oracle)
+    with jax.named_scope("tree_build"):
+        tree, mask = tree_stage(state.root[0], dl, plan)
+
+    def verify_commit(st, tree, mask):
+        with jax.named_scope("verify"):
+            logits, feats, stashes = verify_stage(model, st.cache, tree, mask, plan)
+        with jax.named_scope("accept_commit"):
+            return commit_stage(st, dcache, tree, mask, logits, feats, stashes, plan)
+
+    if not plan.budgets:
+        return verify_commit(state, tree, mask)
+    # tree_budget="auto": the tree above is built at the largest candidate; its first b + 1 rows are the tree of
+    # budget b (budget_lib's docstring); one switch branch per candidate verifies and commits its own tree
+    with jax.named_scope("tree_build"):
+        decision = budget_lib.decide(state.auto, state.cache.length, plan.budgets, tree, mask, dl)
+        chain = chain_tree(state.root[0], dl)
+        chain_mask = tree_lib.ancestor_mask(chain)
+
+    def branch(b):
+        if b == budget_lib.CHAIN:
+            return lambda st: verify_commit(st, chain, chain_mask)
+        return lambda st: verify_commit(st, budget_lib.truncate(tree, b + 1), mask[:b + 1, :b + 1])
+
+    r = state.n_rounds
+    state = jax.lax.switch(decision.k, [branch(b) for b in plan.budgets], state)
+    return state.replace(auto=budget_lib.record(state.auto, r, state.acc[r], plan.budgets, decision))
 
 
 def _round(leaves, dparams, state, oracle, *, graphdef, treedef, dcfg, plan):
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     if plan.method == "ar":
-        return _ar_round(model, state, plan)
-    return _spec_round(model, dparams, dcfg, model.embed[...], model.lm_head[...], state, plan, oracle)
+        new = _ar_round(model, state, plan)
+    else:
+        new = _spec_round(model, dparams, dcfg, model.embed[...], model.lm_head[...], state, plan, oracle)
+    return _hold_if_done(state, new)
 
 
-_STATIC = ("graphdef", "treedef", "dcfg", "plan")
+def _hold_if_done(old: DecodeState, new: DecodeState) -> DecodeState:
+    """A round run after `done` changes nothing the host reads (n_out, out[:n_out], acc[:n_rounds], n_rounds,
+    done) and keeps the committed lengths where they were, so that its writes stay inside the caches; what it
+    leaves in the caches' contents is never used (the generation is over). This lets a fixed number of rounds
+    run per call with no data-dependent control flow (`chunk` calls: no host synchronisation inside)."""
+    d = old.done
+    cache = new.cache.replace(length=jnp.where(d, old.cache.length, new.cache.length))
+    dcache = new.dcache
+    if dcache is not None:
+        dcache = dataclasses.replace(dcache, length=jnp.where(d, old.dcache.length, dcache.length))
+    auto = new.auto
+    if auto is not None:  # tree_budget="auto": its statistics (the next rounds' choices, the reported ones) too
+        auto = jax.tree.map(lambda a, b: jnp.where(d, a, b), old.auto, auto)
+    return new.replace(cache=cache, dcache=dcache, n_out=jnp.where(d, old.n_out, new.n_out),
+                       n_rounds=jnp.where(d, old.n_rounds, new.n_rounds), done=d | new.done, auto=auto)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("rounds",), donate_argnames=("state",))
-def run_rounds(leaves, dparams, state, oracle, *, graphdef, treedef, dcfg, plan, rounds: int | None):
-    """Rounds until done, at most `rounds` of them (None: no limit), inside one `lax.while_loop`.
+def run_rounds(leaves, dparams, state, oracle, rounds=None, *, graphdef, treedef, dcfg, plan, chunk=None):
+    """The rounds of one call -> (state, Progress); the pure function behind `loop_fn`, which binds the keyword
+    arguments once and jits it with the state donated.
 
-    The loop's condition skips the rounds after `done`, so no `lax.cond` wraps a round (its pass-through
-    branch can make XLA copy the carried caches; issue 15)."""
+    chunk=None: rounds until done, at most `rounds` (an int32 array), inside one `lax.while_loop`: the device
+    loop. Its condition skips the rounds after `done`, so no `lax.cond` wraps a round (its pass-through branch
+    can make XLA copy the carried caches; issue 15) — but XLA reads a while loop's condition back on the host
+    every iteration, so a call returns only when its GPU work is done.
+    chunk=k: exactly k rounds (a static trip count, no data-dependent control flow: the call returns at once and
+    the next can be enqueued while these run); rounds after `done` change nothing (`_hold_if_done`)."""
+    TRACES["rounds"] += 1  # runs once per compilation (tests count them)
     body = functools.partial(_round, graphdef=graphdef, treedef=treedef, dcfg=dcfg, plan=plan)
-    limit = jnp.iinfo(jnp.int32).max if rounds is None else rounds
+    if chunk is None:
+        def cond(carry):
+            i, s = carry
+            return (i < rounds) & ~s.done
 
-    def cond(carry):
-        i, s = carry
-        return (i < limit) & ~s.done
+        state = jax.lax.while_loop(cond, lambda c: (c[0] + 1, body(leaves, dparams, c[1], oracle)),
+                                   (jnp.int32(0), state))[1]
+    elif chunk == 1:
+        state = body(leaves, dparams, state, oracle)
+    else:
+        state = jax.lax.fori_loop(0, chunk, lambda i, s: body(leaves, dparams, s, oracle), state)
+    state = sharding.constrain(state, plan.mesh)  # the layout `generate` placed it in: one compilation
+    return state, Progress(done=state.done, n_out=state.n_out, n_rounds=state.n_rounds, out=state.out)
 
-    state = jax.lax.while_loop(cond, lambda c: (c[0] + 1, body(leaves, dparams, c[1], oracle)),
-                               (jnp.int32(0), state))[1]
-    return sharding.constrain(state, plan.mesh)  # the layout `generate` placed it in: one compilation
+
+TRACES = collections.Counter()  # traces (= compilations) of the bound functions, by name
+NO_LIMIT = int(jnp.iinfo(jnp.int32).max)
 
 
-def _max_len(prompt_len: int, max_new: int, slack: int) -> int:
-    """Static cache length: bucketed so that nearby prompt lengths share one compilation."""
-    return round_up(prompt_len + max_new + slack, 256)
+def loop_fn(target: Target, dcfg, plan: Plan, chunk: int | None = None):
+    """`run_rounds` of (target, drafter config, plan, chunk), jitted once per target with its static parts
+    bound, the state donated. chunk=None (the device loop): `fn(leaves, dparams, state, oracle, rounds)`;
+    chunk=k (the host loop: k rounds per call): `fn(leaves, dparams, state, oracle)`. -> (state, Progress)."""
+    return target.bind(("rounds", dcfg, plan, chunk), lambda: jax.jit(functools.partial(
+        run_rounds, graphdef=target.graphdef, treedef=target.treedef, dcfg=dcfg, plan=plan, chunk=chunk),
+        donate_argnames=("state",)))
+
+
+def rounds_fn(target: Target, dcfg, plan: Plan):
+    """The device loop of (target, drafter config, plan): `loop_fn(..., chunk=None)`."""
+    return loop_fn(target, dcfg, plan)
+
+
+def _start(logits, cache, dcache, seed, stop_mask, temperature, max_new, top_k, top_p, min_p, costs=None, *,
+           plan: Plan, P: int, F: int, out_len: int, dtype):
+    """The decode state after the prompt: the first token drawn from the last prompt position's logits [1, V]
+    and emitted. One jitted call (a request's setup costs one dispatch, not dozens of eager ops). costs:
+    tree_budget="auto"'s table as data, (contexts [C], ms [K, C]) (`budget_lib.padded`), else None."""
+    TRACES["start"] += 1
+    key, sub = jax.random.split(jax.random.key(seed))
+    trunc = dict(top_k=top_k, top_p=top_p, min_p=min_p) if plan.truncate else {}
+    first = tree_lib.posterior_tokens(logits, temperature if plan.sampling else 0.0, sub, **trunc).astype(jnp.int32)
+    state = DecodeState(
+        cache=cache, dcache=dcache, ctx=jnp.zeros((1, P, F), dtype), ctx_n=jnp.int32(0), root=first,
+        out=jnp.zeros((1, out_len + P), jnp.int32), n_out=jnp.int32(0), done=jnp.asarray(False), key=key,
+        acc=jnp.zeros((out_len,), jnp.int32), n_rounds=jnp.int32(0), stop_mask=stop_mask, max_new=max_new,
+        temperature=temperature if plan.sampling else jnp.float32(1.0), top_k=top_k, top_p=top_p, min_p=min_p,
+        auto=budget_lib.init_state(*costs, out_len) if plan.budgets else None)
+    return _emit(state, first, jnp.int32(1))
+
+
+def start_fn(target: Target, plan: Plan, P: int, F: int, out_len: int):
+    return target.bind(("start", plan, P, F, out_len), lambda: jax.jit(functools.partial(
+        _start, plan=plan, P=P, F=F, out_len=out_len, dtype=target.dtype), donate_argnames=("cache", "dcache")))
+
+
+def capacity(target: Target, dcfg, method: str, budget: int, prompt_len: int, max_new: int) -> tuple[int, int]:
+    """(prefill chunk, cache positions) for a prompt of prompt_len tokens + max_new new ones: the prompt's chunks
+    written whole, plus the widest verify block; bucketed to 256 so that nearby lengths share one compilation.
+    A server sizes its caches once as capacity(..., max_context, 0) (every request fits in them)."""
+    P = dcfg.block_size if dcfg else 1
+    n_tree = (budget + 1) if method == "ddtree" else P
+    chunk = chunk_size(prompt_len)
+    return chunk, round_up(prompt_len + max_new + max(chunk, n_tree, P) + P, 256)
+
+
+def resolve_budget(tree_budget, method: str, vocab_size: int, dcfg, budget_costs=None):
+    """(budget, cost table) of a generation: tree_budget="auto" (DDTree) -> (the largest candidate, its
+    `budget_lib.CostTable` resolved from `budget_costs`); an int -> (it, None); "auto" for AR / DFlash -> (0, None)
+    (unused). ValueError (one line) for anything else or a DDTree budget outside [1, vocab_size)."""
+    if isinstance(tree_budget, str) and tree_budget.strip().lower() == "auto":
+        if method != "ddtree":
+            return 0, None
+        table = budget_lib.resolve_costs(budget_costs, vocab_size, dcfg.block_size)
+        return max(table.candidates), table
+    try:
+        budget = int(tree_budget)
+    except (TypeError, ValueError):
+        raise ValueError(f"tree_budget must be an int or 'auto', got {tree_budget!r}") from None
+    if method == "ddtree" and not 1 <= budget < vocab_size:
+        raise ValueError(f"tree_budget must be in [1, vocab_size={vocab_size}), got {tree_budget}")
+    return budget, None
 
 
 def _nbytes(tree) -> int:
@@ -221,7 +371,7 @@ def check_memory(target: Target, drafter, max_len: int, prompt_len: int, max_new
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if not stats or "bytes_limit" not in stats:
         return
-    cache = _nbytes(jax.eval_shape(lambda: target.init_cache(max_len))) // target.tp  # split by heads
+    cache = target.cache_bytes(max_len) // target.tp  # split by heads
     if drafter is not None:
         cache += _nbytes(jax.eval_shape(lambda: drafter.init_cache(1, max_len)))
     cfg = target.config
@@ -238,17 +388,25 @@ def check_memory(target: Target, drafter, max_len: int, prompt_len: int, max_new
 
 
 def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", max_new_tokens: int = 128,
-             tree_budget: int | str = "auto", temperature: float = 0.0, seed: int = 0, stop_ids=None,
-             loop: str = "host", sync_every: int = 4, on_tokens: Callable[[list[int]], None] | None = None,
-             budget_costs=None, _oracle_tokens=None) -> Generation:
+             tree_budget: int | str = "auto", temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+             min_p: float = 0.0, seed: int = 0, stop_ids=None,
+             loop: str = "host", sync_every: int = 1, on_tokens: Callable[[list[int]], None] | None = None,
+             cache_len: int | None = None, budget_costs=None, _oracle_tokens=None) -> Generation:
     """Generate up to `max_new_tokens` new tokens after `prompt_ids`.
 
     method: "ar" (autoregressive), "dflash" (chain of the drafter's block) or "ddtree" (best tree of
     `tree_budget` drafted nodes; "auto", the default: each round picks the budget, or the chain, with the most
     expected tokens per second, see `jaxddtree.speculative.budget`; `budget_costs`: its round-time table, a
-    `budget.CostTable`, a dict or a JSON file; None: the default). At temperature 0 all three give identical
-    tokens; at T > 0 they sample exactly from the target's distribution. `stop_ids` end generation after their
-    first occurrence (inclusive). `on_tokens` receives newly emitted tokens as the host reads them back (streaming).
+    `budget.CostTable`, a dict or a JSON file; None: the default). At temperature 0 all three give identical tokens in fp32 (in bf16, see
+    README "Exactness"); at T > 0 they sample exactly from the target's distribution at that temperature,
+    truncated by `top_k` (the k most probable tokens; 0 = off), `top_p` (the nucleus: the smallest most-probable
+    set with mass >= top_p; 1 = off) and `min_p` (tokens with p >= min_p * p_max; 0 = off), renormalised
+    (`speculative.tree.truncate`; the speculative methods too: their acceptance samples every tree node from
+    the truncated target distribution). The truncation values are data (one compilation for all of them). `stop_ids` end generation
+    after their first occurrence (inclusive). `on_tokens` receives newly emitted tokens as the host reads them
+    back (streaming: every `sync_every` rounds with loop="host", once at the end with loop="device").
+    `cache_len`: the caches' capacity in positions (default: the prompt + max_new_tokens, bucketed); a server
+    passes one capacity for all its requests so that every request reuses one compiled round.
     """
     if method not in METHODS:
         raise ValueError(f"unknown method '{method}' (choose one of {', '.join(METHODS)})")
@@ -256,6 +414,8 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
         raise ValueError(f"method '{method}' needs a drafter (load one with jaxddtree.load_drafter)")
     if loop not in ("host", "device"):
         raise ValueError(f"loop must be 'host' or 'device', got '{loop}'")
+    if int(sync_every) < 1:
+        raise ValueError(f"sync_every must be >= 1, got {sync_every}")
     cfg = target.config
     ids = check_ids(prompt_ids, "prompt_ids")
     check_vocab(target, ids, "prompt_ids")
@@ -265,94 +425,72 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     temperature = float(temperature)
     if not 0 <= temperature < math.inf:
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
-    auto = method == "ddtree" and isinstance(tree_budget, str) and tree_budget.strip().lower() == "auto"
-    table = None
-    if auto:
-        table = budget_lib.resolve_costs(budget_costs, cfg.vocab_size, drafter.config.block_size)
-        budget = max(table.candidates)
-    elif isinstance(tree_budget, str) and tree_budget.strip().lower() == "auto":
-        budget = 0  # not a DDTree generation: the budget is unused
-    else:
-        try:
-            budget = int(tree_budget)
-        except (TypeError, ValueError):
-            raise ValueError(f"tree_budget must be an int or 'auto', got {tree_budget!r}") from None
-    if method == "ddtree" and not 1 <= budget < cfg.vocab_size:
-        raise ValueError(f"tree_budget must be in [1, vocab_size={cfg.vocab_size}), got {tree_budget}")
+    top_k, top_p, min_p = tree_lib.check_truncation(top_k, top_p, min_p)
+    if drafter is not None:
+        check_compatible(drafter.config, target)
+    dcfg = drafter.config if (drafter is not None and method != "ar") else None
+    budget, table = resolve_budget(tree_budget, method, cfg.vocab_size, dcfg, budget_costs)
+    auto = table is not None
     stops = sorted({int(s) for s in (stop_ids or ())})
     if stops and not (0 <= stops[0] and stops[-1] < cfg.vocab_size):
         raise ValueError(f"stop_ids must lie in [0, {cfg.vocab_size}); got {stops}")
     stop_mask = np.zeros((cfg.vocab_size,), bool)
     stop_mask[stops] = True
-    if drafter is not None:
-        check_compatible(drafter.config, target)
-    dcfg = drafter.config if (drafter is not None and method != "ar") else None
-    block = dcfg.block_size if dcfg else 1
-    P = block  # rows per round: path length <= block_size
-    n_tree = (budget + 1) if method == "ddtree" else block
-    chunk = chunk_size(len(ids))
-    slack = max(chunk, n_tree, P) + P
+    P = dcfg.block_size if dcfg else 1  # rows per round: path length <= block_size
     if len(ids) + max_new > cfg.max_position_embeddings:
         raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) exceeds the model's "
                          f"max_position_embeddings ({cfg.max_position_embeddings})")
-    S = _max_len(len(ids), max_new, slack)
+    chunk, need = capacity(target, dcfg, method, budget, len(ids), max_new)
+    if cache_len is None:
+        S = need
+    else:
+        S = int(cache_len)
+        if S < need:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) needs caches of {need} "
+                             f"positions, cache_len is {S}")
+    out_len = round_up(max_new, 256) if cache_len is None else S  # buffer sizes: one compilation per bucket
     check_memory(target, drafter if dcfg else None, S, len(ids), max_new, chunk)
     feature_layers = tuple(dcfg.target_layer_ids) if dcfg else ()
     # budget only shapes DDTree rounds: normalised for the others so that it does not split their compilations
     sampling = temperature >= tree_lib.GREEDY_EPS
-    plan = Plan(method=method, budget=budget if method == "ddtree" else 0, max_new=max_new, sampling=sampling,
+    truncate = sampling and tree_lib.truncates(top_k, top_p, min_p)  # greedy: truncation keeps the argmax
+    plan = Plan(method=method, budget=budget if method == "ddtree" else 0, sampling=sampling,
                 kernels=target.kernels, conv_kernel=cfg.linear_conv_kernel_dim, feature_layers=feature_layers,
-                inject=_oracle_tokens is not None, mesh=target.mesh,
+                inject=_oracle_tokens is not None, mesh=target.mesh, truncate=truncate,
                 budgets=table.candidates if auto else ())
+    F = len(feature_layers) * cfg.hidden_size
 
     t0 = time.perf_counter()
     cache = target.init_cache(S)
     dparams = drafter.params if dcfg else None
     dcache = drafter.init_cache(1, S) if dcfg else None
     logits = None
-    for padded, n in padded_chunks(ids, chunk):
+    for padded, n in padded_chunks(ids, chunk):  # enqueued back to back: nothing is read until the first token
         logits, cache, feats, _ = target.prefill(cache, padded, n, feature_layers=feature_layers, logits="last")
         if dcfg:  # the drafter's context cache takes the prompt's features
-            blank = jnp.zeros((1, dcfg.block_size, cfg.hidden_size), dparams.norm.dtype)
-            _, dcache = drafter.forward(dcache, feats, jnp.int32(n), blank)
-    logits = logits[:, 0]  # [1, V]: the last prompt position
-    key = jax.random.key(seed)
-    key, sub = jax.random.split(key)
-    first = tree_lib.posterior_tokens(logits, temperature, sub)  # [1]
-    F = len(feature_layers) * cfg.hidden_size
-    state = DecodeState(
-        cache=cache, dcache=dcache,
-        ctx=jnp.zeros((1, P, max(F, 1)), target.dtype), ctx_n=jnp.int32(0),
-        root=first.astype(jnp.int32), out=jnp.zeros((1, max_new + P), jnp.int32), n_out=jnp.int32(0),
-        done=jnp.asarray(False), key=key, acc=jnp.zeros((max_new,), jnp.int32), n_rounds=jnp.int32(0),
-        stop_mask=jnp.asarray(stop_mask), temperature=jnp.float32(temperature if sampling else 1.0),
-        auto=budget_lib.init_state(table, max_new) if auto else None)
-    state = sharding.place(_emit(state, first.astype(jnp.int32), jnp.int32(1), plan), target.mesh)
-    first_np = int(np.asarray(first)[0])
+            _, dcache = drafter.forward(dcache, feats, jnp.int32(n), _blank(dcfg, cfg, dparams))
+    state = start_fn(target, plan, P, max(F, 1), out_len)(
+        logits[:, 0], cache, dcache, jnp.uint32(seed % (1 << 32)), jnp.asarray(stop_mask), jnp.float32(temperature),
+        jnp.int32(max_new), jnp.int32(min(top_k, cfg.vocab_size)), jnp.float32(top_p), jnp.float32(min_p),
+        budget_lib.padded(table) if auto else None)
+    state = sharding.place(state, target.mesh)
+    first_np = int(np.asarray(state.root)[0])
     ttft = time.perf_counter() - t0
     if on_tokens:
         on_tokens([first_np])
     oracle = (jnp.asarray(np.asarray(_oracle_tokens, np.int32)) if _oracle_tokens is not None
               else jnp.zeros((1,), jnp.int32))
-    static = dict(graphdef=target.graphdef, treedef=target.treedef, dcfg=dcfg, plan=plan)
 
     t1 = time.perf_counter()
-    shown = 1
     if loop == "device":
-        state = run_rounds(target.leaves, dparams, state, oracle, rounds=None, **static)
+        state, prog = loop_fn(target, dcfg, plan)(target.leaves, dparams, state, oracle, jnp.int32(NO_LIMIT))
     else:
-        while True:
-            state = run_rounds(target.leaves, dparams, state, oracle, rounds=sync_every, **static)
-            done, n_out = jax.device_get((state.done, state.n_out))
-            if on_tokens and n_out > shown:  # whole (small) buffer to the host: a device-side slice
-                on_tokens(np.asarray(state.out)[0, shown:n_out].tolist())  # would compile per (shown, n_out)
-                shown = int(n_out)
-            if done:
-                break
-    n_out, n_rounds = (int(x) for x in jax.device_get((state.n_out, state.n_rounds)))
-    tokens = np.asarray(state.out)[0, :n_out].tolist()
-    if on_tokens and loop == "device" and n_out > shown:
-        on_tokens(tokens[shown:])
+        run = functools.partial(loop_fn(target, dcfg, plan, int(sync_every)), target.leaves, dparams)
+        state, prog = _host_loop(run, state, oracle, int(sync_every), max_new, on_tokens)
+    n_out, n_rounds = (int(x) for x in jax.device_get((prog.n_out, prog.n_rounds)))
+    tokens = np.asarray(prog.out)[0, :n_out].tolist()
+    if on_tokens and loop == "device" and n_out > 1:
+        on_tokens(tokens[1:])
     t2 = time.perf_counter()
     acc = np.asarray(state.acc)[:n_rounds].tolist()
     decode_s = t2 - t1
@@ -369,3 +507,43 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
                      budget_predicted_mean=float(np.mean(np.asarray(state.auto.predicted)[:n_rounds]))
                      if n_rounds else 0.0, budget_costs=table.source)
     return Generation(tokens=tokens, acceptance_lengths=acc, stats=stats)
+
+
+def _blank(dcfg, cfg, dparams):
+    return jnp.zeros((1, dcfg.block_size, cfg.hidden_size), dparams.norm.dtype)
+
+
+def _copy_to_host(prog: Progress, with_out: bool):
+    for x in (prog.done, prog.n_out, prog.n_rounds) + ((prog.out,) if with_out else ()):
+        x.copy_to_host_async()
+
+
+def _host_loop(run, state, oracle, k: int, max_new: int, on_tokens):
+    """k rounds per call (`loop_fn(..., chunk=k)`: no host synchronisation inside a call) until done, the next
+    call enqueued before the host waits for the previous one's progress (copied to the host asynchronously), so
+    the GPU does not wait on Python between calls. No call is enqueued once the calls in flight are certain to
+    end the generation (every round emits at least one token): only a stop id can leave rounds that run after
+    `done` (at most one call's; they change nothing). -> (final state, its Progress)."""
+    stream = on_tokens is not None
+    shown = 1
+    pending = collections.deque()
+
+    def enqueue(st):
+        st, prog = run(st, oracle)
+        _copy_to_host(prog, stream)
+        pending.append(prog)
+        return st
+
+    state = enqueue(state)
+    latest = pending[-1]
+    while True:
+        if shown + k * len(pending) < max_new:  # the calls in flight may not reach max_new: one more
+            state = enqueue(state)
+            latest = pending[-1]
+        prog = pending.popleft()
+        done, n_out = bool(np.asarray(prog.done)), int(np.asarray(prog.n_out))
+        if stream and n_out > shown:
+            on_tokens(np.asarray(prog.out)[0, shown:n_out].tolist())
+        shown = max(shown, n_out)
+        if done:  # (not done implies n_out < max_new: the rule above has a call in flight)
+            return state, latest

@@ -135,13 +135,112 @@ def ancestor_mask(tree: Tree) -> jax.Array:
     return layout_lib.ancestor_mask(tree.parents, tree.valid, tree.max_depth)
 
 
-def posterior_tokens(logits, temperature, key, top_k: int | None = None,
-                     top_p: float | None = None) -> jax.Array:
+def check_truncation(top_k=0, top_p=1.0, min_p=0.0) -> tuple[int, float, float]:
+    """(top_k, top_p, min_p) as (int, float, float), or ValueError (one line) for a value outside its range:
+    top_k an integer >= 0 (0 = off), 0 < top_p <= 1 (1 = off), 0 <= min_p < 1 (0 = off)."""
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
+    try:
+        top_p, min_p = float(top_p), float(min_p)
+    except (TypeError, ValueError):
+        raise ValueError(f"top_p and min_p must be numbers, got {top_p!r} and {min_p!r}") from None
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
+    if not 0 <= min_p < 1:
+        raise ValueError(f"min_p must be in [0, 1) (0 = off), got {min_p}")
+    return int(top_k), top_p, min_p
+
+
+def truncates(top_k=0, top_p=1.0, min_p=0.0) -> bool:
+    """Whether these (checked) values remove any token at all."""
+    return top_k > 0 or top_p < 1 or min_p > 0
+
+
+def truncate(z, top_k=0, top_p=1.0, min_p=0.0, method: str = "bisect") -> jax.Array:
+    """Scaled logits z [N, V] (logits / T) -> z with every token outside the truncated set at -inf.
+
+    The kept set of a row, in descending order of z (= of the probabilities p = softmax(z)):
+      * top_k > 0: the k most probable tokens;
+      * top_p < 1: the smallest prefix whose mass is >= top_p (a token is kept iff the mass of the tokens
+        before it is < top_p; mass of the full softmax, before any other truncation);
+      * min_p > 0: the tokens with p >= min_p * p_max;
+    the intersection of the three (each is a prefix of the order, so it is the shortest of them; never empty:
+    the most probable token always stays). Ties: every token whose z equals the last kept token's is kept too
+    (as vLLM's top-k), so the set never depends on how a sort orders equal values. Sampling from the result is
+    sampling from the renormalised truncated distribution. The values may be Python numbers or traced scalars
+    (one compilation for all of them); they must be valid (`check_truncation`).
+
+    method: "bisect" (default: no sort. The kept set is {z >= v}, v the smallest value u such that fewer than
+    top_k tokens have z > u and their mass is below top_p, raised to the logit of min_p * p_max; v is found exactly
+    by a 32-step bisection over the float32 order, each step one fused pass over the row) or "sort" (the
+    reference: one sort of each row, the definition above step by step). The two agree up to float rounding of
+    the mass sums (tests/test_tree.py; benchmarks/bench_sampling.py times both).
+    """
+    z = z.astype(jnp.float32)
+    if method == "bisect":
+        return _truncate_bisect(z, top_k, top_p, min_p)
+    if method != "sort":
+        raise ValueError(f"method must be 'sort' or 'bisect', got {method!r}")
+    V = z.shape[-1]
+    zs = jnp.sort(z, axis=-1)[:, ::-1]                                      # [N, V] descending
+    p = jnp.exp(zs - zs[:, :1])
+    p = p / jnp.sum(p, axis=-1, keepdims=True)
+    before = jnp.cumsum(p, axis=-1) - p                                     # mass of the better tokens
+    top_k = jnp.asarray(top_k, jnp.int32)
+    top_p = jnp.asarray(top_p, jnp.float32)
+    min_p = jnp.asarray(min_p, jnp.float32)
+    rank = jnp.arange(V, dtype=jnp.int32)[None]
+    keep = (rank < jnp.where(top_k > 0, top_k, V)) \
+        & ((before < top_p) | (top_p >= 1)) \
+        & (zs >= zs[:, :1] + jnp.log(min_p))                                # p >= min_p p_max, in log space
+    n_keep = jnp.maximum(jnp.sum(keep, axis=-1, keepdims=True), 1)         # [N, 1]
+    thresh = jnp.take_along_axis(zs, n_keep - 1, axis=-1)                   # the last kept value
+    return jnp.where(z >= thresh, z, -jnp.inf)
+
+
+def _order_keys(z):
+    """float32 [..] -> uint32 keys in the same order (-0.0 counted as +0.0)."""
+    b = jax.lax.bitcast_convert_type(jnp.where(z == 0, jnp.float32(0), z), jnp.uint32)
+    return jnp.where(b >> 31 == 1, ~b, b | jnp.uint32(1 << 31))
+
+
+def _truncate_bisect(z, top_k, top_p, min_p):
+    V = z.shape[-1]
+    zmax = jnp.max(z, axis=-1, keepdims=True)
+    p = jnp.exp(z - zmax)
+    p = p / jnp.sum(p, axis=-1, keepdims=True)
+    keys = _order_keys(z)                                                     # [N, V]
+    k = jnp.asarray(top_k, jnp.int32)
+    k = jnp.where(k > 0, k, V)
+    top_p = jnp.asarray(top_p, jnp.float32)
+
+    def ok(u):  # [N] threshold keys -> [N] bool: few enough and light enough tokens above u (monotone in u)
+        above = keys > u[:, None]
+        count = jnp.sum(above, axis=-1)
+        mass = jnp.sum(jnp.where(above, p, 0), axis=-1)
+        return (count < k) & ((mass < top_p) | (top_p >= 1))
+
+    def step(_, lh):  # invariant: ok(hi); the answer lies in [lo, hi]
+        lo, hi = lh
+        mid = lo + (hi - lo) // 2
+        good = ok(mid)
+        return jnp.where(good, lo, mid + 1), jnp.where(good, mid, hi)
+
+    n = z.shape[0]
+    lo, hi = jax.lax.fori_loop(0, 32, step, (jnp.zeros((n,), jnp.uint32), jnp.max(keys, axis=-1)))
+    floor = _order_keys(zmax[:, 0] + jnp.log(jnp.asarray(min_p, jnp.float32)))  # p >= min_p p_max
+    thresh = jnp.maximum(hi, floor)
+    return jnp.where(keys >= thresh[:, None], z, -jnp.inf)
+
+
+def posterior_tokens(logits, temperature, key, top_k=None, top_p=None, min_p=None) -> jax.Array:
     """[N, V] target logits -> [N] int32 posterior token per node.
 
     Greedy (argmax) when temperature < 1e-5; otherwise one independent sample per node from
-    softmax(logits / T) (optionally restricted to the top_k tokens (static int) and/or the top_p
-    nucleus). `temperature` may be a Python float (branch chosen at trace time) or a traced scalar.
+    softmax(logits / T), truncated by `truncate` when any of top_k / top_p / min_p is given (None: that
+    control off; all None: no truncation and none of its cost). `temperature` and the truncation values may be Python
+    numbers (the greedy branch chosen at trace time) or traced scalars. Truncation never removes the argmax, so
+    greedy decoding ignores it.
     """
     logits = logits.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [N]
@@ -149,16 +248,9 @@ def posterior_tokens(logits, temperature, key, top_k: int | None = None,
         return greedy
     t = jnp.maximum(jnp.asarray(temperature, jnp.float32), GREEDY_EPS)
     z = logits / t  # [N, V]
-    if top_k is not None:
-        kth = jax.lax.top_k(z, top_k)[0][:, -1:]                  # [N, 1]
-        z = jnp.where(z >= kth, z, -jnp.inf)
-    if top_p is not None:
-        z_sorted = jnp.sort(z, axis=-1)[:, ::-1]                  # [N, V] desc
-        p_sorted = jax.nn.softmax(z_sorted, axis=-1)
-        mass_before = jnp.cumsum(p_sorted, axis=-1) - p_sorted    # [N, V] mass of better tokens
-        n_keep = jnp.sum(mass_before < top_p, axis=-1, keepdims=True)  # [N, 1] >= 1
-        thresh = jnp.take_along_axis(z_sorted, n_keep - 1, axis=-1)
-        z = jnp.where(z >= thresh, z, -jnp.inf)
+    if top_k is not None or top_p is not None or min_p is not None:
+        z = truncate(z, 0 if top_k is None else top_k, 1.0 if top_p is None else top_p,
+                     0.0 if min_p is None else min_p)
     sample = jax.random.categorical(key, z, axis=-1).astype(jnp.int32)  # [N], rows independent
     if isinstance(temperature, (int, float)):
         return sample
