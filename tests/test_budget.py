@@ -325,3 +325,28 @@ def test_bench_auto_budget_smoke(tmp_path):
         assert r["budget"] in ("chain", "16", "32") and r["projected_tok_s"] > 0 and r["best_fixed_tok_s"] > 0
         assert r["best_fixed_tok_s"] == max(r["fixed_tok_s"].values())
         assert 0.5 < r["ratio"] < 1.5
+
+
+def test_serve_rejects_a_bad_cost_table_before_loading(tmp_path):
+    bad = tmp_path / "t.json"
+    bad.write_text("{}")
+    mod = _script("serve")
+    for path, why in ((bad, "has no 'round_ms_by_budget_context'"), (tmp_path / "none.json", "cannot read")):
+        with pytest.raises(SystemExit, match=f"argument --budget-costs: .*{why}"):
+            mod.load_engine(mod.build_parser().parse_args(["--budget-costs", str(path)]))
+
+
+def test_engine_sizes_caches_for_the_widest_candidate(pair, monkeypatch):
+    from jaxddtree.serving import engine as engine_lib
+
+    target, drafter = pair
+    seen = []
+    real = engine_lib.capacity
+    monkeypatch.setattr(engine_lib, "capacity", lambda *a: seen.append(a) or real(*a))
+    costs = {"chain": {"0": 1.0}, "2": {"0": 1.0}, "7": {"0": 1.0}}
+    e = engine_lib.Engine(target, drafter, None, budget="auto", budget_costs=costs, max_context=300, stop_ids=[])
+    try:
+        assert isinstance(e.budget_costs, B.CostTable) and e.budget_costs.candidates == (B.CHAIN, 2, 7)
+        assert seen == [(target, drafter.config, "ddtree", 7, 300, 0)]
+    finally:
+        e.close()
