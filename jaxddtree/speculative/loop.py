@@ -397,8 +397,8 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     method: "ar" (autoregressive), "dflash" (chain of the drafter's block) or "ddtree" (best tree of
     `tree_budget` drafted nodes; "auto", the default: each round picks the budget, or the chain, with the most
     expected tokens per second, see `jaxddtree.speculative.budget`; `budget_costs`: its round-time table, a
-    `budget.CostTable`, a dict or a JSON file; None: the default). At temperature 0 all three give identical tokens in fp32 (in bf16, see
-    README "Exactness"); at T > 0 they sample exactly from the target's distribution at that temperature,
+    `budget.CostTable`, a dict or a JSON file; None: the default). At temperature 0 all three give identical
+    tokens in fp32 (in bf16, see README "Exactness"); at T > 0 they sample exactly from the target's distribution at that temperature,
     truncated by `top_k` (the k most probable tokens; 0 = off), `top_p` (the nucleus: the smallest most-probable
     set with mass >= top_p; 1 = off) and `min_p` (tokens with p >= min_p * p_max; 0 = off), renormalised
     (`speculative.tree.truncate`; the speculative methods too: their acceptance samples every tree node from
