@@ -394,17 +394,17 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
              cache_len: int | None = None, budget_costs=None, _oracle_tokens=None) -> Generation:
     """Generate up to `max_new_tokens` new tokens after `prompt_ids`.
 
-    method: "ar" (autoregressive), "dflash" (chain of the drafter's block) or "ddtree" (best tree of
-    `tree_budget` drafted nodes; "auto", the default: each round picks the budget, or the chain, with the most
-    expected tokens per second, see `jaxddtree.speculative.budget`; `budget_costs`: its round-time table, a
-    `budget.CostTable`, a dict or a JSON file; None: the default). At temperature 0 all three give identical
-    tokens in fp32 (in bf16, see README "Exactness"); at T > 0 they sample exactly from the target's distribution at that temperature,
-    truncated by `top_k` (the k most probable tokens; 0 = off), `top_p` (the nucleus: the smallest most-probable
-    set with mass >= top_p; 1 = off) and `min_p` (tokens with p >= min_p * p_max; 0 = off), renormalised
-    (`speculative.tree.truncate`; the speculative methods too: their acceptance samples every tree node from
-    the truncated target distribution). The truncation values are data (one compilation for all of them). `stop_ids` end generation
-    after their first occurrence (inclusive). `on_tokens` receives newly emitted tokens as the host reads them
-    back (streaming: every `sync_every` rounds with loop="host", once at the end with loop="device").
+    method: "ar" (autoregressive), "dflash" (chain of the drafter's block) or "ddtree" (best tree of `tree_budget`
+    drafted nodes; "auto", the default: each round picks the budget, or the chain, with the most expected tokens per
+    second, see `jaxddtree.speculative.budget`; `budget_costs`: its round-time table, a `budget.CostTable`, a dict or a
+    JSON file; None: the default). At temperature 0 all three give identical tokens in fp32 (in bf16, see README
+    "Exactness"); at T > 0 they sample exactly from the target's distribution at that temperature, truncated by `top_k`
+    (the k most probable tokens; 0 = off), `top_p` (the nucleus: the smallest most-probable set with mass >= top_p; 1 =
+    off) and `min_p` (tokens with p >= min_p * p_max; 0 = off), renormalised (`speculative.tree.truncate`; the
+    speculative methods too: their acceptance samples every tree node from the truncated target distribution). The
+    truncation values are data (one compilation for all of them). `stop_ids` end generation after their first occurrence
+    (inclusive). `on_tokens` receives newly emitted tokens as the host reads them back (streaming: every `sync_every`
+    rounds with loop="host", once at the end with loop="device").
     `cache_len`: the caches' capacity in positions (default: the prompt + max_new_tokens, bucketed); a server
     passes one capacity for all its requests so that every request reuses one compiled round.
     """
