@@ -52,10 +52,12 @@ def first_divergence(a, b):
 
 
 def run(target, prompt, kernels, method, drafter, new, out, tag):
+    """method "auto": DDTree with tree_budget="auto" (the lax.switch over the candidate budgets)."""
     target.kernels = kernels
     kw = {} if method == "ar" else {"drafter": drafter}
-    if method == "ddtree":
-        kw["tree_budget"] = 64
+    if method in ("ddtree", "auto"):
+        kw["tree_budget"] = 64 if method == "ddtree" else "auto"
+        method = "ddtree"
     t = time.time()
     g = jaxddtree.generate(target, prompt, method=method, max_new_tokens=new, **kw)
     out.setdefault("seconds", {})[tag] = round(time.time() - t, 2)
@@ -69,12 +71,13 @@ def section_pair(args, out, pk):
     prompt = np.random.RandomState(0).randint(0, 256, 37)
     res = out["pair"] = {}
     toks = {}
-    for method in ("ar", "dflash", "ddtree"):
+    methods = ("ar", "dflash", "ddtree", "auto")
+    for method in methods:
         for k in ("xla", pk):
             toks[method, k] = run(target, prompt, k, method, drafter, 48, res, f"pair_{method}_{k}")
         res[f"{method}_identical"] = toks[method, "xla"] == toks[method, pk]
-    res["speculative_equals_ar"] = toks["dflash", pk] == toks["ar", pk] == toks["ddtree", pk]
-    res["ok"] = res["speculative_equals_ar"] and all(res[f"{m}_identical"] for m in ("ar", "dflash", "ddtree"))
+    res["speculative_equals_ar"] = toks["dflash", pk] == toks["ar", pk] == toks["ddtree", pk] == toks["auto", pk]
+    res["ok"] = res["speculative_equals_ar"] and all(res[f"{m}_identical"] for m in methods)
     # bf16, wide enough that the decode step's projections take the Pallas GEMV (ops.PALLAS_DENSE_MIN_COLS)
     cfg = text_config_from_dict({
         "model_type": "qwen3_5_text", "vocab_size": 8192, "hidden_size": 1024, "intermediate_size": 4096,
