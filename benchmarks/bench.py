@@ -377,6 +377,9 @@ def main(argv=None):
                     help="comma list of context lengths (e.g. 4096,32768,131072): AR step, DDTree round (budget 64) "
                          "and tree attention (16 layers, 65 nodes) at each, prefill of --prefill-contexts "
                          "(*_by_context keys)")
+    ap.add_argument("--context-budgets", default="chain,16,32,64,128",
+                    help="with --contexts: rounds timed at each context for the --budget auto cost table "
+                         "(round_ms_by_budget_context; 'chain' = DFlash)")
     ap.add_argument("--prefill-contexts", default="8192,32768,131072",
                     help="prompt lengths timed for prefill_s_by_context (with --contexts)")
     ap.add_argument("--prefill-chunk", type=int, default=2048, help="rows per prefill call in the context sweep")
@@ -630,8 +633,8 @@ def _depths(parents: np.ndarray) -> np.ndarray:
 
 
 def contexts(args, res, key, target, drafter, dcfg, save, log):
-    """Issue 16's sweep over the committed context length: AR step and DDTree round (budget 64) on the device
-    loop (caches sized by loop.capacity for each context), tree attention of 65 nodes over the 16 attention
+    """Issues 16 / 27's sweep over the committed context length: AR step, DDTree round (budget 64) and the rounds of
+    --context-budgets (the --budget auto cost table) on the device loop (one cache capacity for all), tree attention of 65 nodes over the 16 attention
     layers' caches (a jitted loop of --rounds-per-call passes), and chunked prefill of whole prompts."""
     cfg = target.config
     ctxs = [int(v) for v in args.contexts.split(",")]
@@ -645,8 +648,11 @@ def contexts(args, res, key, target, drafter, dcfg, save, log):
     q = jax.random.normal(ks[0], (1, nn, cfg.num_attention_heads, cfg.head_dim), jnp.bfloat16)
     kn, vn = (jax.random.normal(k, (1, nn, cfg.num_key_value_heads, cfg.head_dim), jnp.bfloat16) for k in ks[1:])
 
+    budgets = [b for b in args.context_budgets.split(",") if b]
+    table = res.setdefault("round_ms_by_budget_context" + key, {})  # jaxddtree.speculative.budget.TABLE_KEY
+    # one capacity for every context (the kernels read the committed rows only): one compilation per plan
+    _, S = loop_lib.capacity(target, dcfg, "ddtree", 128, max(ctxs), (runs + 2) * n * dcfg.block_size)
     for ctx in ctxs:
-        _, S = loop_lib.capacity(target, dcfg, "ddtree", 64, ctx, (runs + 2) * n * dcfg.block_size)
         cache = fill_random(target.init_cache(S), jax.random.key(3)).replace(length=jnp.int32(ctx))
         kv = tuple(c for c in cache.layers if isinstance(c, KVCache))
 
@@ -661,11 +667,20 @@ def contexts(args, res, key, target, drafter, dcfg, save, log):
         ar[str(ctx)] = round(arr.ms_per_round(runs), 3)
         cache = arr.state.cache
         del arr
-        one = Rounds(target, drafter, make_plan(target, dcfg, "ddtree", 64), ctx, n, (runs + 2) * n, cache=cache)
+        for b in sorted(set(budgets) | {"64"}, key=lambda v: (v != "chain", int(v) if v.isdigit() else 0)):
+            plan = make_plan(target, dcfg, "dflash") if b == "chain" else make_plan(target, dcfg, "ddtree", int(b))
+            one = Rounds(target, drafter, plan, ctx, n, (runs + 2) * n, cache=cache)
+            del cache
+            ms = round(one.ms_per_round(runs), 3)
+            cache = one.state.cache
+            del one
+            if b in budgets:
+                table.setdefault(b, {})[str(ctx)] = ms
+            if b == "64":
+                rnd[str(ctx)] = ms
         del cache
-        rnd[str(ctx)] = round(one.ms_per_round(runs), 3)
-        del one
-        log(f"context {ctx}: AR step {ar[str(ctx)]} ms, round(64) {rnd[str(ctx)]} ms, "
+        log(f"context {ctx}: AR step {ar[str(ctx)]} ms, round(64) {rnd[str(ctx)]} ms, rounds by budget "
+            f"{ {b: table.get(b, {}).get(str(ctx)) for b in budgets} }, "
             f"tree attention x{cfg.layer_types.count('full_attention')} {att[str(ctx)]} ms")
         save()
 
