@@ -50,14 +50,27 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
+def checked(cast, ok, rule: str):
+    """An argparse type: `cast(text)` ("expected an integer/a number" otherwise) for which `ok` holds ("must be
+    <rule>" otherwise), each error one line."""
+    noun = "an integer" if cast is int else "a number"
+
+    def parse(text: str):
+        try:
+            v = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {noun}, got '{text}'") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return v
+    return parse
+
+
+positive_int = checked(int, lambda v: v >= 1, ">= 1")
+non_negative_int = checked(int, lambda v: v >= 0, ">= 0 (0 = off)")
+finite_non_negative = checked(float, lambda v: 0 <= v < math.inf, "a finite number >= 0")
+top_p_value = checked(float, lambda v: 0 < v <= 1, "in (0, 1] (1 = off)")
+min_p_value = checked(float, lambda v: 0 <= v < 1, "in [0, 1) (0 = off)")
 
 
 def budget_arg(text: str):
@@ -65,46 +78,6 @@ def budget_arg(text: str):
     if text.strip().lower() == "auto":
         return "auto"
     return positive_int(text)
-
-
-def finite_non_negative(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
-    if not 0 <= v < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return v
-
-
-def non_negative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (0 = off), got {v}")
-    return v
-
-
-def top_p_value(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
-    if not 0 < v <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1] (1 = off), got {text}")
-    return v
-
-
-def min_p_value(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
-    if not 0 <= v < 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1) (0 = off), got {text}")
-    return v
 
 
 def id_list(text: str) -> list[int]:
