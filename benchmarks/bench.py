@@ -574,7 +574,9 @@ def main(argv=None):
 
     if "round" in sections or "host" in sections:
         out = res.setdefault("round_ms" + key, {})
-        budgets = [int(v) for v in args.budgets.split(",")] if "round" in sections else [64]
+        budgets = [int(v) for v in args.budgets.split(",")] if "round" in sections else []
+        if "host" in sections and 64 not in budgets:  # host_overhead_ms is the budget-64 round's
+            budgets.append(64)
         plans = [("ddtree", b) for b in budgets] + ([("dflash", 15)] if "round" in sections else [])
         for method, budget in plans:
             rnd = Rounds(target, drafter, make_plan(target, dcfg, method, budget), L, n, (runs + 2) * n + 2 * 64)

@@ -173,8 +173,10 @@ def default_config(M: int, K: int, N: int, block_in: int = 128, block_out: int =
     (8 beyond), as many pipeline stages (≤ 4) as fit shared memory."""
     bm = row_tile(M)
     key = table_key(M, K, N)
-    if key in CONFIGS:
-        cfg = {k: CONFIGS[key][k] for k in CONFIG_KEYS}
+    hit = CONFIGS.get(key)
+    # the sweep's winners (measured with 128-wide input blocks): only where their K chunk and split fit this grid
+    if hit and block_in % hit["block_k"] == 0 and _cdiv(K, block_in) % hit["split_k"] == 0:
+        cfg = {k: hit[k] for k in CONFIG_KEYS}
         cfg["block_m"] = bm
         return cfg
     bn = 128 if bm <= 64 else 64

@@ -18,6 +18,7 @@ from jaxddtree.model.cache import ModelCache, init_cache
 from jaxddtree.model.config import TextConfig
 from jaxddtree.model.qwen35 import Qwen35
 
+_SHARED: dict = {}  # Target.bind's callables by (graph definition, tree definition, dtype, mesh, key)
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "bf16": jnp.bfloat16, "fp32": jnp.float32}
 
 
@@ -50,12 +51,19 @@ class Target:
     _bound: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def bind(self, key, make):
-        """`make()` for `key`, built once per target and kept: e.g. a jitted round of one plan. The kernel path
-        is part of every key (`kernels` may be changed after loading)."""
+        """`make()` for `key`, built once and kept: e.g. a jitted round of one plan. Kept per target (a lookup by
+        identity: no hashing of the graph definition per call) and shared by every target of equal graph
+        definition, tree definition, dtype and mesh (e.g. a converted and an HF-loaded copy of one model: one
+        compilation), found by one hashed lookup the first time a target needs `key`. The kernel path is part of
+        every key (`kernels` may be changed after loading)."""
         key = (key, self.kernels)
         fn = self._bound.get(key)
         if fn is None:
-            fn = self._bound[key] = make()
+            shared = (self.graphdef, self.treedef, jnp.dtype(self.dtype).name, self.mesh, key)
+            fn = _SHARED.get(shared)
+            if fn is None:
+                fn = _SHARED[shared] = make()
+            self._bound[key] = fn
         return fn
 
     @property
@@ -98,8 +106,9 @@ class Target:
         """Zeroed caches for max_len positions, made on the device by one jitted call per shape."""
         if self.mesh is not None:
             return sharding.init_sharded_cache(self.config, self.mesh, max_len, self.dtype, batch)
+        cfg, dtype = self.config, self.dtype  # (the bound callable must not keep this target alive)
         return self.bind(("init_cache", max_len, batch),
-                         lambda: jax.jit(lambda: init_cache(self.config, max_len, self.dtype, batch)))()
+                         lambda: jax.jit(lambda: init_cache(cfg, max_len, dtype, batch)))()
 
     def cache_bytes(self, max_len: int) -> int:
         """Device bytes of `init_cache(max_len)` (all shards together)."""
