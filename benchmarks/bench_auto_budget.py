@@ -47,24 +47,14 @@ def log(msg):
 def heldout_prompts(tok, n: int, length: int, seed: int = 1) -> list[list[int]]:
     """n prompts of `length` tokens from the held-out stdlib files (starting at line starts); this repository's
     own sources when that library is not on this machine."""
-    import numpy as np
     from jaxddtree.training import tokenizer as tk
 
-    if os.path.isdir(tk.STDLIB):
-        _, held = tk.stdlib_files()
-    else:
+    held = None
+    if not os.path.isdir(tk.STDLIB):
         held = sorted(os.path.join(d, f) for d, _, fs in os.walk(os.path.join(ROOT, "jaxddtree")) for f in fs
                       if f.endswith(".py"))
         log(f"{tk.STDLIB} not found: prompts from jaxddtree/*.py instead")
-    texts = [t for t in tk.read_texts(held) if len(t) > 4000]
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        t = texts[i % len(texts)]
-        s = int(rng.integers(0, len(t) - 3000))
-        s = t.index("\n", s) + 1
-        out.append(tok(t[s:s + 2000])["input_ids"][:length])
-    return out
+    return tk.heldout_prompts(tok, n, length, seed, held)
 
 
 def main(argv=None):

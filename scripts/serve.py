@@ -65,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-context", type=positive_int, default=None, metavar="N", help="prompt + completion "
                    "tokens at most (default: the model's max_position_embeddings)")
     p.add_argument("--default-max-tokens", type=positive_int, default=256, metavar="N", help="completion "
-                   "tokens of a chat request without max_tokens, capped by the context; its round is compiled "
-                   "at start-up (default: 256; /v1/completions defaults to 16 as in the OpenAI API)")
+                   "tokens of a chat request without max_tokens, capped by the context (default: 256; "
+                   "/v1/completions defaults to 16 as in the OpenAI API)")
     p.add_argument("--queue", type=positive_int, default=64, metavar="N", help="requests waiting at most; more "
                    "get 503 (default: 64)")
     p.add_argument("--model-name", default=None, help="the model id clients use (default: the target "

@@ -56,22 +56,6 @@ def make_generated_data(target, ids: np.ndarray, n_seqs: int, seq_len: int, prom
     return np.concatenate(rows)[:n_seqs], np.concatenate(plens)[:n_seqs]
 
 
-def heldout_prompts(tok, n: int, length: int, seed: int = 1) -> list[list[int]]:
-    """n prompts of `length` tokens from the held-out stdlib files (starting at line starts)."""
-    from jaxddtree.training import tokenizer as tk
-
-    _, held = tk.stdlib_files()
-    texts = [t for t in tk.read_texts(held) if len(t) > 4000]
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        t = texts[i % len(texts)]
-        s = int(rng.integers(0, len(t) - 3000))
-        s = t.index("\n", s) + 1
-        out.append(tok(t[s:s + 2000])["input_ids"][:length])
-    return out
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="demo/target")
@@ -109,6 +93,7 @@ def main(argv=None):
     from jaxddtree import load_drafter, load_target
     from jaxddtree.training import train as tr
     from jaxddtree.model.drafter_config import DrafterConfig
+    from jaxddtree.training import tokenizer as tk
     from jaxddtree.training.tokenizer import MASK, load_tokenizer
 
     target = load_target(args.target, dtype="float32")
@@ -186,7 +171,7 @@ def main(argv=None):
 
     # ---- evaluate τ on held-out prompts
     drafter = load_drafter(args.out, target, dtype="float32")
-    prompts = heldout_prompts(tok, args.eval_prompts, args.eval_prompt_len)
+    prompts = tk.heldout_prompts(tok, args.eval_prompts, args.eval_prompt_len)
     t0 = time.time()
     ev = tr.evaluate_acceptance(target, drafter, prompts, max_new_tokens=args.eval_new, budget=args.budget)
     ev["eval_seconds"] = round(time.time() - t0, 1)

@@ -73,3 +73,18 @@ def write_checkpoint(path: str, cfg: dict, weights: dict[str, np.ndarray], shard
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
     return path
+
+
+def tiny_pair(tmp_path_factory, name: str, vocab: int = 97, block: int = 8):
+    """(target, drafter): the tiny HF causal LM of hf_models (fp32) and a random DFlash drafter for it (hidden 64,
+    target layers (1, 2), `block` slots), both written to temporary directories and loaded."""
+    import hf_models
+    import jaxddtree
+    tdir = str(tmp_path_factory.mktemp(f"{name}_target"))
+    hf_models.save_text_only(hf_models.causal_lm(0), tdir)
+    target = jaxddtree.load_target(tdir, "float32")
+    ddir = str(tmp_path_factory.mktemp(f"{name}_drafter"))
+    cfg = tiny_config(hidden=64, vocab=vocab, mask_token_id=vocab - 1, num_target_layers=4, target_layer_ids=(1, 2),
+                      block_size=block)
+    write_checkpoint(ddir, cfg, random_weights(cfg, seed=1))
+    return target, jaxddtree.load_drafter(ddir, target, "float32")

@@ -31,7 +31,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import helpers_dflash  # noqa: E402
-import hf_models  # noqa: E402
 import jaxddtree  # noqa: E402
 from jaxddtree.speculative import budget as B  # noqa: E402
 from jaxddtree.speculative import loop as loop_lib  # noqa: E402
@@ -150,14 +149,7 @@ def test_default_model_on_cpu():
 # ----------------------------------------------------------------------------------------- end to end
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    tdir = str(tmp_path_factory.mktemp("budget_target"))
-    hf_models.save_text_only(hf_models.causal_lm(0), tdir)
-    target = jaxddtree.load_target(tdir, "float32")
-    ddir = str(tmp_path_factory.mktemp("budget_drafter"))
-    cfg = helpers_dflash.tiny_config(hidden=64, vocab=V, mask_token_id=V - 1, num_target_layers=4,
-                                     target_layer_ids=(1, 2), block_size=BLOCK)
-    helpers_dflash.write_checkpoint(ddir, cfg, helpers_dflash.random_weights(cfg, seed=1))
-    return target, jaxddtree.load_drafter(ddir, target, "float32")
+    return helpers_dflash.tiny_pair(tmp_path_factory, "budget", V, BLOCK)
 
 
 @pytest.fixture(scope="module")

@@ -45,14 +45,7 @@ SPEC = [("dflash", 64)] + [("ddtree", b) for b in BUDGETS]
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    tdir = str(tmp_path_factory.mktemp("gen_target"))
-    hf_models.save_text_only(hf_models.causal_lm(0), tdir)
-    target = jaxddtree.load_target(tdir, "float32")
-    ddir = str(tmp_path_factory.mktemp("gen_drafter"))
-    cfg = helpers_dflash.tiny_config(hidden=64, vocab=V, mask_token_id=V - 1, num_target_layers=4,
-                                     target_layer_ids=(1, 2), block_size=BLOCK)
-    helpers_dflash.write_checkpoint(ddir, cfg, helpers_dflash.random_weights(cfg, seed=1))
-    return target, jaxddtree.load_drafter(ddir, target, "float32")
+    return helpers_dflash.tiny_pair(tmp_path_factory, "gen", V, BLOCK)
 
 
 def run(pair, prompt, method, budget=64, **kw):

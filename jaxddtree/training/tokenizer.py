@@ -72,3 +72,20 @@ def load_tokenizer(path: str):
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast.from_pretrained(path)
+
+
+def heldout_prompts(tok, n: int, length: int, seed: int = 1, files: Sequence[str] | None = None) -> list[list[int]]:
+    """n prompts of `length` tokens (`tok`: a transformers tokenizer) cut at line starts from the texts of `files`
+    longer than 4,000 characters (default: the held-out stdlib files of `stdlib_files`)."""
+    import numpy as np
+
+    files = stdlib_files()[1] if files is None else files
+    texts = [t for t in read_texts(files) if len(t) > 4000]
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        t = texts[i % len(texts)]
+        s = int(rng.integers(0, len(t) - 3000))
+        s = t.index("\n", s) + 1
+        out.append(tok(t[s:s + 2000])["input_ids"][:length])
+    return out
