@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """jax.jit benchmarks at Qwen3.6-27B / Qwen3.6-27B-DFlash shapes with random bf16 weights made on the GPU.
 
-Every figure is timed the way `jaxddtree.generate` runs it: decode steps and rounds are `loop.rounds_fn` (the
+Every figure is timed the way `jaxddtree.generate` runs it: decode steps and rounds are `loop.loop_fn` (the
 very function generate calls), N of them inside one jitted call (time / N), on a state made by `loop.start_fn`
 with caches sized by `loop.capacity` for a --context-token prompt; each part of a round (draft, tree build,
 verify, accept + commit: loop's stage functions) runs N times inside one jitted loop of its own. The host's
@@ -144,13 +144,13 @@ def loop_state(target, drafter, plan, context: int, max_new: int, cache=None):
 
 
 class Rounds:
-    """`rounds_per_call` rounds of `plan` per call of `loop.rounds_fn` (what `generate` calls) on a
+    """`rounds_per_call` rounds of `plan` per call of `loop.loop_fn` (what `generate` calls) on a
     `loop_state`; `call()` enqueues one call and returns its Progress (nothing blocks)."""
 
     def __init__(self, target, drafter, plan, context: int, rounds_per_call: int, total_rounds: int, cache=None):
         dcfg = drafter.config if plan.method != "ar" else None
         P = dcfg.block_size if dcfg else 1
-        self.fn = loop_lib.rounds_fn(target, dcfg, plan)
+        self.fn = loop_lib.loop_fn(target, dcfg, plan)
         self.fn1 = loop_lib.loop_fn(target, dcfg, plan, 1)  # one round per call (the server's host loop)
         self.args = (target.leaves, drafter.params if dcfg else None)
         self.state = loop_state(target, drafter, plan, context, total_rounds * P, cache=cache)
@@ -235,7 +235,7 @@ def random_tree(n_nodes: int, depth: int, seed: int):
 def make_decode(target, kernels: str):
     """A plain jitted greedy decode step (leaves, cache, tok [1, 1]) -> (next tok, cache), cache donated: only
     for benchmarks/ab_decode_fusions.py (it retraces under the fusion switches); the AR figures of this script
-    are `loop.rounds_fn` rounds, as generate runs them."""
+    are `loop.loop_fn` rounds, as generate runs them."""
     gd, td, K = target.graphdef, target.treedef, target.config.linear_conv_kernel_dim
 
     @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -440,7 +440,7 @@ def main(argv=None):
         return
 
     res["method_note"] = (
-        "device loop: N rounds (AR steps) per jitted call of loop.rounds_fn, time / N; parts: N iterations of "
+        "device loop: N rounds (AR steps) per jitted call of loop.loop_fn, time / N; parts: N iterations of "
         "loop's stage functions in one jitted fori_loop; caches sized by loop.capacity(context, rounds * rows); "
         "host_overhead_ms = round(64) at one round per call (calls back to back) - the device-loop round")
     if "bandwidth" in sections:

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Where the time goes: profile the AR decode step, a verify pass and a whole DDTree round at 27B shapes, run
-as `generate` runs them (bench.py's `Rounds`: --rounds-per-call steps / rounds of `loop.rounds_fn` per jitted
+as `generate` runs them (bench.py's `Rounds`: --rounds-per-call steps / rounds of `loop.loop_fn` per jitted
 call), and summarise the GPU kernels per step: count and time by category (GEMM, Pallas, XLA fusion, copy),
 busy time vs span, the top kernels, the copies of >= 1 MB, and for the round the GPU time by part (draft, tree
 build, verify, accept + commit: the round's named scopes, read from the kernels' op names in the trace). The

@@ -378,7 +378,7 @@ def test_every_temperature_above_zero_shares_one_compilation(pair):
 
 
 def test_round_calls_pass_only_arrays(pair, ar_ref, monkeypatch):
-    """The static parts of a round are bound once (loop.rounds_fn): after the first generation, further ones
+    """The static parts of a round are bound once (loop.loop_fn): after the first generation, further ones
     (host loop, one round per call) compile nothing and never hash the target's graph definition — the
     per-call cost that made every jitted round call pay milliseconds of host time (issue 24)."""
     target, drafter = pair

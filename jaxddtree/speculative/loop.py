@@ -8,7 +8,7 @@ No host synchronisation inside a round; the rounds run inside one `lax.while_loo
 (`loop="device"`) or `sync_every` at a time (`loop="host"`, streaming): the host enqueues the next call before
 it reads the previous call's `done` / `n_out` (asynchronous copies), so the GPU never waits on Python between
 calls. The static parts of a round (graph definition, drafter config, `Plan`) are bound once per target and
-plan (`rounds_fn`): a call passes only arrays.
+plan (`loop_fn`): a call passes only arrays.
 
 Token bookkeeping: `root` is the last emitted token, not yet seen by the target. A round commits the
 accepted path (root + accepted drafts) to the caches and emits the accepted drafts + the bonus token.
@@ -304,11 +304,6 @@ def loop_fn(target: Target, dcfg, plan: Plan, chunk: int | None = None):
         donate_argnames=("state",)))
 
 
-def rounds_fn(target: Target, dcfg, plan: Plan):
-    """The device loop of (target, drafter config, plan): `loop_fn(..., chunk=None)`."""
-    return loop_fn(target, dcfg, plan)
-
-
 def _start(logits, cache, dcache, seed, stop_mask, temperature, max_new, top_k, top_p, min_p, costs=None, *,
            plan: Plan, P: int, F: int, out_len: int, dtype):
     """The decode state after the prompt: the first token drawn from the last prompt position's logits [1, V]
@@ -464,11 +459,13 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     cache = target.init_cache(S)
     dparams = drafter.params if dcfg else None
     dcache = drafter.init_cache(1, S) if dcfg else None
+    # the drafter's block input during prefill: made once, not once per chunk
+    blank = jnp.zeros((1, dcfg.block_size, cfg.hidden_size), dparams.norm.dtype) if dcfg else None
     logits = None
     for padded, n in padded_chunks(ids, chunk):  # enqueued back to back: nothing is read until the first token
         logits, cache, feats, _ = target.prefill(cache, padded, n, feature_layers=feature_layers, logits="last")
         if dcfg:  # the drafter's context cache takes the prompt's features
-            _, dcache = drafter.forward(dcache, feats, jnp.int32(n), _blank(dcfg, cfg, dparams))
+            _, dcache = drafter.forward(dcache, feats, jnp.int32(n), blank)
     state = start_fn(target, plan, P, max(F, 1), out_len)(
         logits[:, 0], cache, dcache, jnp.uint32(seed % (1 << 32)), jnp.asarray(stop_mask), jnp.float32(temperature),
         jnp.int32(max_new), jnp.int32(min(top_k, cfg.vocab_size)), jnp.float32(top_p), jnp.float32(min_p),
@@ -507,10 +504,6 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
                      budget_predicted_mean=float(np.mean(np.asarray(state.auto.predicted)[:n_rounds]))
                      if n_rounds else 0.0, budget_costs=table.source)
     return Generation(tokens=tokens, acceptance_lengths=acc, stats=stats)
-
-
-def _blank(dcfg, cfg, dparams):
-    return jnp.zeros((1, dcfg.block_size, cfg.hidden_size), dparams.norm.dtype)
 
 
 def _copy_to_host(prog: Progress, with_out: bool):
