@@ -324,9 +324,13 @@ def bench_fp8(args, cfg, dcfg: DrafterConfig, res: dict, save, log):
     save()
 
 
+E2E_METHODS = {"ar": ("ar", 64), "dflash": ("dflash", 64), "ddtree64": ("ddtree", 64),
+               "auto": ("ddtree", "auto")}  # name -> (method, tree_budget); "auto" is generate's default
+
+
 def e2e(args, target, drafter, res, save, log):
     """`jaxddtree.generate` itself at these shapes: a --context-token random prompt, --e2e-tokens new tokens,
-    AR / DFlash / DDTree(64) x loop="device" / "host" (sync_every 4) / "host" with sync_every=1 (the server's);
+    --e2e-methods (AR / DFlash / DDTree(64) / DDTree with tree_budget="auto") x loop="device" / "host" (sync_every 4) / "host" with sync_every=1 (the server's);
     ms per round = stats["decode_s"] / stats["rounds"] (median of --e2e-runs; the first call compiles)."""
     import jaxddtree
     cfg = target.config
@@ -335,9 +339,10 @@ def e2e(args, target, drafter, res, save, log):
     out["note"] = (f"jaxddtree.generate, {args.context}-token random prompt, {args.e2e_tokens} new tokens, "
                    f"random weights (acceptance ~1); ms per round = decode_s / rounds, median of {args.e2e_runs}")
     loops = {"device": dict(loop="device"), "host": dict(loop="host"), "host1": dict(loop="host", sync_every=1)}
-    for name, method in (("ar", "ar"), ("dflash", "dflash"), ("ddtree64", "ddtree")):
+    for name in args.e2e_methods.split(","):
+        method, budget = E2E_METHODS[name]
         rec = out.setdefault(name, {})
-        kw = dict(drafter=drafter, method=method, tree_budget=64, max_new_tokens=args.e2e_tokens)
+        kw = dict(drafter=drafter, method=method, tree_budget=budget, max_new_tokens=args.e2e_tokens)
         t = time.time()
         jaxddtree.generate(target, ids, loop="device", **kw)
         log(f"e2e {name}: compiled + first run in {time.time() - t:.1f}s")
@@ -370,6 +375,8 @@ def main(argv=None):
     ap.add_argument("--rounds-per-call", type=int, default=16,
                     help="rounds (or loop iterations of a part) inside one jitted call; AR steps run 4x as many")
     ap.add_argument("--e2e-tokens", type=int, default=64, help="new tokens per generate call in the e2e section")
+    ap.add_argument("--e2e-methods", default="ar,dflash,ddtree64,auto",
+                    help=f"comma list of {', '.join(E2E_METHODS)} for the e2e section")
     ap.add_argument("--e2e-runs", type=int, default=3, help="generate calls per e2e figure (median)")
     ap.add_argument("--out", default="benchmarks/results/h200.json", help="JSON file to merge results into")
     ap.add_argument("--config", default=None, help="HF config.json for other target shapes")
@@ -618,7 +625,7 @@ def main(argv=None):
     if "e2e" in sections:
         e2e(args, target, drafter, res, save, log)
         rnd64 = res.get("round_ms" + key, {}).get("64")
-        dev = res["e2e"]["ddtree64"].get("device_ms_per_round")
+        dev = res["e2e"].get("ddtree64", {}).get("device_ms_per_round")
         if rnd64 and dev:
             res["round64_over_e2e_device"] = round(rnd64 / dev, 3)
         save()
