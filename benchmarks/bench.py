@@ -384,7 +384,7 @@ def main(argv=None):
                     help="comma list of context lengths (e.g. 4096,32768,131072): AR step, DDTree round (budget 64) "
                          "and tree attention (16 layers, 65 nodes) at each, prefill of --prefill-contexts "
                          "(*_by_context keys)")
-    ap.add_argument("--context-budgets", default="chain,16,32,64,128",
+    ap.add_argument("--context-budgets", default="chain,15,31,63,127",
                     help="with --contexts: rounds timed at each context for the --budget auto cost table "
                          "(round_ms_by_budget_context; 'chain' = DFlash)")
     ap.add_argument("--prefill-contexts", default="8192,32768,131072",

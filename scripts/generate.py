@@ -123,7 +123,7 @@ def build_parser() -> Parser:
                    "drafted tokens (default: ddtree when a drafter is available, else ar)")
     d.add_argument("--budget", type=budget_arg, default="auto", metavar="N|auto", help="DDTree node budget: "
                    "drafted tokens verified per round, 1 <= N < vocab size; auto: each round takes the budget "
-                   "(16, 32, 64, 128) or the chain with the most expected tokens per second, from the drafter's "
+                   "(15, 31, 63, 127: trees of 16 / 32 / 64 / 128 rows) or the chain with the most expected tokens per second, from the drafter's "
                    "probabilities and a round-time table (--budget-costs; README: '--budget auto') (default: auto)")
     d.add_argument("--budget-costs", metavar="FILE", default=None, help="--budget auto's round times: a JSON "
                    "file with 'round_ms_by_budget_context' ({'chain'|'16'|...: {'<context>': ms}}, as "

@@ -47,7 +47,7 @@ from flax import struct
 from jaxddtree.speculative import tree as tree_lib
 
 CHAIN = 0  # candidate id of chain DFlash (its tree: the drafter's argmax block, block_size rows)
-CANDIDATES = (CHAIN, 16, 32, 64, 128)
+CANDIDATES = (CHAIN, 15, 31, 63, 127)  # tree rows 16 / 32 / 64 / 128: the GEMMs like them (H200: round(63) 20.03 vs round(64) 20.98 ms)
 TABLE_KEY = "round_ms_by_budget_context"  # fixed-budget rounds: {"chain"|"16"|...: {"<context>": ms}}
 AUTO_TABLE_KEY = "auto_round_ms_by_budget_context"  # auto rounds forced to one candidate (same layout)
 PRIOR_TOKENS = 8.0
