@@ -40,8 +40,8 @@ from kernels_pallas import ops  # noqa: E402
 from jaxddtree.model.drafter_config import DrafterConfig  # noqa: E402
 
 
-PALLAS_NAMES = ("gdn_tree", "tree_attention", "gdn_decode", "gdn_prefill", "decode_attention", "tree_select",
-                "gdn_commit", "pallas")
+PALLAS_NAMES = ("gdn_tree", "tree_attention", "gdn_decode", "gdn_prefill", "decode_attention",
+                "pallas")
 
 
 def category(name: str) -> str:

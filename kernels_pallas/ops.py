@@ -22,14 +22,6 @@ KERNELS = ("xla", "pallas")
 # projection is at least 5120 wide — the narrow k/v, b, a are columns of the fused w_qkv / w_in — so the whole
 # decode step takes the GEMV.)
 PALLAS_DENSE_MAX_ROWS = 1
-# The one-program tree selection does O(budget² log budget) comparisons per depth; past this budget the XLA
-# scan (top-k per depth) stays.
-TREE_SELECT_MAX_BUDGET = 256
-# H200, 27B shapes, budget 64 (benchmarks/bench.py parts, both paths in one run, 2026-11-30): the one-program
-# Pallas tree selection 1.37 ms vs the XLA scan 0.86 ms; the one-kernel-per-GDN-layer Pallas commit 3.94 ms vs
-# the XLA form 1.43 ms (whole commit). The XLA forms stay the default of kernels="pallas"; True runs the kernels.
-PALLAS_TREE_SELECT = False
-PALLAS_GDN_COMMIT = False
 PALLAS_DENSE_MIN_COLS = 2048
 
 # Decode-step fusions (kernels="pallas", bf16): the RMSNorm / output gate folded into the Pallas GEMV's prologue,
@@ -141,24 +133,18 @@ def gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, ke
 
 def gdn_commit(state, conv, k, W, g, x, path, path_len, kernels="xla"):
     """One GDN layer's commit of the accepted path from the verify stash -> (state, conv) (see
-    `gdn_reference.gdn_commit`); the Pallas kernel updates both in place, in one launch."""
+    `gdn_reference.gdn_commit`), on XLA for both paths: a one-kernel-per-layer Pallas commit lost to it on the H200
+    (3.94 vs 1.43 ms per round, 2026-11-30) and was removed (git history: kernels_pallas/gdn_commit.py)."""
     _check(kernels)
-    if kernels == "pallas" and PALLAS_GDN_COMMIT:
-        from kernels_pallas import gdn_commit as commit
-        return _pallas_or(lambda: gdn_reference.gdn_commit(state, conv, k, W, g, x, path, path_len),
-                          lambda: commit.gdn_commit(state, conv, k, W, g, x, path, path_len))
     return gdn_reference.gdn_commit(state, conv, k, W, g, x, path, path_len)
 
 
 def tree_select(top_lp, top_id, budget: int, kernels="xla"):
     """DDTree node selection from the per-depth top-K log-probs top_lp / tokens top_id [D, K] -> (tokens,
-    parents, depths, valid) [budget] of the drafted nodes (see `kernels_pallas.tree_build`)."""
+    parents, depths, valid) [budget] of the drafted nodes (`kernels_pallas.tree_build`, XLA on both paths)."""
     _check(kernels)
     from kernels_pallas import tree_build
-    if kernels == "pallas" and PALLAS_TREE_SELECT and budget <= TREE_SELECT_MAX_BUDGET:
-        return _pallas_or(lambda: tree_build.tree_select_reference(top_lp, top_id, budget),
-                          lambda: tree_build.tree_select(top_lp, top_id, budget))
-    return tree_build.tree_select_reference(top_lp, top_id, budget)
+    return tree_build.tree_select(top_lp, top_id, budget)
 
 
 def attention_decode_prep(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, start, kernels="xla", *,

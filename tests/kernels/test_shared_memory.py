@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas import (_common, attention_decode, dense, gdn_commit, gdn_decode_fused, gdn_prefill, gdn_tree, ops,
-                            prefill_attention, tree_attention, tree_build)
+from kernels_pallas import (_common, attention_decode, dense, gdn_decode_fused, gdn_prefill, gdn_tree, ops,
+                            prefill_attention, tree_attention)
 from kernels_pallas._testing import attention_inputs, check_attention, gdn_inputs, rel_err
 
 f32, bf16, i32 = jnp.float32, jnp.bfloat16, jnp.int32
@@ -68,17 +68,10 @@ def cases(dt):
         out.append((f"gdn_prefill T={T}", est, gdn_prefill.gdn_chunked, _gdn_structs(T, False)))
     for N in (17, 65, 257):
         out.append((f"gdn_tree N={N}", gdn_tree.plan(N, DK, DV)["smem"], gdn_tree.gdn_masked_block, _gdn_structs(N, True)))
-    est = gdn_commit.smem_bytes(DK, 17, 64, 128, jnp.dtype(dt).itemsize)
-    out.append(("gdn_commit", est, gdn_commit.gdn_commit,
-                [Sd((1, HV, DK, DV), f32), Sd((1, 3, CD), dt), Sd((1, 65, HK, DK), f32), Sd((1, 65, HV, DV), f32),
-                 Sd((1, 65, HV), f32), Sd((1, 65, CD), dt), Sd((1, 17), i32), Sd((1,), i32)]))
     fn = functools.partial(attention_decode.decode_attention_prep, num_heads=H, num_kv_heads=HKV, head_dim=HD, eps=1e-6)
     out.append(("attention_decode", attention_decode.smem_bytes(4), fn,
                 [Sd((1, (2 * H + 2 * HKV) * HD), dt), Sd((HD,), dt), Sd((HD,), dt), Sd((1, 64), dt), Sd((1, 64), dt),
                  Sd((1, HKV, S, HD), dt), Sd((1, HKV, S, HD), dt), Sd((), i32)]))
-    cp = max(tree_build.CHUNK, 1 << (len(tree_build.candidate_pairs(64, 32)[0]) - 1).bit_length())
-    out.append(("tree_build", tree_build.smem_bytes(cp, 64, 8), lambda lp, ids: tree_build.tree_select(lp, ids, 64),
-                [Sd((16, 32), f32), Sd((16, 32), i32)]))
     return out
 
 
