@@ -201,9 +201,14 @@ def test_projection_dots_do_not_grow_with_slots(pair):
     assert counts[0] == counts[1] and counts[0] > 0, counts
 
 
-def _interpret(monkeypatch, module, name):
+def _interpret(monkeypatch, module, name, calls=None):
     fn = getattr(module, name)
-    monkeypatch.setattr(module, name, lambda *a, **k: fn(*a, **{**k, "interpret": True}))
+
+    def run(*a, **k):
+        if calls is not None:
+            calls.append(name)
+        return fn(*a, **{**k, "interpret": True})
+    monkeypatch.setattr(module, name, run)
 
 
 def test_dense_folds_the_slot_axis(monkeypatch):
@@ -256,3 +261,26 @@ def test_dense_folds_the_slot_axis(monkeypatch):
         assert wcalls[-1] == (B, 64), wcalls
         want = jnp.stack([h(x[i]) for i in range(B)])
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
+
+
+def test_pallas_batched_round_interpret(pair, ar_ref, monkeypatch):
+    """kernels="pallas" (every kernel the tiny fp32 model takes, in interpret mode): the batched DDTree round vmaps
+    (pallas_call's batching rule for the attention / GDN kernels: each slot reads its own cache) and two slots
+    give their AR tokens."""
+    import dataclasses
+    from kernels_pallas import gdn_prefill, gdn_tree, prefill_attention, tree_attention
+    calls = []
+    for mod, name in ((tree_attention, "tree_attention"), (prefill_attention, "prefill_attention"),
+                      (gdn_prefill, "gdn_chunked"), (gdn_tree, "gdn_masked_block")):
+        _interpret(monkeypatch, mod, name, calls)
+    target, drafter = pair
+    tp = dataclasses.replace(target, kernels="pallas")
+    n = 6
+    reqs = [Request(PROMPTS[i], n, tree_budget=7, oracle=padded(ar_ref[i])) for i in (0, 1)]
+    p = batch_lib.SlotPool(tp, drafter, method="ddtree", max_batch=2, cache_len=CACHE_LEN, tree_budget=7,
+                           _oracle_len=ORACLE)
+    gens = batch_lib.generate_many(tp, reqs, pool=p)
+    for i, g in enumerate(gens):
+        assert g.tokens == ar_ref[i][:n], f"slot {i}"
+    assert gens[0].stats["budgets"][0] == 7
+    assert {"tree_attention", "gdn_masked_block", "prefill_attention", "gdn_chunked"} <= set(calls)
