@@ -100,11 +100,12 @@ def test_exact_per_slot_join_and_leave(pair, ar_ref, method):
 
 
 def test_sampling_per_slot(pair, ar_ref):
-    """DDTree at budget 31 per slot: a sampled slot's tokens (own seed, temperature, top_k / top_p) are exactly
-    generate's alone at that budget whatever shares the batch; a T = 0 slot in the sampling batch is greedy; two
+    """DDTree at budgets 5 and 31 per slot (bucket 4: 31): a sampled slot's tokens (own seed, temperature, top_k /
+    top_p) are exactly generate's alone at its budget whatever shares the batch (so the per-slot budget shapes its
+    tree); a T = 0 slot in the sampling batch is greedy; two
     seeds differ."""
     o = [padded(a) for a in ar_ref]
-    hot = [Request(PROMPTS[0], MAX_NEW, temperature=1.0, seed=5, tree_budget=31, oracle=o[0]),
+    hot = [Request(PROMPTS[0], MAX_NEW, temperature=1.0, seed=5, tree_budget=5, oracle=o[0]),  # inside bucket 31
            Request(PROMPTS[1], MAX_NEW, temperature=0.7, top_k=5, top_p=0.9, seed=9, tree_budget=31, oracle=o[1])]
     cold = Request(PROMPTS[2], MAX_NEW, tree_budget=31, oracle=o[2])
     other = Request(PROMPTS[3], MAX_NEW, temperature=1.0, seed=6, tree_budget=31, oracle=o[3])
@@ -113,7 +114,7 @@ def test_sampling_per_slot(pair, ar_ref):
     g2 = batch_lib.generate_many(pair[0], [other, hot[1], hot[0]], pool=p)  # other neighbours, other slots
     assert g1[2].tokens == ar_ref[2]
     for i, r in enumerate(hot):
-        want = alone(pair, r.ids, "ddtree", 31, oracle=r.oracle, temperature=r.temperature, top_k=r.top_k,
+        want = alone(pair, r.ids, "ddtree", r.tree_budget, oracle=r.oracle, temperature=r.temperature, top_k=r.top_k,
                      top_p=r.top_p, seed=r.seed).tokens
         assert g1[i].tokens == want, f"request {i}"
     assert g2[2].tokens == g1[0].tokens and g2[1].tokens == g1[1].tokens
