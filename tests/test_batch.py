@@ -285,3 +285,34 @@ def test_pallas_batched_round_interpret(pair, ar_ref, monkeypatch):
         assert g.tokens == ar_ref[i][:n], f"slot {i}"
     assert gens[0].stats["budgets"][0] == 7
     assert {"tree_attention", "gdn_masked_block", "prefill_attention", "gdn_chunked"} <= set(calls)
+
+
+@pytest.mark.parametrize("method,B", [("ddtree", 2), ("ar", 4)])
+def test_batched_round_lowers_for_h200(method, B):
+    """The batched round with kernels="pallas" (bf16, bench.py's smoke shapes) traces and lowers for an abstract
+    H200: the Pallas kernels' batching (attention / GDN: a slot grid axis; projections: folded rows) lowers."""
+    import dataclasses
+    import functools
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))
+    import bench
+    from jaxddtree.model.config import text_config_from_dict
+    from jaxddtree.model.drafter_config import DrafterConfig
+    from jaxddtree.model.target import random_target
+    from kernels_pallas._common import lower_for_h200
+    raw, dfl = dict(bench.QWEN36_27B), dict(bench.DFLASH_27B)
+    raw.update(bench.SMOKE_TARGET)
+    dfl.update(bench.SMOKE_DFLASH)
+    target = random_target(text_config_from_dict(raw, where="smoke"), "bfloat16")
+    dcfg = DrafterConfig(**dfl) if method != "ar" else None
+    drafter = bench.random_drafter(DrafterConfig(**dfl), jnp.bfloat16)
+    plan = batch_lib.batch_plan(target, dcfg, method, 15)
+    one = jax.eval_shape(lambda: bench.loop_state(target, drafter, plan, 64, 64))
+    bst = jax.tree.map(lambda x: jax.ShapeDtypeStruct((B,) + x.shape, x.dtype), one)
+    if method == "ddtree":
+        bst = bst.replace(budget=jax.ShapeDtypeStruct((B,), jnp.int32))
+    pallas = dataclasses.replace(target, kernels="pallas")
+    f = functools.partial(batch_lib.run_slots, graphdef=pallas.graphdef, treedef=pallas.treedef, dcfg=dcfg,
+                          plan=dataclasses.replace(plan, kernels="pallas"), chunk=1)
+    txt = lower_for_h200(f, pallas.leaves, drafter.params if dcfg else None, bst, jax.ShapeDtypeStruct((B, 1),
+                                                                                                       jnp.int32))
+    assert "triton" in txt
