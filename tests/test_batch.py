@@ -316,3 +316,27 @@ def test_batched_round_lowers_for_h200(method, B):
     txt = lower_for_h200(f, pallas.leaves, drafter.params if dcfg else None, bst, jax.ShapeDtypeStruct((B, 1),
                                                                                                        jnp.int32))
     assert "triton" in txt
+
+
+def _compiled(target):
+    """Compilations held by the target's bound jitted functions (rounds, prefill, start, the pool's helpers) and
+    the drafter's forward."""
+    from jaxddtree.model import drafter as drafter_mod
+    fns = list(target._bound.values()) + [drafter_mod._forward_jit]
+    return sum(f._cache_size() for f in fns if hasattr(f, "_cache_size"))
+
+
+def test_warmup_compiles_everything(pair, ar_ref):
+    """After warmup(), requests of every kind (greedy, sampled, truncated; joining, leaving, single and batched)
+    compile nothing."""
+    target, drafter = pair
+    p = batch_lib.SlotPool(target, drafter, method="dflash", max_batch=4, cache_len=CACHE_LEN, sync_every=2)
+    p.warmup(PROMPTS[0])
+    before = _compiled(target), batch_lib.TRACES["slots"], batch_lib.TRACES["rounds"], batch_lib.TRACES["start"]
+    reqs = [Request(PROMPTS[0], 12), Request(PROMPTS[1], 20, temperature=0.8, seed=3),
+            Request(PROMPTS[2], 9, temperature=1.0, top_p=0.8, stop_ids=(ar_ref[2][3],)), Request(PROMPTS[3], 30),
+            Request(PROMPTS[1][:5], 7, temperature=0.5, top_k=3)]
+    gens = batch_lib.generate_many(target, reqs, pool=p, join_at=[0, 0, 1, 1, 3])
+    assert gens[0].tokens == ar_ref[0][:12] and gens[3].tokens == ar_ref[3][:30]
+    after = _compiled(target), batch_lib.TRACES["slots"], batch_lib.TRACES["rounds"], batch_lib.TRACES["start"]
+    assert after == before and before[0] > 0
