@@ -28,7 +28,8 @@ import sys
 import time
 
 # this checkout's code first (also where another copy of jaxddtree is installed), and bench.py's helpers
-sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."), os.path.dirname(os.path.abspath(__file__))]
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.join(HERE, ".."), HERE]
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -30,7 +30,6 @@ import jax.numpy as jnp  # noqa: E402
 import helpers_dflash  # noqa: E402
 import jaxddtree  # noqa: E402
 from jaxddtree.speculative import batch as batch_lib  # noqa: E402
-from jaxddtree.speculative import loop as loop_lib  # noqa: E402
 from jaxddtree.speculative.batch import Request  # noqa: E402
 
 V = 97
@@ -288,11 +287,16 @@ def test_pallas_batched_round_interpret(pair, ar_ref, monkeypatch):
 
 
 @pytest.mark.parametrize("method,B", [("ddtree", 2), ("ar", 4)])
-def test_batched_round_lowers_for_h200(method, B):
+def test_batched_round_lowers_for_h200(method, B, monkeypatch):
     """The batched round with kernels="pallas" (bf16, bench.py's smoke shapes) traces and lowers for an abstract
-    H200: the Pallas kernels' batching (attention / GDN: a slot grid axis; projections: folded rows) lowers."""
+    H200: the Pallas kernels' batching (attention / GDN: a slot grid axis; projections: folded rows) lowers. The
+    GEMV's domain widened to these shapes, so that the AR step's per-slot projections take the split-K partials
+    path (`ops.dense_partials` into the fused GDN / attention decode kernels) and fold onto a GEMV of B rows."""
     import dataclasses
     import functools
+    from kernels_pallas import ops
+    monkeypatch.setattr(ops, "PALLAS_DENSE_MIN_COLS", 1)
+    monkeypatch.setattr(ops, "PALLAS_DENSE_MAX_ROWS", 8)
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))
     import bench
     from jaxddtree.model.config import text_config_from_dict

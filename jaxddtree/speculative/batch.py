@@ -29,7 +29,7 @@ import numpy as np
 
 from jaxddtree.model import sharding
 from jaxddtree.model.drafter import check_compatible
-from jaxddtree.model.prefill import check_ids, check_vocab, chunk_size, chunk_widths
+from jaxddtree.model.prefill import check_ids, check_vocab, chunk_widths
 from jaxddtree.model.target import Target
 from jaxddtree.speculative import budget as budget_lib
 from jaxddtree.speculative import loop as loop_lib
