@@ -188,6 +188,7 @@ class _Live:
     oracle: Any
     shown: int = 0  # tokens reported so far
     done: bool = False
+    fn: Any = None  # its single-slot round (loop.loop_fn), once looked up
 
 
 class SlotPool:
@@ -238,6 +239,7 @@ class SlotPool:
         self._slots: list = []  # batched: handle per slot (None: empty); single: [handle]
         self._oracle = None  # device oracle of the current layout ([L] single, [B, L] batched)
         self._inflight = None
+        self._slot_fns: dict[int, Any] = {}  # B -> the bound batched round
 
     # ------------------------------------------------------------------------------------------- requests
     def prefill(self, req: Request) -> Pending:
@@ -428,16 +430,23 @@ class SlotPool:
         return _bound(self.target, "resize", _resize)(one, jnp.asarray([0, -1], jnp.int32))
 
     # ------------------------------------------------------------------------------------------- rounds
-    def _call(self):
+    def _fn(self):
+        """The bound round of the current layout (looked up once per layout, not hashed per call)."""
         tgt = self.target
         if self._mode == "single":
             live = self._live[self._slots[0]]
-            fn = loop_lib.loop_fn(tgt, self.dcfg, live.single_plan, self.sync_every)
-        else:
-            B = len(self._slots)
+            if live.fn is None:
+                live.fn = loop_lib.loop_fn(tgt, self.dcfg, live.single_plan, self.sync_every)
+            return live.fn
+        B = len(self._slots)
+        fn = self._slot_fns.get(B)
+        if fn is None:
             plan = batch_plan(tgt, self.dcfg, self.method, self.bucket_budgets[B], inject=self.oracle_len > 0)
-            fn = slots_fn(tgt, self.dcfg, plan, B, self.sync_every)
-        self._state, prog = fn(tgt.leaves, self.dparams, self._state, self._oracle)
+            fn = self._slot_fns[B] = slots_fn(tgt, self.dcfg, plan, B, self.sync_every)
+        return fn
+
+    def _call(self):
+        self._state, prog = self._fn()(self.target.leaves, self.dparams, self._state, self._oracle)
         for x in (prog.done, prog.n_out, prog.n_rounds, prog.out, prog.accepted):
             x.copy_to_host_async()
         return prog
