@@ -348,3 +348,11 @@ def test_warmup_compiles_everything(pair, ar_ref):
     g = jaxddtree.generate(target, PROMPTS[2], drafter=drafter, method="dflash", max_new_tokens=15,
                            cache_len=CACHE_LEN, sync_every=2, temperature=0.9, seed=1)
     assert batch_lib.TRACES["rounds"] == before[2] and len(g.tokens) == 15
+
+
+def test_slot_bytes(pair):
+    target, drafter = pair
+    one = batch_lib.slot_bytes(target, drafter, CACHE_LEN)
+    assert one == batch_lib.slot_bytes(target, None, CACHE_LEN) + sum(
+        x.size * x.dtype.itemsize for x in jax.tree.leaves(drafter.init_cache(1, CACHE_LEN)))
+    assert batch_lib.slot_bytes(target, None, 2 * CACHE_LEN) > batch_lib.slot_bytes(target, None, CACHE_LEN)

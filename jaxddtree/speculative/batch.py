@@ -111,6 +111,16 @@ def slots_fn(target: Target, dcfg, plan: loop_lib.Plan, B: int, chunk: int = 1):
         donate_argnames=("bstate",)))
 
 
+def slot_bytes(target: Target, drafter, cache_len: int) -> int:
+    """Device bytes of one slot's caches (the target's, all shards together, + the drafter's context cache; drafter
+    None: AR) at cache_len positions: a pool holds max_batch of them, plus one per joining request (its prefill) and,
+    while a bucket grows or shrinks, the new bucket's copy next to the old."""
+    n = target.cache_bytes(cache_len)
+    if drafter is not None:
+        n += loop_lib._nbytes(jax.eval_shape(lambda: drafter.init_cache(1, cache_len)))
+    return n
+
+
 # ------------------------------------------------------------------------------- batched-state plumbing (jitted)
 def _is_key(x) -> bool:
     return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
