@@ -44,6 +44,13 @@ def budget_arg(text: str):
     return positive_int(text)
 
 
+def max_batch_arg(text: str):
+    """--max-batch: 'auto' or an integer >= 1."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    return positive_int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="serve.py", description="Serve a Qwen3.5/3.6 target (+ DFlash drafter) "
                                 "through the OpenAI API: /v1/completions, /v1/chat/completions (streaming "
@@ -67,8 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--default-max-tokens", type=positive_int, default=256, metavar="N", help="completion "
                    "tokens of a chat request without max_tokens, capped by the context (default: 256; "
                    "/v1/completions defaults to 16 as in the OpenAI API)")
-    p.add_argument("--queue", type=positive_int, default=64, metavar="N", help="requests waiting at most; more "
-                   "get 503 (default: 64)")
+    p.add_argument("--max-batch", type=max_batch_arg, default="auto", metavar="N|auto", help="requests decoded "
+                   "at once (continuous batching: each has a slot of caches for --max-context tokens; more wait in "
+                   "the queue). auto: the largest of 16, 8, 4, 2, 1 whose slots fit in the device's free memory "
+                   "(4 on the CPU); an N that does not fit is a one-line error at start naming the largest that "
+                   "does (default: auto)")
+    p.add_argument("--queue", type=positive_int, default=64, metavar="N", help="requests waiting for a slot at "
+                   "most; more get 503 (default: 64)")
     p.add_argument("--model-name", default=None, help="the model id clients use (default: the target "
                    "directory's name, 'demo' for the demo pair)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None, help="default: float32 on CPU, "
@@ -159,9 +171,12 @@ def load_engine(args):
     try:
         engine = Engine(target, drafter, tok, name=args.model_name or name, method=method, budget=args.budget,
                         budget_costs=costs, max_context=args.max_context, queue_size=args.queue,
-                        default_max_tokens=args.default_max_tokens)
-    except ValueError as e:  # e.g. the caches for --max-context do not fit in the device's memory
-        raise SystemExit(f"serve.py: error: --max-context: {e}") from None
+                        default_max_tokens=args.default_max_tokens, max_batch=args.max_batch)
+    except ValueError as e:  # e.g. the slots' caches for --max-context do not fit in the device's memory
+        raise SystemExit(f"serve.py: error: {e}") from None
+    print(f"serve.py: {engine.max_batch} slot(s) of {engine.cache_len} cache positions" + (
+        f" ({engine.memory['slot_gib']:.2f} GiB each; {engine.memory['free_gib']:.1f} GiB free, "
+        f"{engine.memory['fits']} slots would fit)" if engine.memory else ""), file=sys.stderr, flush=True)
     if not args.no_warmup:
         t = time.perf_counter()
         try:
