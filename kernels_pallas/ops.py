@@ -190,11 +190,57 @@ def dense_partials(x, w, kernels="xla", *, norm=None):
     rows, K = math.prod(x.shape[:-1]), x.shape[-1]
     if not (kernels == "pallas" and FUSED_DECODE and FUSED_PARTIALS and _gemv(x, w, rows, w.shape[1])):
         return None
-    if norm is not None and not FUSED_NORM:
-        x, norm = rms_norm_1p(x, *norm), None
-    from kernels_pallas import dense as dense_kernel
     nw, eps = norm if norm is not None else (None, 1e-6)
-    return dense_kernel.dense(x.reshape(rows, K), w, nw, eps, reduce=False)
+
+    def f(acts, weights):
+        x_, = acts
+        w_, nw_ = weights
+        if nw_ is not None and not FUSED_NORM:
+            x_, nw_ = rms_norm_1p(x_, nw_, eps), None
+        from kernels_pallas import dense as dense_kernel
+        return dense_kernel.dense(x_.reshape(-1, K), w_, nw_, eps, reduce=False)
+
+    def folded(acts, weights, like):
+        # the rows of all slots (no longer one row: not the GEMV's domain for the consumer's fused op): `dense`
+        # on them, handed over in the partials' layout (the sum as partial 0, zeros after it: the same sum)
+        x_, = acts
+        w_, nw_ = weights
+        y = _dense("btd,dc->btc", x_.reshape(1, -1, K), w_, kernels, norm=None if nw_ is None else (nw_, eps))
+        y = rounded(y[0], x_.dtype)
+        return jnp.zeros(like.shape[:1] + y.shape, like.dtype).at[0].set(y.astype(like.dtype))
+    return fold_rows(f, (x,), (w, nw), out_axis=1, rule=folded)
+
+
+def fold_rows(f, acts, weights, out_axis: int = 0, rule=None):
+    """f(acts, weights) for one projection: acts (a tuple of activations or None: x and what has its rows, e.g.
+    gate / residual) lead with the rows' axes, weights (a tuple of arrays or None) do not. Under jax.vmap
+    (a batched round's slot axis, in front of every batched activation) with unbatched weights: ONE call of f on
+    the slot axis folded into the activations' first axis (a Pallas kernel then re-picks its configuration for
+    the B·rows; pallas_call's own batching rule would run the kernel once per slot and stream the weights B
+    times); the output's axis `out_axis` holds the rows. `rule(acts, weights, like)` (optional) computes the
+    folded call instead (like: the per-slot output's ShapeDtypeStruct). Batched weights: plain vmap of f."""
+    fn = jax.custom_batching.custom_vmap(f)
+
+    @fn.def_vmap
+    def _rule(axis_size, in_batched, acts, weights):
+        acts_b, weights_b = in_batched
+        if any(jax.tree.leaves(weights_b)):
+            axes = jax.tree.map(lambda b: 0 if b else None, in_batched)
+            return jax.vmap(f, in_axes=tuple(axes))(acts, weights), True
+        per_slot = tuple(None if a is None else jax.ShapeDtypeStruct(a.shape[1:] if b else a.shape, a.dtype)
+                         for a, b in zip(acts, acts_b))
+        lead = next(a.shape[0] for a in per_slot if a is not None)  # the rows' first axis, per slot
+
+        def fold(a, b):
+            if a is None:
+                return None
+            a = a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
+            return a.reshape((axis_size * a.shape[1],) + a.shape[2:])
+        folded = tuple(fold(a, b) for a, b in zip(acts, acts_b))
+        y = rule(folded, weights, jax.eval_shape(f, per_slot, weights)) if rule is not None else f(folded, weights)
+        y = y.reshape(y.shape[:out_axis] + (axis_size, lead) + y.shape[out_axis + 1:])
+        return jnp.moveaxis(y, out_axis, 0), True
+    return fn(acts, weights)
 
 
 def mlp_decode(x, w_gate_up, w_down, kernels="xla", *, norm=None, residual=None):
@@ -280,7 +326,23 @@ def dense(spec: str, x, w, kernels="xla", *, norm=None, gate=None, residual=None
     FUSED_DECODE, inside the kernel's prologue / epilogue instead of separate kernels):
       norm = (w_n, eps): x -> rms_norm_1p(x, w_n, eps) first (the layer's input / post / final norm);
       gate (x's shape): x -> rounded(x · gate) first (attention's output gate);
-      residual (the output's shape): y -> rounded(residual + rounded(y)) (returned in fp32, already rounded)."""
+      residual (the output's shape): y -> rounded(residual + rounded(y)) (returned in fp32, already rounded).
+
+    Under jax.vmap (the slot axis of batched rounds, speculative/batch.py) with kernels="pallas": one call on the
+    rows of all slots (`fold_rows`), its kernel re-picked for them, so the weights are streamed once."""
+    if kernels != "pallas":
+        return _dense(spec, x, w, kernels, norm=norm, gate=gate, residual=residual)
+    nw, eps = norm if norm is not None else (None, None)
+
+    def f(acts, weights):
+        x_, gate_, residual_ = acts
+        w_, nw_ = weights
+        return _dense(spec, x_, w_, kernels, norm=None if nw_ is None else (nw_, eps), gate=gate_,
+                      residual=residual_)
+    return fold_rows(f, (x, gate, residual), (w, nw))
+
+
+def _dense(spec: str, x, w, kernels="xla", *, norm=None, gate=None, residual=None):
     p = pick(spec, x, w, kernels)
     nc, rows, K = p.nc, p.rows, p.K
     gemv = p.kernel == "gemv"
@@ -315,7 +377,15 @@ def dense_w8a8(spec: str, x, q, scale, tail, block_in: int, block_out: int, kern
     product), fp32 result holding values already rounded to x's dtype (the caller's rounding keeps them).
     q fp8 in the model's layout (contracted axes first), scale fp32 [ceil(K / block_in), ceil(N / block_out)],
     tail None or the trailing plain columns [K, n_tail] of a 2-D weight (an XLA product in fp32, concatenated:
-    the caller rounds it). The kernel is `pick`'s: the Pallas kernel or its jnp reference."""
+    the caller rounds it). The kernel is `pick`'s: the Pallas kernel or its jnp reference. Under jax.vmap with
+    kernels="pallas": one call on the rows of all slots (`fold_rows`)."""
+    if kernels != "pallas":
+        return _dense_w8a8(spec, x, q, scale, tail, block_in, block_out, kernels)
+    return fold_rows(lambda acts, ws: _dense_w8a8(spec, acts[0], *ws, block_in, block_out, kernels), (x,),
+                     (q, scale, tail))
+
+
+def _dense_w8a8(spec: str, x, q, scale, tail, block_in: int, block_out: int, kernels: str = "xla"):
     from kernels_pallas import w8a8
     p = pick(spec, x, q, kernels, (block_in, block_out))
     x2, q2 = x.reshape(p.rows, p.K), q.reshape(p.K, p.N)

@@ -70,6 +70,9 @@ class DecodeState:
     top_p: jax.Array = dataclasses.field(default_factory=lambda: jnp.float32(1.0))
     min_p: jax.Array = dataclasses.field(default_factory=lambda: jnp.float32(0.0))
     auto: Any = None  # budget_lib.AutoState when tree_budget="auto" (cost table as data, chosen budget per round)
+    # DDTree: the tree budget as data (int32 <= plan.budget; nodes past budget + 1 are padding), so that slots of a
+    # batched round (speculative/batch.py) with different budgets share one compilation; None: plan.budget
+    budget: Any = None
 
 
 @struct.dataclass
@@ -79,6 +82,7 @@ class Progress:
     n_out: jax.Array
     n_rounds: jax.Array
     out: jax.Array  # [B, max_new + P] the emitted tokens so far (streaming)
+    accepted: Any = None  # int32: the sum of the acceptance lengths so far
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,14 +165,27 @@ def draft_stage(dparams, dcfg, state: DecodeState, embed, lm_head, plan: Plan, o
     return dl, dcache
 
 
-def tree_stage(root, dl, plan: Plan):
+def tree_stage(root, dl, plan: Plan, budget=None):
     """DDTree: the best `budget` prefixes of the draft (auto: at the largest candidate); DFlash: its argmax chain
-    -> (Tree, ancestor mask)."""
+    -> (Tree, ancestor mask). budget (DDTree, optional): a traced int32 <= plan.budget; the tree is built at
+    plan.budget and its nodes past budget + 1 become padding (`limit_tree`)."""
     if plan.method == "ddtree":
         tree = tree_lib.build_tree(root, dl, plan.budget, kernels=plan.kernels)
+        if budget is not None:
+            tree = limit_tree(tree, budget)
     else:  # dflash: the argmax chain of the block
         tree = chain_tree(root, dl)
     return tree, tree_lib.ancestor_mask(tree)
+
+
+def limit_tree(tree: tree_lib.Tree, budget) -> tree_lib.Tree:
+    """The tree of `budget` drafted nodes (a traced int32) inside a tree built at a larger static budget: rows past
+    budget + 1 become padding (the build's first b + 1 rows are the best b-node tree, `budget_lib.truncate`; parents
+    precede children, so no kept node loses its parent). Same shapes, so every budget shares one compilation."""
+    keep = tree.valid & (jnp.arange(tree.num_nodes) <= budget)  # the root (row 0) always stays
+    return tree_lib.Tree(tokens=jnp.where(keep, tree.tokens, tree_lib.PAD_TOKEN),
+                         parents=jnp.where(keep, tree.parents, 0), depths=jnp.where(keep, tree.depths, 1),
+                         valid=keep, max_depth=tree.max_depth)
 
 
 def chain_tree(root, dl) -> tree_lib.Tree:
@@ -211,7 +228,7 @@ def _spec_round(model, dparams, dcfg, embed, lm_head, state: DecodeState, plan: 
     with jax.named_scope("draft"):
         dl, dcache = draft_stage(dparams, dcfg, state, embed, lm_head, plan, oracle)
     with jax.named_scope("tree_build"):
-        tree, mask = tree_stage(state.root[0], dl, plan)
+        tree, mask = tree_stage(state.root[0], dl, plan, state.budget)
 
     def verify_commit(st, tree, mask):
         with jax.named_scope("verify"):
@@ -288,7 +305,14 @@ def run_rounds(leaves, dparams, state, oracle, rounds=None, *, graphdef, treedef
     else:
         state = jax.lax.fori_loop(0, chunk, lambda i, s: body(leaves, dparams, s, oracle), state)
     state = sharding.constrain(state, plan.mesh)  # the layout `generate` placed it in: one compilation
-    return state, Progress(done=state.done, n_out=state.n_out, n_rounds=state.n_rounds, out=state.out)
+    return state, progress(state)
+
+
+def progress(state: DecodeState) -> Progress:
+    """The Progress of a (per-slot) state. acc past n_rounds may hold a held round's value (`_hold_if_done`)."""
+    acc = jnp.where(jnp.arange(state.acc.shape[-1]) < state.n_rounds, state.acc, 0)
+    return Progress(done=state.done, n_out=state.n_out, n_rounds=state.n_rounds, out=state.out,
+                    accepted=jnp.sum(acc, axis=-1))
 
 
 TRACES = collections.Counter()  # traces (= compilations) of the bound functions, by name
@@ -325,6 +349,54 @@ def _start(logits, cache, dcache, seed, stop_mask, temperature, max_new, top_k, 
 def start_fn(target: Target, plan: Plan, P: int, F: int, out_len: int):
     return target.bind(("start", plan, P, F, out_len), lambda: jax.jit(functools.partial(
         _start, plan=plan, P=P, F=F, out_len=out_len, dtype=target.dtype), donate_argnames=("cache", "dcache")))
+
+
+class Prefill:
+    """A prompt's prefill and start, one chunk per `advance()` (each enqueued, nothing read back): the target's
+    prefill of the chunk, the drafter's context prefill of its features, and after the last chunk `start_fn` (the
+    first token drawn and emitted). `generate` runs it to the end at once; a slot pool (speculative/batch.py) runs
+    one chunk between its batched rounds. `state` (a batch-1 DecodeState) once `advance()` returned True.
+    drafter None: AR. stop_mask: [V] bool (numpy); costs: tree_budget="auto"'s `budget_lib.padded` table or None."""
+
+    def __init__(self, target: Target, drafter, plan: Plan, ids, chunk: int, S: int, out_len: int, *, seed: int,
+                 stop_mask, temperature: float, max_new: int, top_k: int = 0, top_p: float = 1.0,
+                 min_p: float = 0.0, costs=None):
+        cfg = target.config
+        self.target, self.drafter, self.plan, self.out_len = target, drafter, plan, out_len
+        self.F = len(plan.feature_layers) * cfg.hidden_size
+        self.P = drafter.config.block_size if drafter is not None else 1
+        self._chunks = padded_chunks(ids, chunk)
+        self._start_args = (jnp.uint32(seed % (1 << 32)), jnp.asarray(stop_mask), jnp.float32(temperature),
+                            jnp.int32(max_new), jnp.int32(min(top_k, cfg.vocab_size)), jnp.float32(top_p),
+                            jnp.float32(min_p), costs)
+        self._cache = self._dcache = self._logits = self._blank = None
+        self._S = S
+        self.state = None
+
+    def advance(self) -> bool:
+        """Enqueue the next chunk (the first call also makes the caches); True once the start state is enqueued."""
+        if self.state is not None:
+            return True
+        target, drafter = self.target, self.drafter
+        if self._cache is None:
+            self._cache = target.init_cache(self._S)
+            if drafter is not None:
+                self._dcache = drafter.init_cache(1, self._S)
+                # the drafter's block input during prefill: made once, not once per chunk
+                self._blank = jnp.zeros((1, drafter.config.block_size, target.config.hidden_size), drafter.dtype)
+        nxt = next(self._chunks, None)
+        if nxt is not None:
+            padded, n = nxt
+            self._logits, self._cache, feats, _ = target.prefill(self._cache, padded, n,
+                                                                 feature_layers=self.plan.feature_layers,
+                                                                 logits="last")
+            if drafter is not None:  # the drafter's context cache takes the prompt's features
+                _, self._dcache = drafter.forward(self._dcache, feats, jnp.int32(n), self._blank)
+            return False
+        self.state = start_fn(target, self.plan, self.P, max(self.F, 1), self.out_len)(
+            self._logits[:, 0], self._cache, self._dcache, *self._start_args)
+        self._cache = self._dcache = self._logits = None
+        return True
 
 
 def capacity(target: Target, dcfg, method: str, budget: int, prompt_len: int, max_new: int) -> tuple[int, int]:
@@ -453,23 +525,15 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
                 kernels=target.kernels, conv_kernel=cfg.linear_conv_kernel_dim, feature_layers=feature_layers,
                 inject=_oracle_tokens is not None, mesh=target.mesh, truncate=truncate,
                 budgets=table.candidates if auto else ())
-    F = len(feature_layers) * cfg.hidden_size
 
     t0 = time.perf_counter()
-    cache = target.init_cache(S)
     dparams = drafter.params if dcfg else None
-    dcache = drafter.init_cache(1, S) if dcfg else None
-    # the drafter's block input during prefill: made once, not once per chunk
-    blank = jnp.zeros((1, dcfg.block_size, cfg.hidden_size), dparams.norm.dtype) if dcfg else None
-    logits = None
-    for padded, n in padded_chunks(ids, chunk):  # enqueued back to back: nothing is read until the first token
-        logits, cache, feats, _ = target.prefill(cache, padded, n, feature_layers=feature_layers, logits="last")
-        if dcfg:  # the drafter's context cache takes the prompt's features
-            _, dcache = drafter.forward(dcache, feats, jnp.int32(n), blank)
-    state = start_fn(target, plan, P, max(F, 1), out_len)(
-        logits[:, 0], cache, dcache, jnp.uint32(seed % (1 << 32)), jnp.asarray(stop_mask), jnp.float32(temperature),
-        jnp.int32(max_new), jnp.int32(min(top_k, cfg.vocab_size)), jnp.float32(top_p), jnp.float32(min_p),
-        budget_lib.padded(table) if auto else None)
+    pre = Prefill(target, drafter if dcfg else None, plan, ids, chunk, S, out_len, seed=seed, stop_mask=stop_mask,
+                  temperature=temperature, max_new=max_new, top_k=top_k, top_p=top_p, min_p=min_p,
+                  costs=budget_lib.padded(table) if auto else None)
+    while not pre.advance():  # enqueued back to back: nothing is read until the first token
+        pass
+    state = pre.state
     state = sharding.place(state, target.mesh)
     first_np = int(np.asarray(state.root)[0])
     ttft = time.perf_counter() - t0

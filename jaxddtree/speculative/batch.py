@@ -1,0 +1,574 @@
+"""Batched rounds: several requests' rounds in one pass (issue 28), and the slot pool a server drives.
+
+A batched state is the single-request `loop.DecodeState` with every leaf stacked on a new leading slot axis [B, ...]:
+each slot keeps its own batch-1 caches (attention KV, GDN conv + recurrent state, the drafter's context), output,
+acceptance record, key, stop ids, max_new, temperature and truncation. The batched round is `jax.vmap` of loop's
+per-slot round (`loop._round`, `_hold_if_done` included) over the slot axis, the target's leaves and the drafter's
+parameters unbatched, so every slot computes exactly its single-request round, and XLA turns each projection (a
+dot_general batched in its activations only) into one GEMM of B·N rows: the weights are streamed once per round for
+all slots (`kernels_pallas.ops.dense`'s batching rule does the same for the Pallas GEMV / W8A8 kernels).
+
+Per slot, as data (one compilation per slot-count bucket): the DDTree budget (`DecodeState.budget`, <= the bucket's
+static budget: the tree is built at the bucket's budget and its rows past budget + 1 become padding), the
+temperature and top_k / top_p / min_p (the batched plan always samples and truncates: a slot at temperature 0 takes
+the argmax, `tree.posterior_tokens`). With one active request the pool runs `generate`'s own compiled round
+(`loop.loop_fn(..., chunk=sync_every)`, tree_budget="auto" included); with n >= 2 it runs a bucket of B >= n slots
+(B = 2, 4, 8, ...; `buckets`) at the bucket's budget (`bucket_budget`: B·(budget + 1) <= slot_rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxddtree.model.drafter import check_compatible
+from jaxddtree.model.prefill import check_ids, check_vocab, chunk_size, chunk_widths
+from jaxddtree.model.target import Target
+from jaxddtree.speculative import budget as budget_lib
+from jaxddtree.speculative import loop as loop_lib
+from jaxddtree.speculative import tree as tree_lib
+
+BUDGETS = (7, 15, 31, 63)  # the DDTree budgets of the batched buckets (per slot), largest first that fits slot_rows
+TRACES = loop_lib.TRACES  # "slots": traces of the batched round (one per bucket and plan)
+
+
+@dataclasses.dataclass
+class Request:
+    """One generation request, host values."""
+    ids: list[int]  # prompt token ids
+    max_new: int  # tokens to emit at most (the first token included, as generate counts)
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+    stop_ids: tuple[int, ...] = ()  # generation ends after the first of these (inclusive)
+    tree_budget: int | None = None  # DDTree: this request's budget (at most the pool's per-slot budget); None: pool's
+    oracle: Any = None  # test hook (pools made with _oracle_len): the continuation the draft logits favour
+
+
+@dataclasses.dataclass
+class SlotUpdate:
+    """What one slot did since the last step() reported it."""
+    tokens: list[int]  # newly emitted tokens (the request's first token comes in its first update)
+    done: bool  # finished (stop id or max_new): release() it
+    rounds: int  # rounds run so far for this request
+    accepted: int  # sum of acceptance lengths so far (mean = accepted / rounds)
+    budget: int | str | None  # the tree budget its rounds use now ("auto", an int, None for ar/dflash)
+
+
+def buckets(max_batch: int) -> tuple[int, ...]:
+    """The slot counts of the batched rounds: 2, 4, 8, ... <= max_batch, and max_batch itself when it is not a power
+    of two (so that max_batch requests can run)."""
+    out = [b for b in (2 ** i for i in range(1, 31)) if b <= max_batch]
+    if max_batch >= 2 and (not out or out[-1] != max_batch):
+        out.append(max_batch)
+    return tuple(out)
+
+
+def bucket_budget(B: int, slot_rows: int = 128, cap: int | None = None) -> int:
+    """The per-slot DDTree budget of a round of B slots: the largest of BUDGETS (each at most `cap`, the pool's int
+    budget) with B·(budget + 1) <= slot_rows; the smallest when none fits."""
+    cands = sorted({min(b, cap) if cap else b for b in BUDGETS})
+    fit = [b for b in cands if B * (b + 1) <= slot_rows]
+    return fit[-1] if fit else cands[0]
+
+
+def batch_plan(target: Target, dcfg, method: str, budget: int, inject: bool = False) -> loop_lib.Plan:
+    """The static plan of a batched round: sampling and truncation always on (their values are per-slot data)."""
+    cfg = target.config
+    return loop_lib.Plan(method=method, budget=budget if method == "ddtree" else 0, sampling=True,
+                         kernels=target.kernels, conv_kernel=cfg.linear_conv_kernel_dim,
+                         feature_layers=tuple(dcfg.target_layer_ids) if dcfg else (), inject=inject,
+                         mesh=target.mesh, truncate=True)
+
+
+def run_slots(leaves, dparams, bstate, oracle, *, graphdef, treedef, dcfg, plan, chunk: int):
+    """`chunk` batched rounds (vmap of loop's per-slot round over the slot axis; the target's leaves and the
+    drafter's params unbatched) -> (bstate, Progress with [B] leaves). oracle [B, L] (the test hook's, else [B, 1])."""
+    TRACES["slots"] += 1  # once per compilation (tests count them)
+    body = jax.vmap(functools.partial(loop_lib._round, graphdef=graphdef, treedef=treedef, dcfg=dcfg, plan=plan),
+                    in_axes=(None, None, 0, 0))
+    if chunk == 1:
+        bstate = body(leaves, dparams, bstate, oracle)
+    else:
+        bstate = jax.lax.fori_loop(0, chunk, lambda i, s: body(leaves, dparams, s, oracle), bstate)
+    return bstate, jax.vmap(loop_lib.progress)(bstate)
+
+
+def slots_fn(target: Target, dcfg, plan: loop_lib.Plan, B: int, chunk: int = 1):
+    """`run_slots` of (target, drafter config, plan, B slots, chunk rounds per call), jitted once per target with its
+    static parts bound (`Target.bind`), the batched state donated: fn(leaves, dparams, bstate, oracle [B, L])."""
+    return target.bind(("slots", dcfg, plan, B, chunk), lambda: jax.jit(functools.partial(
+        run_slots, graphdef=target.graphdef, treedef=target.treedef, dcfg=dcfg, plan=plan, chunk=chunk),
+        donate_argnames=("bstate",)))
+
+
+# ------------------------------------------------------------------------------- batched-state plumbing (jitted)
+def _is_key(x) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _blank_like(bstate):
+    """An empty slot of bstate's per-slot shapes: zero caches and lengths, done (its rounds change nothing)."""
+    blank = jax.tree.map(lambda b: b[0] if _is_key(b) else jnp.zeros(b.shape[1:], b.dtype), bstate)
+    return blank.replace(done=jnp.asarray(True))
+
+
+def _resize(bstate, idx):
+    """new slot j = old slot idx[j] (idx[j] = -1: an empty slot)."""
+    blank = _blank_like(bstate)
+    safe = jnp.maximum(idx, 0)
+
+    def pick(b, e):
+        taken = jnp.take(b, safe, axis=0)
+        keep = (idx >= 0).reshape((-1,) + (1,) * (b.ndim - 1))
+        if _is_key(b):
+            return taken
+        return jnp.where(keep, taken, e[None])
+    return jax.tree.map(pick, bstate, blank)
+
+
+def _write(bstate, slot, i):
+    return jax.tree.map(lambda b, s: jax.lax.dynamic_update_index_in_dim(b, s, i, 0), bstate, slot)
+
+
+def _stack1(slot):
+    return jax.tree.map(lambda s: s[None], slot)
+
+
+def _extract(bstate, i):
+    return jax.tree.map(lambda b: jax.lax.dynamic_index_in_dim(b, i, 0, keepdims=False), bstate)
+
+
+def _with_budget(slot, budget):
+    """A start / single-mode state as a batched slot: no auto state, the budget as data (None: not DDTree)."""
+    return slot.replace(auto=None, budget=budget)
+
+
+def _as_single(slot, costs, out_len: int):
+    """A batched slot as generate's state: tree_budget="auto"'s fresh statistics (costs) or none."""
+    return slot.replace(budget=None, auto=budget_lib.init_state(*costs, out_len) if costs is not None else None)
+
+
+def _bound(target: Target, name: str, fn, **jit_kw):
+    return target.bind(("batch", name), lambda: jax.jit(fn, **jit_kw))
+
+
+# ------------------------------------------------------------------------------------------------- the pool
+class Pending:
+    """A request being prefilled (`SlotPool.prefill`): advance() enqueues its next chunk; True once its start
+    state is enqueued (then `SlotPool.admit` it)."""
+
+    def __init__(self, req: Request, pre: loop_lib.Prefill, budget, oracle):
+        self.req, self._pre, self.budget, self.oracle = req, pre, budget, oracle
+
+    def advance(self) -> bool:
+        return self._pre.advance()
+
+    @property
+    def state(self):
+        while not self._pre.advance():
+            pass
+        return self._pre.state
+
+
+@dataclasses.dataclass
+class _Live:
+    req: Request
+    budget: Any  # DDTree: this request's budget (int, or "auto" in single mode with the pool's auto); else None
+    single_plan: loop_lib.Plan
+    oracle: Any
+    shown: int = 0  # tokens reported so far
+    done: bool = False
+
+
+class SlotPool:
+    """Continuous batching over `max_batch` slots of one cache capacity `cache_len` (docs: the module docstring and
+    /work/briefs/pool_api.md). A handle (int) names a request from admit() to release()."""
+
+    def __init__(self, target: Target, drafter, *, method: str = "ddtree", max_batch: int = 1, cache_len: int,
+                 tree_budget="auto", budget_costs=None, slot_rows: int = 128, sync_every: int = 1,
+                 _oracle_len: int = 0):
+        if method not in loop_lib.METHODS:
+            raise ValueError(f"unknown method '{method}' (choose one of {', '.join(loop_lib.METHODS)})")
+        if method != "ar" and drafter is None:
+            raise ValueError(f"method '{method}' needs a drafter (load one with jaxddtree.load_drafter)")
+        if int(max_batch) < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if int(sync_every) < 1:
+            raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+        if int(slot_rows) < 1:
+            raise ValueError(f"slot_rows must be >= 1, got {slot_rows}")
+        if target.mesh is not None and max_batch > 1:
+            raise ValueError("batched rounds (max_batch > 1) run on one device; load the target with tp=1")
+        cfg = target.config
+        if drafter is not None and method != "ar":
+            check_compatible(drafter.config, target)
+        self.target, self.method = target, method
+        self.dcfg = drafter.config if (drafter is not None and method != "ar") else None
+        self.drafter = drafter if self.dcfg else None
+        self.dparams = self.drafter.params if self.drafter else None
+        self.max_batch, self.cache_len, self.slot_rows = int(max_batch), int(cache_len), int(slot_rows)
+        self.sync_every = int(sync_every)
+        self.tree_budget = tree_budget
+        self.budget, self.table = loop_lib.resolve_budget(tree_budget, method, cfg.vocab_size, self.dcfg,
+                                                          budget_costs)
+        self.auto = self.table is not None
+        self.costs = budget_lib.padded(self.table) if self.auto else None
+        self.out_len = self.cache_len  # as generate with cache_len: one buffer size
+        self.oracle_len = int(_oracle_len)
+        self.buckets = buckets(self.max_batch)
+        cap = None if self.auto else (self.budget if method == "ddtree" else None)
+        self.bucket_budgets = {B: bucket_budget(B, self.slot_rows, cap) for B in self.buckets}
+        self.start_plan = batch_plan(target, self.dcfg, method, 0, inject=self.oracle_len > 0)
+        self.P = self.dcfg.block_size if self.dcfg else 1
+        self._live: dict[int, _Live] = {}
+        self._joining: dict[int, Pending] = {}
+        self._next = 0
+        self._mode = "empty"  # "empty" | "single" | "batched"
+        self._state = None  # single: a DecodeState; batched: a DecodeState with [B, ...] leaves
+        self._slots: list = []  # batched: handle per slot (None: empty); single: [handle]
+        self._oracle = None  # device oracle of the current layout ([L] single, [B, L] batched)
+        self._inflight = None
+
+    # ------------------------------------------------------------------------------------------- requests
+    def prefill(self, req: Request) -> Pending:
+        """Validate (ValueError, one line) and prepare the request's prefill; runs nothing yet."""
+        cfg = self.target.config
+        ids = check_ids(req.ids, "ids")
+        check_vocab(self.target, ids, "ids")
+        max_new = int(req.max_new)
+        if max_new < 1:
+            raise ValueError(f"max_new must be >= 1, got {req.max_new}")
+        temperature = float(req.temperature)
+        if not 0 <= temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got {req.temperature}")
+        top_k, top_p, min_p = tree_lib.check_truncation(req.top_k, req.top_p, req.min_p)
+        stops = sorted({int(s) for s in (req.stop_ids or ())})
+        if stops and not (0 <= stops[0] and stops[-1] < cfg.vocab_size):
+            raise ValueError(f"stop_ids must lie in [0, {cfg.vocab_size}); got {stops}")
+        if len(ids) + max_new > cfg.max_position_embeddings:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_new ({max_new}) exceeds the model's "
+                             f"max_position_embeddings ({cfg.max_position_embeddings})")
+        budget = None
+        if self.method == "ddtree":
+            if req.tree_budget is None:
+                budget = "auto" if self.auto else self.budget
+            else:
+                budget = int(req.tree_budget)
+                if not 1 <= budget < cfg.vocab_size:
+                    raise ValueError(f"tree_budget must be in [1, vocab_size={cfg.vocab_size}), got {req.tree_budget}")
+        widest = self.budget if budget in (None, "auto") else max(budget, self.budget)
+        chunk, need = loop_lib.capacity(self.target, self.dcfg, self.method, widest, len(ids), max_new)
+        if need > self.cache_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_new ({max_new}) needs caches of {need} positions, "
+                             f"the pool's cache_len is {self.cache_len}")
+        oracle = None
+        if self.oracle_len:
+            o = np.zeros((self.oracle_len,), np.int32)
+            src = np.asarray(req.oracle if req.oracle is not None else [], np.int32)[:self.oracle_len]
+            o[:len(src)] = src
+            oracle = o
+        stop_mask = np.zeros((cfg.vocab_size,), bool)
+        stop_mask[stops] = True
+        pre = loop_lib.Prefill(self.target, self.drafter, self.start_plan, ids, chunk, self.cache_len, self.out_len,
+                               seed=int(req.seed), stop_mask=stop_mask, temperature=temperature, max_new=max_new,
+                               top_k=top_k, top_p=top_p, min_p=min_p)
+        return Pending(dataclasses.replace(req, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p),
+                       pre, budget, oracle)
+
+    def free(self) -> int:
+        """Free slots (max_batch - active)."""
+        return self.max_batch - len(self._live) - len(self._joining)
+
+    def admit(self, pending: Pending) -> int:
+        """The prefilled request into a free slot -> its handle (an int, stable while the request lives). Its
+        remaining prefill chunks (if any) are enqueued first; the slot is written before the next round."""
+        if self.free() <= 0:
+            raise ValueError(f"no free slot (max_batch={self.max_batch}); release() a finished request first")
+        pending.state  # noqa: B018 (the remaining chunks and the start, enqueued)
+        h = self._next
+        self._next += 1
+        self._joining[h] = pending
+        return h
+
+    def release(self, handle) -> None:
+        """Free the request's slot (done, cancelled, client gone); safe any time, also for unknown handles."""
+        self._joining.pop(handle, None)
+        if self._live.pop(handle, None) is not None:
+            self._slots = [None if s == handle else s for s in self._slots]
+
+    def _single_plan(self, req: Request, budget) -> loop_lib.Plan:
+        """generate's plan for this request (so that one active request runs generate's compiled round)."""
+        cfg = self.target.config
+        sampling = req.temperature >= tree_lib.GREEDY_EPS
+        auto = budget == "auto"
+        b = self.budget if auto else (budget or 0)
+        return loop_lib.Plan(method=self.method, budget=b if self.method == "ddtree" else 0, sampling=sampling,
+                             kernels=self.target.kernels, conv_kernel=cfg.linear_conv_kernel_dim,
+                             feature_layers=self.start_plan.feature_layers, inject=self.oracle_len > 0,
+                             mesh=self.target.mesh,
+                             truncate=sampling and tree_lib.truncates(req.top_k, req.top_p, req.min_p),
+                             budgets=self.table.candidates if auto else ())
+
+    # ------------------------------------------------------------------------------------------- layout
+    def _slot_budget(self, live: _Live, B: int):
+        if self.method != "ddtree":
+            return None
+        b = self.bucket_budgets[B]
+        return b if live.budget == "auto" else min(int(live.budget), b)
+
+    def _budget_array(self, B: int):
+        if self.method != "ddtree":
+            return None
+        return jnp.asarray([self._slot_budget(self._live[h], B) if h is not None else 0 for h in self._slots],
+                           jnp.int32)
+
+    def _oracle_array(self):
+        if self._mode == "single":
+            o = self._live[self._slots[0]].oracle
+            return jnp.asarray(o if o is not None else np.zeros((1,), np.int32))
+        L = self.oracle_len or 1
+        rows = [self._live[h].oracle if (h is not None and self._live[h].oracle is not None) else np.zeros((L,),
+                np.int32) for h in self._slots]
+        return jnp.asarray(np.stack(rows))
+
+    def _to_batched(self, slot, budget):
+        """A per-slot state (start or single form) in batched form."""
+        b = None if budget is None else jnp.int32(budget)
+        return _bound(self.target, "with_budget", _with_budget, donate_argnums=(0,))(slot, b)
+
+    def _to_single(self, slot, live: _Live):
+        costs = self.costs if live.budget == "auto" else None
+        fn = _bound(self.target, ("as_single", self.out_len), functools.partial(_as_single, out_len=self.out_len),
+                    donate_argnums=(0,))
+        return fn(slot, costs)
+
+    def _resize_to(self, B: int):
+        """Batched state of B slots (adjacent buckets at a time: few resize compilations), live slots kept in order."""
+        cur = len(self._slots)
+        while cur != B:
+            order = [i for i, h in enumerate(self._slots) if h is not None]
+            nxt = self._next_bucket(cur, B)
+            assert len(order) <= nxt
+            idx = order + [-1] * (nxt - len(order)) if nxt < cur else list(range(cur)) + [-1] * (nxt - cur)
+            self._state = _bound(self.target, "resize", _resize)(self._state, jnp.asarray(idx, jnp.int32))
+            self._slots = [self._slots[i] if i >= 0 else None for i in idx]
+            cur = nxt
+
+    def _next_bucket(self, cur: int, want: int) -> int:
+        i = self.buckets.index(cur)
+        return self.buckets[i + 1] if want > cur else self.buckets[i - 1]
+
+    def _arrange(self):
+        """Apply joins and leaves before the next call: the layout for the active count (single / bucket B)."""
+        if self._mode != "empty" and not self._live:  # every request left: start afresh
+            self._mode, self._state, self._slots = "empty", None, []
+        n = len(self._live) + len(self._joining)
+        if n == 0:
+            self._oracle = None
+            return
+        changed = bool(self._joining)
+        if n == 1:
+            if self._joining:  # one joiner, nothing else: generate's round
+                (h, p), = self._joining.items()
+                self._joining.clear()
+                live = self._live[h] = self._make_live(p)
+                self._state = self._to_single(self._to_batched(p.state, None), live)
+                self._mode, self._slots = "single", [h]
+            elif self._mode == "batched":  # the last live slot out of the batch
+                (h,) = self._live
+                slot = _bound(self.target, "extract", _extract)(self._state, jnp.int32(self._slots.index(h)))
+                self._state = self._to_single(slot, self._live[h])
+                self._mode, self._slots, changed = "single", [h], True
+        else:
+            want = next(B for B in self.buckets if B >= n)
+            if self._mode == "single":  # the running request becomes slot 0 of a bucket of 2
+                (h,) = self._live
+                self._state = self._grow_from_one(self._to_batched(self._state, 0 if self.method == "ddtree" else None))
+                self._mode, self._slots, changed = "batched", [h, None], True
+            elif self._mode == "empty":  # the first joiner becomes slot 0 of a bucket of 2
+                h, p = next(iter(self._joining.items()))
+                del self._joining[h]
+                live = self._live[h] = self._make_live(p)
+                self._state = self._grow_from_one(self._to_batched(p.state, self._slot_budget(live, 2)))
+                self._mode, self._slots = "batched", [h, None]
+            cur = len(self._slots)
+            B = cur if cur // 2 < n <= cur else want
+            if B != cur:
+                self._resize_to(B)
+                changed = True
+            for h, p in list(self._joining.items()):
+                live = self._live[h] = self._make_live(p)
+                slot = self._to_batched(p.state, self._slot_budget(live, B))
+                i = self._slots.index(None)
+                self._state = _bound(self.target, "write", _write, donate_argnums=(0,))(self._state, slot,
+                                                                                        jnp.int32(i))
+                self._slots[i] = h
+            self._joining.clear()
+            if changed and self.method == "ddtree":
+                self._state = self._state.replace(budget=self._budget_array(len(self._slots)))
+        if changed or self._oracle is None:
+            self._oracle = self._oracle_array()
+
+    def _make_live(self, p: Pending) -> _Live:
+        return _Live(p.req, p.budget, self._single_plan(p.req, p.budget), p.oracle)
+
+    def _grow_from_one(self, slot):
+        """A batched state of 2 slots: `slot` (batched form) and an empty one."""
+        one = _bound(self.target, "stack1", _stack1)(slot)
+        return _bound(self.target, "resize", _resize)(one, jnp.asarray([0, -1], jnp.int32))
+
+    # ------------------------------------------------------------------------------------------- rounds
+    def _call(self):
+        tgt = self.target
+        if self._mode == "single":
+            live = self._live[self._slots[0]]
+            fn = loop_lib.loop_fn(tgt, self.dcfg, live.single_plan, self.sync_every)
+        else:
+            B = len(self._slots)
+            plan = batch_plan(tgt, self.dcfg, self.method, self.bucket_budgets[B], inject=self.oracle_len > 0)
+            fn = slots_fn(tgt, self.dcfg, plan, B, self.sync_every)
+        self._state, prog = fn(tgt.leaves, self.dparams, self._state, self._oracle)
+        for x in (prog.done, prog.n_out, prog.n_rounds, prog.out, prog.accepted):
+            x.copy_to_host_async()
+        return prog
+
+    def step(self) -> dict[int, SlotUpdate]:
+        """Enqueue the next call of sync_every rounds for all active slots and return the updates of the previous
+        call (one call in flight ahead); {} when nothing is active."""
+        prev = self._inflight
+        self._inflight = None
+        self._arrange()
+        if self._mode != "empty":
+            B = len(self._slots)
+            snapshot = {h: i for i, h in enumerate(self._slots) if h is not None}
+            budgets = {h: (self._live[h].budget if self._mode == "single" else self._slot_budget(self._live[h], B))
+                       for h in snapshot}
+            self._inflight = (self._call(), snapshot, self._mode, budgets)
+        return self._read(prev) if prev is not None else {}
+
+    def _read(self, inflight) -> dict[int, SlotUpdate]:
+        prog, snapshot, mode, budgets = inflight
+        done, n_out, n_rounds, out, acc = jax.device_get((prog.done, prog.n_out, prog.n_rounds, prog.out,
+                                                          prog.accepted))
+        updates = {}
+        for h, i in snapshot.items():
+            live = self._live.get(h)
+            if live is None:  # released since
+                continue
+            if mode == "single":
+                d, n, r, o, a = done, n_out, n_rounds, out[0], acc
+            else:
+                d, n, r, o, a = done[i], n_out[i], n_rounds[i], out[i, 0], acc[i]
+            n = int(n)
+            toks = o[live.shown:n].tolist() if n > live.shown else []
+            live.shown = max(live.shown, n)
+            live.done = bool(d)
+            updates[h] = SlotUpdate(tokens=toks, done=bool(d), rounds=int(r), accepted=int(a), budget=budgets[h])
+        return updates
+
+    def drain(self) -> dict[int, SlotUpdate]:
+        """The updates of the call in flight (none enqueued after it); {} when none is."""
+        prev, self._inflight = self._inflight, None
+        return self._read(prev) if prev is not None else {}
+
+    # ------------------------------------------------------------------------------------------- warmup
+    def warmup(self, prompt_ids) -> None:
+        """Compile what a request can run: every prefill width (prompts up to the cache capacity), the single-slot
+        rounds (greedy, sampled, sampled + truncated), every slot-count bucket and its joins / resizes."""
+        ids = check_ids(prompt_ids, "prompt_ids").tolist()
+        cfg = self.target.config
+        room = self.cache_len - loop_lib.capacity(self.target, self.dcfg, self.method, self.budget, 1, 1)[1] + 256
+        widths = [n for _, n in chunk_widths(max(1, min(room, cfg.max_position_embeddings - 2)))] or [len(ids)]
+
+        def prompt(n):
+            return (ids * (n // len(ids) + 1))[:n]
+
+        def run_all(reqs):
+            hs = [self.admit(self.prefill(r)) for r in reqs]
+            left = set(hs)
+            while left:
+                for h, u in self.step().items():
+                    if u.done and h in left:
+                        self.release(h)
+                        left.discard(h)
+            self.drain()
+
+        for n in widths:
+            for t, top_k in ((0.0, 0), (1.0, 0), (1.0, 5)):
+                try:
+                    run_all([Request(prompt(n), 2, temperature=t, top_k=top_k)])
+                except ValueError:
+                    break
+        base = prompt(min(len(ids), 64))
+        for B in self.buckets:  # join one at a time up to B, then leave down to one: every resize and bucket
+            hs = []
+            for k in range(B):
+                hs.append(self.admit(self.prefill(Request(base, 4 * self.sync_every + 2))))
+                self.step()
+            for h in hs[:-1]:
+                self.release(h)
+                self.step()
+            self.release(hs[-1])
+            self.step()
+            self.drain()
+
+
+def generate_many(target: Target, requests, *, drafter=None, method: str = "ar", max_batch: int = 4, join_at=None,
+                  tree_budget="auto", cache_len: int | None = None, sync_every: int = 1, slot_rows: int = 128,
+                  budget_costs=None, _oracle_len: int = 0, pool: SlotPool | None = None) -> list[loop_lib.Generation]:
+    """Run `requests` (`Request`s) through a SlotPool: request i joins at step join_at[i] (default 0) or, when no
+    slot is free then, as soon as one is. -> one `loop.Generation` per request (tokens; stats: rounds, accepted,
+    budgets reported per update, the step it joined)."""
+    requests = list(requests)
+    join_at = [0] * len(requests) if join_at is None else list(join_at)
+    if pool is None:
+        if cache_len is None:
+            dcfg = drafter.config if (drafter is not None and method != "ar") else None
+            widest = loop_lib.resolve_budget(tree_budget, method, target.config.vocab_size, dcfg, budget_costs)[0]
+            cache_len = max(loop_lib.capacity(target, dcfg, method, widest, len(r.ids), r.max_new)[1]
+                            for r in requests)
+        pool = SlotPool(target, drafter, method=method, max_batch=max_batch, cache_len=cache_len,
+                        tree_budget=tree_budget, budget_costs=budget_costs, slot_rows=slot_rows,
+                        sync_every=sync_every, _oracle_len=_oracle_len)
+    tokens = [[] for _ in requests]
+    stats = [dict(rounds=0, accepted=0, budgets=[], joined=None) for _ in requests]
+    handle_of = {}
+    waiting = list(range(len(requests)))
+    left = len(requests)
+    step = 0
+    while left:
+        for i in list(waiting):
+            if join_at[i] <= step and pool.free() > 0:
+                handle_of[pool.admit(pool.prefill(requests[i]))] = i
+                stats[i]["joined"] = step
+                waiting.remove(i)
+        ups = pool.step() if (handle_of or not waiting) else {}
+        if not handle_of and not ups and not waiting:
+            ups = pool.drain()
+        for h, u in ups.items():
+            i = handle_of.get(h)
+            if i is None:
+                continue
+            tokens[i] += u.tokens
+            stats[i].update(rounds=u.rounds, accepted=u.accepted)
+            stats[i]["budgets"].append(u.budget)
+            if u.done:
+                pool.release(h)
+                del handle_of[h]
+                left -= 1
+        step += 1
+    pool.drain()
+    out = []
+    for t, s in zip(tokens, stats):
+        s["mean_acceptance_length"] = s["accepted"] / s["rounds"] if s["rounds"] else 0.0
+        out.append(loop_lib.Generation(tokens=t, acceptance_lengths=[], stats=s))
+    return out
