@@ -17,8 +17,8 @@ it touches (a prefill: its request; a step: the running ones), never the server.
 
 Every slot has caches of one capacity (`cache_len`, for `max_context` tokens) and max_tokens is data, so the
 pool's compiled functions serve all requests; `warmup` compiles them before the server listens: nothing
-compiles afterwards. How many slots fit is checked at start (`fit_max_batch`): N slots' caches + one joining
-request's + a working reserve must fit in the device's free memory.
+compiles afterwards. How many slots fit is checked at start (`fit_max_batch`): the caches of `peak_slots(N)` slots
++ a working reserve must fit in the device's free memory.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxddtree.text import TextStream, default_stop_ids
+from jaxddtree.speculative.batch import Request, buckets
 from jaxddtree.speculative.loop import capacity, resolve_budget
 
 AUTO_MAX_BATCH = 16  # max_batch="auto": the largest power of two up to this that fits in memory
@@ -105,13 +106,20 @@ def _reserve_bytes(cfg, chunk: int, slot_rows: int) -> int:
     return 2 * chunk * (2 * cfg.intermediate_size + 4 * cfg.hidden_size) * 4 + 2 * slot_rows * cfg.vocab_size * 4 + GIB
 
 
+def peak_slots(max_batch: int) -> int:
+    """Slots' caches alive at once at the worst moment of a pool of max_batch slots: the largest bucket and the one
+    below it while the batch is resized between them (the resize copies), + a joining request's caches."""
+    bs = (1,) + buckets(max_batch)
+    return bs[-1] + (bs[-2] if len(bs) > 1 else 0) + 1
+
+
 def fit_max_batch(target, drafter, cache_len: int, max_context: int, chunk: int, max_batch, slot_rows: int = 128,
                   device=None) -> tuple[int, dict | None]:
     """-> (max_batch, memory figures or None). `max_batch` "auto": the largest power of two <= AUTO_MAX_BATCH
-    whose slots fit (CPU_AUTO_MAX_BATCH on a device without memory statistics); an int: checked. The need for N
-    slots is (N + 1) x one slot's caches (the +1: a joining request's caches during its prefill) + a working
-    reserve, against the device's free memory (the weights already loaded). ValueError (one line) when it does
-    not fit, naming the largest max_batch that does."""
+    whose slots fit (CPU_AUTO_MAX_BATCH on a device without memory statistics; 1 with tensor parallelism); an int:
+    checked. N slots need `peak_slots(N)` x one slot's caches + a working reserve (`_reserve_bytes`) in the device's
+    free memory (the weights already loaded). ValueError (one line) when it does not fit, naming the largest
+    max_batch that does."""
     device = device or jax.devices()[0]
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     auto = isinstance(max_batch, str)
@@ -119,13 +127,19 @@ def fit_max_batch(target, drafter, cache_len: int, max_context: int, chunk: int,
         raise ValueError(f"max_batch must be an int >= 1 or 'auto', got {max_batch!r}")
     if not auto and int(max_batch) < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    if getattr(target, "tp", 1) > 1:  # batched rounds run on one device
+        if not auto and int(max_batch) > 1:
+            raise ValueError(f"--max-batch {max_batch} needs --tp 1: batched rounds run on one device")
+        auto, max_batch = False, 1
     if not stats or "bytes_limit" not in stats:
         return (CPU_AUTO_MAX_BATCH if auto else int(max_batch)), None
     slot = _slot_bytes(target, drafter, cache_len)
     reserve = _reserve_bytes(target.config, chunk, slot_rows)
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    fits = max(0, (free - reserve) // slot - 1) if slot else AUTO_MAX_BATCH
-    mem = {"slot_gib": slot / GIB, "reserve_gib": reserve / GIB, "free_gib": free / GIB, "fits": int(fits),
+    fits = 0
+    while fits < 4096 and peak_slots(fits + 1) * slot + reserve <= free:
+        fits += 1
+    mem = {"slot_gib": slot / GIB, "reserve_gib": reserve / GIB, "free_gib": free / GIB, "fits": fits,
            "cache_positions": cache_len}
     where = (f"on {device.device_kind}: one slot's caches for max_context {max_context} ({cache_len} positions) take "
              f"{slot / GIB:.2f} GiB, the working reserve {reserve / GIB:.1f} GiB, {free / GIB:.1f} GiB are free")
@@ -135,16 +149,18 @@ def fit_max_batch(target, drafter, cache_len: int, max_context: int, chunk: int,
         n = 1
         while n * 2 <= min(AUTO_MAX_BATCH, fits):
             n *= 2
+        mem["peak_slots"] = peak_slots(n)
         return n, mem
     n = int(max_batch)
     if n > fits:
-        raise ValueError(f"--max-batch {n} does not fit {where} ({n} + 1 joining slots needed); at most "
-                         f"--max-batch {fits} fits (or lower --max-context)")
+        raise ValueError(f"--max-batch {n} does not fit {where} (at most {peak_slots(n)} slots' caches at once: "
+                         f"resizes and a joining request); at most --max-batch {fits} fits (or lower --max-context)")
+    mem["peak_slots"] = peak_slots(n)
     return n, mem
 
 
 def _default_pool(target, drafter, **kw):
-    from jaxddtree.speculative.batch import SlotPool  # imported here: the engine's module imports no pool
+    from jaxddtree.speculative.batch import SlotPool
     return SlotPool(target, drafter, **kw)
 
 
@@ -222,10 +238,6 @@ class Engine:
 
     # ---------------------------------------------------------------- scheduler side
     def _request(self, job: Job):
-        try:
-            from jaxddtree.speculative.batch import Request
-        except ImportError:  # TEMPORARY until the batch branch is merged: the contract's fields
-            Request = _Request
         room = self.max_context - len(job.prompt_ids)
         return Request(ids=list(job.prompt_ids), max_new=min(job.max_tokens, room), temperature=job.temperature,
                        top_k=job.top_k, top_p=job.top_p, min_p=job.min_p, seed=job.seed,
@@ -388,18 +400,6 @@ class Engine:
                             "time_to_first_token_s": r.ttft, "queue_s": r.t0 - job.submitted, "wall_s": wall,
                             "tokens_per_s": len(r.kept) / wall if wall > 0 else 0.0},
         })
-
-
-@dataclasses.dataclass
-class _Request:  # TEMPORARY (see Engine._request)
-    ids: list[int]
-    max_new: int
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int = 0
-    stop_ids: tuple[int, ...] = ()
 
 
 def _budget_key(b):
