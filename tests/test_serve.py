@@ -219,6 +219,27 @@ def test_concurrent_streams(client):
         assert s == want[p], p
 
 
+def test_batched_requests_equal_their_texts_alone(server, client):
+    """3 requests at once through the real pool (T = 0, the tiny fp32 pair): different prompts, lengths and a stop
+    string, one leaving early; each text equals its one-at-a-time text, and the rounds ran batched (each slot's
+    budget the bucket's: 2 slots x (63 + 1) or 4 x (31 + 1) verify rows)."""
+    reqs = [dict(prompt="import os\nimport sys\n", max_tokens=40),
+            dict(prompt="class Parser:\n    def __init__(self):\n", max_tokens=12),
+            dict(prompt="def main():\n", max_tokens=32, stop=["\n\n\n"])]
+
+    def run(kw):
+        r = client.completions.create(model="demo", temperature=0, **kw)
+        return r.choices[0].text, r.choices[0].finish_reason, r.model_extra["speculative"]
+    alone = [run(kw) for kw in reqs]
+    assert all(a[2]["batch"] == 1 and a[2]["tree_budget"] == "64" for a in alone)
+    with ThreadPoolExecutor(3) as ex:
+        together = list(ex.map(run, reqs))
+    assert [t[:2] for t in together] == [a[:2] for a in alone]
+    assert max(t[2]["batch"] for t in together) >= 2
+    seen = set().union(*(t[2]["tree_budget_rounds"] for t in together))
+    assert seen & {"63", "31"}, seen
+
+
 @pytest.mark.parametrize("body, status, param", [
     ("{not json", 400, None),
     ({"messages": []}, 400, "messages"),

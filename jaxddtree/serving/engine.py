@@ -3,9 +3,9 @@ bounded queue.
 
 A scheduler thread drives a `SlotPool` (speculative/batch.py): each iteration it
   1. takes the next waiting job when a slot is free (`pool.prefill`: validated, nothing run yet),
-  2. advances that job's prefill by ONE chunk (`Pending.advance`; every chunk at once when no slot decodes, as
-     nobody waits), and admits it into a free slot once its prefill is done, so that the running requests stall
-     for at most one prefill chunk per round,
+  2. advances that job's prefill by one chunk (`Pending.advance`; `prefill_chunks` of them if set; every chunk
+     at once when no slot decodes, as nobody waits), and admits it into a free slot once its prefill is done, so
+     that the running requests stall for at most one prefill chunk per round,
   3. releases the slots of requests whose client went away,
   4. runs `pool.step()` (the next call of rounds for every active slot is enqueued; the previous call's tokens
      come back) and hands each slot's new tokens to its job: detokenised (`TextStream`), pushed to the job's
@@ -27,6 +27,7 @@ import asyncio
 import collections
 import dataclasses
 import inspect
+import itertools
 import queue
 import threading
 import time
@@ -169,14 +170,15 @@ class Engine:
     queue is full); the job's events are ("delta", text) ..., then ("done", info) or ("error", message).
 
     max_batch: requests decoded at once (an int, or "auto": what fits in memory, `fit_max_batch`); slot_rows:
-    the pool's verify rows per batched round (each slot's tree budget shrinks as the batch grows);
+    the pool's verify rows per batched round (each slot's tree budget shrinks as the batch grows); prefill_chunks:
+    a joining request's prefill chunks per round while others decode (their stall per round);
     pool_factory(target, drafter, **SlotPool's keyword arguments): the pool (default: speculative.batch.SlotPool;
     tests pass fakes)."""
 
     def __init__(self, target, drafter, tokenizer, *, name: str = "jaxddtree", method: str = "ddtree",
                  budget: int | str = "auto", max_context: int | None = None, queue_size: int = 64, stop_ids=None,
                  default_max_tokens: int = 256, budget_costs=None, max_batch: int | str = 1, slot_rows: int = 128,
-                 pool_factory: Callable | None = None):
+                 prefill_chunks: int = 1, pool_factory: Callable | None = None):
         cfg = target.config
         self.target, self.drafter, self.tokenizer, self.name = target, drafter, tokenizer, name
         self.method = method if drafter is not None else "ar"
@@ -193,6 +195,9 @@ class Engine:
         self.max_batch, self.memory = fit_max_batch(target, drafter if dcfg else None, self.cache_len,
                                                     self.max_context, chunk, max_batch, slot_rows)
         self.slot_rows = slot_rows
+        if int(prefill_chunks) < 1:
+            raise ValueError(f"prefill_chunks must be >= 1, got {prefill_chunks}")
+        self.prefill_chunks = int(prefill_chunks)
         self.pool = (pool_factory or _default_pool)(
             target, drafter if dcfg else None, method=self.method, max_batch=self.max_batch,
             cache_len=self.cache_len, tree_budget=budget, budget_costs=self.budget_costs, slot_rows=slot_rows,
@@ -316,15 +321,15 @@ class Engine:
         return r
 
     def _advance(self, pool, r: _Run, runs: dict) -> _Run | None:
-        """One prefill chunk of the joining job (every chunk when no slot decodes); admitted once done -> the
-        job still joining, or None."""
+        """`prefill_chunks` prefill chunks of the joining job (every chunk when no slot decodes); admitted once
+        done -> the job still joining, or None."""
         if r.job.cancelled.is_set():
             self._cancelled(r)
             return None
         try:
-            while True:
+            for i in itertools.count(1):
                 done = r.pending.advance()
-                if done or runs:
+                if done or (runs and i >= self.prefill_chunks):
                     break
             if not done:
                 return r
