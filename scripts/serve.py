@@ -91,9 +91,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernels", choices=("xla", "pallas"), default=None, help="default: pallas on GPU, xla on CPU")
     p.add_argument("--tp", type=positive_int, default=1, metavar="N", help="tensor parallelism: split the target "
                    "over the first N devices (see generate.py --tp; default: 1)")
-    p.add_argument("--warmup-temperatures", default="0,1", metavar="T,..", help="temperatures whose round is "
-                   "compiled before listening: 0 compiles the greedy round, any T > 0 the sampling round that every "
-                   "T > 0 shares (default: 0,1: both)")
     p.add_argument("--no-warmup", action="store_true", help="do not compile before listening")
     p.add_argument("--compile-cache", metavar="DIR", default=os.environ.get("JAXDDTREE_COMPILE_CACHE"),
                    help="persistent XLA compilation cache directory (default: $JAXDDTREE_COMPILE_CACHE)")
@@ -183,14 +180,9 @@ def load_engine(args):
         f"{engine.memory['fits']} slots would fit)" if engine.memory else ""), file=sys.stderr, flush=True)
     if not args.no_warmup:
         t = time.perf_counter()
-        try:
-            temps = [float(t) for t in args.warmup_temperatures.split(",") if t.strip()]
-        except ValueError:
-            raise SystemExit(f"serve.py: error: --warmup-temperatures {args.warmup_temperatures}: expected "
-                             "comma-separated numbers") from None
-        engine.warmup(encode_text(tok, "Hello"), temperatures=temps)
-        print(f"serve.py: compiled (temperatures {temps}) in {time.perf_counter() - t:.1f} s", file=sys.stderr,
-              flush=True)
+        engine.warmup(encode_text(tok, "Hello"))
+        print(f"serve.py: compiled (every prefill width, slot count, greedy and sampled) in "
+              f"{time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
     return engine
 
 

@@ -75,7 +75,7 @@ def server(pair):
 
     engine = Engine(pair.target, pair.drafter, pair.tokenizer, name="demo", method="ddtree", budget=64,
                     max_context=MAX_CONTEXT, queue_size=64, max_batch=MAX_BATCH, pool_factory=_pool_factory())
-    engine.warmup(encode_text(pair.tokenizer, "Hello"), temperatures=(0.0, 1.0))
+    engine.warmup(encode_text(pair.tokenizer, "Hello"))
     base, stop = _serve(engine)
     yield base, engine
     stop()

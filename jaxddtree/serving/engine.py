@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import inspect
 import itertools
 import queue
 import threading
@@ -231,15 +230,11 @@ class Engine:
     def close(self):
         self._queue.put(None)
 
-    def warmup(self, prompt_ids, temperatures=None):
-        """Compile everything a request can run (`pool.warmup`: every prefill width, the round of every slot
-        count, greedy and sampled, admit / release), before the server listens. temperatures: passed on to a
-        pool whose warmup takes them (the temperature classes to compile), else unused."""
-        ids = list(prompt_ids) or [0]
-        if temperatures is not None and "temperatures" in inspect.signature(self.pool.warmup).parameters:
-            self.pool.warmup(ids, temperatures=tuple(temperatures))
-        else:
-            self.pool.warmup(ids)
+    def warmup(self, prompt_ids):
+        """Compile everything a request can run (`pool.warmup`: every prefill width, the single-slot rounds
+        greedy / sampled / truncated, the round of every slot-count bucket, joins and resizes), before the server
+        listens."""
+        self.pool.warmup(list(prompt_ids) or [0])
 
     # ---------------------------------------------------------------- scheduler side
     def _request(self, job: Job):
