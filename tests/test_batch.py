@@ -97,3 +97,191 @@ def test_exact_per_slot_join_and_leave(pair, ar_ref, method):
     if method == "ddtree":
         seen = {b for g in gens for b in g.stats["budgets"]}
         assert 3 in seen and 7 in seen  # per-slot budgets as data (bucket 4: budget 31 per slot)
+
+
+def test_sampling_per_slot(pair, ar_ref):
+    """DDTree at budgets 5 and 31 per slot (bucket 4: 31): a sampled slot's tokens (own seed, temperature, top_k /
+    top_p) are exactly generate's alone at its budget whatever shares the batch (so the per-slot budget shapes its
+    tree); a T = 0 slot in the sampling batch is greedy; two
+    seeds differ."""
+    o = [padded(a) for a in ar_ref]
+    hot = [Request(PROMPTS[0], MAX_NEW, temperature=1.0, seed=5, tree_budget=5, oracle=o[0]),  # inside bucket 31
+           Request(PROMPTS[1], MAX_NEW, temperature=0.7, top_k=5, top_p=0.9, seed=9, tree_budget=31, oracle=o[1])]
+    cold = Request(PROMPTS[2], MAX_NEW, tree_budget=31, oracle=o[2])
+    other = Request(PROMPTS[3], MAX_NEW, temperature=1.0, seed=6, tree_budget=31, oracle=o[3])
+    p = pool(pair, "ddtree", max_batch=4)
+    g1 = batch_lib.generate_many(pair[0], hot + [cold], pool=p)
+    g2 = batch_lib.generate_many(pair[0], [other, hot[1], hot[0]], pool=p)  # other neighbours, other slots
+    assert g1[2].tokens == ar_ref[2]
+    for i, r in enumerate(hot):
+        want = alone(pair, r.ids, "ddtree", r.tree_budget, oracle=r.oracle, temperature=r.temperature, top_k=r.top_k,
+                     top_p=r.top_p, seed=r.seed).tokens
+        assert g1[i].tokens == want, f"request {i}"
+    assert g2[2].tokens == g1[0].tokens and g2[1].tokens == g1[1].tokens
+    assert g1[0].tokens != ar_ref[0] and g2[0].tokens != g1[0].tokens  # sampling happened
+
+
+def test_one_compilation_per_bucket_and_release(pair, ar_ref):
+    """Joins one by one (single -> bucket 2 -> bucket 4), a running slot released, leaves (4 -> 2 -> single): every
+    remaining request keeps its AR tokens; a second pass through the same buckets compiles nothing."""
+    o = [padded(a) for a in ar_ref]
+    p = pool(pair, "dflash", max_batch=4, sync_every=2)
+
+    def run():
+        hs = {}
+        got = {}
+        for i in range(4):  # join one per step
+            hs[p.admit(p.prefill(Request(PROMPTS[i], MAX_NEW - 3 * i, oracle=o[i])))] = i
+            for h, u in p.step().items():
+                got.setdefault(hs[h], []).extend(u.tokens)
+        victim = next(h for h, i in hs.items() if i == 1)
+        p.release(victim)  # while running
+        p.release(victim)  # twice: harmless
+        p.release(12345)  # unknown: harmless
+        live = {h for h in hs if h != victim}
+        while live:
+            for h, u in p.step().items():
+                assert h != victim
+                got.setdefault(hs[h], []).extend(u.tokens)
+                if u.done:
+                    p.release(h)
+                    live.discard(h)
+        assert p.step() == {} or True
+        p.drain()
+        for i in (0, 2, 3):
+            assert got[i] == ar_ref[i][:MAX_NEW - 3 * i], f"request {i}"
+        assert len(got[1]) < MAX_NEW - 3
+
+    before = batch_lib.TRACES["slots"]
+    run()
+    mid = batch_lib.TRACES["slots"]
+    assert mid - before <= 2  # buckets 2 and 4 (0 when another test compiled them)
+    run()
+    assert batch_lib.TRACES["slots"] == mid
+    assert p.free() == 4
+
+
+def test_bad_requests_rejected(pair):
+    p = pool(pair, "ddtree", max_batch=2)
+    for req, match in ((Request([], 4), "empty"), (Request([1, 2], 0), "max_new"),
+                       (Request([1, 2], 4, temperature=-1), "temperature"), (Request([1, 2], 4, top_p=0), "top_p"),
+                       (Request([1, 2], 4, stop_ids=(V,)), "stop_ids"), (Request([1, 2], 4, tree_budget=0), "budget"),
+                       (Request([1, 2], CACHE_LEN), "cache_len")):
+        with pytest.raises(ValueError, match=match):
+            p.prefill(req)
+    p.admit(p.prefill(Request([1, 2], 4)))
+    p.admit(p.prefill(Request([1, 2], 4)))
+    with pytest.raises(ValueError, match="no free slot"):
+        p.admit(p.prefill(Request([1, 2], 4)))
+
+
+def test_bucket_budgets():
+    assert batch_lib.buckets(1) == () and batch_lib.buckets(8) == (2, 4, 8) and batch_lib.buckets(6) == (2, 4, 6)
+    assert [batch_lib.bucket_budget(B) for B in (2, 4, 8, 16, 32)] == [63, 31, 15, 7, 7]
+    assert batch_lib.bucket_budget(2, cap=20) == 20 and batch_lib.bucket_budget(8, cap=20) == 15
+
+
+# ------------------------------------------------------------------------------------- one GEMM for all slots
+def _count(text, op):
+    return text.count(op)
+
+
+def test_projection_dots_do_not_grow_with_slots(pair):
+    """The batched round's HLO has as many dot ops for 4 slots as for 2 (each projection one GEMM of B·N rows)."""
+    target, drafter = pair
+    plan = batch_lib.batch_plan(target, drafter.config, "ddtree", 15)
+    counts = []
+    for B in (2, 4):
+        p = batch_lib.SlotPool(target, drafter, method="ddtree", max_batch=B, cache_len=CACHE_LEN, tree_budget=15)
+        for i in range(B):
+            p.admit(p.prefill(Request(PROMPTS[i % 4], 4)))
+        p._arrange()
+        fn = batch_lib.slots_fn(target, drafter.config, plan, B, 1)
+        txt = fn.lower(target.leaves, drafter.params, p._state, p._oracle).as_text()
+        counts.append(_count(txt, "dot_general"))
+    assert counts[0] == counts[1] and counts[0] > 0, counts
+
+
+def _interpret(monkeypatch, module, name, calls=None):
+    fn = getattr(module, name)
+
+    def run(*a, **k):
+        if calls is not None:
+            calls.append(name)
+        return fn(*a, **{**k, "interpret": True})
+    monkeypatch.setattr(module, name, run)
+
+
+def test_dense_folds_the_slot_axis(monkeypatch):
+    """ops.dense / dense_partials / dense_w8a8 under vmap (kernels="pallas", interpret mode): the values of per-slot
+    calls, and ONE kernel call on the B·rows (not a pallas_call batched over a slot grid axis)."""
+    from kernels_pallas import dense as dn
+    from kernels_pallas import ops, w8a8
+    monkeypatch.setattr(ops, "PALLAS_DENSE_MAX_ROWS", 16)
+    monkeypatch.setattr(ops, "PALLAS_DENSE_MIN_COLS", 1)
+    calls = []
+    kernel = dn.dense
+    monkeypatch.setattr(dn, "dense", lambda x2, w2, *a, **k: calls.append(x2.shape) or kernel(x2, w2, *a, **{
+        **k, "interpret": True}))
+    B = 3
+    ks = jax.random.split(jax.random.PRNGKey(0), 4)
+    x = (jax.random.normal(ks[0], (B, 1, 1, 64)) + 0.1).astype(jnp.bfloat16)
+    w = (0.2 * jax.random.normal(ks[1], (64, 256))).astype(jnp.bfloat16)
+    nw = (0.1 * jax.random.normal(ks[2], (64,))).astype(jnp.bfloat16)
+    r = jax.random.normal(ks[3], (B, 1, 1, 256)).astype(jnp.bfloat16)
+    f = lambda x, r: ops.dense("btd,dc->btc", x, w, "pallas", norm=(nw, 1e-6), residual=r)  # noqa: E731
+    calls.clear()
+    jaxpr = jax.make_jaxpr(jax.vmap(f))(x, r)
+    # (custom_vmap traces the per-slot call once for its output shape) then ONE kernel call on all slots' rows:
+    assert calls[-1] == (B, 64), calls
+    assert str(jaxpr).count("pallas_call") == 1 and f"bf16[{B},64]" in str(jaxpr)
+    got = jax.vmap(f)(x, r)
+    want = jnp.stack([f(x[i], r[i]) for i in range(B)])
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # partials: a consumer of per-slot partials gets the same sums
+    g = lambda x: ops.dense_partials(x, w, "pallas", norm=(nw, 1e-6))  # noqa: E731
+    pg, pw = jax.vmap(g)(x), jnp.stack([g(x[i]) for i in range(B)])
+    assert pg.shape == pw.shape and pg.dtype == pw.dtype
+    np.testing.assert_allclose(np.asarray(pg.astype(jnp.float32).sum(1)), np.asarray(pw.astype(jnp.float32).sum(1)),
+                               rtol=1e-2, atol=1e-2)
+    # without the fold (the kernel's own batching rule) the call would be per slot: the fold is what the test sees
+    calls.clear()
+    jax.make_jaxpr(jax.vmap(lambda x: dn.dense(x.reshape(1, 64), w)))(x)
+    assert calls == [(1, 64)]
+    # W8A8
+    wcalls = []
+    wk = w8a8.w8a8
+    monkeypatch.setattr(w8a8, "w8a8", lambda x2, q, s, **k: wcalls.append(x2.shape) or wk(x2, q, s, **{
+        **k, "interpret": True}))
+    q = (0.2 * jax.random.normal(ks[1], (64, 256))).astype(jnp.float8_e4m3fn)
+    s = jnp.ones((1, 2), jnp.float32)
+    h = lambda x: ops.dense_w8a8("btd,dc->btc", x, q, s, None, 64, 128, "pallas")  # noqa: E731
+    if ops.pick("btd,dc->btc", x[0], q, "pallas", (64, 128)).kernel == "w8a8":
+        wcalls.clear()
+        got = jax.vmap(h)(x)
+        assert wcalls[-1] == (B, 64), wcalls
+        want = jnp.stack([h(x[i]) for i in range(B)])
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
+
+
+def test_pallas_batched_round_interpret(pair, ar_ref, monkeypatch):
+    """kernels="pallas" (every kernel the tiny fp32 model takes, in interpret mode): the batched DDTree round vmaps
+    (pallas_call's batching rule for the attention / GDN kernels: each slot reads its own cache) and two slots
+    give their AR tokens."""
+    import dataclasses
+    from kernels_pallas import gdn_prefill, gdn_tree, prefill_attention, tree_attention
+    calls = []
+    for mod, name in ((tree_attention, "tree_attention"), (prefill_attention, "prefill_attention"),
+                      (gdn_prefill, "gdn_chunked"), (gdn_tree, "gdn_masked_block")):
+        _interpret(monkeypatch, mod, name, calls)
+    target, drafter = pair
+    tp = dataclasses.replace(target, kernels="pallas")
+    n = 6
+    reqs = [Request(PROMPTS[i], n, tree_budget=7, oracle=padded(ar_ref[i])) for i in (0, 1)]
+    p = batch_lib.SlotPool(tp, drafter, method="ddtree", max_batch=2, cache_len=CACHE_LEN, tree_budget=7,
+                           _oracle_len=ORACLE)
+    gens = batch_lib.generate_many(tp, reqs, pool=p)
+    for i, g in enumerate(gens):
+        assert g.tokens == ar_ref[i][:n], f"slot {i}"
+    assert gens[0].stats["budgets"][0] == 7
+    assert {"tree_attention", "gdn_masked_block", "prefill_attention", "gdn_chunked"} <= set(calls)

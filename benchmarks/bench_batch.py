@@ -1,0 +1,159 @@
+#!/usr/bin/env python
+"""Batched DDTree rounds (speculative/batch.py) at Qwen3.6-27B / DFlash shapes, random bf16 weights made on the GPU.
+
+For each slot count B in --slots: ms per round of what a SlotPool runs for B active requests —
+  B = 1: generate's own round (`loop.loop_fn`, greedy plan, DDTree at --single-budget);
+  B >= 2: the batched round (`batch.slots_fn`, vmap of loop's per-slot round; sampling + truncation always on, their
+          values per slot) at the pool's per-slot budget `batch.bucket_budget(B, --slot-rows)`,
+each slot's caches filled at --context committed tokens (random contents), --rounds-per-call rounds per jitted call
+(time / rounds, median of --runs calls). Tokens/s are projected from an acceptance (tokens per round per slot:
+--acceptance, one number or budget=value pairs) as B · acceptance / round time, and their ratio to B = 1.
+--truncate-ab B,...: also the batched round with plan.truncate=False at those B (what the always-on truncation costs).
+JSON into --out.
+
+    python benchmarks/bench_batch.py --slots 1,2,4,8,16 --out benchmarks/results/batch_27b_h200.json
+    python benchmarks/bench_batch.py --smoke        # tiny shapes on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+# this checkout's code first (also where another copy of jaxddtree is installed), and bench.py's helpers
+sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."), os.path.dirname(os.path.abspath(__file__))]
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import bench  # noqa: E402
+from jaxddtree.model.config import text_config_from_dict  # noqa: E402
+from jaxddtree.model.drafter_config import DrafterConfig  # noqa: E402
+from jaxddtree.model.target import random_target  # noqa: E402
+from jaxddtree.speculative import batch as batch_lib  # noqa: E402
+from jaxddtree.speculative import loop as loop_lib  # noqa: E402
+
+
+def acceptance_for(spec: str, budget: int) -> float:
+    """--acceptance: "4.0" (every budget) or "7=3.1,15=3.6,31=4.0,63=4.4" (the nearest listed budget)."""
+    if "=" not in spec:
+        return float(spec)
+    pairs = {int(k): float(v) for k, v in (p.split("=") for p in spec.split(","))}
+    return pairs[min(pairs, key=lambda b: abs(b - budget))]
+
+
+def slot_state(target, drafter, plan, context: int, max_new: int, temperature=0.0):
+    """One slot's decode state after a `context`-token prompt (bench.loop_state: random caches), out buffer and
+    acceptance record of the pool's layout."""
+    st = bench.loop_state(target, drafter, plan, context, max_new)
+    return st.replace(temperature=jnp.float32(temperature))
+
+
+def time_calls(call, state, runs: int, rounds: int):
+    """Median ms per round over `runs` calls of `rounds` rounds (after one warm-up call that compiles)."""
+    state, prog = call(state)
+    jax.block_until_ready(prog.n_rounds)
+    ts = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        state, prog = call(state)
+        jax.block_until_ready(prog.n_rounds)
+        ts.append((time.perf_counter() - t) * 1e3 / rounds)
+    return statistics.median(ts), state, prog
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--slots", default="1,2,4,8,16", help="slot counts B")
+    ap.add_argument("--context", type=int, default=4096, help="committed tokens per slot")
+    ap.add_argument("--slot-rows", type=int, default=128, help="the pool's verify rows in all (B·(budget+1) <= it)")
+    ap.add_argument("--single-budget", type=int, default=63, help="DDTree budget of the B = 1 (generate) round")
+    ap.add_argument("--acceptance", default="7=3.0,15=3.5,31=4.0,63=4.4",
+                    help="tokens per round per slot for the projection: a number or budget=value pairs")
+    ap.add_argument("--rounds-per-call", type=int, default=8)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--truncate-ab", default="4", help="slot counts also timed with plan.truncate=False ('' none)")
+    ap.add_argument("--kernels", default=None, choices=["xla", "pallas"])
+    ap.add_argument("--out", default="benchmarks/results/batch_27b_h200.json")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, few runs: check the script on a CPU")
+    args = ap.parse_args(argv)
+
+    raw, dflash = dict(bench.QWEN36_27B), dict(bench.DFLASH_27B)
+    if args.smoke:
+        raw.update(bench.SMOKE_TARGET)
+        dflash.update(bench.SMOKE_DFLASH)
+        args.context, args.runs, args.rounds_per_call = 64, 2, 2
+    cfg = text_config_from_dict(raw, where="built-in Qwen3.6-27B shapes")
+    dcfg = DrafterConfig(**dflash)
+    dev = jax.devices()[0]
+    target = random_target(cfg, "bfloat16", seed=0)
+    if args.kernels:
+        target = dataclasses.replace(target, kernels=args.kernels)
+    drafter = bench.random_drafter(dcfg, jnp.bfloat16)
+    slots = [int(s) for s in args.slots.split(",") if s]
+    ab = {int(s) for s in args.truncate_ab.split(",") if s}
+    R = args.rounds_per_call
+    max_new = (args.runs + 3) * R * dcfg.block_size
+    res = {"device": dev.device_kind, "date": datetime.date.today().isoformat(), "jax": jax.__version__,
+           "kernels": target.kernels, "context": args.context, "slot_rows": args.slot_rows,
+           "rounds_per_call": R, "acceptance": args.acceptance, "by_slots": {},
+           "method_note": "B=1: loop.loop_fn (generate's round, greedy); B>=2: batch.slots_fn (the pool's batched "
+                          "round, sampling+truncation on, T=0 per slot); ms per round = call time / rounds"}
+
+    def save():
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1, sort_keys=True)
+
+    def log(msg):
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    leaves, dparams = target.leaves, drafter.params
+    for B in slots:
+        row = {}
+        if B == 1:
+            budget = args.single_budget
+            plan = bench.make_plan(target, dcfg, "ddtree", budget)
+            fn = loop_lib.loop_fn(target, dcfg, plan, R)
+            oracle = jnp.zeros((1,), jnp.int32)
+            state = slot_state(target, drafter, plan, args.context, max_new)
+            ms, _, prog = time_calls(lambda s: fn(leaves, dparams, s, oracle), state, args.runs, R)
+            row.update(budget=budget, round_ms=ms)
+            del state
+        else:
+            budget = batch_lib.bucket_budget(B, args.slot_rows)
+            for truncate in ((True, False) if B in ab else (True,)):
+                plan = dataclasses.replace(batch_lib.batch_plan(target, dcfg, "ddtree", budget), truncate=truncate)
+                one = slot_state(target, drafter, plan, args.context, max_new)
+                bstate = jax.tree.map(lambda x: jnp.stack([x] * B), one)
+                del one
+                bstate = bstate.replace(budget=jnp.full((B,), budget, jnp.int32))
+                fn = batch_lib.slots_fn(target, dcfg, plan, B, R)
+                oracle = jnp.zeros((B, 1), jnp.int32)
+                ms, bstate, prog = time_calls(lambda s: fn(leaves, dparams, s, oracle), bstate, args.runs, R)
+                assert not bool(jnp.any(prog.done)), "a slot finished during the timing (raise max_new)"
+                row["round_ms" if truncate else "round_ms_no_truncate"] = ms
+                del bstate
+            row["budget"] = budget
+        acc = acceptance_for(args.acceptance, row["budget"])
+        row.update(acceptance=acc, tokens_per_s=B * acc / row["round_ms"] * 1e3, rows=B * (row["budget"] + 1))
+        res["by_slots"][str(B)] = row
+        log(f"B={B}: budget {row['budget']} ({row['rows']} rows) {row['round_ms']:.2f} ms/round, "
+            f"{row['tokens_per_s']:.1f} tokens/s at acceptance {acc}"
+            + (f"; no truncation {row['round_ms_no_truncate']:.2f} ms" if "round_ms_no_truncate" in row else ""))
+        base = res["by_slots"].get("1")
+        if base:
+            for r in res["by_slots"].values():
+                r["tokens_per_s_over_1"] = r["tokens_per_s"] / base["tokens_per_s"]
+        save()
+    print(json.dumps(res, indent=1, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()
