@@ -5,7 +5,7 @@ apart from the batched rounds.
 A request's rounds (lists of tokens; the first holds the first token alone) are made whole when it is admitted
 (`rounds_of`), then `step()` hands out one round per active slot per call, one call late as the real pool does
 (a call returns the updates of the previous call). Every call is logged in `log`: ("prefill", rid),
-("advance", rid, chunk), ("admit", rid, handle), ("step", handles), ("release", handle)."""
+("advance", rid, chunk), ("start", rid), ("admit", rid, handle), ("step", handles), ("release", handle)."""
 
 from __future__ import annotations
 
@@ -26,14 +26,17 @@ class Update:  # the contract's SlotUpdate
 
 
 class _Pending:
+    """As loop.Prefill: one call per prompt chunk (the model's chunk_size), then one more for the start."""
+
     def __init__(self, pool, req, rid, chunks):
         self.pool, self.req, self.rid, self.chunks, self.done = pool, req, rid, chunks, 0
 
     def advance(self) -> bool:
-        assert self.done < self.chunks, "advance() after the last chunk"
+        if self.done > self.chunks:
+            return True
         self.done += 1
-        self.pool.log.append(("advance", self.rid, self.done))
-        return self.done == self.chunks
+        self.pool.log.append(("advance", self.rid, self.done) if self.done <= self.chunks else ("start", self.rid))
+        return self.done > self.chunks
 
 
 @dataclasses.dataclass
@@ -45,10 +48,8 @@ class _Slot:
 
 
 class FakePool:
-    """Contract-shaped; subclasses give `rounds_of(req)`. `chunk`: prompt tokens per prefill chunk; `delay`:
-    seconds each step() takes (a round's time)."""
+    """Contract-shaped; subclasses give `rounds_of(req)`. `delay`: seconds each step() takes (a round's time)."""
 
-    chunk = 64
     delay = 0.0
 
     def __init__(self, target, drafter, *, method="ddtree", max_batch=1, cache_len, tree_budget="auto",
@@ -68,13 +69,15 @@ class FakePool:
             raise ValueError(f"prompt ({len(req.ids)} tokens) + max_new ({req.max_new}) exceeds cache_len")
         self._rid += 1
         self.log.append(("prefill", self._rid))
-        return _Pending(self, req, self._rid, max(1, -(-len(req.ids) // self.chunk)))
+        from jaxddtree.model.prefill import chunk_size
+        n = len(req.ids)
+        return _Pending(self, req, self._rid, -(-n // chunk_size(n)))
 
     def free(self) -> int:
         return self.max_batch - len(self.slots)
 
     def admit(self, pending) -> int:
-        assert pending.done == pending.chunks, "admit() before the prefill is done"
+        assert pending.done > pending.chunks, "admit() before the prefill is done"
         assert self.free() > 0, "admit() with no free slot"
         h = min(set(range(self.max_batch)) - set(self.slots))  # handles are reused, as slot indices
         self.slots[h] = _Slot(pending.rid, self.rounds_of(pending.req))
@@ -119,10 +122,10 @@ class ScriptedPool(FakePool):
     """Generates `script(prompt_text) -> text` (then the engine's first stop id) in rounds of `per_round` tokens,
     so that tags and UTF-8 characters are split across stream events; records the decoded prompts."""
 
-    def __init__(self, engine, script, per_round=5, delay=0.0, chunk=64):
+    def __init__(self, engine, script, per_round=5, delay=0.0):
         super().__init__(engine.target, engine.drafter, method=engine.method, max_batch=engine.max_batch,
                          cache_len=engine.cache_len, tree_budget=engine.budget, slot_rows=engine.slot_rows)
-        self.engine, self.script, self.per_round, self.delay, self.chunk = engine, script, per_round, delay, chunk
+        self.engine, self.script, self.per_round, self.delay = engine, script, per_round, delay
         self.prompts = []
 
     def rounds_of(self, req):

@@ -507,7 +507,7 @@ def _reply(prompt: str) -> str:
 @pytest.fixture(scope="module")
 def fake(pair):
     """A server whose engine drives a scripted pool of FAKE_BATCH slots (helpers_pool.ScriptedPool: 3 tokens a
-    round, 10 ms a step, 64-token prefill chunks), so the scheduler's joins, leaves and waits are observable in
+    round, 10 ms a step), so the scheduler's joins, leaves and waits are observable in
     the pool's log."""
     from helpers_pool import FakePool, ScriptedPool
     from jaxddtree.serving import Engine
@@ -570,16 +570,19 @@ def test_scheduler_join_leave_and_wait_for_a_slot(fake):
 
 
 def test_scheduler_prefill_one_chunk_per_round(fake):
-    """A long prompt joining while another request decodes is prefilled one chunk per round (a step between
-    any two of its chunks); with nothing decoding its chunks run back to back."""
+    """A long prompt joining while another request decodes is prefilled one chunk per round (a step between any
+    two of its chunks; its start follows its last chunk at once); with nothing decoding its chunks run back to
+    back."""
     _, engine, client = fake
     pool = engine.pool
-    long_prompt = "def f(x):\n    return x + 1\n" * 30  # > 4 chunks of 64 tokens
+    long_prompt = "def f(x):\n    return x + 1\n" * 80  # 3-4 chunks of 256 tokens
+
+    def chunks(log, rid):
+        return [i for i, e in enumerate(log) if e[0] in ("advance", "start") and e[1] == rid]
     start = len(pool.log)
     _stream_completion(client, long_prompt, 4)
     log = _log_since(pool, start)
-    rid = log[0][1]
-    idx = [i for i, e in enumerate(log) if e[0] == "advance" and e[1] == rid]
+    idx = chunks(log, log[0][1])
     assert len(idx) >= 4 and idx == list(range(idx[0], idx[0] + len(idx)))  # alone: back to back
     with ThreadPoolExecutor(2) as ex:
         start = len(pool.log)
@@ -592,10 +595,11 @@ def test_scheduler_prefill_one_chunk_per_round(fake):
         outs = running.result(), joining.result()
     log = _log_since(pool, start)
     rid = [e[1] for e in log if e[0] == "prefill"][1]  # the joining one's
-    idx = [i for i, e in enumerate(log) if e[0] == "advance" and e[1] == rid]
-    assert len(idx) >= 4
-    for a, b in zip(idx, idx[1:]):
+    idx = chunks(log, rid)
+    assert len(idx) >= 4 and log[idx[-1]][0] == "start"
+    for a, b in zip(idx[:-2], idx[1:-1]):
         assert [e for e in log[a:b] if e[0] == "step"], "two prefill chunks without a round between them"
+    assert idx[-1] == idx[-2] + 1  # the start right after the last chunk
     assert outs[0][1] == "length" and outs[1][1] == "length"
 
 

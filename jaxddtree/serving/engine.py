@@ -35,6 +35,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from jaxddtree.model.prefill import chunk_size
 from jaxddtree.text import TextStream, default_stop_ids
 from jaxddtree.speculative.batch import Request, buckets
 from jaxddtree.speculative.loop import capacity, resolve_budget
@@ -81,6 +82,8 @@ class _Run:
     stream: TextStream
     t0: float  # left the queue
     pending: Any = None
+    chunks: int = 1  # the prompt's prefill chunks
+    advanced: int = 0  # advance() calls so far
     handle: int | None = None
     kept: list[int] = dataclasses.field(default_factory=list)  # completion tokens (up to max_tokens / a stop)
     ttft: float | None = None
@@ -307,7 +310,9 @@ class Engine:
         if job.cancelled.is_set():
             self.counts["cancelled"] += 1
             return None
-        r = _Run(job=job, stream=TextStream(self.tokenizer, job.stop), t0=time.perf_counter())
+        n = len(job.prompt_ids)
+        r = _Run(job=job, stream=TextStream(self.tokenizer, job.stop), t0=time.perf_counter(),
+                 chunks=-(-n // chunk_size(n)))
         try:
             r.pending = pool.prefill(self._request(job))
         except Exception as e:  # ValueError: the request does not fit the pool (one line)
@@ -324,7 +329,9 @@ class Engine:
         try:
             for i in itertools.count(1):
                 done = r.pending.advance()
-                if done or (runs and i >= self.prefill_chunks):
+                r.advanced += 1
+                # past the prompt's last chunk only the start remains (a small call): not worth a round's wait
+                if done or (runs and i >= self.prefill_chunks and r.advanced < r.chunks):
                     break
             if not done:
                 return r
