@@ -115,6 +115,7 @@ def random_27b_engine(args):
     """An Engine over random Qwen3.6-27B / DFlash-shaped bf16 weights (benchmarks/bench.py's shapes)."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     sys.path.insert(0, ROOT)
+    import jax
     import jax.numpy as jnp
     import bench
     from jaxddtree.checkpoint.builtin import ByteTokenizer
@@ -128,6 +129,9 @@ def random_27b_engine(args):
         def decode(self, ids, **_) -> str:
             return "".join(chr(32 + int(i) % 95) for i in ids)
 
+    if args.compile_cache:  # as serve.py: reuse compilations across runs
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compile_cache))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     target = random_target(text_config_from_dict(dict(bench.QWEN36_27B), where="Qwen3.6-27B shapes"), "bfloat16")
     target.kernels = args.kernels or "pallas"
     drafter = bench.random_drafter(DrafterConfig(**bench.DFLASH_27B), jnp.bfloat16)

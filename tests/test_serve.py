@@ -221,8 +221,9 @@ def test_concurrent_streams(client):
 
 def test_batched_requests_equal_their_texts_alone(server, client):
     """3 requests at once through the real pool (T = 0, the tiny fp32 pair): different prompts, lengths and a stop
-    string, one leaving early; each text equals its one-at-a-time text, and the rounds ran batched (each slot's
-    budget the bucket's: 2 slots x (63 + 1) or 4 x (31 + 1) verify rows)."""
+    string, one finishing early, and a 4th client leaving mid-stream; each text equals its one-at-a-time text, and
+    the rounds ran batched (each slot's budget the bucket's: 2 slots x (63 + 1) or 4 x (31 + 1) verify rows)."""
+    _, engine = server
     reqs = [dict(prompt="import os\nimport sys\n", max_tokens=40),
             dict(prompt="class Parser:\n    def __init__(self):\n", max_tokens=12),
             dict(prompt="def main():\n", max_tokens=32, stop=["\n\n\n"])]
@@ -230,11 +231,26 @@ def test_batched_requests_equal_their_texts_alone(server, client):
     def run(kw):
         r = client.completions.create(model="demo", temperature=0, **kw)
         return r.choices[0].text, r.choices[0].finish_reason, r.model_extra["speculative"]
+    def leave():  # a 4th client that leaves mid-stream: its slot is freed while the others go on
+        stream = client.completions.create(model="demo", prompt="def leave():\n", max_tokens=200, temperature=0,
+                                           stream=True)
+        for i, _ in enumerate(stream):
+            if i == 2:
+                stream.close()
+                return
     alone = [run(kw) for kw in reqs]
     assert all(a[2]["batch"] == 1 and a[2]["tree_budget"] == "64" for a in alone)
-    with ThreadPoolExecutor(3) as ex:
+    cancelled = engine.counts["cancelled"]
+    with ThreadPoolExecutor(4) as ex:
+        left = ex.submit(leave)
         together = list(ex.map(run, reqs))
+        left.result()
     assert [t[:2] for t in together] == [a[:2] for a in alone]
+    for _ in range(200):
+        if engine.counts["cancelled"] > cancelled and not engine.busy:
+            break
+        time.sleep(0.05)
+    assert engine.counts["cancelled"] == cancelled + 1 and engine.running() == 0
     assert max(t[2]["batch"] for t in together) >= 2
     seen = set().union(*(t[2]["tree_budget_rounds"] for t in together))
     assert seen & {"63", "31"}, seen
@@ -652,3 +668,27 @@ def test_scheduler_errors_fail_only_their_request(fake, monkeypatch):
         assert ok.result()[0] == want
     assert r.status_code == 500 and "device on fire" in r.json()["error"]["message"]
     assert _stream_completion(client, "import io\n", 30)[0] == want
+
+
+def test_scheduler_step_failure_fails_the_running_requests(fake, monkeypatch):
+    """A round that fails fails the requests running in it (500 / an error event), not the server: the next
+    requests complete."""
+    base, engine, client = fake
+    pool = engine.pool
+    real, calls = pool.step, []
+
+    def step():  # fails once, when both requests run
+        if len(pool.slots) == 2 and not calls:
+            calls.append(1)
+            raise RuntimeError("XLA went away")
+        return real()
+
+    want = _stream_completion(client, "import io\n", 30)[0]
+    monkeypatch.setattr(pool, "step", step)
+    body = {"model": "demo", "prompt": "import io\n", "max_tokens": 150}
+    with ThreadPoolExecutor(2) as ex:
+        rs = list(ex.map(lambda _: httpx.post(base + "/v1/completions", json=body, timeout=60), range(2)))
+    assert [r.status_code for r in rs] == [500, 500]
+    assert all("XLA went away" in r.json()["error"]["message"] for r in rs)
+    assert _stream_completion(client, "import io\n", 30)[0] == want
+    assert engine.running() == 0 and not pool.slots  # their slots released
