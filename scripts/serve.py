@@ -15,8 +15,9 @@ examples:
   # the demo pair in demo/ on http://127.0.0.1:8000
   python scripts/serve.py
 
-  # a real target + DFlash drafter
-  python scripts/serve.py --target ~/models/Qwen3.6-27B --drafter ~/models/Qwen3.6-27B-DFlash --budget 64
+  # a real target + DFlash drafter, up to 16 requests decoded at once (continuous batching), 8K tokens each
+  python scripts/serve.py --target ~/models/Qwen3.6-27B --drafter ~/models/Qwen3.6-27B-DFlash --budget 64 \
+      --max-batch 16 --max-context 8192
 
   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
       -d '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32, "temperature": 0}'

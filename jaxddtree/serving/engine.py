@@ -37,7 +37,7 @@ import jax.numpy as jnp
 
 from jaxddtree.model.prefill import chunk_size
 from jaxddtree.text import TextStream, default_stop_ids
-from jaxddtree.speculative.batch import Request, buckets
+from jaxddtree.speculative.batch import Request, SlotPool, buckets
 from jaxddtree.speculative.loop import capacity, resolve_budget
 
 AUTO_MAX_BATCH = 16  # max_batch="auto": the largest power of two up to this that fits in memory
@@ -162,11 +162,6 @@ def fit_max_batch(target, drafter, cache_len: int, max_context: int, chunk: int,
     return n, mem
 
 
-def _default_pool(target, drafter, **kw):
-    from jaxddtree.speculative.batch import SlotPool
-    return SlotPool(target, drafter, **kw)
-
-
 class Engine:
     """Owns the model pair, the slot pool and the scheduler thread. `submit` queues a job (QueueFull when the
     queue is full); the job's events are ("delta", text) ..., then ("done", info) or ("error", message).
@@ -200,7 +195,7 @@ class Engine:
         if int(prefill_chunks) < 1:
             raise ValueError(f"prefill_chunks must be >= 1, got {prefill_chunks}")
         self.prefill_chunks = int(prefill_chunks)
-        self.pool = (pool_factory or _default_pool)(
+        self.pool = (pool_factory or SlotPool)(
             target, drafter if dcfg else None, method=self.method, max_batch=self.max_batch,
             cache_len=self.cache_len, tree_budget=budget, budget_costs=self.budget_costs, slot_rows=slot_rows,
             sync_every=1)
