@@ -8,8 +8,9 @@ For each slot count B in --slots: ms per round of what a SlotPool runs for B act
 each slot's caches filled at --context committed tokens (random contents), --rounds-per-call rounds per jitted call
 (time / rounds, median of --runs calls). Tokens/s are projected from an acceptance (tokens per round per slot:
 --acceptance, one number or budget=value pairs) as B · acceptance / round time, and their ratio to B = 1.
---truncate-ab B,...: also the batched round with plan.truncate=False at those B (what the always-on truncation costs).
-JSON into --out.
+--truncate-ab B,...: also the batched round with plan.truncate=False and with a greedy plan (sampling=False) at those
+B: what the always-on truncation and sampling cost a batch of greedy requests.
+JSON into --out (merged by slot count with what the file holds).
 
     python benchmarks/bench_batch.py --slots 1,2,4,8,16 --out benchmarks/results/batch_27b_h200.json
     python benchmarks/bench_batch.py --smoke        # tiny shapes on a CPU
@@ -27,7 +28,8 @@ import sys
 import time
 
 # this checkout's code first (also where another copy of jaxddtree is installed), and bench.py's helpers
-sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."), os.path.dirname(os.path.abspath(__file__))]
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.join(HERE, ".."), HERE]
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -106,6 +108,10 @@ def main(argv=None):
            "method_note": "B=1: loop.loop_fn (generate's round, greedy); B>=2: batch.slots_fn (the pool's batched "
                           "round, sampling+truncation on, T=0 per slot); ms per round = call time / rounds"}
 
+    if os.path.exists(args.out):  # merge: slot counts from an earlier run (e.g. --slots split over two calls) stay
+        with open(args.out) as f:
+            res["by_slots"] = json.load(f).get("by_slots", {})
+
     def save():
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
@@ -128,8 +134,10 @@ def main(argv=None):
             del state
         else:
             budget = batch_lib.bucket_budget(B, args.slot_rows)
-            for truncate in ((True, False) if B in ab else (True,)):
-                plan = dataclasses.replace(batch_lib.batch_plan(target, dcfg, "ddtree", budget), truncate=truncate)
+            variants = ((True, True), (True, False), (False, False)) if B in ab else ((True, True),)
+            for sampling, truncate in variants:  # (True, True): the pool's; the others: what sampling costs
+                plan = dataclasses.replace(batch_lib.batch_plan(target, dcfg, "ddtree", budget), sampling=sampling,
+                                           truncate=truncate)
                 one = slot_state(target, drafter, plan, args.context, max_new)
                 bstate = jax.tree.map(lambda x: jnp.stack([x] * B), one)
                 del one
@@ -138,7 +146,8 @@ def main(argv=None):
                 oracle = jnp.zeros((B, 1), jnp.int32)
                 ms, bstate, prog = time_calls(lambda s: fn(leaves, dparams, s, oracle), bstate, args.runs, R)
                 assert not bool(jnp.any(prog.done)), "a slot finished during the timing (raise max_new)"
-                row["round_ms" if truncate else "round_ms_no_truncate"] = ms
+                row[{(True, True): "round_ms", (True, False): "round_ms_no_truncate",
+                     (False, False): "round_ms_greedy_plan"}[(sampling, truncate)]] = ms
                 del bstate
             row["budget"] = budget
         acc = acceptance_for(args.acceptance, row["budget"])
@@ -146,7 +155,8 @@ def main(argv=None):
         res["by_slots"][str(B)] = row
         log(f"B={B}: budget {row['budget']} ({row['rows']} rows) {row['round_ms']:.2f} ms/round, "
             f"{row['tokens_per_s']:.1f} tokens/s at acceptance {acc}"
-            + (f"; no truncation {row['round_ms_no_truncate']:.2f} ms" if "round_ms_no_truncate" in row else ""))
+            + (f"; no truncation {row['round_ms_no_truncate']:.2f} ms, greedy plan {row['round_ms_greedy_plan']:.2f} ms"
+               if "round_ms_no_truncate" in row else ""))
         base = res["by_slots"].get("1")
         if base:
             for r in res["by_slots"].values():

@@ -30,7 +30,6 @@ import jax.numpy as jnp  # noqa: E402
 import helpers_dflash  # noqa: E402
 import jaxddtree  # noqa: E402
 from jaxddtree.speculative import batch as batch_lib  # noqa: E402
-from jaxddtree.speculative import loop as loop_lib  # noqa: E402
 from jaxddtree.speculative.batch import Request  # noqa: E402
 
 V = 97
@@ -285,3 +284,63 @@ def test_pallas_batched_round_interpret(pair, ar_ref, monkeypatch):
         assert g.tokens == ar_ref[i][:n], f"slot {i}"
     assert gens[0].stats["budgets"][0] == 7
     assert {"tree_attention", "gdn_masked_block", "prefill_attention", "gdn_chunked"} <= set(calls)
+
+
+@pytest.mark.parametrize("method,B", [("ddtree", 2), ("ar", 4)])
+def test_batched_round_lowers_for_h200(method, B, monkeypatch):
+    """The batched round with kernels="pallas" (bf16, bench.py's smoke shapes) traces and lowers for an abstract
+    H200: the Pallas kernels' batching (attention / GDN: a slot grid axis; projections: folded rows) lowers. The
+    GEMV's domain widened to these shapes, so that the AR step's per-slot projections take the split-K partials
+    path (`ops.dense_partials` into the fused GDN / attention decode kernels) and fold onto a GEMV of B rows."""
+    import dataclasses
+    import functools
+    from kernels_pallas import ops
+    monkeypatch.setattr(ops, "PALLAS_DENSE_MIN_COLS", 1)
+    monkeypatch.setattr(ops, "PALLAS_DENSE_MAX_ROWS", 8)
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))
+    import bench
+    from jaxddtree.model.config import text_config_from_dict
+    from jaxddtree.model.drafter_config import DrafterConfig
+    from jaxddtree.model.target import random_target
+    from kernels_pallas._common import lower_for_h200
+    raw, dfl = dict(bench.QWEN36_27B), dict(bench.DFLASH_27B)
+    raw.update(bench.SMOKE_TARGET)
+    dfl.update(bench.SMOKE_DFLASH)
+    target = random_target(text_config_from_dict(raw, where="smoke"), "bfloat16")
+    dcfg = DrafterConfig(**dfl) if method != "ar" else None
+    drafter = bench.random_drafter(DrafterConfig(**dfl), jnp.bfloat16)
+    plan = batch_lib.batch_plan(target, dcfg, method, 15)
+    one = jax.eval_shape(lambda: bench.loop_state(target, drafter, plan, 64, 64))
+    bst = jax.tree.map(lambda x: jax.ShapeDtypeStruct((B,) + x.shape, x.dtype), one)
+    if method == "ddtree":
+        bst = bst.replace(budget=jax.ShapeDtypeStruct((B,), jnp.int32))
+    pallas = dataclasses.replace(target, kernels="pallas")
+    f = functools.partial(batch_lib.run_slots, graphdef=pallas.graphdef, treedef=pallas.treedef, dcfg=dcfg,
+                          plan=dataclasses.replace(plan, kernels="pallas"), chunk=1)
+    txt = lower_for_h200(f, pallas.leaves, drafter.params if dcfg else None, bst, jax.ShapeDtypeStruct((B, 1),
+                                                                                                       jnp.int32))
+    assert "triton" in txt
+
+
+def _compiled(target):
+    """Compilations held by the target's bound jitted functions (rounds, prefill, start, the pool's helpers) and
+    the drafter's forward."""
+    from jaxddtree.model import drafter as drafter_mod
+    fns = list(target._bound.values()) + [drafter_mod._forward_jit]
+    return sum(f._cache_size() for f in fns if hasattr(f, "_cache_size"))
+
+
+def test_warmup_compiles_everything(pair, ar_ref):
+    """After warmup(), requests of every kind (greedy, sampled, truncated; joining, leaving, single and batched)
+    compile nothing."""
+    target, drafter = pair
+    p = batch_lib.SlotPool(target, drafter, method="dflash", max_batch=4, cache_len=CACHE_LEN, sync_every=2)
+    p.warmup(PROMPTS[0])
+    before = _compiled(target), batch_lib.TRACES["slots"], batch_lib.TRACES["rounds"], batch_lib.TRACES["start"]
+    reqs = [Request(PROMPTS[0], 12), Request(PROMPTS[1], 20, temperature=0.8, seed=3),
+            Request(PROMPTS[2], 9, temperature=1.0, top_p=0.8, stop_ids=(ar_ref[2][3],)), Request(PROMPTS[3], 30),
+            Request(PROMPTS[1][:5], 7, temperature=0.5, top_k=3)]
+    gens = batch_lib.generate_many(target, reqs, pool=p, join_at=[0, 0, 1, 1, 3])
+    assert gens[0].tokens == ar_ref[0][:12] and gens[3].tokens == ar_ref[3][:30]
+    after = _compiled(target), batch_lib.TRACES["slots"], batch_lib.TRACES["rounds"], batch_lib.TRACES["start"]
+    assert after == before and before[0] > 0

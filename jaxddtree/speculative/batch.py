@@ -27,8 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxddtree.model import sharding
 from jaxddtree.model.drafter import check_compatible
-from jaxddtree.model.prefill import check_ids, check_vocab, chunk_size, chunk_widths
+from jaxddtree.model.prefill import check_ids, check_vocab, chunk_widths
 from jaxddtree.model.target import Target
 from jaxddtree.speculative import budget as budget_lib
 from jaxddtree.speculative import loop as loop_lib
@@ -349,7 +350,7 @@ class SlotPool:
         costs = self.costs if live.budget == "auto" else None
         fn = _bound(self.target, ("as_single", self.out_len), functools.partial(_as_single, out_len=self.out_len),
                     donate_argnums=(0,))
-        return fn(slot, costs)
+        return sharding.place(fn(slot, costs), self.target.mesh)  # as generate places its state (tp > 1)
 
     def _resize_to(self, B: int):
         """Batched state of B slots (adjacent buckets at a time: few resize compilations), live slots kept in order."""
@@ -486,8 +487,8 @@ class SlotPool:
         rounds (greedy, sampled, sampled + truncated), every slot-count bucket and its joins / resizes."""
         ids = check_ids(prompt_ids, "prompt_ids").tolist()
         cfg = self.target.config
-        room = self.cache_len - loop_lib.capacity(self.target, self.dcfg, self.method, self.budget, 1, 1)[1] + 256
-        widths = [n for _, n in chunk_widths(max(1, min(room, cfg.max_position_embeddings - 2)))] or [len(ids)]
+        fits = lambda n: loop_lib.capacity(self.target, self.dcfg, self.method, self.budget, n, 2)[1] <= self.cache_len
+        widths = [n for _, n in chunk_widths(cfg.max_position_embeddings - 2) if fits(n)]
 
         def prompt(n):
             return (ids * (n // len(ids) + 1))[:n]
