@@ -132,9 +132,14 @@ def random_27b_engine(args):
     if args.compile_cache:  # as serve.py: reuse compilations across runs
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compile_cache))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    target = random_target(text_config_from_dict(dict(bench.QWEN36_27B), where="Qwen3.6-27B shapes"), "bfloat16")
-    target.kernels = args.kernels or "pallas"
-    drafter = bench.random_drafter(DrafterConfig(**bench.DFLASH_27B), jnp.bfloat16)
+    raw, dflash, dtype = dict(bench.QWEN36_27B), dict(bench.DFLASH_27B), "bfloat16"
+    if args.smoke:  # bench.py's tiny shapes (the code path on the CPU)
+        raw.update(bench.SMOKE_TARGET)
+        dflash.update(bench.SMOKE_DFLASH)
+        dtype = "float32"
+    target = random_target(text_config_from_dict(raw, where="Qwen3.6-27B shapes"), dtype)
+    target.kernels = args.kernels or ("xla" if jax.default_backend() == "cpu" else "pallas")
+    drafter = bench.random_drafter(DrafterConfig(**dflash), jnp.dtype(dtype))
     tok = PrintableTokenizer()
     engine = Engine(target, drafter, tok, name="random-27b", method=args.method or "ddtree", budget=args.budget,
                     max_context=args.max_context or 8192, queue_size=args.queue,
@@ -182,8 +187,8 @@ def main(argv=None) -> int:
                    "(a GPU benchmark of the server at 27B; acceptance is about one token per round)")
     p.add_argument("--prompt-tokens", type=int, default=0, metavar="N", help="prompt length in tokens, about "
                    "(default: 0: a short prompt, 'def function_NN(x):')")
-    p.add_argument("--smoke", action="store_true", help="CPU check of the script: the demo pair, --clients 1 3, "
-                   "--max-tokens 8, --max-batch 2, --max-context 512")
+    p.add_argument("--smoke", action="store_true", help="CPU check of the script: --clients 1 3, --max-tokens 8, "
+                   "--max-batch 2, --max-context 512; the demo pair, or with --random-27b bench.py's tiny shapes")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     if args.smoke:
