@@ -344,3 +344,15 @@ def test_warmup_compiles_everything(pair, ar_ref):
     assert gens[0].tokens == ar_ref[0][:12] and gens[3].tokens == ar_ref[3][:30]
     after = _compiled(target), batch_lib.TRACES["slots"], batch_lib.TRACES["rounds"], batch_lib.TRACES["start"]
     assert after == before and before[0] > 0
+    # one request alone runs generate's own compiled round (generate at the pool's cache_len and sync_every)
+    g = jaxddtree.generate(target, PROMPTS[2], drafter=drafter, method="dflash", max_new_tokens=15,
+                           cache_len=CACHE_LEN, sync_every=2, temperature=0.9, seed=1)
+    assert batch_lib.TRACES["rounds"] == before[2] and len(g.tokens) == 15
+
+
+def test_slot_bytes(pair):
+    target, drafter = pair
+    one = batch_lib.slot_bytes(target, drafter, CACHE_LEN)
+    assert one == batch_lib.slot_bytes(target, None, CACHE_LEN) + sum(
+        x.size * x.dtype.itemsize for x in jax.tree.leaves(drafter.init_cache(1, CACHE_LEN)))
+    assert batch_lib.slot_bytes(target, None, 2 * CACHE_LEN) > batch_lib.slot_bytes(target, None, CACHE_LEN)

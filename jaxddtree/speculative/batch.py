@@ -111,6 +111,16 @@ def slots_fn(target: Target, dcfg, plan: loop_lib.Plan, B: int, chunk: int = 1):
         donate_argnames=("bstate",)))
 
 
+def slot_bytes(target: Target, drafter, cache_len: int) -> int:
+    """Device bytes of one slot's caches (the target's, all shards together, + the drafter's context cache; drafter
+    None: AR) at cache_len positions: a pool holds max_batch of them, plus one per joining request (its prefill) and,
+    while a bucket grows or shrinks, the new bucket's copy next to the old."""
+    n = target.cache_bytes(cache_len)
+    if drafter is not None:
+        n += loop_lib._nbytes(jax.eval_shape(lambda: drafter.init_cache(1, cache_len)))
+    return n
+
+
 # ------------------------------------------------------------------------------- batched-state plumbing (jitted)
 def _is_key(x) -> bool:
     return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
@@ -188,6 +198,7 @@ class _Live:
     oracle: Any
     shown: int = 0  # tokens reported so far
     done: bool = False
+    fn: Any = None  # its single-slot round (loop.loop_fn), once looked up
 
 
 class SlotPool:
@@ -238,6 +249,7 @@ class SlotPool:
         self._slots: list = []  # batched: handle per slot (None: empty); single: [handle]
         self._oracle = None  # device oracle of the current layout ([L] single, [B, L] batched)
         self._inflight = None
+        self._slot_fns: dict[int, Any] = {}  # B -> the bound batched round
 
     # ------------------------------------------------------------------------------------------- requests
     def prefill(self, req: Request) -> Pending:
@@ -428,16 +440,23 @@ class SlotPool:
         return _bound(self.target, "resize", _resize)(one, jnp.asarray([0, -1], jnp.int32))
 
     # ------------------------------------------------------------------------------------------- rounds
-    def _call(self):
+    def _fn(self):
+        """The bound round of the current layout (looked up once per layout, not hashed per call)."""
         tgt = self.target
         if self._mode == "single":
             live = self._live[self._slots[0]]
-            fn = loop_lib.loop_fn(tgt, self.dcfg, live.single_plan, self.sync_every)
-        else:
-            B = len(self._slots)
+            if live.fn is None:
+                live.fn = loop_lib.loop_fn(tgt, self.dcfg, live.single_plan, self.sync_every)
+            return live.fn
+        B = len(self._slots)
+        fn = self._slot_fns.get(B)
+        if fn is None:
             plan = batch_plan(tgt, self.dcfg, self.method, self.bucket_budgets[B], inject=self.oracle_len > 0)
-            fn = slots_fn(tgt, self.dcfg, plan, B, self.sync_every)
-        self._state, prog = fn(tgt.leaves, self.dparams, self._state, self._oracle)
+            fn = self._slot_fns[B] = slots_fn(tgt, self.dcfg, plan, B, self.sync_every)
+        return fn
+
+    def _call(self):
+        self._state, prog = self._fn()(self.target.leaves, self.dparams, self._state, self._oracle)
         for x in (prog.done, prog.n_out, prog.n_rounds, prog.out, prog.accepted):
             x.copy_to_host_async()
         return prog
