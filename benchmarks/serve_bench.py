@@ -1,14 +1,18 @@
 #!/usr/bin/env python
 """Serving benchmark: time to first token and tokens/s for 1, 4 and 16 concurrent streaming clients against the
-OpenAI-compatible server (scripts/serve.py), run in this process on a free 127.0.0.1 port.
+OpenAI-compatible server (scripts/serve.py, continuous batching over --max-batch slots), run in this process on a
+free 127.0.0.1 port.
 
     python benchmarks/serve_bench.py                        # the demo pair (CPU is fine)
     python benchmarks/serve_bench.py --target DIR --drafter DDIR --clients 1 4 16 --max-tokens 256
-    python benchmarks/serve_bench.py --random-27b     # GPU: Qwen3.6-27B + DFlash shapes, random bf16 weights
+    python benchmarks/serve_bench.py --random-27b --max-batch 16 --prompt-tokens 512 --out FILE  # GPU: 27B shapes
+    python benchmarks/serve_bench.py --smoke --out FILE     # CPU: the demo pair, tiny levels (checks the script)
 
-Each client sends one streamed chat completion (temperature 0, a distinct prompt of the same length); TTFT is
-measured from sending the request to the first content delta, so with several clients it includes the time
-spent waiting in the queue (one request runs at a time). Aggregate tokens/s = all completion tokens / wall time.
+Each client sends one streamed completion (temperature 0, a distinct prompt of the same length: --prompt-tokens,
+else a short one); TTFT is measured from sending the request to the first content delta, so it includes the time
+spent waiting for a slot (queue) and the prefill. Aggregate tokens/s = all completion tokens / wall time. Per level
+the responses' `speculative` fields give the budget per slot (the tree budget most of each request's rounds used,
+counted over the requests; rounds per budget summed) and the most requests batched together.
 
 With --random-27b the pair has random weights (a random drafter's tokens are almost never accepted: about one
 token per round), so the figures measure the server + round time at 27B shapes, not DDTree's speed-up; every
@@ -19,8 +23,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import functools
 import importlib.util
 import json
+import math
 import os
 import socket
 import statistics
@@ -40,7 +47,7 @@ def serve_module():
 
 async def one(client, model, prompt, max_tokens, chat=True):
     t0 = time.perf_counter()
-    ttft, usage = None, None
+    ttft, usage, spec = None, None, None
     kw = dict(model=model, max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True})
     if chat:
         stream = await client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **kw)
@@ -52,13 +59,37 @@ async def one(client, model, prompt, max_tokens, chat=True):
             ttft = time.perf_counter() - t0
         if chunk.usage is not None:
             usage = chunk.usage
-    return {"ttft_s": ttft, "wall_s": time.perf_counter() - t0, "tokens": usage.completion_tokens}
+        if (chunk.model_extra or {}).get("speculative"):
+            spec = chunk.model_extra["speculative"]
+    return {"ttft_s": ttft, "wall_s": time.perf_counter() - t0, "tokens": usage.completion_tokens, "spec": spec}
 
 
-async def level(base, model, clients, max_tokens, chat=True):
+def prompt_text(i: int, n_tokens: int, tokenizer=None) -> str:
+    """Client i's prompt: distinct per client; with n_tokens (and the server's tokenizer) padded with code lines
+    to about n_tokens tokens (exactly for a byte tokenizer)."""
+    head = f"def function_{i:02d}(x):"
+    if not n_tokens:
+        return head
+    from jaxddtree.text import encode_text
+    text, k = head, 0
+    while len(encode_text(tokenizer, text)) < n_tokens:
+        text += f"\n    y{k} = x * {k} + {i}"
+        k += 1
+    while len(encode_text(tokenizer, text)) > n_tokens and len(text) > len(head):
+        text = text[:-1]
+    return text
+
+
+def percentile(values, q: float) -> float:
+    """The nearest-rank q-th percentile of values (q in [0, 100])."""
+    v = sorted(values)
+    return v[max(0, math.ceil(q / 100 * len(v)) - 1)]
+
+
+async def level(base, model, clients, max_tokens, chat=True, prompt_tokens=0, tokenizer=None):
     import openai
     client = openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0, timeout=3600)
-    prompts = [f"def function_{i:02d}(x):" for i in range(clients)]
+    prompts = [prompt_text(i, prompt_tokens, tokenizer) for i in range(clients)]
     t0 = time.perf_counter()
     try:
         runs = await asyncio.gather(*(one(client, model, p, max_tokens, chat) for p in prompts))
@@ -67,15 +98,24 @@ async def level(base, model, clients, max_tokens, chat=True):
     wall = time.perf_counter() - t0
     ttfts = sorted(r["ttft_s"] for r in runs if r["ttft_s"] is not None)
     tokens = sum(r["tokens"] for r in runs)
+    specs = [r["spec"] or {} for r in runs]
+    budgets = collections.Counter(str(s.get("tree_budget")) for s in specs)
+    rounds = collections.Counter()
+    for s in specs:
+        rounds.update(s.get("tree_budget_rounds") or {})
     return {"clients": clients, "wall_s": wall, "completion_tokens": tokens, "tokens_per_s": tokens / wall,
-            "ttft_median_s": statistics.median(ttfts), "ttft_max_s": ttfts[-1],
-            "per_request_tokens_per_s": statistics.median(r["tokens"] / r["wall_s"] for r in runs)}
+            "ttft_median_s": statistics.median(ttfts), "ttft_p90_s": percentile(ttfts, 90), "ttft_max_s": ttfts[-1],
+            "per_request_tokens_per_s": statistics.median(r["tokens"] / r["wall_s"] for r in runs),
+            "budget_per_slot": dict(budgets), "budget_rounds": dict(rounds),
+            "batch_max": max((s.get("batch", 1) for s in specs), default=1),
+            "mean_acceptance_length": statistics.median(s.get("mean_acceptance_length", 0.0) for s in specs)}
 
 
 def random_27b_engine(args):
     """An Engine over random Qwen3.6-27B / DFlash-shaped bf16 weights (benchmarks/bench.py's shapes)."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     sys.path.insert(0, ROOT)
+    import jax
     import jax.numpy as jnp
     import bench
     from jaxddtree.checkpoint.builtin import ByteTokenizer
@@ -89,26 +129,35 @@ def random_27b_engine(args):
         def decode(self, ids, **_) -> str:
             return "".join(chr(32 + int(i) % 95) for i in ids)
 
-    target = random_target(text_config_from_dict(dict(bench.QWEN36_27B), where="Qwen3.6-27B shapes"), "bfloat16")
-    target.kernels = args.kernels or "pallas"
-    drafter = bench.random_drafter(DrafterConfig(**bench.DFLASH_27B), jnp.bfloat16)
+    if args.compile_cache:  # as serve.py: reuse compilations across runs
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compile_cache))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    raw, dflash, dtype = dict(bench.QWEN36_27B), dict(bench.DFLASH_27B), "bfloat16"
+    if args.smoke:  # bench.py's tiny shapes (the code path on the CPU)
+        raw.update(bench.SMOKE_TARGET)
+        dflash.update(bench.SMOKE_DFLASH)
+        dtype = "float32"
+    target = random_target(text_config_from_dict(raw, where="Qwen3.6-27B shapes"), dtype)
+    target.kernels = args.kernels or ("xla" if jax.default_backend() == "cpu" else "pallas")
+    drafter = bench.random_drafter(DrafterConfig(**dflash), jnp.dtype(dtype))
     tok = PrintableTokenizer()
     engine = Engine(target, drafter, tok, name="random-27b", method=args.method or "ddtree", budget=args.budget,
                     max_context=args.max_context or 8192, queue_size=args.queue,
-                    default_max_tokens=args.default_max_tokens)
+                    default_max_tokens=args.default_max_tokens, max_batch=args.max_batch,
+                    prefill_chunks=args.prefill_chunks)
     t = time.perf_counter()
-    engine.warmup(encode_text(tok, "Hello"), temperatures=[0.0])
+    engine.warmup(encode_text(tok, "Hello"))
     print(f"serve_bench.py: random 27B pair compiled in {time.perf_counter() - t:.1f} s", flush=True)
     return engine
 
 
-def generate_same(engine, max_tokens: int, chat: bool) -> dict:
+def generate_same(engine, max_tokens: int, chat: bool, prompt_tokens: int = 0) -> dict:
     """`jaxddtree.generate(loop="device")` on the 1-client level's request (same prompt ids, pair, method, budget,
     caches, stop ids, max_tokens, temperature 0), in this process: tokens_per_s (decode only, generate's own
     figure) and e2e_tokens_per_s (completion tokens / (time to first token + decode), what a client waits)."""
     import jaxddtree
     from jaxddtree.text import encode_chat, encode_text, ensure_chat_template
-    prompt = "def function_00(x):"
+    prompt = prompt_text(0, prompt_tokens, engine.tokenizer)
     if chat:
         ensure_chat_template(engine.tokenizer)
         ids = encode_chat(engine.tokenizer, [{"role": "user", "content": prompt}])
@@ -127,6 +176,8 @@ def generate_same(engine, max_tokens: int, chat: bool) -> dict:
 
 
 def main(argv=None) -> int:
+    if ROOT not in sys.path:  # this checkout's jaxddtree, installed or not
+        sys.path.insert(0, ROOT)
     serve = serve_module()
     p = serve.build_parser()
     p.prog = "serve_bench.py"
@@ -134,8 +185,15 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--random-27b", action="store_true", help="random weights of the Qwen3.6-27B + DFlash shapes "
                    "(a GPU benchmark of the server at 27B; acceptance is about one token per round)")
+    p.add_argument("--prompt-tokens", type=int, default=0, metavar="N", help="prompt length in tokens, about "
+                   "(default: 0: a short prompt, 'def function_NN(x):')")
+    p.add_argument("--smoke", action="store_true", help="CPU check of the script: --clients 1 3, --max-tokens 8, "
+                   "--max-batch 2, --max-context 512; the demo pair, or with --random-27b bench.py's tiny shapes")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
+    if args.smoke:
+        args.clients, args.max_tokens, args.max_context = [1, 3], 8, 512
+        args.max_batch = 2 if args.max_batch == "auto" else args.max_batch
     engine = random_27b_engine(args) if args.random_27b else serve.load_engine(args)
     import uvicorn
     from jaxddtree.serving import create_app
@@ -148,29 +206,39 @@ def main(argv=None) -> int:
         time.sleep(0.05)
     base = f"http://127.0.0.1:{port}/v1"
     chat = not args.random_27b  # the random pair's tokenizer has no chat template: /v1/completions
-    asyncio.run(level(base, engine.name, 1, args.max_tokens, chat))  # compile the prompt's prefill shape
+    run_level = functools.partial(level, base, engine.name, max_tokens=args.max_tokens, chat=chat,
+                                  prompt_tokens=args.prompt_tokens, tokenizer=engine.tokenizer)
+    asyncio.run(run_level(1))  # a first request (anything left to set up)
     results = []
     for c in args.clients:
-        r = asyncio.run(level(base, engine.name, c, args.max_tokens, chat))
+        r = asyncio.run(run_level(c))
         results.append(r)
         print(f"{c:3d} clients: {r['tokens_per_s']:8.1f} tokens/s aggregate, "
               f"{r['per_request_tokens_per_s']:8.1f} per request, TTFT median {r['ttft_median_s'] * 1e3:8.1f} ms, "
-              f"max {r['ttft_max_s'] * 1e3:8.1f} ms ({r['completion_tokens']} tokens in {r['wall_s']:.2f} s)",
-              flush=True)
+              f"p90 {r['ttft_p90_s'] * 1e3:8.1f} ms ({r['completion_tokens']} tokens in {r['wall_s']:.2f} s), "
+              f"budget per slot {r['budget_per_slot']}, batched up to {r['batch_max']}", flush=True)
+    one_rate = next((r["tokens_per_s"] for r in results if r["clients"] == 1), None)
+    if one_rate:
+        for r in results:
+            r["over_1_client"] = round(r["tokens_per_s"] / one_rate, 3)
     srv.should_exit = True
     import jax
-    same = generate_same(engine, args.max_tokens, chat) if 1 in args.clients else None
+    same = generate_same(engine, args.max_tokens, chat, args.prompt_tokens) if 1 in args.clients else None
     if same:
         one_client = next(r for r in results if r["clients"] == 1)
         same["server_1_client_over_generate_e2e"] = round(one_client["tokens_per_s"] / same["e2e_tokens_per_s"], 3)
         same["server_1_client_over_generate_decode"] = round(one_client["tokens_per_s"] / same["tokens_per_s"], 3)
         print(f"generate (loop=device, same settings): {json.dumps(same)}", flush=True)
-    record = {"model": engine.name, "endpoint": "chat/completions" if chat else "completions", "method": engine.method, "budget": engine.budget, "max_tokens": args.max_tokens,
+    record = {"model": engine.name, "endpoint": "chat/completions" if chat else "completions",
+              "method": engine.method, "budget": engine.budget, "max_tokens": args.max_tokens,
+              "prompt_tokens": args.prompt_tokens or None, "max_batch": engine.max_batch,
+              "slot_rows": engine.slot_rows, "prefill_chunks": engine.prefill_chunks, "memory": engine.memory,
               "backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d"), "levels": results,
               "generate_device": same}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
+    print(json.dumps(record), flush=True)
     return 0
 
 

@@ -15,8 +15,9 @@ examples:
   # the demo pair in demo/ on http://127.0.0.1:8000
   python scripts/serve.py
 
-  # a real target + DFlash drafter
-  python scripts/serve.py --target ~/models/Qwen3.6-27B --drafter ~/models/Qwen3.6-27B-DFlash --budget 64
+  # a real target + DFlash drafter, up to 16 requests decoded at once (continuous batching), 8K tokens each
+  python scripts/serve.py --target ~/models/Qwen3.6-27B --drafter ~/models/Qwen3.6-27B-DFlash --budget 64 \
+      --max-batch 16 --max-context 8192
 
   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
       -d '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32, "temperature": 0}'
@@ -39,6 +40,13 @@ def positive_int(text: str) -> int:
 
 def budget_arg(text: str):
     """--budget: 'auto' or an integer >= 1."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    return positive_int(text)
+
+
+def max_batch_arg(text: str):
+    """--max-batch: 'auto' or an integer >= 1."""
     if text.strip().lower() == "auto":
         return "auto"
     return positive_int(text)
@@ -67,8 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--default-max-tokens", type=positive_int, default=256, metavar="N", help="completion "
                    "tokens of a chat request without max_tokens, capped by the context (default: 256; "
                    "/v1/completions defaults to 16 as in the OpenAI API)")
-    p.add_argument("--queue", type=positive_int, default=64, metavar="N", help="requests waiting at most; more "
-                   "get 503 (default: 64)")
+    p.add_argument("--max-batch", type=max_batch_arg, default="auto", metavar="N|auto", help="requests decoded "
+                   "at once (continuous batching: each has a slot of caches for --max-context tokens; more wait in "
+                   "the queue). auto: the largest of 16, 8, 4, 2, 1 whose slots fit in the device's free memory "
+                   "(4 on the CPU); an N that does not fit is a one-line error at start naming the largest that "
+                   "does (default: auto)")
+    p.add_argument("--prefill-chunks", type=positive_int, default=1, metavar="N", help="prefill chunks (of up to "
+                   "256 prompt tokens; 2048 past 8K) of a joining request per round while others decode: their "
+                   "stall per round (default: 1)")
+    p.add_argument("--queue", type=positive_int, default=64, metavar="N", help="requests waiting for a slot at "
+                   "most; more get 503 (default: 64)")
     p.add_argument("--model-name", default=None, help="the model id clients use (default: the target "
                    "directory's name, 'demo' for the demo pair)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None, help="default: float32 on CPU, "
@@ -76,9 +92,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernels", choices=("xla", "pallas"), default=None, help="default: pallas on GPU, xla on CPU")
     p.add_argument("--tp", type=positive_int, default=1, metavar="N", help="tensor parallelism: split the target "
                    "over the first N devices (see generate.py --tp; default: 1)")
-    p.add_argument("--warmup-temperatures", default="0,1", metavar="T,..", help="temperatures whose round is "
-                   "compiled before listening: 0 compiles the greedy round, any T > 0 the sampling round that every "
-                   "T > 0 shares (default: 0,1: both)")
     p.add_argument("--no-warmup", action="store_true", help="do not compile before listening")
     p.add_argument("--compile-cache", metavar="DIR", default=os.environ.get("JAXDDTREE_COMPILE_CACHE"),
                    help="persistent XLA compilation cache directory (default: $JAXDDTREE_COMPILE_CACHE)")
@@ -159,19 +172,18 @@ def load_engine(args):
     try:
         engine = Engine(target, drafter, tok, name=args.model_name or name, method=method, budget=args.budget,
                         budget_costs=costs, max_context=args.max_context, queue_size=args.queue,
-                        default_max_tokens=args.default_max_tokens)
-    except ValueError as e:  # e.g. the caches for --max-context do not fit in the device's memory
-        raise SystemExit(f"serve.py: error: --max-context: {e}") from None
+                        default_max_tokens=args.default_max_tokens, max_batch=args.max_batch,
+                        prefill_chunks=args.prefill_chunks)
+    except ValueError as e:  # e.g. the slots' caches for --max-context do not fit in the device's memory
+        raise SystemExit(f"serve.py: error: {e}") from None
+    print(f"serve.py: {engine.max_batch} slot(s) of {engine.cache_len} cache positions" + (
+        f" ({engine.memory['slot_gib']:.2f} GiB each; {engine.memory['free_gib']:.1f} GiB free, "
+        f"{engine.memory['fits']} slots would fit)" if engine.memory else ""), file=sys.stderr, flush=True)
     if not args.no_warmup:
         t = time.perf_counter()
-        try:
-            temps = [float(t) for t in args.warmup_temperatures.split(",") if t.strip()]
-        except ValueError:
-            raise SystemExit(f"serve.py: error: --warmup-temperatures {args.warmup_temperatures}: expected "
-                             "comma-separated numbers") from None
-        engine.warmup(encode_text(tok, "Hello"), temperatures=temps)
-        print(f"serve.py: compiled (temperatures {temps}) in {time.perf_counter() - t:.1f} s", file=sys.stderr,
-              flush=True)
+        engine.warmup(encode_text(tok, "Hello"))
+        print(f"serve.py: compiled (every prefill width, slot count, greedy and sampled) in "
+              f"{time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
     return engine
 
 

@@ -289,16 +289,26 @@ def test_scripts_default_to_auto(name, capsys):
     assert "auto" in p.format_help() and "round_ms_by_budget_context" in p.format_help()
 
 
-def test_engine_passes_the_table(monkeypatch):
+def test_engine_passes_the_table():
+    from helpers_pool import FakePool
+    from jaxddtree.checkpoint import builtin
     from jaxddtree.serving import engine as engine_lib
 
     seen = {}
-    monkeypatch.setattr(engine_lib, "generate", lambda *a, **kw: seen.update(kw))
-    e = engine_lib.Engine.__new__(engine_lib.Engine)  # no model, no worker thread: only _generate's arguments
-    e.target, e.drafter, e.method, e.budget, e.budget_costs = None, object(), "ddtree", "auto", {"chain": {"0": 1}}
-    e.stop_ids, e.cache_len = [0], 512
-    e._generate([1, 2], 8, 0.0, 0, None)
-    assert seen["tree_budget"] == "auto" and seen["budget_costs"] == {"chain": {"0": 1}}
+
+    def factory(target, drafter, **kw):  # the engine's slot pool: only its arguments matter here
+        seen.update(kw)
+        return FakePool(target, drafter, **kw)
+
+    pair = builtin.load_random("float32")
+    costs = {"chain": {"0": 1.0}, "2": {"0": 1.0}, "7": {"0": 1.0}}
+    e = engine_lib.Engine(pair.target, pair.drafter, None, budget="auto", budget_costs=costs, max_context=300,
+                          stop_ids=[], pool_factory=factory)
+    try:
+        assert seen["tree_budget"] == "auto" and isinstance(seen["budget_costs"], B.CostTable)
+        assert seen["budget_costs"] is e.budget_costs and seen["cache_len"] == e.cache_len
+    finally:
+        e.close()
     import inspect
     sig = inspect.signature(engine_lib.Engine.__init__).parameters
     assert sig["budget"].default == "auto" and sig["budget_costs"].default is None

@@ -17,6 +17,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 MAX_CONTEXT = 1024
+MAX_BATCH = 4  # the real server's slots: the concurrent tests run batched rounds of 2 and 4 slots
 
 
 def _free_port() -> int:
@@ -25,34 +26,59 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server():
+def _serve(engine):
+    """A uvicorn server over `engine` on a free port in a thread -> (base url, stop())."""
     import uvicorn
 
-    from jaxddtree.checkpoint import builtin
-    from jaxddtree.serving import Engine, create_app
-    from jaxddtree.text import encode_text
+    from jaxddtree.serving import create_app
 
-    if builtin.demo_dirs() is None:
-        pytest.skip("the demo pair (demo/) is absent")
-    pair = builtin.load("float32")
-    engine = Engine(pair.target, pair.drafter, pair.tokenizer, name="demo", method="ddtree", budget=64,
-                    max_context=MAX_CONTEXT, queue_size=64)
-    engine.warmup(encode_text(pair.tokenizer, "Hello"), temperatures=(0.0, 1.0))
     port = _free_port()
     srv = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
-    base = f"http://127.0.0.1:{port}"
     for _ in range(200):
         if srv.started:
             break
         time.sleep(0.05)
     assert srv.started, "the server did not start"
+
+    def stop():
+        srv.should_exit = True
+        thread.join(10)
+        engine.close()
+    return f"http://127.0.0.1:{port}", stop
+
+
+def _pool_factory():
+    """The real SlotPool (jaxddtree.speculative.batch) when present, else a pool over generate per request."""
+    try:
+        from jaxddtree.speculative.batch import SlotPool
+        return SlotPool
+    except ImportError:
+        from helpers_pool import GeneratePool
+        return GeneratePool
+
+
+@pytest.fixture(scope="module")
+def pair():
+    from jaxddtree.checkpoint import builtin
+
+    if builtin.demo_dirs() is None:
+        pytest.skip("the demo pair (demo/) is absent")
+    return builtin.load("float32")
+
+
+@pytest.fixture(scope="module")
+def server(pair):
+    from jaxddtree.serving import Engine
+    from jaxddtree.text import encode_text
+
+    engine = Engine(pair.target, pair.drafter, pair.tokenizer, name="demo", method="ddtree", budget=64,
+                    max_context=MAX_CONTEXT, queue_size=64, max_batch=MAX_BATCH, pool_factory=_pool_factory())
+    engine.warmup(encode_text(pair.tokenizer, "Hello"))
+    base, stop = _serve(engine)
     yield base, engine
-    srv.should_exit = True
-    thread.join(10)
-    engine.close()
+    stop()
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +138,18 @@ def test_nothing_compiles_after_warmup(server, client):
                                                 temperature=temperature, stream=stream)
             if stream:
                 list(out)
+        # then 2 and 3 requests at once (batched rounds of 2 and 4 slots; joins, leaves), greedy and sampled
+        # (truncated too), short and long prompts, streamed or not
+        reqs = [dict(prompt="import os", max_tokens=30, temperature=0.0, stream=True),
+                dict(prompt=long_prompt, max_tokens=9, temperature=0.7, extra_body={"top_p": 0.9}),
+                dict(prompt="x = ", max_tokens=20, temperature=1.0, stream=True)]
+
+        def call(kw):
+            out = client.completions.create(model="demo", **kw)
+            return "".join(c.choices[0].text for c in out if c.choices) if kw.get("stream") else out
+        for n in (2, 3):
+            with ThreadPoolExecutor(n) as ex:
+                list(ex.map(call, reqs[:n]))
     finally:
         jax.config.update("jax_log_compiles", False)
         for lg, lv in zip(loggers, levels):
@@ -164,7 +202,8 @@ def test_stop_strings(client):
 
 
 def test_concurrent_streams(client):
-    """32 streaming clients at once (8 prompts x 4): each stream equals its prompt's non-streamed text."""
+    """16 streaming clients at once (8 prompts x 2) on MAX_BATCH slots: each stream equals its prompt's non-streamed
+    text (computed one at a time)."""
     prompts = ["import os\n", "import sys\n", "class A:\n    ", "def main():\n    ", "return ",
                "for i in x:\n    ", "import re\n", "try:\n    "]
     kw = dict(model="demo", max_tokens=16, temperature=0)
@@ -173,12 +212,49 @@ def test_concurrent_streams(client):
         return "".join(c.choices[0].text for c in client.completions.create(prompt=p, stream=True, **kw)
                        if c.choices)
 
-    with ThreadPoolExecutor(32) as pool:
-        streamed = list(pool.map(stream, prompts * 4))
+    with ThreadPoolExecutor(16) as pool:
+        streamed = list(pool.map(stream, prompts * 2))
     want = {p: client.completions.create(prompt=p, **kw).choices[0].text for p in prompts}
     assert len(set(want.values())) >= 3  # different prompts give different texts: interleaving would show
-    for p, s in zip(prompts * 4, streamed):
+    for p, s in zip(prompts * 2, streamed):
         assert s == want[p], p
+
+
+def test_batched_requests_equal_their_texts_alone(server, client):
+    """3 requests at once through the real pool (T = 0, the tiny fp32 pair): different prompts, lengths and a stop
+    string, one finishing early, and a 4th client leaving mid-stream; each text equals its one-at-a-time text, and
+    the rounds ran batched (each slot's budget the bucket's: 2 slots x (63 + 1) or 4 x (31 + 1) verify rows)."""
+    _, engine = server
+    reqs = [dict(prompt="import os\nimport sys\n", max_tokens=40),
+            dict(prompt="class Parser:\n    def __init__(self):\n", max_tokens=12),
+            dict(prompt="def main():\n", max_tokens=32, stop=["\n\n\n"])]
+
+    def run(kw):
+        r = client.completions.create(model="demo", temperature=0, **kw)
+        return r.choices[0].text, r.choices[0].finish_reason, r.model_extra["speculative"]
+    def leave():  # a 4th client that leaves mid-stream: its slot is freed while the others go on
+        stream = client.completions.create(model="demo", prompt="def leave():\n", max_tokens=200, temperature=0,
+                                           stream=True)
+        for i, _ in enumerate(stream):
+            if i == 2:
+                stream.close()
+                return
+    alone = [run(kw) for kw in reqs]
+    assert all(a[2]["batch"] == 1 and a[2]["tree_budget"] == "64" for a in alone)
+    cancelled = engine.counts["cancelled"]
+    with ThreadPoolExecutor(4) as ex:
+        left = ex.submit(leave)
+        together = list(ex.map(run, reqs))
+        left.result()
+    assert [t[:2] for t in together] == [a[:2] for a in alone]
+    for _ in range(200):
+        if engine.counts["cancelled"] > cancelled and not engine.busy:
+            break
+        time.sleep(0.05)
+    assert engine.counts["cancelled"] == cancelled + 1 and engine.running() == 0
+    assert max(t[2]["batch"] for t in together) >= 2
+    seen = set().union(*(t[2]["tree_budget_rounds"] for t in together))
+    assert seen & {"63", "31"}, seen
 
 
 @pytest.mark.parametrize("body, status, param", [
@@ -269,17 +345,17 @@ def test_disconnect_cancels(server, client):
 
 
 def test_queue_full_503(server, client, monkeypatch):
-    """One request runs, `queue` wait, the next gets 503; the waiting ones still complete."""
+    """One request joins (its prefill held), `queue` wait, the next gets 503; the waiting ones still complete."""
     base, engine = server
     gate, started = threading.Event(), threading.Event()
-    original = engine._generate
+    original = engine.pool.prefill
 
-    def held(*a, **kw):  # hold the worker until the queue is full
+    def held(*a, **kw):  # hold the scheduler until the queue is full
         started.set()
         gate.wait(60)
         return original(*a, **kw)
 
-    monkeypatch.setattr(engine, "_generate", held)
+    monkeypatch.setattr(engine.pool, "prefill", held)
     monkeypatch.setattr(engine._queue, "maxsize", 1)
     monkeypatch.setattr(engine, "queue_size", 1)
     body = {"model": "demo", "prompt": "def main():\n", "max_tokens": 8, "temperature": 0}
@@ -349,17 +425,13 @@ def _block(name, **params) -> str:
 
 
 def _scripted(engine, text, prompts):
-    """An engine._generate that records the prompt and 'generates' `text` (then a stop id) in 5-token rounds, so
-    that tags are split across stream events."""
-    from jaxddtree.text import encode_text
-    ids = encode_text(engine.tokenizer, text) + [engine.stop_ids[0]]
+    """A pool (in place of engine.pool) that records the prompts and 'generates' `text` (then a stop id) in
+    5-token rounds, so that tags are split across stream events."""
+    from helpers_pool import ScriptedPool
 
-    def fake(prompt_ids, max_new, temperature, seed, on_tokens, **kw):
-        prompts.append(engine.tokenizer.decode(prompt_ids))
-        for i in range(0, len(ids), 5):
-            on_tokens(ids[i:i + 5])  # raises at the stop id
-        raise AssertionError("unreachable: the stop id ends the job")
-    return fake
+    pool = ScriptedPool(engine, lambda prompt: text, per_round=5)
+    pool.prompts = prompts
+    return pool
 
 
 def _stream_message(stream):
@@ -384,7 +456,7 @@ def test_tool_call_round_trip(server, client, monkeypatch):
     assert engine.stop_ids
     prompts = []
     out = "Let me check.\n\n" + _block("get_weather", city="Paris", days=3) + "\n" + _block("get_time", tz="UTC")
-    monkeypatch.setattr(engine, "_generate", _scripted(engine, out, prompts))
+    monkeypatch.setattr(engine, "pool", _scripted(engine, out, prompts))
     msgs = [{"role": "user", "content": "Weather and time in Paris?"}]
     r = client.chat.completions.create(model="demo", messages=msgs, tools=TOOLS, max_tokens=200)
     c = r.choices[0]
@@ -402,7 +474,7 @@ def test_tool_call_round_trip(server, client, monkeypatch):
     history = msgs + [c.message.model_dump(exclude_none=True),
                       {"role": "tool", "tool_call_id": c.message.tool_calls[0].id, "content": "sunny, 21 C"},
                       {"role": "tool", "tool_call_id": c.message.tool_calls[1].id, "content": "12:00"}]
-    monkeypatch.setattr(engine, "_generate", _scripted(engine, "Sunny, 21 C; it is noon.", prompts))
+    monkeypatch.setattr(engine, "pool", _scripted(engine, "Sunny, 21 C; it is noon.", prompts))
     r2 = client.chat.completions.create(model="demo", messages=history, tools=TOOLS, max_tokens=200)
     assert r2.choices[0].message.content == "Sunny, 21 C; it is noon." and r2.choices[0].finish_reason == "stop"
     assert not r2.choices[0].message.tool_calls
@@ -416,7 +488,7 @@ def test_tool_call_malformed_and_tool_choice(server, client, monkeypatch):
     _, engine = server
     prompts = []
     bad = "Sure.\n<tool_call>\n<function=get_weather>\nParis\n</function>\n</tool_call>"
-    monkeypatch.setattr(engine, "_generate", _scripted(engine, bad, prompts))
+    monkeypatch.setattr(engine, "pool", _scripted(engine, bad, prompts))
     msgs = [{"role": "user", "content": "Weather?"}]
     r = client.chat.completions.create(model="demo", messages=msgs, tools=TOOLS, max_tokens=200)
     assert r.choices[0].message.content == bad and not r.choices[0].message.tool_calls
@@ -426,7 +498,7 @@ def test_tool_call_malformed_and_tool_choice(server, client, monkeypatch):
     assert (content, calls, finish) == (bad, [], "stop")
 
     good = _block("get_weather", city="Oslo")
-    monkeypatch.setattr(engine, "_generate", _scripted(engine, good, prompts))
+    monkeypatch.setattr(engine, "pool", _scripted(engine, good, prompts))
     r = client.chat.completions.create(model="demo", messages=msgs, tools=TOOLS, tool_choice="none", max_tokens=200)
     assert r.choices[0].message.content == good and not r.choices[0].message.tool_calls  # neither rendered nor parsed
     assert "<tools>" not in prompts[-1]
@@ -437,3 +509,187 @@ def test_tool_call_malformed_and_tool_choice(server, client, monkeypatch):
     r = client.chat.completions.create(model="demo", messages=msgs, tools=TOOLS, tool_choice="required",
                                        max_tokens=200)
     assert r.choices[0].finish_reason == "tool_calls"
+
+
+# ------------------------------------------------------------------------------- the scheduler (a fake pool)
+FAKE_BATCH = 2
+
+
+def _reply(prompt: str) -> str:
+    """The scripted pool's 'generation' for a prompt: distinct per prompt, long enough for many rounds."""
+    tail = prompt.strip()[-12:]
+    return "".join(f"<{tail}:{i}> " for i in range(40))
+
+
+@pytest.fixture(scope="module")
+def fake(pair):
+    """A server whose engine drives a scripted pool of FAKE_BATCH slots (helpers_pool.ScriptedPool: 3 tokens a
+    round, 10 ms a step), so the scheduler's joins, leaves and waits are observable in
+    the pool's log."""
+    from helpers_pool import FakePool, ScriptedPool
+    from jaxddtree.serving import Engine
+
+    engine = Engine(pair.target, pair.drafter, pair.tokenizer, name="demo", method="ddtree", budget=64,
+                    max_context=MAX_CONTEXT, queue_size=8, max_batch=FAKE_BATCH, pool_factory=FakePool)
+    engine.pool = ScriptedPool(engine, _reply, per_round=3, delay=0.01)
+    base, stop = _serve(engine)
+    yield base, engine, openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
+    stop()
+
+
+def _stream_completion(client, prompt, max_tokens, stop_after=None):
+    """(text, finish_reason, speculative) of a streamed completion; stop_after=k: leave after k text events."""
+    parts, finish, spec = [], None, None
+    stream = client.completions.create(model="demo", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                       stream=True)
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            parts.append(chunk.choices[0].text)
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
+            spec = chunk.model_extra.get("speculative")
+        if stop_after is not None and len(parts) >= stop_after:
+            stream.close()
+            break
+    return "".join(parts), finish, spec
+
+
+def _log_since(pool, n):
+    return list(pool.log[n:])
+
+
+def test_scheduler_join_leave_and_wait_for_a_slot(fake):
+    """3 requests on 2 slots at once (different max_tokens, so one leaves early): each text is its one-at-a-time
+    text; the third waits in the queue until a slot is released and then takes that slot; while 2 run, each
+    slot's budget is the pool's 2-slot budget."""
+    _, engine, client = fake
+    pool = engine.pool
+    jobs = [("import os\n", 10), ("import sys\n", 90), ("class A:\n", 25)]
+    alone = [_stream_completion(client, p, m)[:2] for p, m in jobs]
+    assert len({t for t, _ in alone}) == 3 and all(f == "length" for _, f in alone)
+    start = len(pool.log)
+    with ThreadPoolExecutor(3) as ex:
+        outs = list(ex.map(lambda j: _stream_completion(client, *j), jobs))
+    assert [o[:2] for o in outs] == alone
+    log = _log_since(pool, start)
+    admits = [e for e in log if e[0] == "admit"]
+    assert len(admits) == 3
+    first_release = next(i for i, e in enumerate(log) if e[0] == "release")
+    third = log.index(admits[2])
+    assert third > first_release  # it waited for a free slot
+    assert admits[2][2] == log[first_release][1]  # ... and took the freed one
+    assert max(len(e[1]) for e in log if e[0] == "step") == FAKE_BATCH
+    spec = outs[1][2]  # the longest: ran next to the others, then alone
+    assert spec["batch"] == 2 and spec["max_batch"] == FAKE_BATCH and spec["rounds"] >= 1
+    assert set(spec["tree_budget_rounds"]) == {"63", "64"}  # 2 slots: 2 x (63 + 1) rows; alone: its own 64
+    assert spec["tree_budget"] in ("63", "64") and 2.5 < spec["mean_acceptance_length"] <= 3.0
+    assert engine.running() == 0 and engine.waiting() == 0
+
+
+def test_scheduler_prefill_one_chunk_per_round(fake):
+    """A long prompt joining while another request decodes is prefilled one chunk per round (a step between any
+    two of its chunks; its start follows its last chunk at once); with nothing decoding its chunks run back to
+    back."""
+    _, engine, client = fake
+    pool = engine.pool
+    long_prompt = "def f(x):\n    return x + 1\n" * 80  # 3-4 chunks of 256 tokens
+
+    def chunks(log, rid):
+        return [i for i, e in enumerate(log) if e[0] in ("advance", "start") and e[1] == rid]
+    start = len(pool.log)
+    _stream_completion(client, long_prompt, 4)
+    log = _log_since(pool, start)
+    idx = chunks(log, log[0][1])
+    assert len(idx) >= 4 and idx == list(range(idx[0], idx[0] + len(idx)))  # alone: back to back
+    with ThreadPoolExecutor(2) as ex:
+        start = len(pool.log)
+        running = ex.submit(_stream_completion, client, "import re\n", 150)
+        for _ in range(500):
+            if any(e[0] == "step" and e[1] for e in pool.log[start:]):
+                break
+            time.sleep(0.01)
+        joining = ex.submit(_stream_completion, client, long_prompt, 4)
+        outs = running.result(), joining.result()
+    log = _log_since(pool, start)
+    rid = [e[1] for e in log if e[0] == "prefill"][1]  # the joining one's
+    idx = chunks(log, rid)
+    assert len(idx) >= 4 and log[idx[-1]][0] == "start"
+    for a, b in zip(idx[:-2], idx[1:-1]):
+        assert [e for e in log[a:b] if e[0] == "step"], "two prefill chunks without a round between them"
+    assert idx[-1] == idx[-2] + 1  # the start right after the last chunk
+    assert outs[0][1] == "length" and outs[1][1] == "length"
+
+
+def test_scheduler_cancel_frees_the_slot(fake):
+    """A client leaving mid-stream frees its slot at the next step (counted as cancelled); the other stream goes
+    on to its full text and a waiting request takes the freed slot."""
+    _, engine, client = fake
+    pool = engine.pool
+    want = _stream_completion(client, "import json\n", 60)[0]
+    before = dict(engine.counts)
+    start = len(pool.log)
+    with ThreadPoolExecutor(3) as ex:
+        stays = ex.submit(_stream_completion, client, "import json\n", 60)
+        leaves = ex.submit(_stream_completion, client, "import time\n", 200, 2)
+        left = leaves.result()
+        later = ex.submit(_stream_completion, client, "import abc\n", 5)
+        assert stays.result()[0] == want and later.result()[1] == "length"
+    assert left[1] is None and left[0]
+    for _ in range(200):
+        if engine.counts["cancelled"] > before["cancelled"]:
+            break
+        time.sleep(0.02)
+    assert engine.counts["cancelled"] == before["cancelled"] + 1
+    assert engine.counts["completed"] == before["completed"] + 2
+    log = _log_since(pool, start)
+    releases = [e[1] for e in log if e[0] == "release"]
+    assert len(releases) == 3
+    assert engine.running() == 0
+
+
+def test_scheduler_errors_fail_only_their_request(fake, monkeypatch):
+    """A request whose prefill fails gets a 500 (its message); one whose rounds fail mid-way too; the requests
+    beside it complete, and the server keeps serving."""
+    base, engine, client = fake
+    pool = engine.pool
+    real = pool.rounds_of
+
+    def rounds_of(req):
+        if engine.tokenizer.decode(req.ids).startswith("boom"):
+            raise RuntimeError("device on fire")
+        return real(req)
+
+    monkeypatch.setattr(pool, "rounds_of", rounds_of)
+    want = _stream_completion(client, "import io\n", 30)[0]
+    with ThreadPoolExecutor(2) as ex:
+        ok = ex.submit(_stream_completion, client, "import io\n", 30)
+        bad = ex.submit(httpx.post, base + "/v1/completions", json={"model": "demo", "prompt": "boom", "max_tokens": 8},
+                        timeout=60)
+        r = bad.result()
+        assert ok.result()[0] == want
+    assert r.status_code == 500 and "device on fire" in r.json()["error"]["message"]
+    assert _stream_completion(client, "import io\n", 30)[0] == want
+
+
+def test_scheduler_step_failure_fails_the_running_requests(fake, monkeypatch):
+    """A round that fails fails the requests running in it (500 / an error event), not the server: the next
+    requests complete."""
+    base, engine, client = fake
+    pool = engine.pool
+    real, calls = pool.step, []
+
+    def step():  # fails once, when both requests run
+        if len(pool.slots) == 2 and not calls:
+            calls.append(1)
+            raise RuntimeError("XLA went away")
+        return real()
+
+    want = _stream_completion(client, "import io\n", 30)[0]
+    monkeypatch.setattr(pool, "step", step)
+    body = {"model": "demo", "prompt": "import io\n", "max_tokens": 150}
+    with ThreadPoolExecutor(2) as ex:
+        rs = list(ex.map(lambda _: httpx.post(base + "/v1/completions", json=body, timeout=60), range(2)))
+    assert [r.status_code for r in rs] == [500, 500]
+    assert all("XLA went away" in r.json()["error"]["message"] for r in rs)
+    assert _stream_completion(client, "import io\n", 30)[0] == want
+    assert engine.running() == 0 and not pool.slots  # their slots released

@@ -52,3 +52,59 @@ def test_missing_extra_checked_before_loading(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         serve.main(["--help"])
     assert e.value.code == 0
+
+
+class _Device:
+    """A device reporting memory statistics (the CPU reports none)."""
+    device_kind = "Fake GPU"
+
+    def __init__(self, free):
+        self.free = free
+
+    def memory_stats(self):
+        return {"bytes_limit": self.free + 1000, "bytes_in_use": 1000}
+
+
+def test_max_batch_memory_check():
+    """--max-batch against the device's free memory: `peak_slots(N)` slots' caches + the reserve; auto = the
+    largest power of two that fits; too many = one line naming --max-batch and the largest N that fits."""
+    from jaxddtree.checkpoint import builtin
+    from jaxddtree.serving import engine as E
+
+    pair = builtin.load_random("float32")
+    t, d = pair.target, pair.drafter
+    cache_len, chunk = 1280, 256
+    slot, reserve = E._slot_bytes(t, d, cache_len), E._reserve_bytes(t.config, chunk, 128)
+    assert slot > t.cache_bytes(cache_len)  # the drafter's context cache counted too
+    assert [E.peak_slots(n) for n in (1, 2, 4, 5, 8, 16)] == [2, 4, 7, 10, 13, 25]
+    dev = _Device(reserve + E.peak_slots(5) * slot + slot // 2)  # 5 fit (10 slots' caches), 6 do not (11)
+    n, mem = E.fit_max_batch(t, d, cache_len, 1024, chunk, "auto", device=dev)
+    assert (n, mem["fits"], mem["peak_slots"]) == (4, 5, 7)
+    assert E.fit_max_batch(t, d, cache_len, 1024, chunk, 5, device=dev)[0] == 5
+    with pytest.raises(ValueError) as e:
+        E.fit_max_batch(t, d, cache_len, 1024, chunk, 6, device=dev)
+    msg = str(e.value)
+    assert "\n" not in msg and "--max-batch 6 does not fit on Fake GPU" in msg and "at most --max-batch 5" in msg
+    with pytest.raises(ValueError, match="not even one request fits .* lower --max-context"):
+        E.fit_max_batch(t, d, cache_len, 1024, chunk, "auto", device=_Device(reserve + slot))
+    assert E.fit_max_batch(t, d, cache_len, 1024, chunk, "auto", device=_Device(10 ** 15))[0] == E.AUTO_MAX_BATCH
+    assert E.fit_max_batch(t, d, cache_len, 1024, chunk, 3, device=object())[0] == 3  # no statistics: unchecked
+    tp2 = type("TP2", (), {"tp": 2})()  # tensor parallelism: one slot (batched rounds run on one device)
+    assert E.fit_max_batch(tp2, None, cache_len, 1024, chunk, "auto", device=object())[0] == 1
+    with pytest.raises(ValueError, match="--max-batch 2 needs --tp 1"):
+        E.fit_max_batch(tp2, None, cache_len, 1024, chunk, 2, device=object())
+
+
+def test_max_batch_argument():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("serve_script", SCRIPT)
+    serve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve)
+    p = serve.build_parser()
+    assert p.parse_args([]).max_batch == "auto"
+    assert p.parse_args(["--max-batch", "AUTO"]).max_batch == "auto"
+    assert p.parse_args(["--max-batch", "6"]).max_batch == 6
+    for bad in ("0", "two"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--max-batch", bad])

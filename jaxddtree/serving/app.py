@@ -53,8 +53,8 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": engine.name, "busy": engine.busy, "waiting": engine.waiting(),
-                **engine.counts}
+        return {"status": "ok", "model": engine.name, "busy": engine.busy, "running": engine.running(),
+                "waiting": engine.waiting(), "max_batch": engine.max_batch, **engine.counts}
 
     @app.get("/v1/models")
     async def models():

@@ -1,38 +1,53 @@
-"""The single-worker generation engine: one request at a time on the device, the others in a bounded queue.
+"""The generation engine: continuous batching of up to `max_batch` requests on the device, the others in a
+bounded queue.
 
-A worker thread runs `jaxddtree.generate` for each job (`sync_every=1`: the host loop keeps the next round
-enqueued while it streams the last one's tokens); its `on_tokens` callback detokenises each round's tokens
-(`TextStream`), hands the text deltas to the job's asyncio queue (thread-safe, through the event loop) and stops
-the generation early, by raising, when the client went away, a stop string appeared or max_tokens were reached.
-Every request uses caches of one capacity (`cache_len`, for `max_context` tokens) and max_tokens is data, so
-one compiled round per temperature class serves all requests; `warmup` compiles it, and every prefill chunk
-width, before the server listens: nothing compiles afterwards.
+A scheduler thread drives a `SlotPool` (speculative/batch.py): each iteration it
+  1. takes the next waiting job when a slot is free (`pool.prefill`: validated, nothing run yet),
+  2. advances that job's prefill by one chunk (`Pending.advance`; `prefill_chunks` of them if set; every chunk
+     at once when no slot decodes, as nobody waits), and admits it into a free slot once its prefill is done, so
+     that the running requests stall for at most one prefill chunk per round,
+  3. releases the slots of requests whose client went away,
+  4. runs `pool.step()` (the next call of rounds for every active slot is enqueued; the previous call's tokens
+     come back) and hands each slot's new tokens to its job: detokenised (`TextStream`), pushed to the job's
+     asyncio queue (thread-safe, through the event loop), the job finished (`pool.release`) at max_tokens, a
+     stop string or a stop id.
+When nothing runs and nothing joins it blocks on the queue. The queue holds only waiting jobs (`queue_size` of
+them; more get `QueueFull`, the app's 503); running and joining ones have left it. A failure fails the requests
+it touches (a prefill: its request; a step: the running ones), never the server.
+
+Every slot has caches of one capacity (`cache_len`, for `max_context` tokens) and max_tokens is data, so the
+pool's compiled functions serve all requests; `warmup` compiles them before the server listens: nothing
+compiles afterwards. How many slots fit is checked at start (`fit_max_batch`): the caches of `peak_slots(N)` slots
++ a working reserve must fit in the device's free memory.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
+import itertools
 import queue
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
-from jaxddtree.model.prefill import chunk_widths
+import jax
+import jax.numpy as jnp
+
+from jaxddtree.model.prefill import chunk_size
 from jaxddtree.text import TextStream, default_stop_ids
-from jaxddtree.speculative.loop import capacity, check_memory, generate, resolve_budget
+from jaxddtree.speculative.batch import Request, SlotPool, buckets
+from jaxddtree.speculative.loop import capacity, resolve_budget
+
+AUTO_MAX_BATCH = 16  # max_batch="auto": the largest power of two up to this that fits in memory
+CPU_AUTO_MAX_BATCH = 4  # ... on a device without memory statistics (the CPU)
+GIB = 1 << 30
+_NOTHING = object()  # no job waiting
 
 
 class QueueFull(Exception):
     """The bounded request queue is full."""
-
-
-class _Stop(Exception):
-    """Raised from on_tokens to end a generation early; `reason` is the finish reason."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
 
 
 @dataclasses.dataclass
@@ -48,21 +63,119 @@ class Job:
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+    submitted: float = 0.0  # time.perf_counter() at submit
 
     def cancel(self):
         self.cancelled.set()
 
     def push(self, kind: str, value: Any):
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:  # its event loop is closed (the server shut down): nobody listens
+            pass
+
+
+@dataclasses.dataclass
+class _Run:
+    """A job in the scheduler: joining (`pending`, its prefill under way) or running in slot `handle`."""
+    job: Job
+    stream: TextStream
+    t0: float  # left the queue
+    pending: Any = None
+    chunks: int = 1  # the prompt's prefill chunks
+    advanced: int = 0  # advance() calls so far
+    handle: int | None = None
+    kept: list[int] = dataclasses.field(default_factory=list)  # completion tokens (up to max_tokens / a stop)
+    ttft: float | None = None
+    rounds: int = 0
+    accepted: int = 0
+    budget_rounds: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    budget: Any = None
+    peers: int = 1  # most requests running at once while it ran (itself included)
+
+
+def _slot_bytes(target, drafter, cache_len: int) -> int:
+    """Device bytes of one slot's caches on one device: the target's (split by heads over tp) + the drafter's."""
+    n = target.cache_bytes(cache_len) // target.tp
+    if drafter is not None:
+        n += sum(x.size * jnp.dtype(x.dtype).itemsize
+                 for x in jax.tree.leaves(jax.eval_shape(lambda: drafter.init_cache(1, cache_len))))
+    return n
+
+
+def _reserve_bytes(cfg, chunk: int, slot_rows: int) -> int:
+    """Working memory besides the caches: a prefill chunk's activations (loop.check_memory's rule: the MLP's
+    gate|up rows dominate), a batched verify's fp32 logits (slot_rows rows, twice), 1 GiB to spare."""
+    return 2 * chunk * (2 * cfg.intermediate_size + 4 * cfg.hidden_size) * 4 + 2 * slot_rows * cfg.vocab_size * 4 + GIB
+
+
+def peak_slots(max_batch: int) -> int:
+    """Slots' caches alive at once at the worst moment of a pool of max_batch slots: the largest bucket and the one
+    below it while the batch is resized between them (the resize copies), + a joining request's caches."""
+    bs = (1,) + buckets(max_batch)
+    return bs[-1] + (bs[-2] if len(bs) > 1 else 0) + 1
+
+
+def fit_max_batch(target, drafter, cache_len: int, max_context: int, chunk: int, max_batch, slot_rows: int = 128,
+                  device=None) -> tuple[int, dict | None]:
+    """-> (max_batch, memory figures or None). `max_batch` "auto": the largest power of two <= AUTO_MAX_BATCH
+    whose slots fit (CPU_AUTO_MAX_BATCH on a device without memory statistics; 1 with tensor parallelism); an int:
+    checked. N slots need `peak_slots(N)` x one slot's caches + a working reserve (`_reserve_bytes`) in the device's
+    free memory (the weights already loaded). ValueError (one line) when it does not fit, naming the largest
+    max_batch that does."""
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    auto = isinstance(max_batch, str)
+    if auto and max_batch.strip().lower() != "auto":
+        raise ValueError(f"max_batch must be an int >= 1 or 'auto', got {max_batch!r}")
+    if not auto and int(max_batch) < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    if getattr(target, "tp", 1) > 1:  # batched rounds run on one device
+        if not auto and int(max_batch) > 1:
+            raise ValueError(f"--max-batch {max_batch} needs --tp 1: batched rounds run on one device")
+        auto, max_batch = False, 1
+    if not stats or "bytes_limit" not in stats:
+        return (CPU_AUTO_MAX_BATCH if auto else int(max_batch)), None
+    slot = _slot_bytes(target, drafter, cache_len)
+    reserve = _reserve_bytes(target.config, chunk, slot_rows)
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    fits = 0
+    while fits < 4096 and peak_slots(fits + 1) * slot + reserve <= free:
+        fits += 1
+    mem = {"slot_gib": slot / GIB, "reserve_gib": reserve / GIB, "free_gib": free / GIB, "fits": fits,
+           "cache_positions": cache_len}
+    where = (f"on {device.device_kind}: one slot's caches for max_context {max_context} ({cache_len} positions) take "
+             f"{slot / GIB:.2f} GiB, the working reserve {reserve / GIB:.1f} GiB, {free / GIB:.1f} GiB are free")
+    if fits < 1:
+        raise ValueError(f"not even one request fits {where}; lower --max-context")
+    if auto:
+        n = 1
+        while n * 2 <= min(AUTO_MAX_BATCH, fits):
+            n *= 2
+        mem["peak_slots"] = peak_slots(n)
+        return n, mem
+    n = int(max_batch)
+    if n > fits:
+        raise ValueError(f"--max-batch {n} does not fit {where} (at most {peak_slots(n)} slots' caches at once: "
+                         f"resizes and a joining request); at most --max-batch {fits} fits (or lower --max-context)")
+    mem["peak_slots"] = peak_slots(n)
+    return n, mem
 
 
 class Engine:
-    """Owns the model pair and the worker thread. `submit` queues a job (QueueFull when the queue is full);
-    the job's events are ("delta", text) ..., then ("done", info) or ("error", message)."""
+    """Owns the model pair, the slot pool and the scheduler thread. `submit` queues a job (QueueFull when the
+    queue is full); the job's events are ("delta", text) ..., then ("done", info) or ("error", message).
+
+    max_batch: requests decoded at once (an int, or "auto": what fits in memory, `fit_max_batch`); slot_rows:
+    the pool's verify rows per batched round (each slot's tree budget shrinks as the batch grows); prefill_chunks:
+    a joining request's prefill chunks per round while others decode (their stall per round);
+    pool_factory(target, drafter, **SlotPool's keyword arguments): the pool (default: speculative.batch.SlotPool;
+    tests pass fakes)."""
 
     def __init__(self, target, drafter, tokenizer, *, name: str = "jaxddtree", method: str = "ddtree",
                  budget: int | str = "auto", max_context: int | None = None, queue_size: int = 64, stop_ids=None,
-                 default_max_tokens: int = 256, budget_costs=None):
+                 default_max_tokens: int = 256, budget_costs=None, max_batch: int | str = 1, slot_rows: int = 128,
+                 prefill_chunks: int = 1, pool_factory: Callable | None = None):
         cfg = target.config
         self.target, self.drafter, self.tokenizer, self.name = target, drafter, tokenizer, name
         self.method = method if drafter is not None else "ar"
@@ -75,19 +188,30 @@ class Engine:
         # the widest verify (the largest candidate)
         widest, self.budget_costs = resolve_budget(budget, self.method, cfg.vocab_size, dcfg, budget_costs)
         chunk, self.cache_len = capacity(target, dcfg, self.method, widest, self.max_context, 0)
-        # one line, before anything is compiled, when the caches for max_context do not fit (ValueError)
-        check_memory(target, drafter if dcfg else None, self.cache_len, self.max_context, 0, chunk)
+        # one line, before anything is compiled, when the slots' caches for max_context do not fit (ValueError)
+        self.max_batch, self.memory = fit_max_batch(target, drafter if dcfg else None, self.cache_len,
+                                                    self.max_context, chunk, max_batch, slot_rows)
+        self.slot_rows = slot_rows
+        if int(prefill_chunks) < 1:
+            raise ValueError(f"prefill_chunks must be >= 1, got {prefill_chunks}")
+        self.prefill_chunks = int(prefill_chunks)
+        self.pool = (pool_factory or SlotPool)(
+            target, drafter if dcfg else None, method=self.method, max_batch=self.max_batch,
+            cache_len=self.cache_len, tree_budget=budget, budget_costs=self.budget_costs, slot_rows=slot_rows,
+            sync_every=1)
         self.queue_size = queue_size
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0}
         self.busy = False
-        self._thread = threading.Thread(target=self._work, name="jaxddtree-generate", daemon=True)
+        self._running = 0  # requests in slots or joining
+        self._thread = threading.Thread(target=self._work, name="jaxddtree-scheduler", daemon=True)
         self._thread.start()
 
     # ---------------------------------------------------------------- asyncio side
     def submit(self, job: Job) -> Job:
         job.loop = asyncio.get_running_loop()
         job.events = asyncio.Queue()
+        job.submitted = time.perf_counter()
         try:
             self._queue.put_nowait(job)
         except queue.Full:
@@ -97,100 +221,189 @@ class Engine:
     def waiting(self) -> int:
         return self._queue.qsize()
 
+    def running(self) -> int:
+        """Requests in a slot or joining one."""
+        return self._running
+
     def close(self):
         self._queue.put(None)
 
-    # ---------------------------------------------------------------- worker side
-    def warmup(self, prompt_ids, temperatures=(0.0,)):
-        """Compile everything a request can run: the prefill of every chunk width a prompt of up to max_context
-        tokens uses (prompts of those lengths, made from `prompt_ids`), the request setup and the round of each
-        temperature class (greedy, sampling: every T > 0 shares one), with a few rounds each."""
-        ids = list(prompt_ids) or [0]
-        for _, n in chunk_widths(self.max_context - 2):
-            prompt = (ids * (n // len(ids) + 1))[:n]
-            for t in temperatures:
-                self._generate(prompt, 2, float(t), 0, on_tokens=lambda new: None)
-                if t > 0:  # the sampling round with truncation (top_k / top_p / min_p: one compilation for all)
-                    self._generate(prompt, 2, float(t), 0, on_tokens=lambda new: None, top_p=0.5)
+    def warmup(self, prompt_ids):
+        """Compile everything a request can run (`pool.warmup`: every prefill width, the single-slot rounds
+        greedy / sampled / truncated, the round of every slot-count bucket, joins and resizes), before the server
+        listens."""
+        self.pool.warmup(list(prompt_ids) or [0])
 
-    def _generate(self, ids, max_new, temperature, seed, on_tokens, top_k=0, top_p=1.0, min_p=0.0):
-        return generate(self.target, ids, drafter=self.drafter if self.method != "ar" else None,
-                        method=self.method, max_new_tokens=max_new, tree_budget=self.budget,
-                        budget_costs=self.budget_costs, temperature=temperature, top_k=top_k, top_p=top_p,
-                        min_p=min_p, seed=seed, stop_ids=self.stop_ids, sync_every=1, on_tokens=on_tokens,
-                        cache_len=self.cache_len)
+    # ---------------------------------------------------------------- scheduler side
+    def _request(self, job: Job):
+        room = self.max_context - len(job.prompt_ids)
+        return Request(ids=list(job.prompt_ids), max_new=min(job.max_tokens, room), temperature=job.temperature,
+                       top_k=job.top_k, top_p=job.top_p, min_p=job.min_p, seed=job.seed,
+                       stop_ids=tuple(self.stop_ids))
 
     def _work(self):
+        runs: dict[int, _Run] = {}  # by pool handle
+        joining: _Run | None = None
+        closing = False
         while True:
-            job = self._queue.get()
-            if job is None:
+            self.busy, self._running = bool(runs or joining), len(runs) + (joining is not None)
+            pool = self.pool
+            # 1. the next waiting job, when a slot is free (blocking when there is nothing else to do)
+            if joining is None and not closing and pool.free() > 0:
+                try:
+                    job = self._queue.get(block=not runs)
+                except queue.Empty:
+                    job = _NOTHING
+                if job is None:  # close()
+                    closing = True
+                elif job is not _NOTHING:
+                    pool = self.pool  # (read again: the wait may have been long)
+                    joining = self._join(pool, job)
+            if closing and not runs and joining is None:
                 return
-            if job.cancelled.is_set():
-                self.counts["cancelled"] += 1
-                continue
-            self.busy = True
-            try:
-                self._run(job)
-            except Exception as e:  # a failed generation fails its request, never the server
-                self.counts["failed"] += 1
-                job.push("error", f"generation failed: {type(e).__name__}: {e}")
-            finally:
-                self.busy = False
+            # 2. one prefill chunk of the joining job (all of them when no slot decodes), then admit it
+            if joining is not None:
+                joining = self._advance(pool, joining, runs)
+            # 3. clients gone
+            for h, r in list(runs.items()):
+                if r.job.cancelled.is_set():
+                    del runs[h]
+                    self._release(pool, h)
+                    self._cancelled(r)
+            # 4. the next call of rounds; the previous call's tokens to their jobs
+            if runs:
+                n = len(runs)
+                for r in runs.values():
+                    r.peers = max(r.peers, n)
+                try:
+                    updates = pool.step()
+                except Exception as e:  # fails the running requests, not the server
+                    for h, r in list(runs.items()):
+                        del runs[h]
+                        self._release(pool, h)
+                        self._fail(r, e)
+                    continue
+                for h, u in updates.items():
+                    r = runs.get(h)
+                    if r is None:  # released since (cancelled): its late tokens are dropped
+                        continue
+                    try:
+                        finish = self._feed(r, u)
+                    except Exception as e:
+                        finish = e
+                    if finish is not None:
+                        del runs[h]
+                        self._release(pool, h)
+                        if isinstance(finish, Exception):
+                            self._fail(r, finish)
+                        elif finish == "cancelled":
+                            self._cancelled(r)
+                        else:
+                            self._finish(r, finish)
 
-    def _run(self, job: Job):
-        stream = TextStream(self.tokenizer, job.stop)
-        kept: list[int] = []  # completion tokens (up to max_tokens / the stop string)
-        calls = [0, 0]  # on_tokens calls, tokens emitted by generate
-        t0 = time.perf_counter()
-        ttft = [None]
-
-        def on_tokens(new):
-            if job.cancelled.is_set():
-                raise _Stop("cancelled")
-            calls[0] += 1
-            calls[1] += len(new)
-            new = list(new)[:job.max_tokens - len(kept)]
-            kept.extend(new)
-            delta, hit = stream.feed(new)
-            if delta:
-                if ttft[0] is None:
-                    ttft[0] = time.perf_counter() - t0
-                job.push("delta", delta)
-            if hit:
-                raise _Stop("stop")
-            if new and new[-1] in self.stop_ids:
-                raise _Stop("stop")
-            if len(kept) >= job.max_tokens:
-                raise _Stop("length")
-
-        room = self.max_context - len(job.prompt_ids)
-        stats = None
-        try:
-            gen = self._generate(job.prompt_ids, min(job.max_tokens, room), job.temperature, job.seed, on_tokens,
-                                 top_k=job.top_k, top_p=job.top_p, min_p=job.min_p)
-            stats = gen.stats
-            finish = "stop" if kept and kept[-1] in self.stop_ids else "length"
-        except _Stop as s:
-            finish = s.reason
-        if finish == "cancelled":
+    def _join(self, pool, job: Job) -> _Run | None:
+        if job.cancelled.is_set():
             self.counts["cancelled"] += 1
-            job.push("done", {"finish_reason": "cancelled"})
-            return
-        rest = stream.finish()
+            return None
+        n = len(job.prompt_ids)
+        r = _Run(job=job, stream=TextStream(self.tokenizer, job.stop), t0=time.perf_counter(),
+                 chunks=-(-n // chunk_size(n)))
+        try:
+            r.pending = pool.prefill(self._request(job))
+        except Exception as e:  # ValueError: the request does not fit the pool (one line)
+            self._fail(r, e)
+            return None
+        return r
+
+    def _advance(self, pool, r: _Run, runs: dict) -> _Run | None:
+        """`prefill_chunks` prefill chunks of the joining job (every chunk when no slot decodes); admitted once
+        done -> the job still joining, or None."""
+        if r.job.cancelled.is_set():
+            self._cancelled(r)
+            return None
+        try:
+            for i in itertools.count(1):
+                done = r.pending.advance()
+                r.advanced += 1
+                # past the prompt's last chunk only the start remains (a small call): not worth a round's wait
+                if done or (runs and i >= self.prefill_chunks and r.advanced < r.chunks):
+                    break
+            if not done:
+                return r
+            r.handle = pool.admit(r.pending)
+        except Exception as e:
+            self._fail(r, e)
+            return None
+        r.pending = None
+        runs[r.handle] = r
+        return None
+
+    def _feed(self, r: _Run, u) -> str | None:
+        """A slot's update into its job -> the finish reason when the job ends, else None."""
+        if r.job.cancelled.is_set():
+            return "cancelled"
+        r.budget_rounds[_budget_key(u.budget)] += max(0, u.rounds - r.rounds)
+        r.rounds, r.accepted, r.budget = u.rounds, u.accepted, u.budget
+        new = list(u.tokens)[:r.job.max_tokens - len(r.kept)]
+        r.kept.extend(new)
+        delta, hit = r.stream.feed(new)
+        if delta:
+            if r.ttft is None:
+                r.ttft = time.perf_counter() - r.t0
+            r.job.push("delta", delta)
+        if hit:
+            return "stop"
+        if new and new[-1] in self.stop_ids:
+            return "stop"
+        if len(r.kept) >= r.job.max_tokens:
+            return "length"
+        if u.done:
+            return "stop" if r.kept and r.kept[-1] in self.stop_ids else "length"
+        return None
+
+    def _release(self, pool, handle):
+        try:
+            pool.release(handle)
+        except Exception:  # a release that fails leaves the slot to the pool; the request is over either way
+            pass
+
+    def _cancelled(self, r: _Run):
+        self.counts["cancelled"] += 1
+        r.job.push("done", {"finish_reason": "cancelled"})
+
+    def _fail(self, r: _Run, e: Exception):
+        self.counts["failed"] += 1
+        msg = str(e) if isinstance(e, ValueError) else f"generation failed: {type(e).__name__}: {e}"
+        r.job.push("error", msg)
+
+    def _finish(self, r: _Run, finish: str):
+        rest = r.stream.finish()
         if rest:
-            job.push("delta", rest)
-        wall = time.perf_counter() - t0
-        rounds = stats["rounds"] if stats else max(calls[0] - 1, 0)
-        mean_acc = stats["mean_acceptance_length"] if stats else ((calls[1] - 1) / rounds if rounds else 0.0)
+            if r.ttft is None:
+                r.ttft = time.perf_counter() - r.t0
+            r.job.push("delta", rest)
+        wall = time.perf_counter() - r.t0
+        job = r.job
+        budgets = {k: v for k, v in r.budget_rounds.items() if v}
+        if self.method == "ddtree":  # the budget most of its rounds used (they shrink while the batch is large)
+            budget = max(budgets, key=budgets.get) if budgets else _budget_key(r.budget if r.budget is not None
+                                                                               else self.budget)
+        else:
+            budget = None
         self.counts["completed"] += 1
         job.push("done", {
             "finish_reason": finish,
-            "usage": {"prompt_tokens": len(job.prompt_ids), "completion_tokens": len(kept),
-                      "total_tokens": len(job.prompt_ids) + len(kept)},
-            "speculative": {"method": self.method, "tree_budget": self.budget if self.method == "ddtree" else None,
-                            "rounds": rounds, "mean_acceptance_length": mean_acc,
-                            "time_to_first_token_s": ttft[0], "wall_s": wall,
-                            "tokens_per_s": len(kept) / wall if wall > 0 else 0.0,
-                            **({"budget_counts": stats["budget_counts"]} if stats and "budget_counts" in stats
-                               else {})},
+            "usage": {"prompt_tokens": len(job.prompt_ids), "completion_tokens": len(r.kept),
+                      "total_tokens": len(job.prompt_ids) + len(r.kept)},
+            "speculative": {"method": self.method, "tree_budget": budget,
+                            "tree_budget_rounds": budgets if self.method == "ddtree" else None,
+                            "rounds": r.rounds, "mean_acceptance_length": r.accepted / r.rounds if r.rounds else 0.0,
+                            "batch": r.peers, "max_batch": self.max_batch,
+                            "time_to_first_token_s": r.ttft, "queue_s": r.t0 - job.submitted, "wall_s": wall,
+                            "tokens_per_s": len(r.kept) / wall if wall > 0 else 0.0},
         })
+
+
+def _budget_key(b):
+    """A budget as a JSON key: "auto", an int as a string, "chain" for None (AR / DFlash)."""
+    return "chain" if b is None else str(b)
