@@ -228,11 +228,11 @@ class Engine:
     def close(self):
         self._queue.put(None)
 
-    def warmup(self, prompt_ids):
+    def warmup(self, prompt_ids, sampling: bool = True):
         """Compile everything a request can run (`pool.warmup`: every prefill width, the single-slot rounds
-        greedy / sampled / truncated, the round of every slot-count bucket, joins and resizes), before the server
-        listens."""
-        self.pool.warmup(list(prompt_ids) or [0])
+        greedy / sampled / truncated, the round of every slot-count bucket, greedy and sampling, joins and resizes),
+        before the server listens. sampling=False: the greedy classes only (a benchmark that sends only T = 0)."""
+        self.pool.warmup(list(prompt_ids) or [0], sampling=sampling)
 
     # ---------------------------------------------------------------- scheduler side
     def _request(self, job: Job):

@@ -81,13 +81,17 @@ def bucket_budget(B: int, slot_rows: int = 128, cap: int | None = None) -> int:
     return fit[-1] if fit else cands[0]
 
 
-def batch_plan(target: Target, dcfg, method: str, budget: int, inject: bool = False) -> loop_lib.Plan:
-    """The static plan of a batched round: sampling and truncation always on (their values are per-slot data)."""
+def batch_plan(target: Target, dcfg, method: str, budget: int, inject: bool = False,
+               sampling: bool = True) -> loop_lib.Plan:
+    """The static plan of a batched round. sampling=True: sampling and truncation on, their values per-slot data (a
+    slot at temperature 0 takes the argmax); False: every slot greedy (the pool picks it when no active request
+    samples: H200, 27B, 4 slots of budget 31: 25.42 vs 28.54 ms per round, the truncation's bisection being most of
+    the difference; benchmarks/results/batch_27b_h200.json)."""
     cfg = target.config
-    return loop_lib.Plan(method=method, budget=budget if method == "ddtree" else 0, sampling=True,
+    return loop_lib.Plan(method=method, budget=budget if method == "ddtree" else 0, sampling=sampling,
                          kernels=target.kernels, conv_kernel=cfg.linear_conv_kernel_dim,
                          feature_layers=tuple(dcfg.target_layer_ids) if dcfg else (), inject=inject,
-                         mesh=target.mesh, truncate=True)
+                         mesh=target.mesh, truncate=sampling)
 
 
 def run_slots(leaves, dparams, bstate, oracle, *, graphdef, treedef, dcfg, plan, chunk: int):
@@ -449,10 +453,13 @@ class SlotPool:
                 live.fn = loop_lib.loop_fn(tgt, self.dcfg, live.single_plan, self.sync_every)
             return live.fn
         B = len(self._slots)
-        fn = self._slot_fns.get(B)
+        # greedy plan when no active request samples (chosen on the host: the requests' settings are host values)
+        sampling = any(self._live[h].req.temperature >= tree_lib.GREEDY_EPS for h in self._slots if h is not None)
+        fn = self._slot_fns.get((B, sampling))
         if fn is None:
-            plan = batch_plan(tgt, self.dcfg, self.method, self.bucket_budgets[B], inject=self.oracle_len > 0)
-            fn = self._slot_fns[B] = slots_fn(tgt, self.dcfg, plan, B, self.sync_every)
+            plan = batch_plan(tgt, self.dcfg, self.method, self.bucket_budgets[B], inject=self.oracle_len > 0,
+                              sampling=sampling)
+            fn = self._slot_fns[B, sampling] = slots_fn(tgt, self.dcfg, plan, B, self.sync_every)
         return fn
 
     def _call(self):
@@ -501,9 +508,10 @@ class SlotPool:
         return self._read(prev) if prev is not None else {}
 
     # ------------------------------------------------------------------------------------------- warmup
-    def warmup(self, prompt_ids) -> None:
+    def warmup(self, prompt_ids, sampling: bool = True) -> None:
         """Compile what a request can run: every prefill width (prompts up to the cache capacity), the single-slot
-        rounds (greedy, sampled, sampled + truncated), every slot-count bucket and its joins / resizes."""
+        rounds (greedy, sampled, sampled + truncated), every slot-count bucket (greedy and sampling plans) and its
+        joins / resizes. sampling=False: the greedy classes only (for a client that sends only temperature 0)."""
         ids = check_ids(prompt_ids, "prompt_ids").tolist()
         cfg = self.target.config
         fits = lambda n: loop_lib.capacity(self.target, self.dcfg, self.method, self.budget, n, 2)[1] <= self.cache_len
@@ -523,16 +531,19 @@ class SlotPool:
             self.drain()
 
         for n in widths:
-            for t, top_k in ((0.0, 0), (1.0, 0), (1.0, 5)):
+            for t, top_k in ((0.0, 0), (1.0, 0), (1.0, 5)) if sampling else ((0.0, 0),):
                 try:
                     run_all([Request(prompt(n), 2, temperature=t, top_k=top_k)])
                 except ValueError:
                     break
         base = prompt(min(len(ids), 64))
-        for B in self.buckets:  # join one at a time up to B, then leave down to one: every resize and bucket
+        # join one at a time up to B, then leave down to one: every resize and bucket, greedy then sampling
+        for B, t in [(B, t) for t in ((0.0, 1.0) if sampling else (0.0,)) for B in self.buckets]:
+            if B == 1 and t > 0:
+                continue
             hs = []
             for k in range(B):
-                hs.append(self.admit(self.prefill(Request(base, 4 * self.sync_every + 2))))
+                hs.append(self.admit(self.prefill(Request(base, 4 * self.sync_every + 2, temperature=t, top_k=5))))
                 self.step()
             for h in hs[:-1]:
                 self.release(h)
