@@ -203,6 +203,7 @@ class _Live:
     shown: int = 0  # tokens reported so far
     done: bool = False
     fn: Any = None  # its single-slot round (loop.loop_fn), once looked up
+    first: Any = None  # the start state's first token [1] (device), until step() reports it
 
 
 class SlotPool:
@@ -436,7 +437,9 @@ class SlotPool:
             self._oracle = self._oracle_array()
 
     def _make_live(self, p: Pending) -> _Live:
-        return _Live(p.req, p.budget, self._single_plan(p.req, p.budget), p.oracle)
+        first = p.state.root
+        first.copy_to_host_async()
+        return _Live(p.req, p.budget, self._single_plan(p.req, p.budget), p.oracle, first=first)
 
     def _grow_from_one(self, slot):
         """A batched state of 2 slots: `slot` (batched form) and an empty one."""
@@ -480,7 +483,17 @@ class SlotPool:
             budgets = {h: (self._live[h].budget if self._mode == "single" else self._slot_budget(self._live[h], B))
                        for h in snapshot}
             self._inflight = (self._call(), snapshot, self._mode, budgets)
-        return self._read(prev) if prev is not None else {}
+        updates = self._read(prev) if prev is not None else {}
+        # a request admitted for this call: its first token now (its start ran before this call's rounds: the read
+        # waits for the start, not for the rounds), not one call later
+        for h in list(self._inflight[1]) if self._inflight else []:
+            live = self._live.get(h)
+            if live is not None and live.first is not None and h not in updates:
+                tok = int(np.asarray(live.first)[0])
+                live.first, live.shown = None, max(live.shown, 1)
+                updates[h] = SlotUpdate(tokens=[tok], done=False, rounds=0, accepted=0,
+                                        budget=self._inflight[3][h])
+        return updates
 
     def _read(self, inflight) -> dict[int, SlotUpdate]:
         prog, snapshot, mode, budgets = inflight
