@@ -17,16 +17,14 @@ Design
   * Masks only where a shape needs them (rows ≥ M; K or N not a multiple of the block; the tail of the
     last K split), decided statically. No padded copy of w or x is ever made.
   * Optional prologue / epilogue, for the decode step (each one the same ops as the jnp reference, with the
-    same roundings, so a fused call equals the unfused chain bit for bit up to the fp32 sum order of a norm):
-    - `norm_w`, `eps`: x is first the zero-centred RMSNorm of its rows (`numerics.rms_norm_1p`: fp32,
-      x·rsqrt(mean(x²) + eps)·(1 + w), one rounding). Every program first sums the squares of its rows
-      over the whole K (x is tiny and in L2: M·K·2 bytes per program), then normalises each x chunk before
-      its dot. This removes the norm's XLA kernels (a reduction + an elementwise fusion) per projection.
+    same roundings, so a fused call equals the unfused chain bit for bit):
     - `gate`: x is first rounded(x · gate) (attention's output gate before o_proj).
     - `residual` [M, N]: the result is rounded(residual + rounded(y)) (the decoder's residual add).
       S = 1: in the kernel's epilogue; S > 1: in the split-K reduction after the kernel, which sums the
       S partials in order with plain adds (one elementwise XLA loop fusion with the roundings and the
       residual, which XLA also fuses with the caller's elementwise consumers, e.g. the MLP's SwiGLU).
+    An RMSNorm prologue and a SwiGLU prologue (summing an MLP's gate|up partials) lost on the H200 and were
+    removed (git history; kernels_pallas/ops.py says why).
   * `default_config(M, K, N)`: BN 128, BK 128 (M ≤ 16) / 64, split-K up to ≥ 4 programs per SM (132 SMs): the best
     single rule of the H200 sweep (benchmarks/results/gemv_h200.json, 2026-11-29).
 """
@@ -40,26 +38,17 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas._common import compiler_params, first_fit, is_pow2, next_pow2, pipeline_buffers, pl, pltr, tile_bytes
-from kernels_pallas.numerics import f32, rms_norm_1p, rounded, sum_partials, swiglu as swiglu_ref
+from kernels_pallas.numerics import f32, rounded, sum_partials
 
 __all__ = ["dense", "dense_reference", "default_config", "fit_config", "smem_bytes", "N_SM"]
 
 N_SM = 132  # H200
 
 
-def dense_reference(x, w, norm_w=None, eps: float = 1e-6, gate=None, residual=None, swiglu: bool = False):
+def dense_reference(x, w, gate=None, residual=None):
     """y = x @ w with fp32 accumulation, in x.dtype. x [M, K], w [K, N].
 
-    norm_w [K]: x -> rms_norm_1p(x, norm_w, eps) first; gate [M, K]: x -> rounded(x · gate) first;
-    residual [M, N]: y -> rounded(residual + y) (residual's dtype).
-    swiglu: x [S, M, 2K] are the S split-K partial sums of an MLP's gate|up projection (any float dtype; a
-    `dense(..., reduce=False)` result): x -> swiglu(gate, up) of their in-order sum rounded to w's dtype
-    (`numerics.swiglu`: transformers' `act_fn(gate) * up` roundings); the activations' dtype is w's."""
-    if swiglu:
-        gu = sum_partials(x, w.dtype)
-        x = swiglu_ref(gu[..., :w.shape[0]], gu[..., w.shape[0]:], w.dtype)
-    if norm_w is not None:
-        x = rms_norm_1p(x, norm_w, eps)
+    gate [M, K]: x -> rounded(x · gate) first; residual [M, N]: y -> rounded(residual + y) (residual's dtype)."""
     if gate is not None:
         x = rounded(f32(x) * f32(gate), x.dtype)
     y = rounded(jnp.dot(x, w, preferred_element_type=jnp.float32), x.dtype)
@@ -89,29 +78,21 @@ def default_config(M: int, K: int, N: int, *, block_n: int | None = None, block_
                 num_warps=4 if small else 8, num_stages=3)
 
 
-def smem_bytes(M: int, K: int, bk: int, bn: int, x_dtype, w_dtype, num_stages: int, *, swiglu_parts: int = 0,
-               has_norm: bool = False, has_gate: bool = False) -> int:
+def smem_bytes(M: int, K: int, bk: int, bn: int, x_dtype, w_dtype, num_stages: int, *,
+               has_gate: bool = False) -> int:
     """Shared memory (bytes, an upper estimate) of a `dense` program: per K chunk the [bk, bn] weight tile and the
-    [Mp, bk] x tile (swiglu: the 2·S partial tiles it sums; a gate: its tile; a norm: its bk weights), kept
-    `pipeline_buffers` times (wgmma, asynchronous from 64 rows), plus the norm's pre-pass over the rows' squares.
+    [Mp, bk] x tile (a gate: its tile too), kept `pipeline_buffers` times (wgmma, asynchronous from 64 rows).
     bf16, M = 1, 128 x 128: 73728 (Triton's own allocation, the same); fp32 at 129 rows, 3 stages: 294912."""
     Mp = max(16, next_pow2(M))
     bufs = pipeline_buffers(num_stages, async_mma=Mp >= 64)
-    per = tile_bytes((bk, bn), w_dtype)
-    per += (2 * swiglu_parts if swiglu_parts else 1) * tile_bytes((Mp, bk), x_dtype)
+    per = tile_bytes((bk, bn), w_dtype) + tile_bytes((Mp, bk), x_dtype)
     if has_gate:
         per += tile_bytes((Mp, bk), x_dtype)
-    if has_norm:
-        per += tile_bytes((bk,), x_dtype)
-    pre = 0
-    if has_norm:
-        sr, sk = (1, min(next_pow2(K), 2048)) if M == 1 else (Mp, bk)
-        pre = bufs * tile_bytes((sr, sk), x_dtype)
-    return bufs * per + pre
+    return bufs * per
 
 
-def fit_config(cfg: dict, M: int, K: int, x_dtype, w_dtype, num_stages: int | None = None, *, swiglu_parts: int = 0,
-               has_norm: bool = False, has_gate: bool = False, limit: int | None = None) -> dict:
+def fit_config(cfg: dict, M: int, K: int, x_dtype, w_dtype, num_stages: int | None = None, *,
+               has_gate: bool = False, limit: int | None = None) -> dict:
     """`cfg` (a `default_config`) with block_k / num_stages (num_stages: the caller's, else cfg's) lowered where the
     tiles do not fit the shared memory for these dtypes (`smem_bytes`): fewer stages first (down to 1), then half
     the K chunk (down to 16); SharedMemoryError when none fits. bf16 at 27B widths: unchanged; fp32 from 65 rows:
@@ -120,8 +101,7 @@ def fit_config(cfg: dict, M: int, K: int, x_dtype, w_dtype, num_stages: int | No
     bks = [cfg["block_k"]]
     while bks[-1] > 16:
         bks.append(bks[-1] // 2)
-    est = lambda c: smem_bytes(M, K, c[0], cfg["block_n"], x_dtype, w_dtype, c[1], swiglu_parts=swiglu_parts,
-                               has_norm=has_norm, has_gate=has_gate)
+    est = lambda c: smem_bytes(M, K, c[0], cfg["block_n"], x_dtype, w_dtype, c[1], has_gate=has_gate)
     bk, st = first_fit([(b, n) for b in bks for n in range(ns, 0, -1)], est, limit, what="dense")
     return dict(cfg, block_k=bk, num_stages=st, smem=est((bk, st)))
 
@@ -189,11 +169,9 @@ def store_tile(o_ref, acc, t: Tile, M: int, Mp: int, bn: int, split: int):
                    mask=t.m_ok[:, None] & t.n_ok[None, :])
 
 
-def _kernel(*refs, M, K, N, Mp, bn, bk, nk, split, eps, has_norm, has_gate, has_res, swiglu_parts, act,
-            interpret):
+def _kernel(*refs, M, K, N, Mp, bn, bk, nk, split, has_gate, has_res, act, interpret):
     it = iter(refs)
     x_ref, w_ref = next(it), next(it)
-    nw_ref = next(it) if has_norm else None
     g_ref = next(it) if has_gate else None
     r_ref = next(it) if has_res else None
     o_ref = next(it)
@@ -220,48 +198,11 @@ def _kernel(*refs, M, K, N, Mp, bn, bk, nk, split, eps, has_norm, has_gate, has_
         msk = m_ok[:, None] & (kk < K)[None, :] if kmask else jnp.broadcast_to(m_ok[:, None], (Mp, bk))
         return pltr.load(ref.at[rows[:, None], kk[None, :]], mask=msk, other=0)
 
-    inv = None
-    if has_norm:  # the RMS of the whole rows, recomputed by every program (x is small and in L2)
-        # M = 1 (decode): one row in wide chunks (few loop steps, no masked rows); else the dot's [Mp, bk] tiles
-        sr, sk = (1, min(next_pow2(K), 2048)) if M == 1 else (Mp, bk)
-        srow = jnp.arange(sr, dtype=jnp.int32)
-
-        def ss_body(i, acc):
-            kk = i * sk + jnp.arange(sk, dtype=jnp.int32)
-            msk = (srow < M)[:, None] & (kk < K)[None, :]
-            xf = pltr.load(x_ref.at[srow[:, None], kk[None, :]], mask=msk, other=0).astype(f32_)
-            return acc + jnp.sum(xf * xf, axis=1)
-
-        ss = jax.lax.fori_loop(0, -(-K // sk), ss_body, jnp.zeros((sr,), f32_))
-        inv = jax.lax.rsqrt(ss / K + eps)[:, None]  # [sr, 1] (broadcast over the Mp rows when M = 1)
-
-    def load_swiglu(k0):  # [Mp, bk]: swiglu of the in-order sums of the gate|up partials (x_ref [S·M, 2K])
-        kk = k0 + jnp.arange(bk, dtype=jnp.int32)
-        msk = m_ok[:, None] & (kk < K)[None, :] if mask_k else jnp.broadcast_to(m_ok[:, None], (Mp, bk))
-
-        def summed(off):
-            acc = None
-            for p in range(swiglu_parts):
-                t = pltr.load(x_ref.at[(p * M + rows)[:, None], off + kk[None, :]], mask=msk, other=0).astype(f32_)
-                acc = t if acc is None else acc + t
-            return rnd(acc)
-        g, u = summed(0), summed(K)
-        return rnd(rnd(g / (1.0 + jnp.exp(-g))) * u).astype(act)  # numerics.swiglu
-
     def load_x(k0):  # the dot's x tile, after the prologue
-        if swiglu_parts:
-            return load_swiglu(k0)
         xt = load_rows(x_ref, k0, mask_k)
-        if not (has_norm or has_gate):
+        if not has_gate:
             return xt
-        xf = xt.astype(f32_)
-        if has_norm:
-            kk = k0 + jnp.arange(bk, dtype=jnp.int32)
-            wn = (pltr.load(nw_ref.at[kk], mask=kk < K, other=0) if mask_k else nw_ref[pl.ds(k0, bk)])
-            xf = rnd((xf * inv) * (1.0 + wn.astype(f32_))[None, :])
-        if has_gate:
-            xf = rnd(xf * load_rows(g_ref, k0, mask_k).astype(f32_))
-        return xf.astype(xt.dtype)
+        return rnd(xt.astype(f32_) * load_rows(g_ref, k0, mask_k).astype(f32_)).astype(xt.dtype)
 
     def k_at(i):
         k0 = kbase + i * bk
@@ -285,47 +226,35 @@ def _kernel(*refs, M, K, N, Mp, bn, bk, nk, split, eps, has_norm, has_gate, has_
     store_tile(o_ref, acc, tl, M, Mp, bn, split)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "swiglu", "reduce", "interpret", "block_n", "block_k", "split_k", "num_warps",
+@functools.partial(jax.jit, static_argnames=("reduce", "interpret", "block_n", "block_k", "split_k", "num_warps",
                                              "num_stages", "target_programs", "smem_limit"))
-def dense(x, w, norm_w=None, eps: float = 1e-6, gate=None, residual=None, swiglu: bool = False, *,
+def dense(x, w, gate=None, residual=None, *,
           reduce: bool = True, interpret: bool = False, block_n: int | None = None, block_k: int | None = None,
           split_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
           target_programs: int = 4 * N_SM, smem_limit: int | None = None):
     """y[M, N] = x[M, K] @ w[K, N], fp32 accumulation, in x.dtype. Any leading dims of x (and of gate /
-    residual, which have x's / y's shape) are flattened. norm_w / gate / residual / swiglu: see
-    `dense_reference` (swiglu: x [S, M, 2K], the prologue sums the partials; the activations' dtype is w's).
+    residual, which have x's / y's shape) are flattened. gate / residual: see `dense_reference`.
 
-    reduce=False: return the split-K partials [S, M, N] unsummed (fp32; S = 1: [1, M, N] in the activations'
-    dtype, already rounded) for a consumer that sums them (a swiglu call): no XLA kernel after this one.
+    reduce=False: return the split-K partials [S, M, N] unsummed (fp32; S = 1: [1, M, N] in x's dtype, already
+    rounded) for a consumer kernel that sums them (`ops.dense_partials`): no XLA kernel after this one.
     block_n / block_k: powers of two; split_k: number of K ranges (fp32 partials summed after the kernel).
     block_k / num_stages are lowered where the tiles would not fit `smem_limit` (default `_common.SMEM_LIMIT`) for
     the dtypes (`fit_config`)."""
-    parts = 0
-    if swiglu:
-        parts = x.shape[0]
-        x = x.reshape(-1, x.shape[-1])
-        lead, K = (x.shape[0] // parts,), x.shape[-1] // 2
-        M = lead[0]
-    else:
-        lead = x.shape[:-1]
-        K = x.shape[-1]
-        x = x.reshape(-1, K)
-        M = x.shape[0]
-    act = w.dtype if swiglu else x.dtype
+    lead = x.shape[:-1]
+    K = x.shape[-1]
+    x = x.reshape(-1, K)
+    M = x.shape[0]
+    act = x.dtype
     assert reduce or residual is None
     K2, N = w.shape
     assert K2 == K, (x.shape, w.shape)
     cfg = default_config(M, K, N, block_n=block_n, block_k=block_k, target_programs=target_programs)
-    cfg = fit_config(cfg, M, K, x.dtype, w.dtype, num_stages, swiglu_parts=parts, has_norm=norm_w is not None,
-                     has_gate=gate is not None, limit=smem_limit)
+    cfg = fit_config(cfg, M, K, x.dtype, w.dtype, num_stages, has_gate=gate is not None, limit=smem_limit)
     bn, bk = cfg["block_n"], cfg["block_k"]
     assert is_pow2(bn) and is_pow2(bk) and bn >= 16 and bk >= 16, (bn, bk)
     nk, split, nw, ns, Mp = resolve(cfg, M, K, split_k, num_warps, None)
     out_dtype = act if split == 1 else jnp.float32
     args = [x, w]
-    if norm_w is not None:
-        assert norm_w.shape == (K,), (norm_w.shape, K)
-        args.append(norm_w)
     if gate is not None:
         args.append(gate.reshape(M, K))
     if residual is not None:
@@ -333,9 +262,8 @@ def dense(x, w, norm_w=None, eps: float = 1e-6, gate=None, residual=None, swiglu
         residual = residual.reshape(M, N)
         if split == 1:
             args.append(residual)
-    kern = functools.partial(_kernel, M=M, K=K, N=N, Mp=Mp, bn=bn, bk=bk, nk=nk, split=split, eps=float(eps),
-                             has_norm=norm_w is not None, has_gate=gate is not None,
-                             has_res=residual is not None and split == 1, swiglu_parts=parts, act=act,
+    kern = functools.partial(_kernel, M=M, K=K, N=N, Mp=Mp, bn=bn, bk=bk, nk=nk, split=split,
+                             has_gate=gate is not None, has_res=residual is not None and split == 1, act=act,
                              interpret=interpret)
     y = launch(kern, args, M=M, N=N, bn=bn, split=split, out_dtype=out_dtype, num_warps=nw, num_stages=ns,
                interpret=interpret, name="dense_dot")

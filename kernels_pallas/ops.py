@@ -24,21 +24,18 @@ KERNELS = ("xla", "pallas")
 PALLAS_DENSE_MAX_ROWS = 1
 PALLAS_DENSE_MIN_COLS = 2048
 
-# Decode-step fusions (kernels="pallas", bf16): the RMSNorm / output gate folded into the Pallas GEMV's prologue,
-# the residual add into its epilogue (`dense`), and the attention layer's q/k norm + RoPE + gate + KV-cache write
+# Decode-step fusions (kernels="pallas", bf16): the output gate folded into the Pallas GEMV's prologue, the
+# residual add into its epilogue (`dense`), and the attention layer's q/k norm + RoPE + gate + KV-cache write
 # as one kernel (`attention_decode_prep`). Same results either way; off = the separate ops (XLA fusions) around
 # the plain GEMV, for A/B timing (`fused_decode(False)`, benchmarks/profile_gpu.py --decode-fusions). Read when
 # a function is traced: set it before the first call of a jitted step.
 FUSED_DECODE = True
-# Parts of the decode fusions that can be switched off on their own: the RMSNorm in the GEMV prologue, the MLP
-# as two GEMVs with the SwiGLU in the down GEMV's prologue (`mlp_decode`), and the unsummed split-K partials
-# handed to the GDN / attention decode kernels. H200, 27B, 4K (benchmarks/ab_decode_fusions.py, one run,
-# 2026-11-30), AR step: unfused 18.14 ms, all 31.34, without the MLP chain 20.63, without the MLP chain and the
-# norm prologue 17.68 (the default), epilogues only 17.97; the same greedy token in every variant. The norm
-# prologue (every program recomputes the row's norm before its first weight tile) and the SwiGLU prologue
-# (every column program re-sums the gate|up partials of its K range) delay the weight stream.
-FUSED_NORM = False
-FUSED_MLP = False
+# The part of the decode fusions that can be switched off on its own: the unsummed split-K partials handed to
+# the GDN / attention decode kernels (AR step, H200, 27B, 4K, 2026-11-30: 17.68 ms default, 17.97 without the
+# partials, 18.14 unfused).
+# Removed (git history), lost on the H200: the RMSNorm in the GEMV prologue and the MLP as two GEMVs with the
+# SwiGLU in the down GEMV's prologue (AR step 17.68 ms without them vs 20.63 with the MLP chain;
+# benchmarks/ab_decode_fusions.py, 2026-11-30): both delay the weight stream. The norm runs before the GEMV.
 FUSED_PARTIALS = True
 
 
@@ -170,9 +167,9 @@ def attention_decode_prep(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, start
 def dense_partials(x, w, kernels="xla", *, norm=None):
     """x [B, T, K] (B·T = 1) @ w [K, N] on the Pallas GEMV with its split-K partial sums left unsummed:
     [S, B·T, N] (fp32; S = 1: already rounded to x's dtype), for a consumer kernel that sums them in order
-    (`gdn_decode_fused`, `attention_decode_prep`: no XLA kernel between the two); norm as in `dense`. None
-    where that path does not apply (not kernels="pallas" with FUSED_DECODE, not the GEMV's domain): the
-    caller then uses `dense`."""
+    (`gdn_decode_fused`, `attention_decode_prep`: no XLA kernel between the two); norm as in `dense` (applied
+    before the kernel). None where that path does not apply (not kernels="pallas" with FUSED_DECODE, not the
+    GEMV's domain): the caller then uses `dense`."""
     rows, K = math.prod(x.shape[:-1]), x.shape[-1]
     if not (kernels == "pallas" and FUSED_DECODE and FUSED_PARTIALS and _gemv(x, w, rows, w.shape[1])):
         return None
@@ -181,10 +178,10 @@ def dense_partials(x, w, kernels="xla", *, norm=None):
     def f(acts, weights):
         x_, = acts
         w_, nw_ = weights
-        if nw_ is not None and not FUSED_NORM:
-            x_, nw_ = rms_norm_1p(x_, nw_, eps), None
+        if nw_ is not None:
+            x_ = rms_norm_1p(x_, nw_, eps)
         from kernels_pallas import dense as dense_kernel
-        return dense_kernel.dense(x_.reshape(-1, K), w_, nw_, eps, reduce=False)
+        return dense_kernel.dense(x_.reshape(-1, K), w_, reduce=False)
 
     def folded(acts, weights, like):
         # the rows of all slots (no longer one row: not the GEMV's domain for the consumer's fused op): `dense`
@@ -227,28 +224,6 @@ def fold_rows(f, acts, weights, out_axis: int = 0, rule=None):
         y = y.reshape(y.shape[:out_axis] + (axis_size, lead) + y.shape[out_axis + 1:])
         return jnp.moveaxis(y, out_axis, 0), True
     return fn(acts, weights)
-
-
-def mlp_decode(x, w_gate_up, w_down, kernels="xla", *, norm=None, residual=None):
-    """The SwiGLU MLP of a decode step as two Pallas GEMVs and no XLA kernel between them, or None where that
-    path does not apply (the caller then runs the projections one by one: `dense`). x [B, T, D] with B·T = 1,
-    w_gate_up [D, 2, F], w_down [F, D]; norm / residual as in `dense`. The gate|up GEMV (+ the norm prologue)
-    leaves its split-K partials unsummed; the down GEMV's prologue sums them in the order the unfused
-    reduction does, rounds, applies `numerics.swiglu` and contracts (+ the residual epilogue): the same values
-    as the unfused chain, bit for bit. Returned in fp32 (already rounded)."""
-    D, F = w_down.shape[1], w_down.shape[0]
-    rows = math.prod(x.shape[:-1])
-    if not (kernels == "pallas" and FUSED_DECODE and FUSED_MLP and _gemv(x, w_gate_up, rows, 2 * F)
-            and _gemv(x, w_down, rows, D)):
-        return None
-    if norm is not None and not FUSED_NORM:
-        x, norm = rms_norm_1p(x, *norm), None
-    from kernels_pallas import dense as dense_kernel
-    nw, eps = norm if norm is not None else (None, 1e-6)
-    parts = dense_kernel.dense(x.reshape(rows, D), w_gate_up.reshape(D, 2 * F), nw, eps, reduce=False)
-    y = dense_kernel.dense(parts, w_down, residual=None if residual is None else residual.reshape(rows, D),
-                           swiglu=True)
-    return y.reshape(x.shape[:-1] + (D,)).astype(jnp.float32)
 
 
 def _gemv(x, w, rows: int, cols: int) -> bool:
@@ -309,8 +284,9 @@ def dense(spec: str, x, w, kernels="xla", *, norm=None, gate=None, residual=None
     as the caller's rounding would give).
 
     Optional parts of a decoder layer around the projection (the same ops on every path; on the GEMV path, with
-    FUSED_DECODE, inside the kernel's prologue / epilogue instead of separate kernels):
-      norm = (w_n, eps): x -> rms_norm_1p(x, w_n, eps) first (the layer's input / post / final norm);
+    FUSED_DECODE, the gate / residual inside the kernel's prologue / epilogue instead of separate kernels):
+      norm = (w_n, eps): x -> rms_norm_1p(x, w_n, eps) first (the layer's input / post / final norm; always a
+        separate op before the projection);
       gate (x's shape): x -> rounded(x · gate) first (attention's output gate);
       residual (the output's shape): y -> rounded(residual + rounded(y)) (returned in fp32, already rounded).
 
@@ -335,10 +311,9 @@ def _dense(spec: str, x, w, kernels="xla", *, norm=None, gate=None, residual=Non
     out_shape = x.shape[:x.ndim - nc] + w.shape[nc:]
     if gemv and FUSED_DECODE and (norm is None or nc == 1):
         from kernels_pallas import dense as dense_kernel
-        if norm is not None and not FUSED_NORM:
-            x, norm = rms_norm_1p(x, *norm), None
-        nw, eps = norm if norm is not None else (None, 1e-6)
-        y = dense_kernel.dense(x.reshape(rows, K), w.reshape(K, -1), nw, eps,
+        if norm is not None:
+            x = rms_norm_1p(x, *norm)
+        y = dense_kernel.dense(x.reshape(rows, K), w.reshape(K, -1),
                                None if gate is None else gate.reshape(rows, K),
                                None if residual is None else residual.reshape(rows, -1))
         return y.reshape(out_shape).astype(jnp.float32)

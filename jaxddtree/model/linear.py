@@ -25,8 +25,8 @@ def dense(spec: str, x: jax.Array, w: jax.Array, kernels: str = "xla", *, norm=N
           residual=None, reduce: str | None = None) -> jax.Array:
     """einsum(spec, x, w) accumulated in fp32, rounded once to x's dtype (`ops.dense` picks the kernel).
     norm = (w_n, eps) / gate / residual: the RMSNorm of x, x's gate and the residual add around the projection
-    (`ops.dense`; folded into the GEMV on a decode step). `reduce`: a mesh axis (tensor parallelism) over which
-    the partial products are summed before the rounding and the residual add (`reduced`).
+    (`ops.dense`; gate and residual folded into the GEMV on a decode step). `reduce`: a mesh axis (tensor
+    parallelism) over which the partial products are summed before the rounding and the residual add (`reduced`).
     An FP8 weight (`fp8.Fp8Weight`) computes transformers' W8A8 block FP8 product (`ops.dense_w8a8`: x
     quantized per row and input block to e4m3, fp8 × fp8 per block, scaled by both scales, fp32 accumulation):
     on the Pallas kernel with kernels="pallas", on its jnp reference with "xla" (`ops.pick` decides, once);

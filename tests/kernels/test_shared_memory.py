@@ -53,11 +53,9 @@ def cases(dt):
     for M, K, N in ((1, D, 14336), (1, F, D), (1, D, V), (65, D, 14336), (129, D, 14336)):
         est = dense.fit_config(dense.default_config(M, K, N), M, K, dt, dt)["smem"]
         out.append((f"dense M={M} K={K} N={N}", est, dense.dense, [Sd((M, K), dt), Sd((K, N), dt)]))
-    est = dense.fit_config(dense.default_config(1, F, D), 1, F, f32, dt, swiglu_parts=4)["smem"]
-    out.append(("dense swiglu", est, functools.partial(dense.dense, swiglu=True), [Sd((4, 1, 2 * F), f32), Sd((F, D), dt)]))
-    est = dense.fit_config(dense.default_config(1, D, 14336), 1, D, dt, dt, has_norm=True)["smem"]
-    out.append(("dense norm+residual", est, lambda x, w, nw, r: dense.dense(x, w, nw, residual=r),
-                [Sd((1, D), dt), Sd((D, 14336), dt), Sd((D,), dt), Sd((1, 14336), dt)]))
+    est = dense.fit_config(dense.default_config(1, D, 14336), 1, D, dt, dt)["smem"]
+    out.append(("dense residual", est, lambda x, w, r: dense.dense(x, w, residual=r),
+                [Sd((1, D), dt), Sd((D, 14336), dt), Sd((1, 14336), dt)]))
     est = gdn_decode_fused.smem_bytes(DV, 4)
     fn = functools.partial(gdn_decode_fused.gdn_decode_fused, num_k_heads=HK, num_v_heads=HV, head_k_dim=DK,
                            head_v_dim=DV, conv_kernel=4, eps=1e-6)
