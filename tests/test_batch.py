@@ -356,3 +356,29 @@ def test_slot_bytes(pair):
     assert one == batch_lib.slot_bytes(target, None, CACHE_LEN) + sum(
         x.size * x.dtype.itemsize for x in jax.tree.leaves(drafter.init_cache(1, CACHE_LEN)))
     assert batch_lib.slot_bytes(target, None, 2 * CACHE_LEN) > batch_lib.slot_bytes(target, None, CACHE_LEN)
+
+
+def test_first_token_in_the_admitting_step(pair, ar_ref):
+    """A request's first token comes back from the step() that admits it (alone and joining a running batch), not one
+    call later; its later updates continue after it (no token twice)."""
+    o = [padded(a) for a in ar_ref]
+    p = pool(pair, "dflash", max_batch=4)
+    got = {}
+    h0 = p.admit(p.prefill(Request(PROMPTS[0], MAX_NEW, oracle=o[0])))
+    first = p.step()  # nothing was in flight: only the first token
+    assert first[h0].tokens == ar_ref[0][:1] and first[h0].rounds == 0
+    got[h0] = list(first[h0].tokens)
+    h1 = p.admit(p.prefill(Request(PROMPTS[1], MAX_NEW, oracle=o[1])))
+    ups = p.step()
+    assert ups[h1].tokens == ar_ref[1][:1] and ups[h1].rounds == 0  # joined a running request: still at once
+    for h, u in ups.items():
+        got.setdefault(h, []).extend(u.tokens)
+    live = {h0, h1}
+    while live:
+        for h, u in p.step().items():
+            got[h].extend(u.tokens)
+            if u.done:
+                p.release(h)
+                live.discard(h)
+    p.drain()
+    assert got[h0] == ar_ref[0] and got[h1] == ar_ref[1]

@@ -437,7 +437,7 @@ class SlotPool:
             self._oracle = self._oracle_array()
 
     def _make_live(self, p: Pending) -> _Live:
-        first = p.state.root
+        first = jnp.array(p.state.root, copy=True)  # its own buffer: the state is donated to the next call
         first.copy_to_host_async()
         return _Live(p.req, p.budget, self._single_plan(p.req, p.budget), p.oracle, first=first)
 
