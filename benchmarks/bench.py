@@ -113,9 +113,7 @@ def fill_random(tree, key):
 
 def make_plan(target, dcfg, method: str, budget: int = 0) -> loop_lib.Plan:
     """The Plan `generate` makes for (method, budget) at temperature 0."""
-    return loop_lib.Plan(method=method, budget=budget if method == "ddtree" else 0, sampling=False,
-                         kernels=target.kernels, conv_kernel=target.config.linear_conv_kernel_dim,
-                         feature_layers=tuple(dcfg.target_layer_ids) if method != "ar" else (), mesh=target.mesh)
+    return loop_lib.make_plan(target, dcfg if method != "ar" else None, method, budget)
 
 
 def loop_state(target, drafter, plan, context: int, max_new: int, cache=None):

@@ -13,24 +13,16 @@ Compile time dominates on CPU: every test reuses one pool configuration per meth
 
 from __future__ import annotations
 
-import os
-import sys
-
 import numpy as np
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-for _p in (os.path.dirname(HERE), HERE):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-import helpers_dflash  # noqa: E402
-import jaxddtree  # noqa: E402
-from jaxddtree.speculative import batch as batch_lib  # noqa: E402
-from jaxddtree.speculative.batch import Request  # noqa: E402
+import helpers_dflash
+import jaxddtree
+from jaxddtree.speculative import batch as batch_lib
+from jaxddtree.speculative.batch import Request
 
 V = 97
 BLOCK = 8
@@ -297,7 +289,6 @@ def test_batched_round_lowers_for_h200(method, B, monkeypatch):
     from kernels_pallas import ops
     monkeypatch.setattr(ops, "PALLAS_DENSE_MIN_COLS", 1)
     monkeypatch.setattr(ops, "PALLAS_DENSE_MAX_ROWS", 8)
-    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))
     import bench
     from jaxddtree.model.config import text_config_from_dict
     from jaxddtree.model.drafter_config import DrafterConfig

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -87,11 +86,7 @@ def batch_plan(target: Target, dcfg, method: str, budget: int, inject: bool = Fa
     slot at temperature 0 takes the argmax); False: every slot greedy (the pool picks it when no active request
     samples: H200, 27B, 4 slots of budget 31: 25.42 vs 28.54 ms per round, the truncation's bisection being most of
     the difference; benchmarks/results/batch_27b_h200.json)."""
-    cfg = target.config
-    return loop_lib.Plan(method=method, budget=budget if method == "ddtree" else 0, sampling=sampling,
-                         kernels=target.kernels, conv_kernel=cfg.linear_conv_kernel_dim,
-                         feature_layers=tuple(dcfg.target_layer_ids) if dcfg else (), inject=inject,
-                         mesh=target.mesh, truncate=sampling)
+    return loop_lib.make_plan(target, dcfg, method, budget, sampling=sampling, truncate=sampling, inject=inject)
 
 
 def run_slots(leaves, dparams, bstate, oracle, *, graphdef, treedef, dcfg, plan, chunk: int):
@@ -262,19 +257,9 @@ class SlotPool:
         cfg = self.target.config
         ids = check_ids(req.ids, "ids")
         check_vocab(self.target, ids, "ids")
-        max_new = int(req.max_new)
-        if max_new < 1:
-            raise ValueError(f"max_new must be >= 1, got {req.max_new}")
-        temperature = float(req.temperature)
-        if not 0 <= temperature < math.inf:
-            raise ValueError(f"temperature must be a finite number >= 0, got {req.temperature}")
-        top_k, top_p, min_p = tree_lib.check_truncation(req.top_k, req.top_p, req.min_p)
-        stops = sorted({int(s) for s in (req.stop_ids or ())})
-        if stops and not (0 <= stops[0] and stops[-1] < cfg.vocab_size):
-            raise ValueError(f"stop_ids must lie in [0, {cfg.vocab_size}); got {stops}")
-        if len(ids) + max_new > cfg.max_position_embeddings:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_new ({max_new}) exceeds the model's "
-                             f"max_position_embeddings ({cfg.max_position_embeddings})")
+        max_new, temperature, top_k, top_p, min_p, stop_mask = loop_lib.check_request(
+            cfg, len(ids), req.max_new, req.temperature, req.top_k, req.top_p, req.min_p, req.stop_ids,
+            max_new_name="max_new")
         budget = None
         if self.method == "ddtree":
             if req.tree_budget is None:
@@ -294,8 +279,6 @@ class SlotPool:
             src = np.asarray(req.oracle if req.oracle is not None else [], np.int32)[:self.oracle_len]
             o[:len(src)] = src
             oracle = o
-        stop_mask = np.zeros((cfg.vocab_size,), bool)
-        stop_mask[stops] = True
         pre = loop_lib.Prefill(self.target, self.drafter, self.start_plan, ids, chunk, self.cache_len, self.out_len,
                                seed=int(req.seed), stop_mask=stop_mask, temperature=temperature, max_new=max_new,
                                top_k=top_k, top_p=top_p, min_p=min_p)
@@ -325,16 +308,12 @@ class SlotPool:
 
     def _single_plan(self, req: Request, budget) -> loop_lib.Plan:
         """generate's plan for this request (so that one active request runs generate's compiled round)."""
-        cfg = self.target.config
         sampling = req.temperature >= tree_lib.GREEDY_EPS
         auto = budget == "auto"
-        b = self.budget if auto else (budget or 0)
-        return loop_lib.Plan(method=self.method, budget=b if self.method == "ddtree" else 0, sampling=sampling,
-                             kernels=self.target.kernels, conv_kernel=cfg.linear_conv_kernel_dim,
-                             feature_layers=self.start_plan.feature_layers, inject=self.oracle_len > 0,
-                             mesh=self.target.mesh,
-                             truncate=sampling and tree_lib.truncates(req.top_k, req.top_p, req.min_p),
-                             budgets=self.table.candidates if auto else ())
+        return loop_lib.make_plan(self.target, self.dcfg, self.method, self.budget if auto else (budget or 0),
+                                  sampling=sampling,
+                                  truncate=sampling and tree_lib.truncates(req.top_k, req.top_p, req.min_p),
+                                  inject=self.oracle_len > 0, budgets=self.table.candidates if auto else ())
 
     # ------------------------------------------------------------------------------------------- layout
     def _slot_budget(self, live: _Live, B: int):

@@ -399,6 +399,38 @@ class Prefill:
         return True
 
 
+def make_plan(target: Target, dcfg, method: str, budget: int = 0, *, sampling: bool = False,
+              truncate: bool = False, inject: bool = False, budgets: tuple[int, ...] = ()) -> Plan:
+    """The Plan of a generation of `method` on `target` (dcfg: the drafter's config, None for AR). The budget only
+    shapes DDTree rounds: normalised to 0 for the others so that it does not split their compilations."""
+    return Plan(method=method, budget=budget if method == "ddtree" else 0, sampling=sampling,
+                kernels=target.kernels, conv_kernel=target.config.linear_conv_kernel_dim,
+                feature_layers=tuple(dcfg.target_layer_ids) if dcfg else (), inject=inject, mesh=target.mesh,
+                truncate=truncate, budgets=budgets)
+
+
+def check_request(cfg, prompt_len: int, max_new, temperature, top_k, top_p, min_p, stop_ids,
+                  max_new_name: str = "max_new_tokens"):
+    """A request's host values checked (ValueError, one line each) -> (max_new, temperature, top_k, top_p, min_p,
+    stop_mask [V] bool numpy)."""
+    n = int(max_new)
+    if n < 1:
+        raise ValueError(f"{max_new_name} must be >= 1, got {max_new}")
+    t = float(temperature)
+    if not 0 <= t < math.inf:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+    top_k, top_p, min_p = tree_lib.check_truncation(top_k, top_p, min_p)
+    stops = sorted({int(s) for s in (stop_ids or ())})
+    if stops and not (0 <= stops[0] and stops[-1] < cfg.vocab_size):
+        raise ValueError(f"stop_ids must lie in [0, {cfg.vocab_size}); got {stops}")
+    if prompt_len + n > cfg.max_position_embeddings:
+        raise ValueError(f"prompt ({prompt_len} tokens) + {max_new_name} ({n}) exceeds the model's "
+                         f"max_position_embeddings ({cfg.max_position_embeddings})")
+    stop_mask = np.zeros((cfg.vocab_size,), bool)
+    stop_mask[stops] = True
+    return n, t, top_k, top_p, min_p, stop_mask
+
+
 def capacity(target: Target, dcfg, method: str, budget: int, prompt_len: int, max_new: int) -> tuple[int, int]:
     """(prefill chunk, cache positions) for a prompt of prompt_len tokens + max_new new ones: the prompt's chunks
     written whole, plus the widest verify block; bucketed to 256 so that nearby lengths share one compilation.
@@ -486,27 +518,13 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     cfg = target.config
     ids = check_ids(prompt_ids, "prompt_ids")
     check_vocab(target, ids, "prompt_ids")
-    max_new = int(max_new_tokens)
-    if max_new < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    temperature = float(temperature)
-    if not 0 <= temperature < math.inf:
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
-    top_k, top_p, min_p = tree_lib.check_truncation(top_k, top_p, min_p)
+    max_new, temperature, top_k, top_p, min_p, stop_mask = check_request(
+        cfg, len(ids), max_new_tokens, temperature, top_k, top_p, min_p, stop_ids)
     if drafter is not None:
         check_compatible(drafter.config, target)
     dcfg = drafter.config if (drafter is not None and method != "ar") else None
     budget, table = resolve_budget(tree_budget, method, cfg.vocab_size, dcfg, budget_costs)
     auto = table is not None
-    stops = sorted({int(s) for s in (stop_ids or ())})
-    if stops and not (0 <= stops[0] and stops[-1] < cfg.vocab_size):
-        raise ValueError(f"stop_ids must lie in [0, {cfg.vocab_size}); got {stops}")
-    stop_mask = np.zeros((cfg.vocab_size,), bool)
-    stop_mask[stops] = True
-    P = dcfg.block_size if dcfg else 1  # rows per round: path length <= block_size
-    if len(ids) + max_new > cfg.max_position_embeddings:
-        raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) exceeds the model's "
-                         f"max_position_embeddings ({cfg.max_position_embeddings})")
     chunk, need = capacity(target, dcfg, method, budget, len(ids), max_new)
     if cache_len is None:
         S = need
@@ -517,14 +535,10 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
                              f"positions, cache_len is {S}")
     out_len = round_up(max_new, 256) if cache_len is None else S  # buffer sizes: one compilation per bucket
     check_memory(target, drafter if dcfg else None, S, len(ids), max_new, chunk)
-    feature_layers = tuple(dcfg.target_layer_ids) if dcfg else ()
-    # budget only shapes DDTree rounds: normalised for the others so that it does not split their compilations
     sampling = temperature >= tree_lib.GREEDY_EPS
     truncate = sampling and tree_lib.truncates(top_k, top_p, min_p)  # greedy: truncation keeps the argmax
-    plan = Plan(method=method, budget=budget if method == "ddtree" else 0, sampling=sampling,
-                kernels=target.kernels, conv_kernel=cfg.linear_conv_kernel_dim, feature_layers=feature_layers,
-                inject=_oracle_tokens is not None, mesh=target.mesh, truncate=truncate,
-                budgets=table.candidates if auto else ())
+    plan = make_plan(target, dcfg, method, budget, sampling=sampling, truncate=truncate,
+                     inject=_oracle_tokens is not None, budgets=table.candidates if auto else ())
 
     t0 = time.perf_counter()
     dparams = drafter.params if dcfg else None
