@@ -335,6 +335,17 @@ def test_warmup_compiles_everything(pair, ar_ref):
     assert gens[0].tokens == ar_ref[0][:12] and gens[3].tokens == ar_ref[3][:30]
     after = _compiled(target), batch_lib.TRACES["slots"], batch_lib.TRACES["rounds"], batch_lib.TRACES["start"]
     assert after == before and before[0] > 0
+    # three running in the bucket of 4, two leave at once: the last one goes single through the compiled resizes
+    hs = [p.admit(p.prefill(Request(PROMPTS[i], 40))) for i in range(3)]
+    p.step()
+    p.step()
+    p.release(hs[0])
+    p.release(hs[1])
+    p.step()
+    p.release(hs[2])
+    p.step()
+    p.drain()
+    assert (_compiled(target), batch_lib.TRACES["slots"], batch_lib.TRACES["rounds"]) == before[:3]
     # one request alone runs generate's own compiled round (generate at the pool's cache_len and sync_every)
     g = jaxddtree.generate(target, PROMPTS[2], drafter=drafter, method="dflash", max_new_tokens=15,
                            cache_len=CACHE_LEN, sync_every=2, temperature=0.9, seed=1)

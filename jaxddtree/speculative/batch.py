@@ -382,6 +382,7 @@ class SlotPool:
                 self._mode, self._slots = "single", [h]
             elif self._mode == "batched":  # the last live slot out of the batch
                 (h,) = self._live
+                self._resize_to(self.buckets[0])  # down to 2 slots first: one extract shape (warmup compiles it)
                 slot = _bound(self.target, "extract", _extract)(self._state, jnp.int32(self._slots.index(h)))
                 self._state = self._to_single(slot, self._live[h])
                 self._mode, self._slots, changed = "single", [h], True
