@@ -144,7 +144,7 @@ def random_27b_engine(args):
     engine = Engine(target, drafter, tok, name="random-27b", method=args.method or "ddtree", budget=args.budget,
                     max_context=args.max_context or 8192, queue_size=args.queue,
                     default_max_tokens=args.default_max_tokens, max_batch=args.max_batch,
-                    prefill_chunks=args.prefill_chunks)
+                    prefill_tokens=args.prefill_tokens)
     t = time.perf_counter()
     engine.warmup(encode_text(tok, "Hello"), sampling=False)  # this benchmark sends temperature 0 only
     print(f"serve_bench.py: random 27B pair compiled in {time.perf_counter() - t:.1f} s", flush=True)
@@ -232,7 +232,8 @@ def main(argv=None) -> int:
     record = {"model": engine.name, "endpoint": "chat/completions" if chat else "completions",
               "method": engine.method, "budget": engine.budget, "max_tokens": args.max_tokens,
               "prompt_tokens": args.prompt_tokens or None, "max_batch": engine.max_batch,
-              "slot_rows": engine.slot_rows, "prefill_chunks": engine.prefill_chunks, "memory": engine.memory,
+              "slot_rows": engine.slot_rows, "prefill_tokens": engine.prefill_tokens,
+              "prefill_group": engine.prefill_group, "memory": engine.memory,
               "backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d"), "levels": results,
               "generate_device": same}
     if args.out:

@@ -80,9 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "the queue). auto: the largest of 16, 8, 4, 2, 1 whose slots fit in the device's free memory "
                    "(4 on the CPU); an N that does not fit is a one-line error at start naming the largest that "
                    "does (default: auto)")
-    p.add_argument("--prefill-chunks", type=positive_int, default=1, metavar="N", help="prefill chunks (of up to "
-                   "256 prompt tokens; 2048 past 8K) of a joining request per round while others decode: their "
-                   "stall per round (default: 1)")
+    p.add_argument("--prefill-tokens", type=positive_int, default=2048, metavar="N", help="prompt tokens "
+                   "prefilled per round while others decode (their stall per round; at least one chunk: 256 "
+                   "tokens, 2048 past 8K); joining prompts of one shape prefill together in passes of up to N "
+                   "rows (default: 2048)")
     p.add_argument("--queue", type=positive_int, default=64, metavar="N", help="requests waiting for a slot at "
                    "most; more get 503 (default: 64)")
     p.add_argument("--model-name", default=None, help="the model id clients use (default: the target "
@@ -173,7 +174,7 @@ def load_engine(args):
         engine = Engine(target, drafter, tok, name=args.model_name or name, method=method, budget=args.budget,
                         budget_costs=costs, max_context=args.max_context, queue_size=args.queue,
                         default_max_tokens=args.default_max_tokens, max_batch=args.max_batch,
-                        prefill_chunks=args.prefill_chunks)
+                        prefill_tokens=args.prefill_tokens)
     except ValueError as e:  # e.g. the slots' caches for --max-context do not fit in the device's memory
         raise SystemExit(f"serve.py: error: {e}") from None
     print(f"serve.py: {engine.max_batch} slot(s) of {engine.cache_len} cache positions" + (

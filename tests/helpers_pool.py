@@ -31,12 +31,18 @@ class _Pending:
     def __init__(self, pool, req, rid, chunks):
         self.pool, self.req, self.rid, self.chunks, self.done = pool, req, rid, chunks, 0
 
+    mates = ()  # the pendings prefilled with it (FakePool.group): one advance() runs them all
+
     def advance(self) -> bool:
+        for p in self.mates or (self,):
+            p._advance()
+        return self.done > self.chunks
+
+    def _advance(self):
         if self.done > self.chunks:
-            return True
+            return
         self.done += 1
         self.pool.log.append(("advance", self.rid, self.done) if self.done <= self.chunks else ("start", self.rid))
-        return self.done > self.chunks
 
 
 @dataclasses.dataclass
@@ -53,10 +59,11 @@ class FakePool:
     delay = 0.0
 
     def __init__(self, target, drafter, *, method="ddtree", max_batch=1, cache_len, tree_budget="auto",
-                 budget_costs=None, slot_rows=128, sync_every=1):
+                 budget_costs=None, slot_rows=128, sync_every=1, max_group=1, group_rows=2048):
         self.target, self.drafter, self.method, self.max_batch = target, drafter, method, max_batch
         self.cache_len, self.tree_budget, self.budget_costs, self.slot_rows = cache_len, tree_budget, budget_costs, \
             slot_rows
+        self.max_group = max_group
         self.log, self.slots, self.inflight, self._rid = [], {}, {}, 0
         self.lock = threading.Lock()  # the tests read `log` from another thread
         self.most_active = 0
@@ -72,6 +79,18 @@ class FakePool:
         from jaxddtree.model.prefill import chunk_size
         n = len(req.ids)
         return _Pending(self, req, self._rid, -(-n // chunk_size(n)))
+
+    def group_sizes(self, n_tokens) -> tuple:
+        """As SlotPool: powers of two up to max_group (1: one by one)."""
+        return tuple(k for k in (2, 4, 8, 16) if k <= self.max_group)
+
+    def group(self, pendings) -> None:
+        pendings = list(pendings)
+        assert len(pendings) in self.group_sizes(0) and all(p.done == 0 for p in pendings)
+        assert len({p.chunks for p in pendings}) == 1, "a group of prompts of different shapes"
+        self.log.append(("group", tuple(p.rid for p in pendings)))
+        for p in pendings:
+            p.mates = pendings
 
     def free(self) -> int:
         return self.max_batch - len(self.slots)

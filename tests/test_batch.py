@@ -325,7 +325,8 @@ def test_warmup_compiles_everything(pair, ar_ref):
     """After warmup(), requests of every kind (greedy, sampled, truncated; joining, leaving, single and batched)
     compile nothing."""
     target, drafter = pair
-    p = batch_lib.SlotPool(target, drafter, method="dflash", max_batch=4, cache_len=CACHE_LEN, sync_every=2)
+    p = batch_lib.SlotPool(target, drafter, method="dflash", max_batch=4, cache_len=CACHE_LEN, sync_every=2,
+                           max_group=2)
     p.warmup(PROMPTS[0])
     before = _compiled(target), batch_lib.TRACES["slots"], batch_lib.TRACES["rounds"], batch_lib.TRACES["start"]
     reqs = [Request(PROMPTS[0], 12), Request(PROMPTS[1], 20, temperature=0.8, seed=3),
@@ -343,6 +344,18 @@ def test_warmup_compiles_everything(pair, ar_ref):
     p.release(hs[1])
     p.step()
     p.release(hs[2])
+    p.step()
+    p.drain()
+    # two prompts prefilled together (a group of 2) join a running request
+    h = p.admit(p.prefill(Request(PROMPTS[3], 30)))
+    p.step()
+    ps = [p.prefill(Request(PROMPTS[i], 12)) for i in (1, 2)]
+    p.group(ps)
+    hs = [p.admit(x) for x in ps] + [h]
+    for _ in range(3):
+        p.step()
+    for h in hs:
+        p.release(h)
     p.step()
     p.drain()
     assert (_compiled(target), batch_lib.TRACES["slots"], batch_lib.TRACES["rounds"]) == before[:3]
@@ -384,3 +397,66 @@ def test_first_token_in_the_admitting_step(pair, ar_ref):
                 live.discard(h)
     p.drain()
     assert got[h0] == ar_ref[0] and got[h1] == ar_ref[1]
+
+
+def _leaves(state):
+    return [np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
+            for x in jax.tree.leaves(state)]
+
+
+def test_prefill_group_matches_alone(pair):
+    """Prompts prefilled together (loop.PrefillGroup: one pass per chunk for all, 3 chunks of 8 here) give every
+    member the start state it gets alone (caches, first token, key, settings); prompts of other shapes refuse."""
+    from jaxddtree.speculative import loop as loop_lib
+    target, drafter = pair
+    p = pool(pair, "ddtree")
+
+    def pre(ids, seed, t):
+        return loop_lib.Prefill(target, drafter, p.start_plan, np.asarray(ids), 8, CACHE_LEN, p.out_len, seed=seed,
+                                stop_mask=np.zeros(V, bool), temperature=t, max_new=10)
+    args = [(PROMPTS[0], 3, 0.0), (PROMPTS[1], 4, 1.0), (PROMPTS[2], 5, 0.5)]  # 17 / 20 / 24 tokens: 3 chunks each
+    solo = [pre(*a) for a in args]
+    for s in solo:
+        while not s.advance():
+            pass
+    grp = [pre(*a) for a in args[:2]] + [pre(PROMPTS[2], 5, 0.5)]
+    loop_lib.PrefillGroup(grp)
+    assert not grp[2].advance() and not grp[0].advance()  # two passes, any member drives the group
+    while not grp[1].advance():
+        pass
+    for i, (a, b) in enumerate(zip(solo, grp)):
+        la, lb = _leaves(a.state), _leaves(b.state)
+        assert len(la) == len(lb)
+        for x, y in zip(la, lb):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5, err_msg=f"member {i}")
+    assert int(np.asarray(grp[0].state.root)[0]) == int(np.asarray(solo[0].state.root)[0])
+    with pytest.raises(ValueError, match="shapes"):  # 9 tokens: 2 chunks of 8
+        loop_lib.PrefillGroup([pre(PROMPTS[0], 0, 0.0), pre(PROMPTS[3], 0, 0.0)])
+
+
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_group_joins_exact(pair, ar_ref, method):
+    """Four requests prefilled as one group (SlotPool.group) join a running request at once: every request's tokens
+    are its AR tokens; the pool refuses a group size it does not compile."""
+    o = [padded(a) for a in ar_ref]
+    p = pool(pair, method, max_batch=8, max_group=4)
+    assert p.group_sizes(20) == (2, 4)
+    got = {}
+    h0 = p.admit(p.prefill(Request(PROMPTS[3], MAX_NEW, oracle=o[3])))
+    got[h0] = list(p.step()[h0].tokens)
+    ps = [p.prefill(Request(PROMPTS[i % 3], MAX_NEW - 5 * i, oracle=o[i % 3])) for i in range(4)]
+    with pytest.raises(ValueError, match="cannot prefill together"):
+        p.group(ps[:3])
+    p.group(ps)
+    hs = {p.admit(x): i for i, x in enumerate(ps)}
+    live = set(hs) | {h0}
+    while live:
+        for h, u in p.step().items():
+            got.setdefault(h, []).extend(u.tokens)
+            if u.done:
+                p.release(h)
+                live.discard(h)
+    p.drain()
+    assert got[h0] == ar_ref[3]
+    for h, i in hs.items():
+        assert got[h] == ar_ref[i % 3][:MAX_NEW - 5 * i], f"{method} member {i}"

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import queue
 import socket
 import threading
 import time
@@ -586,12 +587,14 @@ def test_scheduler_join_leave_and_wait_for_a_slot(fake):
     assert engine.running() == 0 and engine.waiting() == 0
 
 
-def test_scheduler_prefill_one_chunk_per_round(fake):
-    """A long prompt joining while another request decodes is prefilled one chunk per round (a step between any
-    two of its chunks; its start follows its last chunk at once); with nothing decoding its chunks run back to
-    back."""
+@pytest.mark.parametrize("per_round", [1, 2])
+def test_scheduler_prefill_budget_per_round(fake, monkeypatch, per_round):
+    """A long prompt joining while another request decodes is prefilled `prefill_tokens` rows per round (here 1 or 2
+    chunks of 256 between steps; its start follows its last chunk at once); with nothing decoding its chunks run
+    back to back."""
     _, engine, client = fake
     pool = engine.pool
+    monkeypatch.setattr(engine, "prefill_tokens", 256 * per_round)
     long_prompt = "def f(x):\n    return x + 1\n" * 80  # 3-4 chunks of 256 tokens
 
     def chunks(log, rid):
@@ -614,10 +617,67 @@ def test_scheduler_prefill_one_chunk_per_round(fake):
     rid = [e[1] for e in log if e[0] == "prefill"][1]  # the joining one's
     idx = chunks(log, rid)
     assert len(idx) >= 4 and log[idx[-1]][0] == "start"
+    runs_of_chunks, n = [], 0  # chunks between consecutive steps
     for a, b in zip(idx[:-2], idx[1:-1]):
-        assert [e for e in log[a:b] if e[0] == "step"], "two prefill chunks without a round between them"
+        n += 1
+        if [e for e in log[a:b] if e[0] == "step"]:
+            runs_of_chunks.append(n)
+            n = 0
+    runs_of_chunks.append(n + 1)
+    assert max(runs_of_chunks) == per_round, runs_of_chunks
     assert idx[-1] == idx[-2] + 1  # the start right after the last chunk
     assert outs[0][1] == "length" and outs[1][1] == "length"
+
+
+def test_scheduler_groups_joiners_of_one_shape(pair):
+    """Jobs right behind the next one in the queue whose prompts have its shape prefill with it as one group (the
+    largest group size the pool takes that the run of matching jobs fills, up to the free slots); a job of another
+    shape stops the run (FIFO: none overtakes it); the group's members are admitted together; a cancelled member
+    is dropped at admission, the others go on."""
+    from helpers_pool import FakePool
+    from jaxddtree.serving import Engine
+    from jaxddtree.serving.engine import Job
+
+    class Grouping(FakePool):
+        def __init__(self, *a, **kw):
+            kw["max_group"] = 4
+            super().__init__(*a, **kw)
+
+        def rounds_of(self, req):
+            return [[1]] + [[2, 3]] * 3
+
+    engine = Engine(pair.target, pair.drafter, pair.tokenizer, name="demo", method="ddtree", budget=64,
+                    max_context=MAX_CONTEXT, queue_size=8, max_batch=4, pool_factory=Grouping)
+    engine.close()
+    engine._thread.join(10)
+    assert not engine._thread.is_alive()
+    pool = engine.pool
+    class Loop:  # the jobs' events, without an event loop
+        def call_soon_threadsafe(self, f, *a):
+            f(*a)
+
+    def job(ids):
+        return Job(prompt_ids=ids, max_tokens=6, loop=Loop(), events=queue.SimpleQueue())
+    short = [job([5 + i] * 20) for i in range(5)]  # one chunk of 64
+    other = job([7] * 300)  # two chunks of 256
+    engine._queue = q = type(engine._queue)(8)
+    for j in short[1:3] + [other] + short[3:]:
+        q.put_nowait(j)
+    joining = engine._join(pool, short[0])  # 3 of its shape in a row: a group of 2 (sizes 2, 4)
+    assert [r.job for r in joining] == short[:2] and q.qsize() == 4
+    assert pool.log[-1][0] == "group" and len(pool.log[-1][1]) == 2
+    runs = {}
+    short[1].cancel()
+    assert engine._advance(pool, joining, runs) == []  # nothing decodes: every pass at once
+    assert [r.job for r in runs.values()] == [short[0]] and engine.counts["cancelled"] == 1
+    assert short[1].events.get_nowait() == ("done", {"finish_reason": "cancelled"})
+    joining = engine._join(pool, q.get())  # short[2], then `other`: alone
+    assert [r.job for r in joining] == [short[2]] and q.qsize() == 3
+    engine._advance(pool, joining, runs)
+    joining = engine._join(pool, q.get())  # `other` (another shape): alone, short[3:] stay queued
+    assert [r.job for r in joining] == [other] and q.qsize() == 2
+    engine.prefill_tokens = 256
+    assert len(engine._advance(pool, joining, runs)) == 1  # runs decode: one 256-row chunk this round
 
 
 def test_scheduler_cancel_frees_the_slot(fake):

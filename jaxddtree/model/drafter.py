@@ -19,6 +19,7 @@ Conventions (see tests/test_drafter.py for the torch cross-check):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -219,6 +220,13 @@ _forward_jit = jax.jit(drafter_forward, static_argnums=(1,), static_argnames=("k
 _logits_jit = jax.jit(draft_logits, static_argnums=(1,), static_argnames=("kernels",), donate_argnums=(2,))
 
 
+@functools.partial(jax.jit, static_argnums=(1,), donate_argnums=(2,))
+def _forward_many_jit(params, cfg, caches, target_hidden, num_ctx, block_embeds):
+    def one(cache, hidden, n):  # [k] leading axis on every argument but the weights and the block input
+        return drafter_forward(params, cfg, cache, hidden, n, block_embeds)
+    return jax.vmap(one)(caches, target_hidden, num_ctx)
+
+
 @dataclasses.dataclass
 class Drafter:
     config: DrafterConfig
@@ -235,6 +243,12 @@ class Drafter:
     def forward(self, cache, target_hidden, num_ctx, block_embeds):
         """Jitted `drafter_forward`; `cache` is donated (do not reuse it)."""
         return _forward_jit(self.params, self.config, cache, target_hidden, num_ctx, block_embeds)
+
+    def forward_many(self, caches, target_hidden, num_ctx, block_embeds):
+        """`forward` of k requests in one pass (caches stacked on a leading k axis, target_hidden [k, ...],
+        num_ctx [k]; block_embeds shared); `caches` is donated."""
+        return _forward_many_jit(self.params, self.config, caches, target_hidden, jnp.asarray(num_ctx, jnp.int32),
+                                 block_embeds)
 
     def logits(self, cache, target_hidden, num_ctx, root_token, embed_table, lm_head):
         """Jitted `draft_logits`; `cache` is donated (do not reuse it)."""

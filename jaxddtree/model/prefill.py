@@ -51,6 +51,12 @@ def chunk_size(n_tokens: int, chunk: int | None = None) -> int:
     return next((w for w in SHORT_WIDTHS if n_tokens <= w), PREFILL_CHUNK)
 
 
+def prompt_shape(n_tokens: int, chunk: int | None = None) -> tuple[int, int]:
+    """(chunk width, chunks) of a prompt's prefill (`chunk_size`): prompts of one shape can prefill together."""
+    w = chunk_size(n_tokens, chunk)
+    return w, -(-n_tokens // w)
+
+
 def chunk_widths(max_tokens: int) -> list[tuple[int, int]]:
     """(width, a prompt length that uses it) for every default chunk width a prompt of <= max_tokens tokens can
     use: what a server compiles before it listens."""

@@ -127,6 +127,17 @@ class Target:
             kernels=self.kernels), donate_argnames=("cache",)))
         return fn(self.leaves, cache, tokens, nv)
 
+    def prefill_many(self, caches, tokens, num_valid, feature_layers=(), logits="last"):
+        """`prefill` of k requests in one pass: caches = k batch-1 caches stacked on a new leading axis, tokens
+        [k, 1, T], num_valid [k] -> (logits, caches, features, None), each with the leading k axis; the caches are
+        donated. jax.vmap over the k requests: each projection is one GEMM of k·T rows (`ops.fold_rows`), every
+        request keeps its own positions and state. One compilation per (k, T, feature_layers, logits)."""
+        fl = tuple(feature_layers)
+        fn = self.bind(("prefill_many", fl, logits), lambda: jax.jit(jax.vmap(functools.partial(
+            _prefill, graphdef=self.graphdef, treedef=self.treedef, feature_layers=fl, logits=logits,
+            kernels=self.kernels), in_axes=(None, 0, 0, 0)), donate_argnums=(1,)))
+        return fn(self.leaves, caches, tokens, jnp.asarray(num_valid, jnp.int32))
+
 
 def _prefill(leaves, cache, tokens, num_valid, *, graphdef, treedef, feature_layers, logits, kernels):
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))

@@ -2,10 +2,12 @@
 bounded queue.
 
 A scheduler thread drives a `SlotPool` (speculative/batch.py): each iteration it
-  1. takes the next waiting job when a slot is free (`pool.prefill`: validated, nothing run yet),
-  2. advances that job's prefill by one chunk (`Pending.advance`; `prefill_chunks` of them if set; every chunk
-     at once when no slot decodes, as nobody waits), and admits it into a free slot once its prefill is done, so
-     that the running requests stall for at most one prefill chunk per round,
+  1. takes the next waiting job when a slot is free (`pool.prefill`: validated, nothing run yet), and with it the
+     jobs right behind it in the queue whose prompts have its shape (chunk width and count), as many as the
+     pool prefills together (`pool.group`: one pass per chunk for all of them, up to `prefill_tokens` rows),
+  2. advances the joining prefill by passes of at most `prefill_tokens` rows in all per round (`Pending.advance`;
+     every pass at once when no slot decodes, as nobody waits), and admits the jobs into free slots once their
+     prefill is done, so that the running requests stall for at most one such pass per round,
   3. releases the slots of requests whose client went away,
   4. runs `pool.step()` (the next call of rounds for every active slot is enqueued; the previous call's tokens
      come back) and hands each slot's new tokens to its job: detokenised (`TextStream`), pushed to the job's
@@ -35,12 +37,14 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from jaxddtree.model.prefill import chunk_size
+from jaxddtree.model.prefill import prompt_shape
 from jaxddtree.text import TextStream, default_stop_ids
 from jaxddtree.speculative.batch import Request, SlotPool, buckets
 from jaxddtree.speculative.loop import capacity, resolve_budget
 
 AUTO_MAX_BATCH = 16  # max_batch="auto": the largest power of two up to this that fits in memory
+MAX_GROUP = 8  # joining prompts prefilled together at most (fewer where their caches would not fit: `fit_group`)
+PREFILL_TOKENS = 2048  # default prompt rows prefilled per round while others decode (one pass at 27B ≈ 0.26 s)
 CPU_AUTO_MAX_BATCH = 4  # ... on a device without memory statistics (the CPU)
 GIB = 1 << 30
 _NOTHING = object()  # no job waiting
@@ -48,6 +52,52 @@ _NOTHING = object()  # no job waiting
 
 class QueueFull(Exception):
     """The bounded request queue is full."""
+
+
+class _JobQueue:
+    """The bounded FIFO of waiting jobs (thread-safe): put_nowait (QueueFull past `maxsize`), get (blocking or not),
+    and take_run: the run of jobs at its head that match (a prefill group), as one step."""
+
+    def __init__(self, maxsize: int):
+        self.maxsize = maxsize
+        self._items: collections.deque = collections.deque()
+        self._cv = threading.Condition()
+
+    def put_nowait(self, job):
+        with self._cv:
+            if job is not None and len(self._items) >= self.maxsize:
+                raise queue.Full
+            self._items.append(job)
+            self._cv.notify()
+
+    def get(self, block: bool = True):
+        with self._cv:
+            while block and not self._items:
+                self._cv.wait()
+            if not self._items:
+                raise queue.Empty
+            return self._items.popleft()
+
+    def take_run(self, match, limit: int) -> list:
+        """Up to `limit` jobs from the head while match(job) holds (the close sentinel never matches)."""
+        with self._cv:
+            out = []
+            while len(out) < limit and self._items and self._items[0] is not None and match(self._items[0]):
+                out.append(self._items.popleft())
+            return out
+
+    def count_run(self, match, limit: int) -> int:
+        with self._cv:
+            n = 0
+            for j in self._items:
+                if n >= limit or j is None or not match(j):
+                    break
+                n += 1
+            return n
+
+    def qsize(self) -> int:
+        with self._cv:
+            return sum(j is not None for j in self._items)
 
 
 @dataclasses.dataclass
@@ -83,7 +133,9 @@ class _Run:
     t0: float  # left the queue
     pending: Any = None
     chunks: int = 1  # the prompt's prefill chunks
+    width: int = 1  # their rows
     advanced: int = 0  # advance() calls so far
+    mates: list = dataclasses.field(default_factory=list)  # the runs prefilled with it (itself included)
     handle: int | None = None
     kept: list[int] = dataclasses.field(default_factory=list)  # completion tokens (up to max_tokens / a stop)
     ttft: float | None = None
@@ -109,11 +161,32 @@ def _reserve_bytes(cfg, chunk: int, slot_rows: int) -> int:
     return 2 * chunk * (2 * cfg.intermediate_size + 4 * cfg.hidden_size) * 4 + 2 * slot_rows * cfg.vocab_size * 4 + GIB
 
 
-def peak_slots(max_batch: int) -> int:
+def peak_slots(max_batch: int, group: int = 1) -> int:
     """Slots' caches alive at once at the worst moment of a pool of max_batch slots: the largest bucket and the one
-    below it while the batch is resized between them (the resize copies), + a joining request's caches."""
+    below it while the batch is resized between them (the resize copies), + a joining request's caches (a prefill
+    group of `group` > 1 requests: twice theirs, stacked while they prefill and copied out at the end)."""
     bs = (1,) + buckets(max_batch)
-    return bs[-1] + (bs[-2] if len(bs) > 1 else 0) + 1
+    return bs[-1] + (bs[-2] if len(bs) > 1 else 0) + (2 * group if group > 1 else 1)
+
+
+def fit_group(target, drafter, cache_len: int, max_batch: int, rows: int, slot_rows: int = 128, device=None,
+              want: int = MAX_GROUP) -> int:
+    """The most joining requests to prefill together (a power of two <= want and <= max_batch; 1: one by one) whose
+    caches fit besides max_batch slots' (`peak_slots(max_batch, group)`); unchecked on a device without memory
+    statistics."""
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    g = 1
+    while g * 2 <= min(want, max_batch):
+        g *= 2
+    if not stats or "bytes_limit" not in stats:
+        return g
+    slot = _slot_bytes(target, drafter, cache_len)
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    reserve = _reserve_bytes(target.config, rows, slot_rows)
+    while g > 1 and peak_slots(max_batch, g) * slot + reserve > free:
+        g //= 2
+    return g
 
 
 def fit_max_batch(target, drafter, cache_len: int, max_context: int, chunk: int, max_batch, slot_rows: int = 128,
@@ -167,15 +240,16 @@ class Engine:
     queue is full); the job's events are ("delta", text) ..., then ("done", info) or ("error", message).
 
     max_batch: requests decoded at once (an int, or "auto": what fits in memory, `fit_max_batch`); slot_rows:
-    the pool's verify rows per batched round (each slot's tree budget shrinks as the batch grows); prefill_chunks:
-    a joining request's prefill chunks per round while others decode (their stall per round);
+    the pool's verify rows per batched round (each slot's tree budget shrinks as the batch grows); prefill_tokens:
+    the prompt rows prefilled per round while others decode (their stall per round: at least one chunk), also the
+    most rows of one pass of joining prompts prefilled together;
     pool_factory(target, drafter, **SlotPool's keyword arguments): the pool (default: speculative.batch.SlotPool;
     tests pass fakes)."""
 
     def __init__(self, target, drafter, tokenizer, *, name: str = "jaxddtree", method: str = "ddtree",
                  budget: int | str = "auto", max_context: int | None = None, queue_size: int = 64, stop_ids=None,
                  default_max_tokens: int = 256, budget_costs=None, max_batch: int | str = 1, slot_rows: int = 128,
-                 prefill_chunks: int = 1, pool_factory: Callable | None = None):
+                 prefill_tokens: int = PREFILL_TOKENS, pool_factory: Callable | None = None):
         cfg = target.config
         self.target, self.drafter, self.tokenizer, self.name = target, drafter, tokenizer, name
         self.method = method if drafter is not None else "ar"
@@ -188,19 +262,25 @@ class Engine:
         # the widest verify (the largest candidate)
         widest, self.budget_costs = resolve_budget(budget, self.method, cfg.vocab_size, dcfg, budget_costs)
         chunk, self.cache_len = capacity(target, dcfg, self.method, widest, self.max_context, 0)
+        if int(prefill_tokens) < 1:
+            raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
+        self.prefill_tokens = int(prefill_tokens)
+        rows = max(chunk, self.prefill_tokens)  # the widest prefill pass
         # one line, before anything is compiled, when the slots' caches for max_context do not fit (ValueError)
         self.max_batch, self.memory = fit_max_batch(target, drafter if dcfg else None, self.cache_len,
-                                                    self.max_context, chunk, max_batch, slot_rows)
+                                                    self.max_context, rows, max_batch, slot_rows)
+        self.prefill_group = fit_group(target, drafter if dcfg else None, self.cache_len, self.max_batch, rows,
+                                       slot_rows) if self.max_batch > 1 else 1
+        if self.memory is not None:
+            self.memory["prefill_group"] = self.prefill_group
+            self.memory["peak_slots"] = peak_slots(self.max_batch, self.prefill_group)
         self.slot_rows = slot_rows
-        if int(prefill_chunks) < 1:
-            raise ValueError(f"prefill_chunks must be >= 1, got {prefill_chunks}")
-        self.prefill_chunks = int(prefill_chunks)
         self.pool = (pool_factory or SlotPool)(
             target, drafter if dcfg else None, method=self.method, max_batch=self.max_batch,
             cache_len=self.cache_len, tree_budget=budget, budget_costs=self.budget_costs, slot_rows=slot_rows,
-            sync_every=1)
+            sync_every=1, max_group=self.prefill_group, group_rows=self.prefill_tokens)
         self.queue_size = queue_size
-        self._queue: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
+        self._queue = _JobQueue(max(1, queue_size))
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0}
         self.busy = False
         self._running = 0  # requests in slots or joining
@@ -226,7 +306,7 @@ class Engine:
         return self._running
 
     def close(self):
-        self._queue.put(None)
+        self._queue.put_nowait(None)
 
     def warmup(self, prompt_ids, sampling: bool = True):
         """Compile everything a request can run (`pool.warmup`: every prefill width, the single-slot rounds
@@ -243,13 +323,13 @@ class Engine:
 
     def _work(self):
         runs: dict[int, _Run] = {}  # by pool handle
-        joining: _Run | None = None
+        joining: list[_Run] = []  # prefilling: a job, or jobs prefilled together, then the rest of its batch
         closing = False
         while True:
-            self.busy, self._running = bool(runs or joining), len(runs) + (joining is not None)
+            self.busy, self._running = bool(runs or joining), len(runs) + len(joining)
             pool = self.pool
-            # 1. the next waiting job, when a slot is free (blocking when there is nothing else to do)
-            if joining is None and not closing and pool.free() > 0:
+            # 1. the next waiting job(s), when a slot is free (blocking when there is nothing else to do)
+            if not joining and not closing and pool.free() > 0:
                 try:
                     job = self._queue.get(block=not runs)
                 except queue.Empty:
@@ -259,10 +339,10 @@ class Engine:
                 elif job is not _NOTHING:
                     pool = self.pool  # (read again: the wait may have been long)
                     joining = self._join(pool, job)
-            if closing and not runs and joining is None:
+            if closing and not runs and not joining:
                 return
-            # 2. one prefill chunk of the joining job (all of them when no slot decodes), then admit it
-            if joining is not None:
+            # 2. prefill passes of the joining job(s) (up to prefill_tokens rows; all when no slot decodes), admits
+            if joining:
                 joining = self._advance(pool, joining, runs)
             # 3. clients gone
             for h, r in list(runs.items()):
@@ -301,42 +381,83 @@ class Engine:
                         else:
                             self._finish(r, finish)
 
-    def _join(self, pool, job: Job) -> _Run | None:
-        if job.cancelled.is_set():
-            self.counts["cancelled"] += 1
-            return None
-        n = len(job.prompt_ids)
-        r = _Run(job=job, stream=TextStream(self.tokenizer, job.stop), t0=time.perf_counter(),
-                 chunks=-(-n // chunk_size(n)))
-        try:
-            r.pending = pool.prefill(self._request(job))
-        except Exception as e:  # ValueError: the request does not fit the pool (one line)
-            self._fail(r, e)
-            return None
-        return r
+    def _join(self, pool, job: Job) -> list[_Run]:
+        """The job, and the jobs right behind it whose prompts have its shape as many as prefill together with it
+        (`pool.group_sizes`, free slots) -> their runs (validated: a request that does not fit fails alone)."""
+        sizes = pool.group_sizes(len(job.prompt_ids)) if pool.free() > 1 else ()
+        jobs = [job]
+        if sizes:
+            shape = prompt_shape(len(job.prompt_ids))
 
-    def _advance(self, pool, r: _Run, runs: dict) -> _Run | None:
-        """`prefill_chunks` prefill chunks of the joining job (every chunk when no slot decodes); admitted once
-        done -> the job still joining, or None."""
-        if r.job.cancelled.is_set():
-            self._cancelled(r)
-            return None
-        try:
-            for i in itertools.count(1):
-                done = r.pending.advance()
-                r.advanced += 1
-                # past the prompt's last chunk only the start remains (a small call): not worth a round's wait
-                if done or (runs and i >= self.prefill_chunks and r.advanced < r.chunks):
-                    break
+            def match(j):
+                return prompt_shape(len(j.prompt_ids)) == shape and not j.cancelled.is_set()
+            limit = min(max(sizes), pool.free()) - 1
+            n = 1 + self._queue.count_run(match, limit)
+            jobs += self._queue.take_run(match, max([1] + [g for g in sizes if g <= n]) - 1)
+        runs = []
+        for j in jobs:
+            if j.cancelled.is_set():
+                self.counts["cancelled"] += 1
+                continue
+            n = len(j.prompt_ids)
+            w, chunks = prompt_shape(n)
+            r = _Run(job=j, stream=TextStream(self.tokenizer, j.stop), t0=time.perf_counter(), chunks=chunks,
+                     width=w)
+            try:
+                r.pending = pool.prefill(self._request(j))
+            except Exception as e:  # ValueError: the request does not fit the pool (one line)
+                self._fail(r, e)
+                continue
+            r.mates = [r]
+            runs.append(r)
+        k = max([1] + [g for g in sizes if g <= len(runs)])
+        if k > 1:
+            pool.group([r.pending for r in runs[:k]])
+            for r in runs[:k]:
+                r.mates = runs[:k]
+        return runs
+
+    def _advance(self, pool, joining: list[_Run], runs: dict) -> list[_Run]:
+        """Prefill passes of the joining runs, head first (a group's pass runs all its members' chunks): at most
+        `prefill_tokens` rows in all while others decode (at least one pass; a start after the last chunk is not
+        counted), every pass when nothing decodes; members admitted once their prefill is done -> the runs still
+        joining."""
+        spent = 0
+        while joining:
+            mates = joining[0].mates
+            if all(m.job.cancelled.is_set() for m in mates):  # nobody waits for this prefill any more
+                for m in mates:
+                    joining.remove(m)
+                    self._cancelled(m)
+                continue
+            rows = len(mates) * mates[0].width if mates[0].advanced < mates[0].chunks else 0
+            if runs and spent and spent + rows > self.prefill_tokens:
+                break
+            try:
+                done = mates[0].pending.advance()
+            except Exception as e:
+                for m in mates:
+                    joining.remove(m)
+                    self._fail(m, e)
+                continue
+            spent += rows
+            for m in mates:
+                m.advanced += 1
             if not done:
-                return r
-            r.handle = pool.admit(r.pending)
-        except Exception as e:
-            self._fail(r, e)
-            return None
-        r.pending = None
-        runs[r.handle] = r
-        return None
+                continue
+            for m in mates:
+                joining.remove(m)
+                if m.job.cancelled.is_set():
+                    self._cancelled(m)
+                    continue
+                try:
+                    m.handle = pool.admit(m.pending)
+                except Exception as e:
+                    self._fail(m, e)
+                    continue
+                m.pending = None
+                runs[m.handle] = m
+        return joining
 
     def _feed(self, r: _Run, u) -> str | None:
         """A slot's update into its job -> the finish reason when the job ends, else None."""

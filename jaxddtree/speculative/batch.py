@@ -28,13 +28,17 @@ import numpy as np
 
 from jaxddtree.model import sharding
 from jaxddtree.model.drafter import check_compatible
-from jaxddtree.model.prefill import check_ids, check_vocab, chunk_widths
+from jaxddtree.model.prefill import check_ids, check_vocab, chunk_size, chunk_widths
 from jaxddtree.model.target import Target
 from jaxddtree.speculative import budget as budget_lib
 from jaxddtree.speculative import loop as loop_lib
 from jaxddtree.speculative import tree as tree_lib
 
 BUDGETS = (7, 15, 31, 63)  # the DDTree budgets of the batched buckets (per slot), largest first that fits slot_rows
+# Joining prompts of one shape prefill together in passes of at most GROUP_ROWS rows (SlotPool.prefill_many): at 27B
+# on the H200 a 512-token prompt took 90 ms in two 256-row chunks (≈ 2 × 27B × 512 / 0.09 s ≈ 300 TFLOP/s) and 8K
+# tokens 1.05 s in four 2048-row chunks (≈ 420 TFLOP/s) (BENCHMARKS.md, sessions 6 and 7).
+GROUP_ROWS = 2048
 TRACES = loop_lib.TRACES  # "slots": traces of the batched round (one per bucket and plan)
 
 
@@ -207,7 +211,7 @@ class SlotPool:
 
     def __init__(self, target: Target, drafter, *, method: str = "ddtree", max_batch: int = 1, cache_len: int,
                  tree_budget="auto", budget_costs=None, slot_rows: int = 128, sync_every: int = 1,
-                 _oracle_len: int = 0):
+                 max_group: int = 1, group_rows: int = GROUP_ROWS, _oracle_len: int = 0):
         if method not in loop_lib.METHODS:
             raise ValueError(f"unknown method '{method}' (choose one of {', '.join(loop_lib.METHODS)})")
         if method != "ar" and drafter is None:
@@ -218,6 +222,8 @@ class SlotPool:
             raise ValueError(f"sync_every must be >= 1, got {sync_every}")
         if int(slot_rows) < 1:
             raise ValueError(f"slot_rows must be >= 1, got {slot_rows}")
+        if int(max_group) < 1 or int(group_rows) < 1:
+            raise ValueError(f"max_group and group_rows must be >= 1, got {max_group}, {group_rows}")
         if target.mesh is not None and max_batch > 1:
             raise ValueError("batched rounds (max_batch > 1) run on one device; load the target with tp=1")
         cfg = target.config
@@ -229,6 +235,7 @@ class SlotPool:
         self.dparams = self.drafter.params if self.drafter else None
         self.max_batch, self.cache_len, self.slot_rows = int(max_batch), int(cache_len), int(slot_rows)
         self.sync_every = int(sync_every)
+        self.max_group, self.group_rows = min(int(max_group), self.max_batch), int(group_rows)
         self.tree_budget = tree_budget
         self.budget, self.table = loop_lib.resolve_budget(tree_budget, method, cfg.vocab_size, self.dcfg,
                                                           budget_costs)
@@ -284,6 +291,27 @@ class SlotPool:
                                top_k=top_k, top_p=top_p, min_p=min_p)
         return Pending(dataclasses.replace(req, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p),
                        pre, budget, oracle)
+
+    def group(self, pendings) -> None:
+        """Prefill these prepared requests (`prefill`, none advanced yet) together: one pass per chunk for all of them
+        (`loop.PrefillGroup`). Their prompts must have one shape (`model.prefill.prompt_shape`) and their number must be one of
+        `group_sizes` (one compilation each); then admit them all (the first advance() / admit runs the group)."""
+        pendings = list(pendings)
+        n = pendings[0]._pre.shape
+        sizes = self.group_sizes_of(n[0])
+        if len(pendings) not in sizes:
+            raise ValueError(f"{len(pendings)} prompts of chunk width {n[0]} cannot prefill together "
+                             f"(group sizes {sizes})")
+        loop_lib.PrefillGroup([p._pre for p in pendings])
+
+    def group_sizes(self, n_tokens: int) -> tuple[int, ...]:
+        """How many prompts of n_tokens tokens may prefill together (`group`): 2, 4, 8, ... with k·width <=
+        group_rows and k <= max_group (one compilation per size and chunk width; (): one by one)."""
+        return self.group_sizes_of(chunk_size(n_tokens))
+
+    def group_sizes_of(self, width: int) -> tuple[int, ...]:
+        cap = min(self.max_group, self.group_rows // width)
+        return tuple(k for k in (2 ** i for i in range(1, 31)) if k <= cap)
 
     def free(self) -> int:
         """Free slots (max_batch - active)."""
@@ -513,8 +541,8 @@ class SlotPool:
         def prompt(n):
             return (ids * (n // len(ids) + 1))[:n]
 
-        def run_all(reqs):
-            hs = [self.admit(self.prefill(r)) for r in reqs]
+        def run_all(reqs=(), pending=()):
+            hs = [self.admit(p) for p in [self.prefill(r) for r in reqs] + list(pending)]
             left = set(hs)
             while left:
                 for h, u in self.step().items():
@@ -529,6 +557,10 @@ class SlotPool:
                     run_all([Request(prompt(n), 2, temperature=t, top_k=top_k)])
                 except ValueError:
                     break
+            for k in self.group_sizes(n):  # joiners prefilled together (`group`)
+                ps = [self.prefill(Request(prompt(n), 2)) for _ in range(k)]
+                self.group(ps)
+                run_all(pending=ps)
         base = prompt(min(len(ids), 64))
         # join one at a time up to B, then leave down to one: every resize and bucket, greedy then sampling
         for B, t in [(B, t) for t in ((0.0, 1.0) if sampling else (0.0,)) for B in self.buckets]:

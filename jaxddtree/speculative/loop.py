@@ -32,9 +32,9 @@ from jaxddtree.model import layout as layout_lib
 from jaxddtree.model import sharding
 from jaxddtree.speculative import budget as budget_lib
 from jaxddtree.speculative import tree as tree_lib
-from jaxddtree.model.prefill import check_ids, check_vocab, chunk_size, padded_chunks, round_up
-from jaxddtree.model.cache import ModelCache
-from jaxddtree.model.drafter import check_compatible, draft_logits
+from jaxddtree.model.prefill import check_ids, check_vocab, chunk_size, padded_chunks, prompt_shape, round_up
+from jaxddtree.model.cache import ModelCache, init_cache
+from jaxddtree.model.drafter import check_compatible, draft_logits, init_draft_cache
 from jaxddtree.model.target import Target
 from jaxddtree.speculative.verify import commit, verify
 
@@ -371,12 +371,17 @@ class Prefill:
                             jnp.float32(min_p), costs)
         self._cache = self._dcache = self._logits = self._blank = None
         self._S = S
+        self.shape = prompt_shape(len(ids), chunk)  # prompts of one shape can prefill together (PrefillGroup)
+        self._group = None  # the PrefillGroup that runs this prompt's chunks, if any
         self.state = None
 
     def advance(self) -> bool:
-        """Enqueue the next chunk (the first call also makes the caches); True once the start state is enqueued."""
+        """Enqueue the next chunk (the first call also makes the caches); True once the start state is enqueued.
+        In a PrefillGroup: the group's next pass (every member's chunk)."""
         if self.state is not None:
             return True
+        if self._group is not None:
+            return self._group.advance()
         target, drafter = self.target, self.drafter
         if self._cache is None:
             self._cache = target.init_cache(self._S)
@@ -397,6 +402,77 @@ class Prefill:
             self._logits[:, 0], self._cache, self._dcache, *self._start_args)
         self._cache = self._dcache = self._logits = None
         return True
+
+
+class PrefillGroup:
+    """k >= 2 prompts of one shape (chunk width and count; `Prefill.shape`) prefilled together: each `advance()`
+    runs the members' next chunks as ONE pass (`Target.prefill_many`, `Drafter.forward_many`: every projection one
+    GEMM of k·width rows instead of k GEMMs of width rows: at 27B a 256-row chunk is far from the tensor cores'
+    rate); after the last chunk each member's start as `Prefill` runs it (its own first token, key and settings).
+    A member's `advance()` / `state` run the group. The k members' caches are stacked while the group runs (and
+    copied out once at the end: 2k requests' caches at the peak)."""
+
+    def __init__(self, members):
+        members = list(members)
+        m0 = members[0]
+        if len(members) < 2:
+            raise ValueError("a PrefillGroup needs at least 2 prompts (one prefills on its own)")
+        for m in members:
+            if (m.target is not m0.target or m.drafter is not m0.drafter or m.plan != m0.plan or m._S != m0._S
+                    or m.shape != m0.shape or m.out_len != m0.out_len):
+                raise ValueError(f"prompts of different shapes cannot prefill together: {m.shape} vs {m0.shape}")
+            if m._group is not None or m._cache is not None or m.state is not None:
+                raise ValueError("a prompt already prefilling cannot join a PrefillGroup")
+        self.members = members
+        for m in members:
+            m._group = self
+        self._caches = self._dcaches = self._logits = None
+        self.done = False
+
+    def advance(self) -> bool:
+        if self.done:
+            return True
+        ms, m0 = self.members, self.members[0]
+        target, drafter, k = m0.target, m0.drafter, len(self.members)
+        if self._caches is None:
+            self._caches, self._dcaches = init_many(target, drafter, m0._S, k)
+            if drafter is not None:
+                m0._blank = jnp.zeros((1, drafter.config.block_size, target.config.hidden_size), drafter.dtype)
+        nxt = [next(m._chunks, None) for m in ms]
+        if nxt[0] is not None:
+            tokens = jnp.stack([c[0] for c in nxt])  # [k, 1, width]
+            n = np.asarray([c[1] for c in nxt], np.int32)
+            self._logits, self._caches, feats, _ = target.prefill_many(self._caches, tokens, n,
+                                                                       feature_layers=m0.plan.feature_layers,
+                                                                       logits="last")
+            if drafter is not None:
+                _, self._dcaches = drafter.forward_many(self._dcaches, feats, n, m0._blank)
+            return False
+        take = target.bind(("take_member",), lambda: jax.jit(
+            lambda tree, i: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False), tree)))
+        for i, m in enumerate(ms):
+            m._logits, m._cache, m._dcache = take((self._logits, self._caches, self._dcaches), jnp.int32(i))
+            m._group = None  # its own start (Prefill.advance: no chunk left)
+            m.advance()
+            m._group = self
+        self._caches = self._dcaches = self._logits = m0._blank = None
+        self.done = True
+        return True
+
+
+def init_many(target: Target, drafter, S: int, k: int):
+    """k requests' zeroed batch-1 caches stacked on a leading axis (the target's; the drafter's or None), made on the
+    device by one jitted call per (S, k)."""
+    cfg, dtype = target.config, target.dtype
+    dcfg, ddtype = (drafter.config, drafter.dtype) if drafter is not None else (None, None)
+
+    def stack(tree):
+        return jax.tree.map(lambda x: jnp.broadcast_to(x, (k,) + x.shape), tree)
+
+    def make():
+        return stack(init_cache(cfg, S, dtype)), (stack(init_draft_cache(dcfg, 1, S, ddtype)) if dcfg else None)
+    return target.bind(("init_many", S, k, dcfg, jnp.dtype(ddtype).name if ddtype else None),
+                       lambda: jax.jit(make))()
 
 
 def make_plan(target: Target, dcfg, method: str, budget: int = 0, *, sampling: bool = False,
