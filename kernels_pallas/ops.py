@@ -1,5 +1,7 @@
 """Kernel dispatch: the model calls these with `kernels="xla"` (plain jnp references, the spec) or
-`kernels="pallas"` (the GPU kernels in `kernels_pallas/`, same signatures, same results)."""
+`kernels="pallas"` (the GPU kernels in `kernels_pallas/`, same signatures, same results; benchmarks also pass
+its `VARIANTS`). A projection's kernel is chosen in one place, `pick` (weight format, rows, output width,
+kernels), and `dense` / `decode_row` run what it chose."""
 
 from __future__ import annotations
 
