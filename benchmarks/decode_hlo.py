@@ -2,9 +2,9 @@
 """Kernels per decode step from the compiled HLO, without a GPU: the AR decode step (kernels="pallas", bf16,
 27B shapes, abstract weights) compiled by XLA:CPU with every Pallas kernel stubbed by an opaque host callback
 (an unfusable custom call, as the Triton call is on the GPU), with the decode-step fusions on and off
-(kernels "pallas" / the benchmark variant "pallas:unfused", `kernels_pallas.ops.VARIANTS`). Counts the ENTRY computation's kernel-like instructions
-(fusions, custom calls, unfused compute ops; not parameters / tuples / bitcasts) for models of 1 and 2
-layers of each type, so per-layer numbers are the difference. XLA:CPU's fusion pass is not XLA:GPU's: read
+(kernels "pallas" / the benchmark variant "pallas:unfused", `kernels_pallas.ops.VARIANTS`). Counts the ENTRY
+computation's kernel-like instructions (fusions, custom calls, unfused compute ops; not parameters / tuples /
+bitcasts) for models of 1 and 2 layers of each type, so per-layer numbers are the difference. XLA:CPU's fusion pass is not XLA:GPU's: read
 the numbers as the structure (which ops can share a kernel), the H200 profile (profile_gpu.py) as the truth.
 
     python benchmarks/decode_hlo.py [--out decode_hlo.json] [--show]
@@ -143,7 +143,8 @@ def lowered_hash(raw: dict, dtype: str, weights: str, kernels: str, part: str, s
 
 
 def hashes() -> dict:
-    big = dict(QWEN36_27B, num_hidden_layers=4, vocab_size=8192, layer_types=["linear_attention"] * 3 + ["full_attention"])
+    big = dict(QWEN36_27B, num_hidden_layers=4, vocab_size=8192,
+               layer_types=["linear_attention"] * 3 + ["full_attention"])
     big.pop("full_attention_interval")
     small = dict(QWEN36_27B, **SMOKE_TARGET)
     cases = {}

@@ -141,8 +141,8 @@ def main():
     ap.add_argument("--merge-into", default=None,
                     help="also write <part>_kernels_per_step into this bench JSON (e.g. benchmarks/results/h200.json)")
     ap.add_argument("--decode-fusions", default="on", choices=["on", "off", "both"],
-                    help="decode step with the fused gate/residual/partials/attention-prologue kernels (kernels 'pallas'; off: "
-                         "the benchmark variant 'pallas:unfused', ops.VARIANTS), "
+                    help="decode step with the fused gate/residual/partials/attention-prologue kernels (kernels "
+                         "'pallas'; off: the benchmark variant 'pallas:unfused', ops.VARIANTS), "
                          "without, or both (A/B: 'decode' and 'decode_unfused', plus 'decode_ab')")
     ap.add_argument("--weights", default="bf16", choices=["bf16", "fp8"], help="fp8: random fp8 target weights "
                     "(`random_target(weights='fp8')`, issue 17)")

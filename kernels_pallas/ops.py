@@ -37,13 +37,13 @@ def _fusions(kernels: str) -> Fusions | None:
     """The decode-step fusions of `kernels` (None: "xla"); ValueError for an unknown name."""
     if kernels == "xla":
         return None
-    if kernels not in VARIANTS:
+    if not isinstance(kernels, str) or kernels not in VARIANTS:
         raise ValueError(f"unknown kernels '{kernels}' (choose one of {KERNELS})")
     return VARIANTS[kernels]
 
 
 def _check(kernels: str) -> str:
-    """ "xla" or "pallas" (a benchmark variant of "pallas" counts as "pallas"); ValueError for an unknown name."""
+    """The path of `kernels`, "xla" or "pallas" (a benchmark variant counts as "pallas"); ValueError if unknown."""
     return "xla" if _fusions(kernels) is None else "pallas"
 
 
@@ -188,8 +188,9 @@ def weight_format(x_dtype, w_dtype) -> str:
 
 def pick(fmt: str, rows: int, cols: int, kernels: str = "xla", *, block_in: int = 128, gemv_rows: int = 1,
          gemv_cols: int = 2048) -> Choice:
-    """The one place a projection's kernel is chosen: weight format `fmt` (`weight_format`), `rows` x rows and
-    `cols` outputs of the flattened [rows, K] x [K, cols] problem, `kernels` (block_in: an FP8 weight's input block).
+    """The one place a projection's kernel is chosen, from the weight format `fmt` (`weight_format`), the rows and
+    output columns of the flattened [rows, K] x [K, cols] problem and `kernels` (block_in: an FP8 weight's input
+    block); the projection code runs what it returns and reads no other switch.
       w8a8: "w8a8" with kernels="pallas" (any row count: decode, verify, prefill) where a power-of-two K chunk
             ≥ 16 divides block_in (`w8a8.applies`), else "w8a8_ref": the same W8A8 numerics either way;
       bf16: "gemv" with kernels="pallas", 1..gemv_rows rows and ≥ gemv_cols outputs (the decode step's
@@ -226,7 +227,8 @@ def _problem(spec: str, x, w_shape) -> tuple[int, int, int, int]:
     return nc, math.prod(x.shape[:x.ndim - nc]), math.prod(w_shape[:nc]), math.prod(w_shape[nc:])
 
 
-def dense(spec: str, x, w, kernels="xla", *, norm=None, gate=None, residual=None, reduce=None, fp8: Fp8 | None = None):
+def dense(spec: str, x, w, kernels="xla", *, norm=None, gate=None, residual=None, reduce=None,
+          fp8: Fp8 | None = None):
     """einsum(spec, x, W) accumulated in fp32, rounded once to x's dtype, for specs that contract x's trailing
     axes with W's leading ones (every projection of the model: "btd,dc->btc", "bthe,hed->btd", ...). W = w (bf16 /
     fp32), or the FP8 weight of e4m3 values w and `fp8` (scales, tail), with transformers' W8A8 block FP8

@@ -206,8 +206,8 @@ def _interpret(monkeypatch, module, name, calls=None):
 
 
 def test_dense_folds_the_slot_axis(monkeypatch):
-    """ops.dense / decode_row / dense of an FP8 weight under vmap (kernels="pallas", interpret mode): the values of per-slot
-    calls, and ONE kernel call on the B·rows (not a pallas_call batched over a slot grid axis)."""
+    """ops.dense / decode_row / dense of an FP8 weight under vmap (kernels="pallas", interpret mode): the values of
+    per-slot calls, and ONE kernel call on the B·rows (not a pallas_call batched over a slot grid axis)."""
     from kernels_pallas import dense as dn
     from kernels_pallas import ops, w8a8
     monkeypatch.setattr(ops, "pick", functools.partial(ops.pick, gemv_rows=16, gemv_cols=1))  # tiny shapes: GEMV
