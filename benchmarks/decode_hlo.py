@@ -5,7 +5,8 @@
 (kernels "pallas" / the benchmark variant "pallas:unfused", `kernels_pallas.ops.VARIANTS`). Counts the ENTRY
 computation's kernel-like instructions (fusions, custom calls, unfused compute ops; not parameters / tuples /
 bitcasts) for models of 1 and 2 layers of each type, so per-layer numbers are the difference. XLA:CPU's fusion
-pass is not XLA:GPU's: read the numbers as the structure (which ops can share a kernel), the H200 profile (profile_gpu.py) as the truth.
+pass is not XLA:GPU's: read the numbers as the structure (which ops can share a kernel), the H200 profile
+(profile_gpu.py) as the truth.
 
     python benchmarks/decode_hlo.py [--out decode_hlo.json] [--show]
     python benchmarks/decode_hlo.py --hashes [--out hashes.json]
