@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""A/B of the decode-step fusions (kernels_pallas.ops FUSED_* switches) at Qwen3.6-27B shapes, one process:
-the AR decode step's median time for each combination, plus its greedy token vs the unfused step's.
-The RMSNorm-prologue and MLP-chain variants (FUSED_NORM / FUSED_MLP) lost and were removed from the kernels
+"""A/B of the decode-step fusions at Qwen3.6-27B shapes, one process: the AR decode step's median time for each
+variant of kernels="pallas" (`kernels_pallas.ops.VARIANTS`, passed as the step's `kernels`), plus its greedy token
+vs the first variant's. The RMSNorm-prologue and MLP-chain variants lost and were removed from the kernels
 (kernels_pallas/ops.py); this script's 2026-11-30 record names the variants kept here "unfused",
 "no_mlp_no_norm" (now "default") and "epilogues_only" (now "no_partials").
 
@@ -28,12 +28,7 @@ from jaxddtree.model.config import text_config_from_dict  # noqa: E402
 from jaxddtree.model.target import random_target  # noqa: E402
 from kernels_pallas import ops  # noqa: E402
 
-FLAGS = ("FUSED_DECODE", "FUSED_PARTIALS")
-VARIANTS = {  # name -> (FUSED_DECODE, FUSED_PARTIALS)
-    "unfused": (False, False),
-    "default": (True, True),
-    "no_partials": (True, False),
-}
+VARIANTS = {"unfused": "pallas:unfused", "default": "pallas", "no_partials": "pallas:no_partials"}  # -> kernels
 
 
 def main(argv=None):
@@ -44,40 +39,33 @@ def main(argv=None):
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (xla: checks the script only)")
     args = ap.parse_args(argv)
-    missing = [f for f in FLAGS if not hasattr(ops, f)]
+    missing = [v for v in VARIANTS.values() if v not in ops.VARIANTS]
     if missing:
-        sys.exit(f"ab_decode_fusions: kernels_pallas.ops has no switch {', '.join(missing)}")
+        sys.exit(f"ab_decode_fusions: kernels_pallas.ops has no variant {', '.join(missing)}")
     raw = dict(QWEN36_27B)
     if args.smoke:
         raw.update(SMOKE_TARGET)
         args.context, args.runs = 64, 3
     cfg = text_config_from_dict(raw, where="Qwen3.6-27B shapes")
     target = random_target(cfg, "bfloat16")
-    kernels = "pallas" if jax.default_backend() == "gpu" else "xla"
+    gpu = jax.default_backend() == "gpu"
     res = {"device": jax.devices()[0].device_kind, "date": datetime.date.today().isoformat(), "context": args.context,
-           "flags": FLAGS, "variants": {}}
+           "kernels": {n: VARIANTS[n] if gpu else "xla" for n in args.variants.split(",")}, "variants": {}}
     base_tok = None
-    for name in args.variants.split(","):
-        saved = [getattr(ops, f) for f in FLAGS]
-        for f, v in zip(FLAGS, VARIANTS[name]):
-            setattr(ops, f, v)
-        try:
-            decode = make_decode(target, kernels)  # a fresh jit: traced with these switches
-            cache = fill_random(target.init_cache(args.context + 512), jax.random.key(3)).replace(
-                length=jnp.int32(args.context))
-            state = [jnp.ones((1, 1), jnp.int32), cache]
-            tok, state[1] = decode(target.leaves, state[1], state[0])
-            first = int(jax.device_get(tok)[0, 0])
-            base_tok = first if base_tok is None else base_tok
+    for name, kernels in res["kernels"].items():
+        decode = make_decode(target, kernels)  # the variant is the step's kernels (the smoke run: xla)
+        cache = fill_random(target.init_cache(args.context + 512), jax.random.key(3)).replace(
+            length=jnp.int32(args.context))
+        state = [jnp.ones((1, 1), jnp.int32), cache]
+        tok, state[1] = decode(target.leaves, state[1], state[0])
+        first = int(jax.device_get(tok)[0, 0])
+        base_tok = first if base_tok is None else base_tok
 
-            def step():
-                state[0], state[1] = decode(target.leaves, state[1], state[0])
-                return state[0]
+        def step():
+            state[0], state[1] = decode(target.leaves, state[1], state[0])
+            return state[0]
 
-            ms = median_ms(step, n=args.runs)
-        finally:
-            for f, v in zip(FLAGS, saved):
-                setattr(ops, f, v)
+        ms = median_ms(step, n=args.runs)
         res["variants"][name] = {"ar_step_ms": round(ms, 3), "first_token": first, "same_token_as_first": first == base_tok}
         print(name, res["variants"][name], flush=True)
         del state, cache

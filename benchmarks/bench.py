@@ -232,7 +232,7 @@ def random_tree(n_nodes: int, depth: int, seed: int):
 
 def make_decode(target, kernels: str):
     """A plain jitted greedy decode step (leaves, cache, tok [1, 1]) -> (next tok, cache), cache donated: only
-    for benchmarks/ab_decode_fusions.py (it retraces under the fusion switches); the AR figures of this script
+    for benchmarks/ab_decode_fusions.py (kernels: a variant of "pallas", ops.VARIANTS); the AR figures of this script
     are `loop.loop_fn` rounds, as generate runs them."""
     gd, td, K = target.graphdef, target.treedef, target.config.linear_conv_kernel_dim
 

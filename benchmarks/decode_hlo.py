@@ -1,20 +1,28 @@
 #!/usr/bin/env python
 """Kernels per decode step from the compiled HLO, without a GPU: the AR decode step (kernels="pallas", bf16,
 27B shapes, abstract weights) compiled by XLA:CPU with every Pallas kernel stubbed by an opaque host callback
-(an unfusable custom call, as the Triton call is on the GPU), with the decode-step fusions
-(`kernels_pallas.ops.FUSED_DECODE`) on and off. Counts the ENTRY computation's kernel-like instructions
-(fusions, custom calls, unfused compute ops; not parameters / tuples / bitcasts) for models of 1 and 2
-layers of each type, so per-layer numbers are the difference. XLA:CPU's fusion pass is not XLA:GPU's: read
-the numbers as the structure (which ops can share a kernel), the H200 profile (profile_gpu.py) as the truth.
+(an unfusable custom call, as the Triton call is on the GPU), with the decode-step fusions on and off
+(kernels "pallas" / the benchmark variant "pallas:unfused", `kernels_pallas.ops.VARIANTS`). Counts the ENTRY
+computation's kernel-like instructions (fusions, custom calls, unfused compute ops; not parameters / tuples /
+bitcasts) for models of 1 and 2 layers of each type, so per-layer numbers are the difference. XLA:CPU's fusion
+pass is not XLA:GPU's: read the numbers as the structure (which ops can share a kernel), the H200 profile
+(profile_gpu.py) as the truth.
 
     python benchmarks/decode_hlo.py [--out decode_hlo.json] [--show]
+    python benchmarks/decode_hlo.py --hashes [--out hashes.json]
+
+--hashes: instead, a short sha256 of the StableHLO text (`jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`
+for an abstract H200, Pallas kernels included) of the AR decode step (alone and vmapped over 2 slots) and of a
+17-node verify, kernels "pallas" and "xla", bf16 / fp8 weights at 27B widths (4 layers, vocab 8192) and fp32 /
+bf16 at bench.py's smoke shapes: equal hashes before / after a refactor = byte-identical programs. The Triton IR
+names its source files: the checkout root is masked (compare checkouts whose root paths have the same length).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import functools
+import hashlib
 import json
 import os
 import re
@@ -31,13 +39,12 @@ import numpy as np
 from flax import nnx
 from jax.experimental import pallas as pl
 
-from kernels_pallas import ops
 from jaxddtree.model import layout as layout_lib
 from jaxddtree.model.cache import init_cache
 from jaxddtree.model.config import text_config_from_dict
 from jaxddtree.model.qwen35 import Qwen35
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import QWEN36_27B  # noqa: E402
+from bench import QWEN36_27B, SMOKE_TARGET  # noqa: E402
 
 FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "reshape", "after-all"}
 
@@ -75,6 +82,16 @@ def entry_ops(hlo: str) -> collections.Counter:
     return c
 
 
+def decode_step(gd, td, K: int, kernels: str):
+    """The greedy AR decode step (leaves, cache, tok [1, 1]) -> (next tok, cache) with these kernels."""
+    def decode(leaves, cache, tok):
+        m = nnx.merge(gd, jax.tree.unflatten(td, leaves))
+        lay = layout_lib.sequence(cache.length, 1, K, kernels=kernels)
+        logits, cache, _, _ = m(tok, cache, lay, logits="all")
+        return jnp.argmax(logits[:, -1], -1).astype(jnp.int32)[:, None], cache
+    return decode
+
+
 def count(layer_types: tuple, fused: bool, context: int = 256, show: bool = False) -> collections.Counter:
     d = dict(QWEN36_27B, num_hidden_layers=len(layer_types))
     d.pop("full_attention_interval")
@@ -85,28 +102,79 @@ def count(layer_types: tuple, fused: bool, context: int = 256, show: bool = Fals
     leaves, td = jax.tree.flatten(state)
     leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
     cache = jax.eval_shape(lambda: init_cache(cfg, context, jnp.bfloat16))
-    K = cfg.linear_conv_kernel_dim
-
-    @functools.partial(jax.jit, donate_argnames=("cache",))
-    def decode(leaves, cache, tok):
-        m = nnx.merge(gd, jax.tree.unflatten(td, leaves))
-        lay = layout_lib.sequence(cache.length, 1, K, kernels="pallas")
-        logits, cache, _, _ = m(tok, cache, lay, logits="all")
-        return jnp.argmax(logits[:, -1], -1).astype(jnp.int32)[:, None], cache
-
-    with ops.fused_decode(fused):
-        hlo = decode.lower(leaves, cache, jax.ShapeDtypeStruct((1, 1), jnp.int32)).compile().as_text()
+    decode = jax.jit(decode_step(gd, td, cfg.linear_conv_kernel_dim, "pallas" if fused else "pallas:unfused"),
+                     donate_argnames=("cache",))
+    hlo = decode.lower(leaves, cache, jax.ShapeDtypeStruct((1, 1), jnp.int32)).compile().as_text()
     c = entry_ops(hlo)
     if show:
         print(f"--- {layer_types} fused={fused}\n" + hlo[hlo.index("\nENTRY "):])
     return c
 
 
+def lowered_hash(raw: dict, dtype: str, weights: str, kernels: str, part: str, slots: int = 0) -> str:
+    """sha256 (16 hex digits) of the StableHLO of the AR step (`slots` > 0: vmapped over that many slots) or of a
+    17-node verify ("verify") of an abstract random target, lowered for an abstract H200 (module docstring)."""
+    from kernels_pallas._common import abstract_h200
+    from jaxddtree.model.target import random_target
+    from jaxddtree.speculative.verify import verify
+    cfg, S = text_config_from_dict(raw), jax.ShapeDtypeStruct
+    held = {}
+    leaves = jax.eval_shape(lambda: held.setdefault("t", random_target(cfg, dtype, 0, weights=weights)).leaves)
+    gd, td, K = held["t"].graphdef, held["t"].treedef, cfg.linear_conv_kernel_dim
+    cache = jax.eval_shape(lambda: init_cache(cfg, 256, jnp.bfloat16 if dtype == "bfloat16" else jnp.float32))
+    if part == "ar":
+        f, tok = decode_step(gd, td, K, kernels), S((1, 1), jnp.int32)
+        if slots:
+            f = jax.vmap(f, in_axes=(None, 0, 0))
+            cache, tok = jax.tree.map(lambda x: S((slots,) + x.shape, x.dtype), (cache, tok))
+        args = (leaves, cache, tok)
+    else:
+        parents = jnp.asarray([-1] + [max(0, i - 1 - i % 3) for i in range(1, 17)], jnp.int32)
+
+        def f(leaves, cache, tokens):
+            m = nnx.merge(gd, jax.tree.unflatten(td, leaves))
+            logits, feats, stash = verify(m, cache, tokens, layout_lib.tree(cache.length, parents, K, kernels=kernels),
+                                          feature_layers=(0, 1))
+            return jnp.argmax(logits, -1), feats, stash
+        args = (leaves, cache, S((1, 17), jnp.int32))
+    with abstract_h200():
+        txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return hashlib.sha256(txt.replace(root, "#" * len(root)).encode()).hexdigest()[:16]
+
+
+def hashes() -> dict:
+    big = dict(QWEN36_27B, num_hidden_layers=4, vocab_size=8192,
+               layer_types=["linear_attention"] * 3 + ["full_attention"])
+    big.pop("full_attention_interval")
+    small = dict(QWEN36_27B, **SMOKE_TARGET)
+    cases = {}
+    for kernels in ("pallas", "xla"):
+        for part in ("ar", "verify"):
+            cases.update({f"27b4_bf16_{kernels}_{part}": (big, "bfloat16", "bf16", kernels, part),
+                          f"27b4_fp8_{kernels}_{part}": (big, "bfloat16", "fp8", kernels, part),
+                          f"smoke_fp32_{kernels}_{part}": (small, "float32", "bf16", kernels, part),
+                          f"smoke_bf16_{kernels}_{part}": (small, "bfloat16", "bf16", kernels, part)})
+        for w in ("bf16", "fp8"):
+            cases[f"27b4_{w}_{kernels}_ar_vmap2"] = (big, "bfloat16", w, kernels, "ar", 2)
+    out = {}
+    for name, case in cases.items():
+        out[name] = lowered_hash(*case)
+        print(name, out[name], flush=True)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
     ap.add_argument("--show", action="store_true", help="print the ENTRY computations")
+    ap.add_argument("--hashes", action="store_true", help="hash the lowered programs instead (module docstring)")
     args = ap.parse_args()
+    if args.hashes:
+        res = hashes()
+        if args.out:
+            json.dump(res, open(args.out, "w"), indent=1)
+        return
     pl.pallas_call = _stub_pallas_call  # every kernel module calls it through this module attribute
     G, A = "linear_attention", "full_attention"
     res = {}

@@ -78,7 +78,7 @@ def section_pair(args, out, pk):
         res[f"{method}_identical"] = toks[method, "xla"] == toks[method, pk]
     res["speculative_equals_ar"] = toks["dflash", pk] == toks["ar", pk] == toks["ddtree", pk] == toks["auto", pk]
     res["ok"] = res["speculative_equals_ar"] and all(res[f"{m}_identical"] for m in methods)
-    # bf16, wide enough that the decode step's projections take the Pallas GEMV (ops.PALLAS_DENSE_MIN_COLS)
+    # bf16, wide enough that the decode step's projections take the Pallas GEMV (ops.pick)
     cfg = text_config_from_dict({
         "model_type": "qwen3_5_text", "vocab_size": 8192, "hidden_size": 1024, "intermediate_size": 4096,
         "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,

@@ -10,8 +10,9 @@ jax profiler disables command buffers: read the gaps with care, time unprofiled.
         [--merge-into benchmarks/results/h200.json]   # adds decode/verify/round_kernels_per_step
     python benchmarks/profile_gpu.py --smoke --parts round --out /tmp/prof.json   # CPU check of the script
     python benchmarks/profile_gpu.py --parts decode --decode-fusions both --out ab.json
-        # A/B of the decode-step fusions (kernels_pallas.ops.FUSED_DECODE) in one process: unprofiled step
-        # times, both profiles ("decode" fused, "decode_unfused") and the logits of one step compared bitwise
+        # A/B of the decode-step fusions (kernels "pallas" vs the variant "pallas:unfused", ops.VARIANTS) in one
+        # process: unprofiled step times, both profiles ("decode" fused, "decode_unfused") and the logits of one
+        # step compared bitwise
     JAX_PLATFORMS=cpu python benchmarks/profile_gpu.py --smoke --parts decode --decode-fusions both  # the script
 """
 from __future__ import annotations
@@ -36,7 +37,6 @@ from jaxddtree.speculative.verify import verify
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench import (DFLASH_27B, QWEN36_27B, SMOKE_DFLASH, SMOKE_TARGET, Rounds, fill_random, make_decode,  # noqa: E402
                    make_plan, median_ms, random_drafter, random_tree)
-from kernels_pallas import ops  # noqa: E402
 from jaxddtree.model.drafter_config import DrafterConfig  # noqa: E402
 
 
@@ -141,7 +141,8 @@ def main():
     ap.add_argument("--merge-into", default=None,
                     help="also write <part>_kernels_per_step into this bench JSON (e.g. benchmarks/results/h200.json)")
     ap.add_argument("--decode-fusions", default="on", choices=["on", "off", "both"],
-                    help="decode step with the fused norm/residual/attention-prologue kernels (ops.FUSED_DECODE), "
+                    help="decode step with the fused gate/residual/partials/attention-prologue kernels (kernels "
+                         "'pallas'; off: the benchmark variant 'pallas:unfused', ops.VARIANTS), "
                          "without, or both (A/B: 'decode' and 'decode_unfused', plus 'decode_ab')")
     ap.add_argument("--weights", default="bf16", choices=["bf16", "fp8"], help="fp8: random fp8 target weights "
                     "(`random_target(weights='fp8')`, issue 17)")
@@ -188,24 +189,26 @@ def main():
         if fused:  # the default kernels: the decode step exactly as generate runs it (loop rounds)
             rounds = Rounds(target, drafter, make_plan(target, dcfg, "ar"), L, R, 20 * R)
             return lambda: rounds.call().n_out
-        decode = make_decode(target, args.kernels)  # A/B only: a plain step traced without the fusions
+        decode = make_decode(target, step_kernels(fused))  # A/B only: a plain step without the fusions
         holder = [jnp.ones((1, 1), jnp.int32), fresh_cache()]
 
         def decode_step():
-            with ops.fused_decode(fused):  # read when the step is traced (its first call)
-                holder[0], holder[1] = decode(target.leaves, holder[1], holder[0])
+            holder[0], holder[1] = decode(target.leaves, holder[1], holder[0])
             return holder[0]
         return decode_step
+
+    def step_kernels(fused: bool) -> str:
+        """The decode step's kernels: the fusions off is the benchmark variant "pallas:unfused" (ops.VARIANTS)."""
+        return args.kernels if fused or args.kernels != "pallas" else "pallas:unfused"
 
     def decode_logits(fused: bool):
         """fp32 logits of one decode step from the same random cache (compiled with/without the fusions)."""
         @jax.jit
         def step(leaves, cache, tok):
             model = nnx.merge(gd, jax.tree.unflatten(td, leaves))
-            lay = layout_lib.sequence(cache.length, 1, cfg.linear_conv_kernel_dim, kernels=args.kernels)
+            lay = layout_lib.sequence(cache.length, 1, cfg.linear_conv_kernel_dim, kernels=step_kernels(fused))
             return model(tok, cache, lay, logits="all")[0]
-        with ops.fused_decode(fused):
-            return np.asarray(step(target.leaves, fresh_cache(), jnp.full((1, 1), 7, jnp.int32)))
+        return np.asarray(step(target.leaves, fresh_cache(), jnp.full((1, 1), 7, jnp.int32)))
 
     steps = {}
     if "decode" in parts:

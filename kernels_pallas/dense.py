@@ -236,7 +236,7 @@ def dense(x, w, gate=None, residual=None, *,
     residual, which have x's / y's shape) are flattened. gate / residual: see `dense_reference`.
 
     reduce=False: return the split-K partials [S, M, N] unsummed (fp32; S = 1: [1, M, N] in x's dtype, already
-    rounded) for a consumer kernel that sums them (`ops.dense_partials`): no XLA kernel after this one.
+    rounded) for a consumer kernel that sums them (`ops.decode_row`): no XLA kernel after this one.
     block_n / block_k: powers of two; split_k: number of K ranges (fp32 partials summed after the kernel).
     block_k / num_stages are lowered where the tiles would not fit `smem_limit` (default `_common.SMEM_LIMIT`) for
     the dtypes (`fit_config`)."""

@@ -1,9 +1,10 @@
 """Kernel dispatch: the model calls these with `kernels="xla"` (plain jnp references, the spec) or
-`kernels="pallas"` (the GPU kernels in `kernels_pallas/`, same signatures, same results)."""
+`kernels="pallas"` (the GPU kernels in `kernels_pallas/`, same signatures, same results; benchmarks also pass
+its `VARIANTS`). A projection's kernel is chosen in one place, `pick` (weight format, rows, output width,
+kernels), and `dense` / `decode_row` run what it chose."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import NamedTuple
 
@@ -15,44 +16,35 @@ from kernels_pallas.numerics import f32, rms_norm_1p, rounded
 
 KERNELS = ("xla", "pallas")
 
-# The Pallas weight-streaming GEMV runs the projections of single-token passes (the AR decode step) with at
-# least PALLAS_DENSE_MIN_COLS outputs. H200 sweep (benchmarks/bench_gemv.py, 2026-11-29): 1.04-1.22x XLA's GEMVs
-# for the 27B projections at M = 1, 0.97x for the 1024-wide k/v, and 0.79-0.86x at M = 65 (verify), so
-# everything else stays on XLA's GEMMs. (That sweep predates the fused parameter layout; since then every 27B
-# projection is at least 5120 wide — the narrow k/v, b, a are columns of the fused w_qkv / w_in — so the whole
-# decode step takes the GEMV.)
-PALLAS_DENSE_MAX_ROWS = 1
-PALLAS_DENSE_MIN_COLS = 2048
 
-# Decode-step fusions (kernels="pallas", bf16): the output gate folded into the Pallas GEMV's prologue, the
-# residual add into its epilogue (`dense`), and the attention layer's q/k norm + RoPE + gate + KV-cache write
-# as one kernel (`attention_decode_prep`). Same results either way; off = the separate ops (XLA fusions) around
-# the plain GEMV, for A/B timing (`fused_decode(False)`, benchmarks/profile_gpu.py --decode-fusions). Read when
-# a function is traced: set it before the first call of a jitted step.
-FUSED_DECODE = True
-# The part of the decode fusions that can be switched off on its own: the unsummed split-K partials handed to
-# the GDN / attention decode kernels (AR step, H200, 27B, 4K, 2026-11-30: 17.68 ms default, 17.97 without the
-# partials, 18.14 unfused).
-# Removed (git history), lost on the H200: the RMSNorm in the GEMV prologue and the MLP as two GEMVs with the
-# SwiGLU in the down GEMV's prologue (AR step 17.68 ms without them vs 20.63 with the MLP chain;
-# benchmarks/ab_decode_fusions.py, 2026-11-30): both delay the weight stream. The norm runs before the GEMV.
-FUSED_PARTIALS = True
+class Fusions(NamedTuple):
+    """The decode-step fusions of the Pallas path (AR step, bf16, kernels_pallas/dense.py's GEMV)."""
+    parts: bool = True  # the gate in the GEMV's prologue, the residual in its epilogue; the attention layer's q/k
+    #                     norm + RoPE + gate + KV-cache write as one kernel (`attention_decode_prep`)
+    partials: bool = True  # the GEMV's split-K partials unsummed into the GDN / attention decode kernels
 
 
-@contextlib.contextmanager
-def fused_decode(enabled: bool):
-    """Trace the decode-step fusions on or off inside this block (see FUSED_DECODE)."""
-    global FUSED_DECODE
-    old, FUSED_DECODE = FUSED_DECODE, bool(enabled)
-    try:
-        yield
-    finally:
-        FUSED_DECODE = old
+# kernels="pallas" and its benchmark-only variants with decode-step fusions off (A/B timing: benchmarks/
+# ab_decode_fusions.py, profile_gpu.py --decode-fusions, decode_hlo.py; the same kernels otherwise). Both lost on
+# the H200 (AR step, 27B, 4K, 2026-11-30: 17.68 ms default, 17.97 no_partials, 18.14 unfused; BENCHMARKS.md
+# session 4, run B). Removed (git history), lost too: the RMSNorm in the GEMV prologue and the MLP as two GEMVs
+# with the SwiGLU in the down GEMV's prologue (20.63 ms with the MLP chain): both delay the weight stream.
+VARIANTS = {"pallas": Fusions(), "pallas:no_partials": Fusions(partials=False),
+            "pallas:unfused": Fusions(parts=False, partials=False)}
 
 
-def _check(kernels: str):
-    if kernels not in KERNELS:
+def _fusions(kernels: str) -> Fusions | None:
+    """The decode-step fusions of `kernels` (None: "xla"); ValueError for an unknown name."""
+    if kernels == "xla":
+        return None
+    if not isinstance(kernels, str) or kernels not in VARIANTS:
         raise ValueError(f"unknown kernels '{kernels}' (choose one of {KERNELS})")
+    return VARIANTS[kernels]
+
+
+def _check(kernels: str) -> str:
+    """The path of `kernels`, "xla" or "pallas" (a benchmark variant counts as "pallas"); ValueError if unknown."""
+    return "xla" if _fusions(kernels) is None else "pallas"
 
 
 def _pallas_or(reference, kernel):
@@ -69,8 +61,7 @@ def _pallas_or(reference, kernel):
 
 def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, kernels="xla"):
     """q [B,T,H,hd] attends to cache rows [0, start) and to new rows j with mask[b,i,j] -> [B,T,H,hd]."""
-    _check(kernels)
-    if kernels == "pallas":
+    if _check(kernels) == "pallas":
         from kernels_pallas import tree_attention as ta
         from kernels_pallas.attention_reference import tree_attention_reference
         return _pallas_or(lambda: tree_attention_reference(q, k_cache, v_cache, start, k_new, v_new, mask),
@@ -82,8 +73,7 @@ def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, kernels="xla"
 def prefill_attention(q, k_cache, v_cache, start, k_new, v_new, kernels="xla"):
     """Causal sequence pass: q [B,T,H,hd] at positions [start, start+T) attends to cache rows [0, start) and
     to new rows j <= t -> [B,T,H,hd] (= tree_attention with the causal mask; no mask is built or read)."""
-    _check(kernels)
-    if kernels == "pallas":
+    if _check(kernels) == "pallas":
         from kernels_pallas import prefill_attention as pa
         return _pallas_or(lambda: pa.prefill_attention_reference(q, k_cache, v_cache, start, k_new, v_new),
                           lambda: pa.prefill_attention(q, k_cache, v_cache, start, k_new, v_new))
@@ -92,8 +82,7 @@ def prefill_attention(q, k_cache, v_cache, start, k_new, v_new, kernels="xla"):
 
 
 def gdn_chunked(q, k, v, g, beta, state, kernels="xla"):
-    _check(kernels)
-    if kernels == "pallas":
+    if _check(kernels) == "pallas":
         from kernels_pallas import gdn_prefill
         return _pallas_or(lambda: gdn_reference.gdn_chunked(q, k, v, g, beta, state),
                           lambda: gdn_prefill.gdn_chunked(q, k, v, g, beta, state))
@@ -103,8 +92,7 @@ def gdn_chunked(q, k, v, g, beta, state, kernels="xla"):
 def gdn_masked_block(q, k, v, g, beta, mask, state, kernels="xla", max_depth: int | None = None):
     """max_depth (optional, static): no root path of `mask` has more nodes (DDTree: the drafter's block
     size); the Pallas kernel uses it only to bound its solve loop. The result does not depend on it."""
-    _check(kernels)
-    if kernels == "pallas":
+    if _check(kernels) == "pallas":
         from kernels_pallas import gdn_tree
         return _pallas_or(lambda: gdn_reference.gdn_masked_block(q, k, v, g, beta, mask, state),
                           lambda: gdn_tree.gdn_masked_block(q, k, v, g, beta, mask, state, max_depth=max_depth))
@@ -115,12 +103,12 @@ def gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, ke
                      num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, conv_kernel: int,
                      eps: float):
     """One GDN decode step (T = 1) from the layer's fused projection row [q|k|v pre-conv | z | b | a] (or its
-    unsummed split-K partials [S, B, P], `dense_partials`) to the gated-norm output: conv + SiLU, l2norm, beta/g, the recurrent step, gated RMSNorm; -> (o [B,Hv,dv],
+    unsummed split-K partials [S, B, P], `decode_row`) to the gated-norm output: conv + SiLU, l2norm, beta/g, the
+    recurrent step, gated RMSNorm; -> (o [B,Hv,dv],
     conv_state [B,K-1,conv_dim], state [B,Hv,dk,dv]). See `gdn_reference.gdn_decode_fused`."""
-    _check(kernels)
     dims = dict(num_k_heads=num_k_heads, num_v_heads=num_v_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim,
                 conv_kernel=conv_kernel, eps=eps)
-    if kernels == "pallas":
+    if _check(kernels) == "pallas":
         from kernels_pallas import gdn_decode_fused as fused
         args = (proj, conv_state, conv_w, A_log, dt_bias, norm_w, state)
         return _pallas_or(lambda: gdn_reference.gdn_decode_fused(*args, **dims),
@@ -147,32 +135,145 @@ def tree_select(top_lp, top_id, budget: int, kernels="xla"):
 def attention_decode_prep(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, start, kernels="xla", *,
                           num_heads: int, num_kv_heads: int, head_dim: int, eps: float):
     """An attention layer's decode step (T = 1) from its projection row (or its unsummed split-K partials
-    [S, B, C], `dense_partials`) to the attention's inputs: q/k norm,
-    RoPE, the output gate's sigmoid, the KV-cache write at row `start`; -> (q [B,H,hd], sgate [B,H,hd],
-    k [B,Hkv,hd], v [B,Hkv,hd], k_cache, v_cache). See `attention_reference.decode_attention_prep`. One Pallas
-    kernel with kernels="pallas", bf16 and FUSED_DECODE; the jnp reference otherwise."""
-    _check(kernels)
+    [S, B, C], `decode_row`) to the attention's inputs: q/k norm, RoPE, the output gate's sigmoid, the KV-cache
+    write at row `start`; -> (q [B,H,hd], sgate [B,H,hd], k [B,Hkv,hd], v [B,Hkv,hd], k_cache, v_cache). See
+    `attention_reference.decode_attention_prep`. One Pallas kernel with kernels="pallas" (`Fusions.parts`), a
+    bf16 cache and a power-of-two head_dim ≥ 16; the jnp reference otherwise."""
+    fusions = _fusions(kernels)
     dims = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, eps=eps)
     args = (qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, start)
-    if (kernels == "pallas" and FUSED_DECODE and k_cache.dtype == jnp.bfloat16 and head_dim >= 16
+    from kernels_pallas.attention_reference import decode_attention_prep
+    if (fusions is not None and fusions.parts and k_cache.dtype == jnp.bfloat16 and head_dim >= 16
             and head_dim & (head_dim - 1) == 0):
         from kernels_pallas import attention_decode
-        from kernels_pallas.attention_reference import decode_attention_prep
         return _pallas_or(lambda: decode_attention_prep(*args, **dims),
                           lambda: attention_decode.decode_attention_prep(*args, **dims))
-    from kernels_pallas.attention_reference import decode_attention_prep
     return decode_attention_prep(*args, **dims)
 
 
-def dense_partials(x, w, kernels="xla", *, norm=None):
-    """x [B, T, K] (B·T = 1) @ w [K, N] on the Pallas GEMV with its split-K partial sums left unsummed:
-    [S, B·T, N] (fp32; S = 1: already rounded to x's dtype), for a consumer kernel that sums them in order
-    (`gdn_decode_fused`, `attention_decode_prep`: no XLA kernel between the two); norm as in `dense` (applied
-    before the kernel). None where that path does not apply (not kernels="pallas" with FUSED_DECODE, not the
-    GEMV's domain): the caller then uses `dense`."""
-    rows, K = math.prod(x.shape[:-1]), x.shape[-1]
-    if not (kernels == "pallas" and FUSED_DECODE and FUSED_PARTIALS and _gemv(x, w, rows, w.shape[1])):
-        return None
+# ------------------------------------------------------------------------------------ projections: pick, then run
+FORMATS = ("bf16", "fp32", "w8a8")
+
+
+class Choice(NamedTuple):
+    """A projection's kernel (`pick`): "gemv" (the Pallas bf16 weight-streaming GEMV, kernels_pallas/dense.py),
+    "xla" (XLA's einsum), "w8a8" (the Pallas W8A8 block FP8 kernel, kernels_pallas/w8a8.py) or "w8a8_ref" (its jnp
+    reference: the same function on XLA). For "gemv": `fused`, the gate in its prologue and the residual in its
+    epilogue (else the same ops as XLA kernels around it); `partials`, its split-K partials go unsummed to the
+    consumer kernel of a decode step's first projection (`decode_row`)."""
+    kernel: str
+    fused: bool = False
+    partials: bool = False
+
+
+class Fp8(NamedTuple):
+    """The rest of an FP8 weight whose e4m3 values q [K.., N..] (contracted axes first) `dense` takes as w:
+    scale fp32 [ceil(K / block_in), ceil(N / block_out)] (compact block scales), tail None or the trailing plain
+    columns [K, n_tail] of a 2-D weight (jaxddtree/model/fp8.py's `Fp8Weight`)."""
+    scale: jax.Array
+    tail: jax.Array | None
+    block_in: int
+    block_out: int
+
+
+def weight_format(x_dtype, w_dtype) -> str:
+    """The format `pick` reads: "w8a8" (an fp8 e4m3 weight: W8A8 with bf16 / fp32 activations), "bf16" (bf16
+    activations and weight), "fp32" (any other plain pair: XLA's einsum in the activations' dtype)."""
+    if jnp.dtype(w_dtype) == jnp.float8_e4m3fn:
+        if jnp.dtype(x_dtype) not in (jnp.bfloat16, jnp.float32):
+            raise ValueError(f"FP8 weights take bf16 or float32 activations, not {jnp.dtype(x_dtype).name}")
+        return "w8a8"
+    return "bf16" if jnp.dtype(x_dtype) == jnp.dtype(w_dtype) == jnp.bfloat16 else "fp32"
+
+
+def pick(fmt: str, rows: int, cols: int, kernels: str = "xla", *, block_in: int = 128, gemv_rows: int = 1,
+         gemv_cols: int = 2048) -> Choice:
+    """The one place a projection's kernel is chosen, from the weight format `fmt` (`weight_format`), the rows and
+    output columns of the flattened [rows, K] x [K, cols] problem and `kernels` (block_in: an FP8 weight's input
+    block); the projection code runs what it returns and reads no other switch.
+      w8a8: "w8a8" with kernels="pallas" (any row count: decode, verify, prefill) where a power-of-two K chunk
+            ≥ 16 divides block_in (`w8a8.applies`), else "w8a8_ref": the same W8A8 numerics either way;
+      bf16: "gemv" with kernels="pallas", 1..gemv_rows rows and ≥ gemv_cols outputs (the decode step's
+            projections), fused / partials as the kernels' `Fusions` say; else "xla";
+      fp32: "xla".
+    gemv_rows / gemv_cols: the H200 sweep (benchmarks/bench_gemv.py, 2026-11-29): 1.04-1.22x XLA's GEMVs for the
+    27B projections at M = 1, 0.97x for 1024-wide outputs, 0.79-0.86x at M = 65 (verify); every 27B decode-step
+    projection is ≥ 5120 wide (the narrow k / v / b / a are columns of the fused w_qkv / w_in). Tests widen them
+    (`functools.partial(pick, gemv_rows=..., gemv_cols=...)` in place of `ops.pick`) to reach the GEMV at tiny
+    shapes; nothing else overrides them."""
+    fusions = _fusions(kernels)
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown weight format '{fmt}' (one of {FORMATS})")
+    if fmt == "w8a8":
+        from kernels_pallas import w8a8
+        ok = fusions is not None and rows > 0 and cols > 0 and w8a8.applies(block_in)
+        return Choice("w8a8" if ok else "w8a8_ref")
+    if fusions is not None and fmt == "bf16" and 0 < rows <= gemv_rows and cols >= gemv_cols:
+        return Choice("gemv", fused=fusions.parts, partials=fusions.parts and fusions.partials)
+    return Choice("xla")
+
+
+def _problem(spec: str, x, w_shape) -> tuple[int, int, int, int]:
+    """(nc, rows, K, N) of einsum(spec, x, w) flattened to [rows, K] x [K, N]: nc contracted axes, x's trailing
+    ones against w's leading ones in order, the rest kept in order (every projection of the model); ValueError
+    for any other spec."""
+    lhs, out = spec.split("->")
+    xs, ws = lhs.split(",")
+    contracted = "".join(c for c in xs if c in ws and c not in out)
+    nc = len(contracted)
+    if not (len(ws) == len(w_shape) and len(xs) == x.ndim and xs.endswith(contracted) and ws.startswith(contracted)
+            and out == xs[:len(xs) - nc] + ws[nc:]):
+        raise ValueError(f"projection spec '{spec}' must contract x's trailing axes with w's leading ones")
+    return nc, math.prod(x.shape[:x.ndim - nc]), math.prod(w_shape[:nc]), math.prod(w_shape[nc:])
+
+
+def dense(spec: str, x, w, kernels="xla", *, norm=None, gate=None, residual=None, reduce=None,
+          fp8: Fp8 | None = None):
+    """einsum(spec, x, W) accumulated in fp32, rounded once to x's dtype, for specs that contract x's trailing
+    axes with W's leading ones (every projection of the model: "btd,dc->btc", "bthe,hed->btd", ...). W = w (bf16 /
+    fp32), or the FP8 weight of e4m3 values w and `fp8` (scales, tail), with transformers' W8A8 block FP8
+    numerics (kernels_pallas/w8a8.py). The kernel is `pick`'s, chosen for the rows the call sees.
+
+    Parts of a decoder layer around the projection (the same ops and roundings on every kernel):
+      norm = (w_n, eps): x -> rms_norm_1p(x, w_n, eps) first (the layer's input / post / final norm);
+      gate (x's shape): x -> rounded(x · gate) first (attention's output gate);
+      residual (the output's shape): y -> rounded(residual + y);
+      reduce: a mesh axis (tensor parallelism): the fp32 partial products are summed over it (`psum`: one
+        all-reduce) before the rounding and the residual add (plain weights only).
+    The GEMV with `Choice.fused` computes the gate in its prologue and the residual in its epilogue.
+
+    Under jax.vmap (the slot axis of batched rounds, speculative/batch.py) with kernels="pallas": one call on the
+    rows of all slots (`fold_rows`), its kernel picked for them, so the weights are streamed once."""
+    if fp8 is not None:
+        return _dense_fp8(spec, x, w, fp8, kernels, norm=norm, gate=gate, residual=residual, reduce=reduce)
+    res = None if reduce is not None else residual  # tensor parallelism: added once, after the sum
+    if _check(kernels) == "pallas":
+        nw, eps = norm if norm is not None else (None, None)
+
+        def f(acts, weights):
+            x_, gate_, residual_ = acts
+            w_, nw_ = weights
+            return _project(spec, x_, w_, kernels, None if nw_ is None else (nw_, eps), gate_, residual_)
+        y = fold_rows(f, (x, gate, res), (w, nw))
+    else:
+        y = _project(spec, x, w, kernels, norm, gate, res)
+    if reduce is None:
+        return rounded(y, x.dtype)
+    y = rounded(jax.lax.psum(y, reduce), x.dtype)
+    return y if residual is None else rounded(f32(residual) + f32(y), residual.dtype)
+
+
+def decode_row(x, w, kernels="xla", *, norm=None, fp8: Fp8 | None = None):
+    """A decode step's first projection x [B, 1, K] @ W [K, N] ("btd,dc->btc"; W as in `dense`) for the layer's
+    consumer kernel (`gdn_decode_fused`, `attention_decode_prep`, which take either form): where `pick` chooses the
+    GEMV with partials, its split-K partial sums unsummed, [S, B, N] (fp32; S = 1: already rounded to x's dtype),
+    which the consumer adds up in order (no XLA kernel between the two); else the rows [B, N] (`dense`). norm as
+    in `dense` (applied before the kernel)."""
+    spec = "btd,dc->btc"
+    _, rows, K, N = _problem(spec, x, w.shape)
+    fmt = weight_format(x.dtype, w.dtype)
+    if not pick(fmt, rows, N, kernels, block_in=fp8.block_in if fp8 is not None else 128).partials:
+        return dense(spec, x, w, kernels, norm=norm, fp8=fp8)[:, 0]
     nw, eps = norm if norm is not None else (None, 1e-6)
 
     def f(acts, weights):
@@ -188,7 +289,7 @@ def dense_partials(x, w, kernels="xla", *, norm=None):
         # on them, handed over in the partials' layout (the sum as partial 0, zeros after it: the same sum)
         x_, = acts
         w_, nw_ = weights
-        y = _dense("btd,dc->btc", x_.reshape(1, -1, K), w_, kernels, norm=None if nw_ is None else (nw_, eps))
+        y = _project(spec, x_.reshape(1, -1, K), w_, kernels, None if nw_ is None else (nw_, eps), None, None)
         y = rounded(y[0], x_.dtype)
         return jnp.zeros(like.shape[:1] + y.shape, like.dtype).at[0].set(y.astype(like.dtype))
     return fold_rows(f, (x,), (w, nw), out_axis=1, rule=folded)
@@ -198,10 +299,10 @@ def fold_rows(f, acts, weights, out_axis: int = 0, rule=None):
     """f(acts, weights) for one projection: acts (a tuple of activations or None: x and what has its rows, e.g.
     gate / residual) lead with the rows' axes, weights (a tuple of arrays or None) do not. Under jax.vmap
     (a batched round's slot axis, in front of every batched activation) with unbatched weights: ONE call of f on
-    the slot axis folded into the activations' first axis (a Pallas kernel then re-picks its configuration for
-    the B·rows; pallas_call's own batching rule would run the kernel once per slot and stream the weights B
-    times); the output's axis `out_axis` holds the rows. `rule(acts, weights, like)` (optional) computes the
-    folded call instead (like: the per-slot output's ShapeDtypeStruct). Batched weights: plain vmap of f."""
+    the slot axis folded into the activations' first axis (its kernel then picked for the B·rows; pallas_call's
+    own batching rule would run the kernel once per slot and stream the weights B times); the output's axis
+    `out_axis` holds the rows. `rule(acts, weights, like)` (optional) computes the folded call instead (like: the
+    per-slot output's ShapeDtypeStruct). Batched weights: plain vmap of f."""
     fn = jax.custom_batching.custom_vmap(f)
 
     @fn.def_vmap
@@ -226,105 +327,27 @@ def fold_rows(f, acts, weights, out_axis: int = 0, rule=None):
     return fn(acts, weights)
 
 
-def _gemv(x, w, rows: int, cols: int) -> bool:
-    """The Pallas GEMV's domain (kernels="pallas" decided by the caller): bf16, few rows, wide outputs."""
-    return (x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16 and 0 < rows <= PALLAS_DENSE_MAX_ROWS
-            and cols >= PALLAS_DENSE_MIN_COLS)
-
-
-class Pick(NamedTuple):
-    """The kernel of one projection einsum(spec, x, w) (`pick`): kernel is "gemv" (the Pallas bf16
-    weight-streaming GEMV, kernels_pallas/dense.py), "xla" (XLA's einsum), "w8a8" (the Pallas W8A8 block FP8
-    kernel, kernels_pallas/w8a8.py) or "w8a8_ref" (its jnp reference: the same function on XLA); nc contracted
-    axes, rows x rows, K contracted and N output elements of the flattened [rows, K] x [K, N] problem."""
-    kernel: str
-    nc: int
-    rows: int
-    K: int
-    N: int
-
-
-def _contraction(spec: str, x, w_ndim: int):
-    """(nc, rows, flat): flat when the spec contracts x's trailing axes with w's leading ones in order and keeps
-    the rest in order (every projection of the model)."""
-    lhs, out = spec.split("->")
-    xs, ws = lhs.split(",")
-    contracted = [c for c in xs if c in ws and c not in out]
-    nc = len(contracted)
-    flat = (len(ws) == w_ndim and xs.endswith("".join(contracted)) and ws.startswith("".join(contracted))
-            and out == xs[:len(xs) - nc] + ws[nc:])
-    return nc, math.prod(x.shape[:x.ndim - nc]), flat
-
-
-def pick(spec: str, x, w, kernels: str = "xla", fp8_blocks: tuple[int, int] | None = None) -> Pick:
-    """The one place a projection's kernel is chosen, from (weight format, row count): w a plain array, or the
-    fp8 values q of an FP8 weight with fp8_blocks = (block_in, block_out) of its compact scale grid.
-      fp8: "w8a8" with kernels="pallas" (bf16 / fp32 activations, any row count: decode, verify, prefill) where
-           a power-of-two K chunk ≥ 16 divides block_in, else "w8a8_ref" — the same W8A8 numerics either way;
-      plain: "gemv" with kernels="pallas", bf16, 1..PALLAS_DENSE_MAX_ROWS rows and ≥ PALLAS_DENSE_MIN_COLS
-           outputs, else "xla"."""
-    _check(kernels)
-    nc, rows, flat = _contraction(spec, x, w.ndim)
-    K, N = math.prod(w.shape[:nc]), math.prod(w.shape[nc:])
-    if fp8_blocks is not None:
-        from kernels_pallas import w8a8
-        assert flat, spec
-        ok = (kernels == "pallas" and x.dtype in (jnp.bfloat16, jnp.float32)
-              and w8a8.applies(rows, K, N, *fp8_blocks))
-        return Pick("w8a8" if ok else "w8a8_ref", nc, rows, K, N)
-    gemv = kernels == "pallas" and flat and _gemv(x, w, rows, N)
-    return Pick("gemv" if gemv else "xla", nc, rows, K, N)
-
-
-def dense(spec: str, x, w, kernels="xla", *, norm=None, gate=None, residual=None):
-    """einsum(spec, x, w) with fp32 accumulation, returned UNROUNDED in fp32 (the caller rounds), for specs
-    that contract x's trailing axes with w's leading axes (every projection of the model), e.g.
-    "btd,dhe->bthe" or "bthe,hed->btd". With kernels="pallas", bf16 operands and few rows (`pick`), it runs the
-    Pallas weight-streaming GEMV on the flattened [rows, K] x [K, N] problem (one bf16 rounding of the fp32 sum,
-    as the caller's rounding would give).
-
-    Optional parts of a decoder layer around the projection (the same ops on every path; on the GEMV path, with
-    FUSED_DECODE, the gate / residual inside the kernel's prologue / epilogue instead of separate kernels):
-      norm = (w_n, eps): x -> rms_norm_1p(x, w_n, eps) first (the layer's input / post / final norm; always a
-        separate op before the projection);
-      gate (x's shape): x -> rounded(x · gate) first (attention's output gate);
-      residual (the output's shape): y -> rounded(residual + rounded(y)) (returned in fp32, already rounded).
-
-    Under jax.vmap (the slot axis of batched rounds, speculative/batch.py) with kernels="pallas": one call on the
-    rows of all slots (`fold_rows`), its kernel re-picked for them, so the weights are streamed once."""
-    if kernels != "pallas":
-        return _dense(spec, x, w, kernels, norm=norm, gate=gate, residual=residual)
-    nw, eps = norm if norm is not None else (None, None)
-
-    def f(acts, weights):
-        x_, gate_, residual_ = acts
-        w_, nw_ = weights
-        return _dense(spec, x_, w_, kernels, norm=None if nw_ is None else (nw_, eps), gate=gate_,
-                      residual=residual_)
-    return fold_rows(f, (x, gate, residual), (w, nw))
-
-
-def _dense(spec: str, x, w, kernels="xla", *, norm=None, gate=None, residual=None):
-    p = pick(spec, x, w, kernels)
-    nc, rows, K = p.nc, p.rows, p.K
-    gemv = p.kernel == "gemv"
-    out_shape = x.shape[:x.ndim - nc] + w.shape[nc:]
-    if gemv and FUSED_DECODE and (norm is None or nc == 1):
-        from kernels_pallas import dense as dense_kernel
-        if norm is not None:
-            x = rms_norm_1p(x, *norm)
-        y = dense_kernel.dense(x.reshape(rows, K), w.reshape(K, -1),
-                               None if gate is None else gate.reshape(rows, K),
-                               None if residual is None else residual.reshape(rows, -1))
-        return y.reshape(out_shape).astype(jnp.float32)
+def _project(spec: str, x, w, kernels: str, norm, gate, residual):
+    """A plain-weight projection with its parts on `pick`'s kernel -> fp32: unrounded, or with residual the
+    rounded sum rounded(residual + rounded(y)) (as fp32)."""
+    nc, rows, K, N = _problem(spec, x, w.shape)
+    choice = pick(weight_format(x.dtype, w.dtype), rows, N, kernels)
     if norm is not None:
         x = rms_norm_1p(x, *norm)
-    if gate is not None:
-        x = rounded(f32(x) * f32(gate), x.dtype)
-    if gemv:
+    if choice.kernel == "gemv":
         from kernels_pallas import dense as dense_kernel
+        out_shape = x.shape[:x.ndim - nc] + w.shape[nc:]
+        if choice.fused:
+            y = dense_kernel.dense(x.reshape(rows, K), w.reshape(K, -1),
+                                   None if gate is None else gate.reshape(rows, K),
+                                   None if residual is None else residual.reshape(rows, -1))
+            return y.reshape(out_shape).astype(jnp.float32)
+        if gate is not None:
+            x = rounded(f32(x) * f32(gate), x.dtype)
         y = dense_kernel.dense(x.reshape(rows, K), w.reshape(K, -1)).reshape(out_shape).astype(jnp.float32)
     else:
+        if gate is not None:
+            x = rounded(f32(x) * f32(gate), x.dtype)
         prec = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
         y = jnp.einsum(spec, x, w.astype(x.dtype), precision=prec, preferred_element_type=jnp.float32)
     if residual is not None:
@@ -332,31 +355,35 @@ def _dense(spec: str, x, w, kernels="xla", *, norm=None, gate=None, residual=Non
     return y
 
 
-def dense_w8a8(spec: str, x, q, scale, tail, block_in: int, block_out: int, kernels: str = "xla"):
-    """einsum(spec, x, W) for an FP8 weight W = q ⊙ compact block scales [| tail] with transformers' W8A8
-    numerics (kernels_pallas/w8a8.py: x quantized per row and input block to e4m3, the block-scaled fp8
-    product), fp32 result holding values already rounded to x's dtype (the caller's rounding keeps them).
-    q fp8 in the model's layout (contracted axes first), scale fp32 [ceil(K / block_in), ceil(N / block_out)],
-    tail None or the trailing plain columns [K, n_tail] of a 2-D weight (an XLA product in fp32, concatenated:
-    the caller rounds it). The kernel is `pick`'s: the Pallas kernel or its jnp reference. Under jax.vmap with
-    kernels="pallas": one call on the rows of all slots (`fold_rows`)."""
-    if kernels != "pallas":
-        return _dense_w8a8(spec, x, q, scale, tail, block_in, block_out, kernels)
-    return fold_rows(lambda acts, ws: _dense_w8a8(spec, acts[0], *ws, block_in, block_out, kernels), (x,),
-                     (q, scale, tail))
-
-
-def _dense_w8a8(spec: str, x, q, scale, tail, block_in: int, block_out: int, kernels: str = "xla"):
-    from kernels_pallas import w8a8
-    p = pick(spec, x, q, kernels, (block_in, block_out))
-    x2, q2 = x.reshape(p.rows, p.K), q.reshape(p.K, p.N)
-    if p.kernel == "w8a8":
-        y = w8a8.w8a8(x2, q2, scale, block_in=block_in, block_out=block_out)
+def _dense_fp8(spec: str, x, q, fp8: Fp8, kernels: str, *, norm, gate, residual, reduce):
+    """`dense` for an FP8 weight: norm and gate first, the W8A8 product (`_w8a8`; under vmap with kernels="pallas"
+    one call on the rows of all slots), rounded, then the residual add."""
+    if reduce is not None:
+        raise ValueError("tensor parallelism of FP8 weights is not supported (use tp=1)")
+    if norm is not None:
+        x = rms_norm_1p(x, *norm)
+    if gate is not None:
+        x = rounded(f32(x) * f32(gate), x.dtype)
+    bi, bo = fp8.block_in, fp8.block_out
+    if _check(kernels) == "pallas":
+        y = fold_rows(lambda acts, ws: _w8a8(spec, acts[0], *ws, bi, bo, kernels), (x,), (q, fp8.scale, fp8.tail))
     else:
-        y = w8a8.w8a8_reference(x2, q2, scale, block_in=block_in, block_out=block_out)
-    y = y.astype(jnp.float32)
-    lead = x.shape[:x.ndim - p.nc]
+        y = _w8a8(spec, x, q, fp8.scale, fp8.tail, bi, bo, kernels)
+    y = rounded(y, x.dtype)
+    return y if residual is None else rounded(f32(residual) + f32(y), residual.dtype)
+
+
+def _w8a8(spec: str, x, q, scale, tail, block_in: int, block_out: int, kernels: str):
+    """The W8A8 product of x and q ⊙ scale [| tail] on `pick`'s kernel -> fp32 (the fp8 columns' values already
+    rounded to x's dtype; the tail's an XLA product in fp32, concatenated)."""
+    from kernels_pallas import w8a8
+    nc, rows, K, N = _problem(spec, x, q.shape)
+    choice = pick(weight_format(x.dtype, q.dtype), rows, N, kernels, block_in=block_in)
+    x2, q2 = x.reshape(rows, K), q.reshape(K, N)
+    kernel = w8a8.w8a8 if choice.kernel == "w8a8" else w8a8.w8a8_reference
+    y = kernel(x2, q2, scale, block_in=block_in, block_out=block_out).astype(jnp.float32)
+    lead = x.shape[:x.ndim - nc]
     if tail is None:
-        return y.reshape(lead + q.shape[p.nc:])
+        return y.reshape(lead + q.shape[nc:])
     y = jnp.concatenate([y, jnp.dot(x2, tail.astype(x.dtype), preferred_element_type=jnp.float32)], axis=-1)
     return y.reshape(lead + y.shape[-1:])

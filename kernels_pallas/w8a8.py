@@ -149,9 +149,9 @@ def max_block_k(block_in: int) -> int:
     return min(block_in & -block_in, 128)
 
 
-def applies(M: int, K: int, N: int, block_in: int, block_out: int) -> bool:
-    """Whether the kernel can run this problem: some power-of-two K chunk ≥ 16 divides the input block."""
-    return M > 0 and K > 0 and N > 0 and max_block_k(block_in) >= 16 and block_out >= 1
+def applies(block_in: int) -> bool:
+    """Whether the kernel can run a weight with this input block: some power-of-two K chunk ≥ 16 divides it."""
+    return max_block_k(block_in) >= 16
 
 
 def _smem(bm, bn, bk, stages):
@@ -273,7 +273,8 @@ def w8a8(x, q, scale, *, block_in: int = 128, block_out: int = 128, interpret: b
     assert q.dtype == FP8 and x.dtype in (jnp.bfloat16, jnp.float32), (x.dtype, q.dtype)
     nkb = _cdiv(K, block_in)
     assert scale.shape == (nkb, _cdiv(N, block_out)), (scale.shape, K, N, block_in, block_out)
-    assert applies(M, K, N, block_in, block_out), f"no power-of-two K chunk >= 16 divides block_in={block_in}"
+    assert M > 0 and K > 0 and N > 0 and block_out >= 1, (x.shape, q.shape, block_out)
+    assert applies(block_in), f"no power-of-two K chunk >= 16 divides block_in={block_in}"
     cfg = default_config(M, K, N, block_in, block_out, target_programs=target_programs)
     bm = cfg["block_m"]
     bn = block_n or cfg["block_n"]

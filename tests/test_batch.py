@@ -13,6 +13,8 @@ Compile time dominates on CPU: every test reuses one pool configuration per meth
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -204,12 +206,11 @@ def _interpret(monkeypatch, module, name, calls=None):
 
 
 def test_dense_folds_the_slot_axis(monkeypatch):
-    """ops.dense / dense_partials / dense_w8a8 under vmap (kernels="pallas", interpret mode): the values of per-slot
-    calls, and ONE kernel call on the B·rows (not a pallas_call batched over a slot grid axis)."""
+    """ops.dense / decode_row / dense of an FP8 weight under vmap (kernels="pallas", interpret mode): the values of
+    per-slot calls, and ONE kernel call on the B·rows (not a pallas_call batched over a slot grid axis)."""
     from kernels_pallas import dense as dn
     from kernels_pallas import ops, w8a8
-    monkeypatch.setattr(ops, "PALLAS_DENSE_MAX_ROWS", 16)
-    monkeypatch.setattr(ops, "PALLAS_DENSE_MIN_COLS", 1)
+    monkeypatch.setattr(ops, "pick", functools.partial(ops.pick, gemv_rows=16, gemv_cols=1))  # tiny shapes: GEMV
     calls = []
     kernel = dn.dense
     monkeypatch.setattr(dn, "dense", lambda x2, w2, *a, **k: calls.append(x2.shape) or kernel(x2, w2, *a, **{
@@ -230,7 +231,7 @@ def test_dense_folds_the_slot_axis(monkeypatch):
     want = jnp.stack([f(x[i], r[i]) for i in range(B)])
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     # partials: a consumer of per-slot partials gets the same sums
-    g = lambda x: ops.dense_partials(x, w, "pallas", norm=(nw, 1e-6))  # noqa: E731
+    g = lambda x: ops.decode_row(x, w, "pallas", norm=(nw, 1e-6))  # noqa: E731
     pg, pw = jax.vmap(g)(x), jnp.stack([g(x[i]) for i in range(B)])
     assert pg.shape == pw.shape and pg.dtype == pw.dtype
     np.testing.assert_allclose(np.asarray(pg.astype(jnp.float32).sum(1)), np.asarray(pw.astype(jnp.float32).sum(1)),
@@ -246,13 +247,13 @@ def test_dense_folds_the_slot_axis(monkeypatch):
         **k, "interpret": True}))
     q = (0.2 * jax.random.normal(ks[1], (64, 256))).astype(jnp.float8_e4m3fn)
     s = jnp.ones((1, 2), jnp.float32)
-    h = lambda x: ops.dense_w8a8("btd,dc->btc", x, q, s, None, 64, 128, "pallas")  # noqa: E731
-    if ops.pick("btd,dc->btc", x[0], q, "pallas", (64, 128)).kernel == "w8a8":
+    h = lambda x: ops.dense("btd,dc->btc", x, q, "pallas", fp8=ops.Fp8(s, None, 64, 128))  # noqa: E731
+    if ops.pick("w8a8", 1, 256, "pallas", block_in=64).kernel == "w8a8":
         wcalls.clear()
         got = jax.vmap(h)(x)
         assert wcalls[-1] == (B, 64), wcalls
         want = jnp.stack([h(x[i]) for i in range(B)])
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-6)
 
 
 def test_pallas_batched_round_interpret(pair, ar_ref, monkeypatch):
@@ -283,12 +284,11 @@ def test_batched_round_lowers_for_h200(method, B, monkeypatch):
     """The batched round with kernels="pallas" (bf16, bench.py's smoke shapes) traces and lowers for an abstract
     H200: the Pallas kernels' batching (attention / GDN: a slot grid axis; projections: folded rows) lowers. The
     GEMV's domain widened to these shapes, so that the AR step's per-slot projections take the split-K partials
-    path (`ops.dense_partials` into the fused GDN / attention decode kernels) and fold onto a GEMV of B rows."""
+    path (`ops.decode_row` into the fused GDN / attention decode kernels) and fold onto a GEMV of B rows."""
     import dataclasses
     import functools
     from kernels_pallas import ops
-    monkeypatch.setattr(ops, "PALLAS_DENSE_MIN_COLS", 1)
-    monkeypatch.setattr(ops, "PALLAS_DENSE_MAX_ROWS", 8)
+    monkeypatch.setattr(ops, "pick", functools.partial(ops.pick, gemv_rows=8, gemv_cols=1))
     import bench
     from jaxddtree.model.config import text_config_from_dict
     from jaxddtree.model.drafter_config import DrafterConfig

@@ -74,3 +74,21 @@ def test_gpu_check_smoke(tmp_path):
     assert json.loads(p.stdout.strip().splitlines()[-1]) == res
     assert res["ok"] and res["long"]["prompt"] == 40 and res["kernels_under_test"] == "xla"
     assert res["long"]["ar_pallas_vs_xla_first_divergence"] is None
+
+
+def test_decode_hlo_variants_reach_the_model():
+    """decode_hlo.py --hashes' lowering (abstract H200, Pallas kernels included): the benchmark variants of
+    kernels="pallas" (ops.VARIANTS, the decode-fusion A/B) reach the AR step's projections, the verify is theirs."""
+    import importlib.util
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    spec = importlib.util.spec_from_file_location("decode_hlo", os.path.join(ROOT, "benchmarks", "decode_hlo.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    raw = dict(mod.QWEN36_27B, num_hidden_layers=2, vocab_size=4096, layer_types=["linear_attention", "full_attention"])
+    raw.pop("full_attention_interval")
+    ar = {k: mod.lowered_hash(raw, "bfloat16", "bf16", k, "ar") for k in ("pallas", "pallas:no_partials",
+                                                                           "pallas:unfused", "xla")}
+    assert len(set(ar.values())) == 4, ar
+    assert mod.lowered_hash(raw, "bfloat16", "bf16", "pallas", "ar") == ar["pallas"]  # deterministic
+    assert (mod.lowered_hash(raw, "bfloat16", "bf16", "pallas", "verify")
+            == mod.lowered_hash(raw, "bfloat16", "bf16", "pallas:unfused", "verify"))  # 17 rows: no GEMV

@@ -16,9 +16,8 @@ from flax import nnx, struct
 from kernels_pallas import ops
 from jaxddtree.model.cache import KVCache
 from jaxddtree.model.config import TextConfig
-from jaxddtree.model.fp8 import Fp8Weight
 from jaxddtree.model.layout import TokenLayout
-from jaxddtree.model.linear import dense, init_weight, rounded, sigmoid32
+from jaxddtree.model.linear import decode_row, dense, init_weight, rounded, sigmoid32
 from jaxddtree.model.norms import rms_norm_1p
 from jaxddtree.model.rope import apply_rope, rope_cos_sin
 
@@ -65,11 +64,8 @@ class Attention(nnx.Module):
         cache, o_proj (+ the gate and the residual add); the same results as the general path."""
         cfg = self.cfg
         h, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        w_qkv = self.w_qkv[...]
-        # the projection's split-K partials go unsummed into the fused op where the Pallas GEMV runs
-        qkv = None if isinstance(w_qkv, Fp8Weight) else ops.dense_partials(x, w_qkv, layout.kernels, norm=norm)
-        if qkv is None:
-            qkv = dense("btd,dc->btc", x, w_qkv, layout.kernels, norm=norm)[:, 0]  # [B, C]
+        # [B, C], or the Pallas GEMV's split-K partials [S, B, C], unsummed into the fused op
+        qkv = decode_row(x, self.w_qkv[...], layout.kernels, norm=norm)
         cos, sin = rope_cos_sin(layout.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)  # [B,1,rd]
         q, sgate, k, v, kc, vc = ops.attention_decode_prep(
             qkv, self.q_norm[...], self.k_norm[...], cos[:, 0], sin[:, 0], cache.k, cache.v, layout.start,

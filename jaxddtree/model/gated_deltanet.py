@@ -21,9 +21,8 @@ from kernels_pallas import ops
 from kernels_pallas.gdn_reference import l2norm, softplus_torch, tree_conv  # noqa: F401  (re-exported)
 from jaxddtree.model.cache import GDNState
 from jaxddtree.model.config import TextConfig
-from jaxddtree.model.fp8 import Fp8Weight
 from jaxddtree.model.layout import TokenLayout
-from jaxddtree.model.linear import dense, f32, init_weight, rounded, sigmoid32
+from jaxddtree.model.linear import decode_row, dense, f32, init_weight, rounded, sigmoid32
 from jaxddtree.model.norms import gated_rms_norm
 
 
@@ -73,10 +72,8 @@ class GatedDeltaNet(nnx.Module):
 
         w_in = self.w_in[...]
         if not layout.is_tree and T == 1:  # decode step (one real token): conv ... gated norm in one op
-            # the projection's split-K partials go unsummed into the fused op where the Pallas GEMV runs
-            proj = None if isinstance(w_in, Fp8Weight) else ops.dense_partials(x, w_in, layout.kernels, norm=norm)
-            if proj is None:
-                proj = dense("btd,dc->btc", x, w_in, layout.kernels, norm=norm)[:, 0]  # [B, C]
+            # [B, C], or the Pallas GEMV's split-K partials [S, B, C], unsummed into the fused op
+            proj = decode_row(x, w_in, layout.kernels, norm=norm)
             o, conv, state = ops.gdn_decode_fused(
                 proj, cache.conv, self.conv[...], self.A_log[...], self.dt_bias[...], self.norm[...],
                 cache.recurrent, layout.kernels, num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv,

@@ -21,35 +21,32 @@ from jaxddtree.model.fp8 import Fp8Weight
 from kernels_pallas.numerics import f32, rms_norm_1p, rounded, sigmoid32, silu32  # noqa: F401
 
 
-def dense(spec: str, x: jax.Array, w: jax.Array, kernels: str = "xla", *, norm=None, gate=None,
-          residual=None, reduce: str | None = None) -> jax.Array:
-    """einsum(spec, x, w) accumulated in fp32, rounded once to x's dtype (`ops.dense` picks the kernel).
-    norm = (w_n, eps) / gate / residual: the RMSNorm of x, x's gate and the residual add around the projection
-    (`ops.dense`; gate and residual folded into the GEMV on a decode step). `reduce`: a mesh axis (tensor
-    parallelism) over which the partial products are summed before the rounding and the residual add (`reduced`).
-    An FP8 weight (`fp8.Fp8Weight`) computes transformers' W8A8 block FP8 product (`ops.dense_w8a8`: x
-    quantized per row and input block to e4m3, fp8 × fp8 per block, scaled by both scales, fp32 accumulation):
-    on the Pallas kernel with kernels="pallas", on its jnp reference with "xla" (`ops.pick` decides, once);
-    its norm / gate / residual run as separate ops."""
-    parts = dict(norm=norm, gate=gate, residual=residual)
+def dense(spec: str, x: jax.Array, w, kernels: str = "xla", *, norm=None, gate=None, residual=None,
+          reduce: str | None = None) -> jax.Array:
+    """einsum(spec, x, w) accumulated in fp32, rounded once to x's dtype, on the kernel `ops.pick` chooses for
+    (weight format, rows, output width, kernels) (`ops.dense`). norm = (w_n, eps) / gate / residual: the RMSNorm
+    of x, x's gate and the residual add around the projection (gate and residual inside the GEMV on a decode
+    step). `reduce`: a mesh axis (tensor parallelism) over which the partial products are summed before the
+    rounding and the residual add. An FP8 weight (`fp8.Fp8Weight`) computes transformers' W8A8 block FP8
+    product (x quantized per row and input block to e4m3, fp8 × fp8 per block, scaled by both scales, fp32
+    accumulation)."""
+    w, fp8 = _operands(w)
+    return ops.dense(spec, x, w, kernels, norm=norm, gate=gate, residual=residual, reduce=reduce, fp8=fp8)
+
+
+def decode_row(x: jax.Array, w, kernels: str = "xla", *, norm=None) -> jax.Array:
+    """A decode step's (T = 1) first projection x [B, 1, D] @ w [D, C] for the layer's fused decode op: the rows
+    [B, C], or the Pallas GEMV's unsummed split-K partials [S, B, C] where `ops.pick` chooses them
+    (`ops.decode_row`)."""
+    w, fp8 = _operands(w)
+    return ops.decode_row(x, w, kernels, norm=norm, fp8=fp8)
+
+
+def _operands(w) -> tuple[jax.Array, ops.Fp8 | None]:
+    """A weight as `ops.dense` takes it: the array, or an FP8 weight's e4m3 values and the rest (`ops.Fp8`)."""
     if isinstance(w, Fp8Weight):
-        if norm is not None:
-            x = rms_norm_1p(x, *norm)
-        if gate is not None:
-            x = rounded(f32(x) * f32(gate), x.dtype)
-        y = rounded(ops.dense_w8a8(spec, x, w.q, w.scale, w.tail, w.block_in, w.block_out, kernels), x.dtype)
-        return y if residual is None else rounded(f32(residual) + f32(y), residual.dtype)
-    if reduce is not None:  # tensor parallelism: the residual is added once, after the sum over the shards
-        return reduced(ops.dense(spec, x, w, kernels, norm=norm, gate=gate), x.dtype, residual, reduce)
-    return rounded(ops.dense(spec, x, w, kernels, **parts), x.dtype)
-
-
-def reduced(y: jax.Array, dtype, residual: jax.Array | None, axis: str) -> jax.Array:
-    """Tensor parallelism (model/sharding.py): a row-parallel projection's fp32 partial products `y` summed
-    over mesh axis `axis` (`psum`: one all-reduce) before the one rounding, then the residual add (rounded),
-    the same roundings as the unsharded projection."""
-    y = rounded(jax.lax.psum(y, axis), dtype)
-    return y if residual is None else rounded(f32(residual) + f32(y), residual.dtype)
+        return w.q, ops.Fp8(w.scale, w.tail, w.block_in, w.block_out)
+    return w, None
 
 
 def init_weight(rngs: nnx.Rngs, shape, fan_in: int, dtype, scale: float = 1.0) -> jax.Array:

@@ -113,10 +113,10 @@ def test_lowers_for_h200_at_27b_shapes_all_sweep_variants():
     ("bthe,hed->btd", (1, 2, 4, 16), (4, 16, 64)),
 ])
 def test_ops_dense_dispatch_matches_einsum(monkeypatch, spec, xs, ws):
-    """kernels_pallas.ops.dense flattens each projection spec onto the Pallas kernel (interpret mode here)."""
+    """kernels_pallas.ops.dense flattens each projection spec onto the Pallas kernel (interpret mode here; the
+    GEMV's domain widened to these shapes)."""
     from kernels_pallas import ops
-    monkeypatch.setattr(ops, "PALLAS_DENSE_MAX_ROWS", 128)
-    monkeypatch.setattr(ops, "PALLAS_DENSE_MIN_COLS", 1)
+    monkeypatch.setattr(ops, "pick", functools.partial(ops.pick, gemv_rows=128, gemv_cols=1))
     calls = []
     kernel = dn.dense
     monkeypatch.setattr(dn, "dense", lambda x2, w2, *a: calls.append((x2.shape, w2.shape)) or kernel(x2, w2, *a,
@@ -126,11 +126,11 @@ def test_ops_dense_dispatch_matches_einsum(monkeypatch, spec, xs, ws):
     w = (jax.random.normal(kw, ws) * 0.2).astype(jnp.bfloat16)
     got = ops.dense(spec, x, w, "pallas")
     ref = jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
-    assert got.shape == ref.shape and got.dtype == jnp.float32
+    assert got.shape == ref.shape and got.dtype == jnp.bfloat16
     assert len(calls) == 1 and calls[0][0][1] == calls[0][1][0]  # the kernel ran on the flattened problem
-    # the kernel rounds once to bf16: equal to the rounded fp32 sum up to summation order
-    assert _rel(got, ref.astype(jnp.bfloat16).astype(jnp.float32)) < 1e-2
-    assert _rel(ops.dense(spec, x, w, "xla"), ref) < 1e-6
+    # rounded once to bf16: equal to the rounded fp32 sum up to summation order (XLA's einsum: the same sum)
+    assert _rel(got, ref.astype(jnp.bfloat16)) < 1e-2
+    assert _rel(ops.dense(spec, x, w, "xla"), ref.astype(jnp.bfloat16)) < 1e-6
 
 
 def test_ops_dense_dispatch_rule():
@@ -227,10 +227,11 @@ def test_fused_lowers_for_h200_at_27b_shapes():
 
 
 def test_ops_dense_parts_fused_and_unfused(monkeypatch):
-    """ops.dense with norm / gate / residual: the Pallas path (FUSED_DECODE on: the norm, then one kernel call with
-    the gate / residual; off: the parts as jnp ops around the plain kernel) and the XLA path give the same values."""
+    """ops.dense with norm / gate / residual: the Pallas path (kernels="pallas": the norm, then one kernel call with
+    the gate / residual; the benchmark variant "pallas:unfused": the parts as jnp ops around the plain kernel) and
+    the XLA path give the same values."""
     from kernels_pallas import ops
-    monkeypatch.setattr(ops, "PALLAS_DENSE_MIN_COLS", 1)
+    monkeypatch.setattr(ops, "pick", functools.partial(ops.pick, gemv_cols=1))
     calls = []
     kernel = dn.dense
     monkeypatch.setattr(dn, "dense", lambda x2, w2, *a: calls.append(len(a)) or kernel(x2, w2, *a, interpret=True))
@@ -238,17 +239,16 @@ def test_ops_dense_parts_fused_and_unfused(monkeypatch):
     x3, r3, g3 = x.reshape(1, 1, 64), r.reshape(1, 1, 96), g.reshape(1, 1, 64)
     for parts in (dict(norm=(nw, 1e-6), residual=r3), dict(gate=g3, residual=r3)):
         outs = []
-        for fused in (True, False):
-            with ops.fused_decode(fused):
-                outs.append(ops.dense("btd,dc->btc", x3, w, "pallas", **parts))
+        for kernels in ("pallas", "pallas:unfused"):
+            outs.append(ops.dense("btd,dc->btc", x3, w, kernels, **parts))
         xla = ops.dense("btd,dc->btc", x3, w, "xla", **parts)
-        np.testing.assert_array_equal(np.asarray(outs[0]), np.asarray(outs[1]))
-        assert outs[0].dtype == jnp.float32 and _rel(outs[0], xla) < 1e-2
+        np.testing.assert_array_equal(_bits(outs[0]), _bits(outs[1]))
+        assert outs[0].dtype == jnp.bfloat16 and _rel(outs[0], xla) < 1e-2
     assert calls == [2, 0, 2, 0]  # fused: x, w + gate, residual; unfused: the plain GEMV
 
 
 def test_unreduced_partials_lowering():
-    """reduce=False (`ops.dense_partials`: the split-K partials for a consumer kernel) lowers at 27B widths."""
+    """reduce=False (`ops.decode_row`: the split-K partials for a consumer kernel) lowers at 27B widths."""
     S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
     txt = lower_for_h200(lambda x, w: dn.dense(x, w, reduce=False), S((1, 5120), bf), S((5120, 34816), bf))
     assert "__gpu$xla.gpu.triton" in txt

@@ -134,7 +134,7 @@ def test_default_config_fits():
                 assert bi % c["block_k"] == 0 and c["block_k"] >= 16 and k.is_pow2(c["block_n"])
                 assert c["smem_bytes"] <= k.SMEM_BYTES and (-(-K // bi)) % c["split_k"] == 0
                 assert c["block_m"] >= min(M, 128) and c["block_m"] <= 256
-    assert not k.applies(1, 300, 200, 24, 24) and k.applies(1, 300, 200, 48, 24)
+    assert not k.applies(24) and k.applies(48) and k.applies(16) and not k.applies(8)
 
 
 def test_config_table_overrides(monkeypatch):
@@ -167,29 +167,22 @@ def test_ops_dense_w8a8(monkeypatch, spec, xs, qs, tail):
     q = (jax.random.normal(kq, qs) * 100).astype(k.FP8)
     scale = jax.random.uniform(ks, (K // bi, -(-N // bo)), jnp.float32, 0.5, 2.0) / 100
     t = (jax.random.normal(kt, (K, tail)) * 0.2).astype(jnp.bfloat16) if tail else None
-    assert ops.pick(spec, x, q, "pallas", (bi, bo)).kernel == "w8a8"
-    assert ops.pick(spec, x, q, "xla", (bi, bo)).kernel == "w8a8_ref"
-    assert ops.pick(spec, x, q, "pallas", (24, bo)).kernel == "w8a8_ref"
-    assert ops.pick(spec, x, q.astype(jnp.bfloat16), "xla").kernel == "xla"
     rows = int(np.prod(xs[:len(xs) - nc]))
+    fmt = ops.weight_format(x.dtype, q.dtype)
+    assert fmt == "w8a8" and ops.weight_format(x.dtype, jnp.bfloat16) == "bf16"
+    assert ops.pick(fmt, rows, N, "pallas", block_in=bi).kernel == "w8a8"
+    assert ops.pick(fmt, rows, N, "xla", block_in=bi).kernel == "w8a8_ref"
+    assert ops.pick(fmt, rows, N, "pallas", block_in=24).kernel == "w8a8_ref"
     ref = k.w8a8_reference(x.reshape(rows, K), q.reshape(K, N), scale, block_in=bi, block_out=bo)
     if t is not None:
         ref = jnp.concatenate([ref.astype(jnp.float32), jnp.dot(x.reshape(rows, K), t,
                                                                 preferred_element_type=jnp.float32)], -1)
+    ref = ref.astype(jnp.bfloat16)  # `dense` rounds once to x's dtype (the tail's fp32 product too)
     for kernels in ("pallas", "xla"):
-        got = ops.dense_w8a8(spec, x, q, scale, t, bi, bo, kernels)
-        assert got.dtype == jnp.float32 and got.shape == xs[:len(xs) - nc] + qs[nc:-1] + (qs[-1] + tail,)
+        got = ops.dense(spec, x, q, kernels, fp8=ops.Fp8(scale, t, bi, bo))
+        assert got.dtype == jnp.bfloat16 and got.shape == xs[:len(xs) - nc] + qs[nc:-1] + (qs[-1] + tail,)
         assert _rel(got.reshape(rows, -1), ref) < 1e-3
     assert calls == [(rows, K)]
-
-
-def test_plain_pick_unchanged():
-    """bf16 weights: the Pallas GEMV for single-row passes with wide outputs, XLA otherwise (ops.pick)."""
-    w = jnp.ones((64, 4096), jnp.bfloat16)
-    assert ops.pick("btd,dc->btc", jnp.ones((1, 1, 64), jnp.bfloat16), w, "pallas").kernel == "gemv"
-    assert ops.pick("btd,dc->btc", jnp.ones((1, 2, 64), jnp.bfloat16), w, "pallas").kernel == "xla"
-    assert ops.pick("btd,dc->btc", jnp.ones((1, 1, 64), jnp.bfloat16), w, "xla").kernel == "xla"
-    assert ops.pick("btd,dc->btc", jnp.ones((1, 1, 64), jnp.float32), w.astype(jnp.float32), "pallas").kernel == "xla"
 
 
 # 27B fp8 projections [K, N] (fp8 columns; GDN w_in's plain b|a tail runs beside the kernel)
