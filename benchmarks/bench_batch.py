@@ -10,6 +10,9 @@ each slot's caches filled at --context committed tokens (random contents), --rou
 --acceptance, one number or budget=value pairs) as B · acceptance / round time, and their ratio to B = 1.
 --truncate-ab B,...: also the batched round with plan.truncate=False and with a greedy plan (sampling=False) at those
 B: what the always-on truncation and sampling cost a batch of greedy requests.
+--prefill-groups K,...: the prefill + start of K joining prompts of --prefill-prompt tokens, one by one (K = 1: K
+sequential `loop.Prefill`s, as the pool ran joiners before) and as one `loop.PrefillGroup` (one pass per chunk for all
+K): ms for all K (median of --runs), the group's speed-up (`prefill_by_group`).
 JSON into --out (merged by slot count with what the file holds).
 
     python benchmarks/bench_batch.py --slots 1,2,4,8,16 --out benchmarks/results/batch_27b_h200.json
@@ -81,6 +84,8 @@ def main(argv=None):
     ap.add_argument("--rounds-per-call", type=int, default=8)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--truncate-ab", default="4", help="slot counts also timed with plan.truncate=False ('' none)")
+    ap.add_argument("--prefill-groups", default="", help="joining prompts prefilled together, e.g. 2,4,8 ('' none)")
+    ap.add_argument("--prefill-prompt", type=int, default=512, help="tokens per prompt of --prefill-groups")
     ap.add_argument("--kernels", default=None, choices=["xla", "pallas"])
     ap.add_argument("--out", default="benchmarks/results/batch_27b_h200.json")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, few runs: check the script on a CPU")
@@ -110,7 +115,10 @@ def main(argv=None):
 
     if os.path.exists(args.out):  # merge: slot counts from an earlier run (e.g. --slots split over two calls) stay
         with open(args.out) as f:
-            res["by_slots"] = json.load(f).get("by_slots", {})
+            old = json.load(f)
+        res["by_slots"] = old.get("by_slots", {})
+        if "prefill_by_group" in old:
+            res["prefill_by_group"] = old["prefill_by_group"]
 
     def save():
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
@@ -162,7 +170,46 @@ def main(argv=None):
             for r in res["by_slots"].values():
                 r["tokens_per_s_over_1"] = r["tokens_per_s"] / base["tokens_per_s"]
         save()
+    groups = [int(k) for k in args.prefill_groups.split(",") if k]
+    if groups:
+        res["prefill_by_group"] = prefill_groups(target, drafter, dcfg, groups, args.prefill_prompt, args.runs, log)
+        save()
     print(json.dumps(res, indent=1, sort_keys=True))
+
+
+def prefill_groups(target, drafter, dcfg, groups, n_tokens: int, runs: int, log) -> dict:
+    """ms to prefill + start K prompts of n_tokens, one by one and as one PrefillGroup, for each K in groups."""
+    import numpy as np
+    plan = batch_lib.batch_plan(target, dcfg, "ddtree", 0)
+    chunk, S = loop_lib.capacity(target, dcfg, "ddtree", 63, n_tokens, 128)
+    V = target.config.vocab_size
+    rng = np.random.default_rng(0)
+
+    def prefill(k):
+        return [loop_lib.Prefill(target, drafter, plan, rng.integers(0, V, n_tokens), chunk, S, S, seed=i,
+                                 stop_mask=np.zeros((V,), bool), temperature=0.0, max_new=128) for i in range(k)]
+
+    def run(ps, together):
+        t = time.perf_counter()
+        if together:
+            loop_lib.PrefillGroup(ps)
+        for p in ps:
+            while not p.advance():
+                pass
+        jax.block_until_ready([p.state for p in ps])
+        return (time.perf_counter() - t) * 1e3
+
+    out = {"prompt_tokens": n_tokens, "chunk": chunk, "cache_positions": S, "by_k": {}}
+    for k in groups:
+        row = {}
+        for name, together in (("one_by_one_ms", False), ("group_ms", True)) if k > 1 else (("one_by_one_ms", False),):
+            times = [run(prefill(k), together) for _ in range(runs + 1)][1:]  # the first compiles
+            row[name] = statistics.median(times)
+        if "group_ms" in row:
+            row["speedup"] = row["one_by_one_ms"] / row["group_ms"]
+        out["by_k"][str(k)] = row
+        log(f"prefill of {k} x {n_tokens} tokens: " + ", ".join(f"{a} {b:.2f}" for a, b in row.items()))
+    return out
 
 
 if __name__ == "__main__":

@@ -179,7 +179,9 @@ def load_engine(args):
         raise SystemExit(f"serve.py: error: {e}") from None
     print(f"serve.py: {engine.max_batch} slot(s) of {engine.cache_len} cache positions" + (
         f" ({engine.memory['slot_gib']:.2f} GiB each; {engine.memory['free_gib']:.1f} GiB free, "
-        f"{engine.memory['fits']} slots would fit)" if engine.memory else ""), file=sys.stderr, flush=True)
+        f"{engine.memory['fits']} slots would fit)" if engine.memory else "")
+        + (f"; joining prompts prefill in groups of up to {engine.prefill_group}" if engine.prefill_group > 1 else ""),
+        file=sys.stderr, flush=True)
     if not args.no_warmup:
         t = time.perf_counter()
         engine.warmup(encode_text(tok, "Hello"))

@@ -434,8 +434,7 @@ def test_prefill_group_matches_alone(pair):
         loop_lib.PrefillGroup([pre(PROMPTS[0], 0, 0.0), pre(PROMPTS[3], 0, 0.0)])
 
 
-@pytest.mark.parametrize("method", ["dflash", "ddtree"])
-def test_group_joins_exact(pair, ar_ref, method):
+def test_group_joins_exact(pair, ar_ref, method="ddtree"):
     """Four requests prefilled as one group (SlotPool.group) join a running request at once: every request's tokens
     are its AR tokens; the pool refuses a group size it does not compile."""
     o = [padded(a) for a in ar_ref]
