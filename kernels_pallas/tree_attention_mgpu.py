@@ -1,0 +1,343 @@
+"""Tree attention as a Hopper kernel in Pallas Mosaic GPU (FlashAttention-3 style) + an LSE merge in jnp.
+
+Same function as `kernels_pallas.attention_reference.tree_attention_reference` and
+`kernels_pallas.tree_attention.tree_attention` (Pallas-Triton): query t (all H heads) attends to the committed
+cache rows [0, start) and to the new rows j with mask[b, t, j]. bf16 / fp16 only (wgmma operands); fp32
+accumulation and softmax (base 2: logits × scale·log2 e, exp2).
+
+Layout. GQA is folded into the rows: for kv head h the R = T·G query rows (node t, head h·G + i) are row
+r = t·G + i of a [B, Hkv, Rp, hd] copy of q (one transpose + pad in jnp, Rp a multiple of 128), so a CTA's two
+compute warpgroups (64 rows each, the wgmma M) share every K/V tile. The grid is (row blocks of 128, B·Hkv,
+n_split); a CTA has 3 warpgroups: 2 consumers (wgmma QKᵀ, online softmax in registers, wgmma PV, ping-pong
+scheduled through a barrier so that one group's softmax overlaps the other's matmuls) and 1 producer issuing
+the TMA loads of K/V tiles [block_k, hd] into a `num_stages` ring (barriers: loaded / consumed per slot).
+
+Run-time length. `start` is read from GMEM in the kernel (a scalar or one per batch row): the prefix blocks
+[0, cdiv(start, bk)) followed by the cdiv(N, bk) tree blocks form one sequence of units and split s takes an
+equal share (as the Triton kernel), so the trip counts are run-time values: no loads or flops past `start`
+except the last, partial, prefix block (its keys >= start are masked; its TMA window is clamped inside the
+cache, so the capacity need only be >= block_k). The tree blocks (the new rows, padded to a multiple of bk)
+ride on the last split; their mask arrives as one 32-bit word per (query row, 32 new keys), loaded into SMEM
+once per CTA and expanded in registers (no per-step mask traffic).
+
+Each CTA writes its partial output (normalised, q's dtype) and log-sum-exp (base 2) for its rows and split;
+the jnp merge combines the splits and undoes the GQA fold.
+
+Interpret mode (CPU, `interpret=True`): the Mosaic GPU interpreter has no `pl.run_state`, so there the PV
+product is `acc + jnp.dot(p, v_tile)` on the SMEM tile instead of a wgmma into the running accumulator; every
+other line (TMA, barriers, QKᵀ wgmma, masks, splits) is the same code as on the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kernels_pallas.attention_reference import tree_attention_reference
+
+__all__ = ["tree_attention", "tree_attention_reference", "supports", "check_supported", "plan", "smem_bytes"]
+
+_LOG2E = 1.4426950408889634
+_NEG = -1e30  # running-max init: finite, so fully masked blocks give exp2(-inf - _NEG) = 0
+_BQ = 64  # rows per compute warpgroup (the wgmma M)
+_WGS = 2  # compute warpgroups per CTA
+SMEM_LIMIT = 232448  # the H200's opt-in shared memory per block (227 KiB)
+DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def smem_bytes(hd: int, block_k: int, num_stages: int, n_words: int, dtype=jnp.bfloat16) -> int:
+    """Shared memory of one CTA: q (reused for the output) for both compute warpgroups, the K and V rings,
+    the tree-mask words, the LSE staging, the barriers (an upper estimate)."""
+    it = jnp.dtype(dtype).itemsize
+    return (_WGS * _BQ * hd * it + 2 * num_stages * block_k * hd * it + _WGS * n_words * _BQ * 4
+            + _WGS * _BQ * 4 + 8 * (4 * num_stages + 2 * _WGS + 1) + 1024)
+
+
+def supports(q, k_cache=None) -> bool:
+    """True when `tree_attention` takes these operands (dtype bf16/fp16, head dim a multiple of 64, <= 256)."""
+    return _unsupported(q.dtype, q.shape[-1], None if k_cache is None else k_cache.dtype) is None
+
+
+def check_supported(q, k_cache, v_cache, k_new, v_new) -> None:
+    """Raises ValueError (one line) when the operands are not ones this kernel takes."""
+    dts = {jnp.dtype(x.dtype) for x in (q, k_cache, v_cache, k_new, v_new)}
+    if len(dts) != 1:
+        raise ValueError(f"tree_attention_mgpu: q, k/v cache and k/v new must share one dtype, got "
+                         f"{sorted(str(d) for d in dts)}")
+    why = _unsupported(q.dtype, q.shape[-1], k_cache.dtype)
+    if why:
+        raise ValueError(f"tree_attention_mgpu: {why}")
+
+
+def _unsupported(dtype, hd, kv_dtype) -> str | None:
+    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in DTYPES]:
+        return f"dtype {jnp.dtype(dtype)} not supported (bf16 or fp16 only: wgmma operands); use the Triton kernel"
+    if kv_dtype is not None and jnp.dtype(kv_dtype) != jnp.dtype(dtype):
+        return f"k/v dtype {jnp.dtype(kv_dtype)} differs from q's {jnp.dtype(dtype)}"
+    if hd % 64 or hd > 256:
+        return f"head dim {hd} not supported (a multiple of 64, at most 256)"
+    return None
+
+
+def plan(T: int, H: int, hkv: int, hd: int, S: int, N: int, *, block_k: int = 64, num_stages: int = 2,
+         n_split: int | None = None, B: int = 1, dtype=jnp.bfloat16, target_ctas: int = 132) -> dict:
+    """Static configuration of a call: row blocks, padded rows, tree blocks / mask words, splits, SMEM bytes."""
+    G = H // hkv
+    R = T * G
+    n_rb = -(-R // (_WGS * _BQ))
+    bk = block_k
+    nbt = -(-N // bk)
+    n_words = nbt * bk // 32
+    ns = n_split or max(1, min(round(target_ctas / (B * hkv * n_rb)), max(1, S // bk)))
+    smem = smem_bytes(hd, bk, num_stages, n_words, dtype)
+    return dict(G=G, R=R, n_rb=n_rb, Rp=n_rb * _WGS * _BQ, block_k=bk, nbt=nbt, Np=nbt * bk, n_words=n_words,
+                n_split=int(ns), num_stages=num_stages, smem=smem)
+
+
+def _mask_words(mask, G: int, Rp: int, Np: int):
+    """mask [B, T, N] bool -> [B, Rp / 64, Np / 32, 64] int32: bit c of word w of query row r (= t·G + i) is
+    mask[b, t, 32 w + c] (0 on padding rows / keys); rows grouped by compute warpgroup (64)."""
+    B, T, N = mask.shape
+    m = jnp.pad(mask, ((0, 0), (0, 0), (0, Np - N)))
+    m = jnp.repeat(m, G, axis=1)  # [B, T·G, Np]
+    m = jnp.pad(m, ((0, 0), (0, Rp - T * G), (0, 0)))
+    bits = m.reshape(B, Rp, Np // 32, 32).astype(jnp.uint32) << jnp.arange(32, dtype=jnp.uint32)
+    w = lax.bitcast_convert_type(jnp.sum(bits, axis=-1, dtype=jnp.uint32), jnp.int32)  # [B, Rp, Nw]
+    return w.reshape(B, Rp // _BQ, _BQ, Np // 32).transpose(0, 1, 3, 2)
+
+
+def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, w_ref, o_ref, lse_ref,
+            q_smem, k_smem, v_smem, w_smem, lse_smem, q_bar, w_bar, k_bar, v_bar, k_used, v_used, sched, *,
+            hkv: int, S: int, bk: int, nst: int, ns: int, nbt: int, scale: float, pingpong: bool,
+            interpret: bool):
+    f32 = jnp.float32
+    bh = lax.axis_index("bh")
+    s = lax.axis_index("split")
+    rb = lax.axis_index("rows")
+    wg = lax.axis_index("wg")
+    b = lax.div(bh, jnp.int32(hkv))
+    h = lax.rem(bh, jnp.int32(hkv))
+    hd = q_smem.shape[-1]
+    dtype = q_smem.dtype
+
+    start = start_ref[b]
+    nfp = lax.div(start, jnp.int32(bk))  # whole prefix blocks
+    nbp = lax.div(start + (bk - 1), jnp.int32(bk))  # prefix blocks, the last one partial when start % bk
+    per = lax.div(nbp + (nbt + ns - 1), jnp.int32(ns))
+    lo = s * per
+    hi = jnp.minimum(lo + per, nbp)
+    n_full = jnp.maximum(jnp.minimum(hi, nfp) - lo, 0)
+    n_part = ((nbp > nfp) & (lo <= nfp) & (nfp < hi)).astype(jnp.int32)
+    n_pre = n_full + n_part
+    n_steps = n_pre + jnp.where(s == ns - 1, nbt, 0)
+
+    def block_start(i):  # first cache row of prefix step i (the partial block's window kept inside the cache)
+        return jnp.minimum((lo + i) * bk, S - bk)
+
+    def sched_sync():
+        if pingpong:
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(sched)
+
+    @pl.when(wg < _WGS)
+    def _consumer():
+        plgpu.set_max_registers(232, action="increase")
+        r0 = (rb * _WGS + wg) * _BQ
+        qs = q_smem.at[wg]
+        plgpu.copy_gmem_to_smem(q_ref.at[bh, pl.ds(r0, _BQ)], qs, q_bar.at[wg])
+        plgpu.copy_gmem_to_smem(w_ref.at[b, rb * _WGS + wg], w_smem.at[wg], w_bar.at[wg])
+        plgpu.barrier_wait(q_bar.at[wg])
+        plgpu.barrier_wait(w_bar.at[wg])
+        row_l = plgpu.Layout.WGMMA.reduce(1)
+        m = plgpu.layout_cast(jnp.full((_BQ,), _NEG, f32), row_l)
+        l = plgpu.layout_cast(jnp.full((_BQ,), 0.0, f32), row_l)
+        acc = plgpu.layout_cast(jnp.full((_BQ, hd), 0.0, f32), plgpu.Layout.WGMMA)
+
+        def col_iota():
+            return plgpu.broadcasted_iota(jnp.int32, (_BQ, bk), 1, layout=plgpu.Layout.WGMMA)
+
+        def step(i, carry, kind: str):
+            acc, m, l = carry
+            slot = lax.rem(i, jnp.int32(nst))
+            plgpu.barrier_wait(k_bar.at[slot])
+
+            def qk_scope(acc_ref):
+                plgpu.wgmma(acc_ref, qs, k_smem.at[slot].transpose((1, 0)))
+                sched_sync()
+                return acc_ref[...]
+
+            qk = pl.run_scoped(qk_scope, plgpu.ACC((_BQ, bk), f32))
+            plgpu.barrier_arrive(k_used.at[slot])
+            if kind == "part":  # keys [nfp·bk, start) of the window starting at block_start(i)
+                key = block_start(i) + col_iota()
+                qk = jnp.where((key >= nfp * bk) & (key < start), qk, -jnp.inf)
+            elif kind == "tree":  # words 32·(bk/32)·jt ... of the row's tree mask
+                jt = i - n_pre
+                col = col_iota()
+                word = None
+                for c in range(bk // 32):
+                    wc = plgpu.load(w_smem.at[wg, jt * (bk // 32) + c], layout=row_l)
+                    wc = lax.broadcast_in_dim(wc, (_BQ, bk), [0])
+                    word = wc if word is None else jnp.where(col >= 32 * c, wc, word)
+                bit = lax.shift_right_logical(word, lax.rem(col, jnp.int32(32))) & 1
+                qk = jnp.where(bit != 0, qk, -jnp.inf)
+            m_new = jnp.maximum(m, qk.max(axis=1) * scale)
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(qk * scale - lax.broadcast_in_dim(m_new, qk.shape, [0]))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l = l * alpha
+            p16 = p.astype(dtype)
+            if pingpong:
+                plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(v_bar.at[slot])
+            if pingpong:
+                plgpu.barrier_wait(sched)
+            l = l + p.sum(axis=1)
+            vs = v_smem.at[slot]
+            if interpret:  # no pl.run_state in the Mosaic GPU interpreter
+                acc = acc + jnp.dot(p16, vs[...], preferred_element_type=f32)
+            else:
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, vs)
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_used.at[slot])
+            return acc, m_new, l
+
+        pl.when(wg == 1)(sched_sync)
+        carry = (acc, m, l)
+        carry = lax.fori_loop(0, n_full, functools.partial(step, kind="full"), carry)
+        carry = lax.fori_loop(n_full, n_pre, functools.partial(step, kind="part"), carry)
+        acc, m, l = lax.fori_loop(n_pre, n_steps, functools.partial(step, kind="tree"), carry)
+        pl.when(wg == 0)(sched_sync)
+
+        pos = l > 0
+        l_safe = jnp.where(pos, l, 1.0)
+        acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+        lse = jnp.where(pos, m + jnp.log(l_safe) * _LOG2E, -jnp.inf)
+        qs[...] = acc.astype(dtype)
+        lse_smem.at[wg][...] = lse
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(qs, o_ref.at[s, bh, pl.ds(r0, _BQ)])
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[s, bh, pl.ds(r0, _BQ)])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == _WGS)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def issue(i, src_c, src_n, smem, bar):
+            slot = lax.rem(i, jnp.int32(nst))
+
+            @pl.when(i < n_pre)
+            def _():
+                plgpu.copy_gmem_to_smem(src_c.at[b, h, pl.ds(block_start(i), bk)], smem.at[slot], bar.at[slot])
+
+            @pl.when(i >= n_pre)
+            def _():
+                j0 = (i - n_pre) * bk
+                plgpu.copy_gmem_to_smem(src_n.at[b, pl.ds(j0, bk), h], smem.at[slot], bar.at[slot])
+
+        for i in range(nst):
+            @pl.when(i < n_steps)
+            def _():
+                issue(jnp.int32(i), kc_ref, kn_ref, k_smem, k_bar)
+                issue(jnp.int32(i), vc_ref, vn_ref, v_smem, v_bar)
+
+        def body(i, _):
+            slot = lax.rem(i, jnp.int32(nst))
+            plgpu.barrier_wait(k_used.at[slot])
+            issue(i, kc_ref, kn_ref, k_smem, k_bar)
+            plgpu.barrier_wait(v_used.at[slot])
+            issue(i, vc_ref, vn_ref, v_smem, v_bar)
+            return _
+
+        lax.fori_loop(jnp.int32(nst), jnp.maximum(n_steps, nst), body, None)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "block_k", "num_stages", "n_split", "pingpong",
+                                             "target_ctas"))
+def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret: bool = False,
+                   block_k: int = 64, num_stages: int = 2, n_split: int | None = None, pingpong: bool = True,
+                   target_ctas: int = 132):
+    """q [B,T,H,hd]; k/v_cache [B,Hkv,S,hd]; start int32 scalar or [B]; k/v_new [B,N,Hkv,hd]; mask [B,T,N] bool
+    -> [B,T,H,hd] (q.dtype). Same as `tree_attention_reference`; bf16 / fp16 only (`check_supported`).
+
+    block_k: keys per step (64; the SMEM ring holds num_stages K and V tiles [block_k, hd]); n_split: prefix
+    splits (default: about target_ctas CTAs in all); pingpong: the FA3 barrier that alternates the two compute
+    warpgroups between softmax and matmuls. interpret: run on the Mosaic GPU interpreter (CPU)."""
+    check_supported(q, k_cache, v_cache, k_new, v_new)
+    B, T, H, hd = q.shape
+    hkv, S = k_cache.shape[1], k_cache.shape[2]
+    N = k_new.shape[1]
+    if H % hkv:
+        raise ValueError(f"tree_attention_mgpu: {H} query heads not a multiple of {hkv} kv heads")
+    if block_k % 64 or block_k > 128:
+        raise ValueError(f"tree_attention_mgpu: block_k {block_k} must be 64 or 128")
+    if num_stages < 1:
+        raise ValueError(f"tree_attention_mgpu: num_stages {num_stages} must be >= 1")
+    cfg = plan(T, H, hkv, hd, S, N, block_k=block_k, num_stages=num_stages, n_split=n_split, B=B,
+               dtype=q.dtype, target_ctas=target_ctas)
+    if cfg["smem"] > SMEM_LIMIT:
+        raise ValueError(f"tree_attention_mgpu: block_k {block_k} x {num_stages} stages at head dim {hd} needs "
+                         f"{cfg['smem']} bytes of shared memory (> {SMEM_LIMIT})")
+    G, R, Rp, Np, ns, bk = cfg["G"], cfg["R"], cfg["Rp"], cfg["Np"], cfg["n_split"], block_k
+    if S < bk:  # tiny caches only: the kernel slices whole [bk, hd] windows out of the cache
+        pad = ((0, 0), (0, 0), (0, bk - S), (0, 0))
+        k_cache, v_cache, S = jnp.pad(k_cache, pad), jnp.pad(v_cache, pad), bk
+    qf = q.reshape(B, T, hkv, G, hd).transpose(0, 2, 1, 3, 4).reshape(B * hkv, R, hd)
+    qf = jnp.pad(qf, ((0, 0), (0, Rp - R), (0, 0)))
+    kn = jnp.pad(k_new, ((0, 0), (0, Np - N), (0, 0), (0, 0)))
+    vn = jnp.pad(v_new, ((0, 0), (0, Np - N), (0, 0), (0, 0)))
+    words = _mask_words(mask, G, Rp, Np)
+    start_b = jnp.broadcast_to(jnp.asarray(start, jnp.int32).reshape(-1), (B,))
+
+    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    nst = num_stages
+    scratch = [
+        plgpu.SMEM((_WGS, _BQ, hd), q.dtype, transforms=tiled),  # q, then the output
+        plgpu.SMEM((nst, bk, hd), q.dtype, transforms=tiled),  # K ring
+        plgpu.SMEM((nst, bk, hd), q.dtype, transforms=tiled),  # V ring
+        plgpu.SMEM((_WGS, cfg["n_words"], _BQ), jnp.int32),  # tree-mask words
+        plgpu.SMEM((_WGS, _BQ), jnp.float32),  # lse staging
+        plgpu.Barrier(num_barriers=_WGS),  # q loaded
+        plgpu.Barrier(num_barriers=_WGS),  # words loaded
+        plgpu.Barrier(num_barriers=nst),  # K slot loaded
+        plgpu.Barrier(num_barriers=nst),  # V slot loaded
+        plgpu.Barrier(num_arrivals=_WGS, num_barriers=nst),  # K slot consumed
+        plgpu.Barrier(num_arrivals=_WGS, num_barriers=nst),  # V slot consumed
+        plgpu.Barrier(num_arrivals=_WGS),  # ping-pong schedule
+    ]
+    body = functools.partial(_kernel, hkv=hkv, S=S, bk=bk, nst=nst, ns=ns, nbt=cfg["nbt"],
+                             scale=hd ** -0.5 * _LOG2E, pingpong=pingpong, interpret=interpret)
+    o_p, lse_p = plgpu.kernel(
+        body,
+        out_type=[jax.ShapeDtypeStruct((ns, B * hkv, Rp, hd), q.dtype),
+                  jax.ShapeDtypeStruct((ns, B * hkv, Rp), jnp.float32)],
+        scratch_types=scratch,
+        grid=(cfg["n_rb"], B * hkv, ns),
+        grid_names=("rows", "bh", "split"),
+        num_threads=_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(start_b, qf, k_cache, v_cache, kn, vn, words)
+    return _merge(o_p, lse_p, B=B, T=T, hkv=hkv, G=G, R=R).astype(q.dtype)
+
+
+def _merge(o_p, lse_p, *, B, T, hkv, G, R):
+    """Split partials [ns, B·Hkv, Rp, hd] (normalised) + LSE [ns, B·Hkv, Rp] (base 2) -> [B, T, H, hd] fp32."""
+    o_p, lse_p = o_p[:, :, :R], lse_p[:, :, :R]
+    mx = jnp.max(lse_p, axis=0)
+    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+    w = jnp.exp2(lse_p - mx)
+    w = w / jnp.maximum(jnp.sum(w, axis=0), 1e-30)
+    o = jnp.sum(w[..., None] * o_p.astype(jnp.float32), axis=0)  # [B·Hkv, R, hd]
+    hd = o.shape[-1]
+    return o.reshape(B, hkv, T, G, hd).transpose(0, 2, 1, 3, 4).reshape(B, T, hkv * G, hd)
