@@ -56,7 +56,7 @@ def smem_bytes(hd: int, block_k: int, num_stages: int, n_words: int, dtype=jnp.b
     the tree-mask words, the LSE staging, the barriers (an upper estimate)."""
     it = jnp.dtype(dtype).itemsize
     return (_WGS * _BQ * hd * it + 2 * num_stages * block_k * hd * it + _WGS * n_words * _BQ * 4
-            + _WGS * _BQ * 4 + 8 * (4 * num_stages + 2 * _WGS + 1) + 1024)
+            + _WGS * _BQ * 4 + 8 * (4 * num_stages + 2 * _WGS + 1) + 3072)
 
 
 def supports(q, k_cache=None) -> bool:
@@ -114,7 +114,7 @@ def _mask_words(mask, G: int, Rp: int, Np: int):
 
 def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, w_ref, o_ref, lse_ref,
             q_smem, k_smem, v_smem, w_smem, lse_smem, q_bar, w_bar, k_bar, v_bar, k_used, v_used, sched, *,
-            hkv: int, S: int, bk: int, nst: int, ns: int, nbt: int, scale: float, pingpong: bool,
+            hkv: int, S: int, R: int, bk: int, nst: int, ns: int, nbt: int, scale: float, pingpong: bool,
             interpret: bool):
     f32 = jnp.float32
     bh = lax.axis_index("bh")
@@ -145,10 +145,35 @@ def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, w_ref, o_ref, lse_
             plgpu.barrier_arrive(sched)
             plgpu.barrier_wait(sched)
 
-    @pl.when(wg < _WGS)
+    def sync_steps(i, carry, compute):
+        """Step i of a compute warpgroup: the barrier protocol around `compute` (None: a warpgroup whose rows
+        are all padding keeps the protocol, computes nothing)."""
+        slot = lax.rem(i, jnp.int32(nst))
+        plgpu.barrier_wait(k_bar.at[slot])
+        if compute is None:
+            sched_sync()
+            plgpu.barrier_arrive(k_used.at[slot])
+            if pingpong:
+                plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(v_bar.at[slot])
+            if pingpong:
+                plgpu.barrier_wait(sched)
+            plgpu.barrier_arrive(v_used.at[slot])
+            return carry
+        return compute(i, slot, carry)
+
+    r0 = (rb * _WGS + wg) * _BQ
+
+    @pl.when((wg < _WGS) & (r0 >= R))
+    def _idle_consumer():
+        plgpu.set_max_registers(232, action="increase")
+        pl.when(wg == 1)(sched_sync)
+        lax.fori_loop(0, n_steps, lambda i, c: sync_steps(i, c, None), jnp.int32(0))
+        pl.when(wg == 0)(sched_sync)
+
+    @pl.when((wg < _WGS) & (r0 < R))
     def _consumer():
         plgpu.set_max_registers(232, action="increase")
-        r0 = (rb * _WGS + wg) * _BQ
         qs = q_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[bh, pl.ds(r0, _BQ)], qs, q_bar.at[wg])
         plgpu.copy_gmem_to_smem(w_ref.at[b, rb * _WGS + wg], w_smem.at[wg], w_bar.at[wg])
@@ -162,10 +187,8 @@ def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, w_ref, o_ref, lse_
         def col_iota():
             return plgpu.broadcasted_iota(jnp.int32, (_BQ, bk), 1, layout=plgpu.Layout.WGMMA)
 
-        def step(i, carry, kind: str):
+        def compute(i, slot, carry, kind: str):
             acc, m, l = carry
-            slot = lax.rem(i, jnp.int32(nst))
-            plgpu.barrier_wait(k_bar.at[slot])
 
             def qk_scope(acc_ref):
                 plgpu.wgmma(acc_ref, qs, k_smem.at[slot].transpose((1, 0)))
@@ -177,7 +200,7 @@ def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, w_ref, o_ref, lse_
             if kind == "part":  # keys [nfp·bk, start) of the window starting at block_start(i)
                 key = block_start(i) + col_iota()
                 qk = jnp.where((key >= nfp * bk) & (key < start), qk, -jnp.inf)
-            elif kind == "tree":  # words 32·(bk/32)·jt ... of the row's tree mask
+            elif kind == "tree":  # the row's mask words for new keys [jt·bk, (jt + 1)·bk)
                 jt = i - n_pre
                 col = col_iota()
                 word = None
@@ -210,11 +233,14 @@ def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, w_ref, o_ref, lse_
             plgpu.barrier_arrive(v_used.at[slot])
             return acc, m_new, l
 
+        def loop(lo_, hi_, kind, carry):
+            body = lambda i, c: sync_steps(i, c, functools.partial(compute, kind=kind))
+            return lax.fori_loop(lo_, hi_, body, carry)
+
         pl.when(wg == 1)(sched_sync)
-        carry = (acc, m, l)
-        carry = lax.fori_loop(0, n_full, functools.partial(step, kind="full"), carry)
-        carry = lax.fori_loop(n_full, n_pre, functools.partial(step, kind="part"), carry)
-        acc, m, l = lax.fori_loop(n_pre, n_steps, functools.partial(step, kind="tree"), carry)
+        carry = loop(0, n_full, "full", (acc, m, l))
+        carry = loop(n_full, n_pre, "part", carry)
+        acc, m, l = loop(n_pre, n_steps, "tree", carry)
         pl.when(wg == 0)(sched_sync)
 
         pos = l > 0
@@ -314,7 +340,7 @@ def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret:
         plgpu.Barrier(num_arrivals=_WGS, num_barriers=nst),  # V slot consumed
         plgpu.Barrier(num_arrivals=_WGS),  # ping-pong schedule
     ]
-    body = functools.partial(_kernel, hkv=hkv, S=S, bk=bk, nst=nst, ns=ns, nbt=cfg["nbt"],
+    body = functools.partial(_kernel, hkv=hkv, S=S, R=R, bk=bk, nst=nst, ns=ns, nbt=cfg["nbt"],
                              scale=hd ** -0.5 * _LOG2E, pingpong=pingpong, interpret=interpret)
     o_p, lse_p = plgpu.kernel(
         body,
