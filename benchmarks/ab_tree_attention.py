@@ -1,0 +1,229 @@
+"""A/B: tree attention as the Pallas-Triton kernel vs the Pallas Mosaic GPU kernel (issue 27), 27B shapes, one GPU.
+
+    PYTHONUNBUFFERED=1 python benchmarks/ab_tree_attention.py --out $OUT/ab_tree_attention.json
+    JAX_PLATFORMS=cpu python benchmarks/ab_tree_attention.py --smoke --out /tmp/ab.json   # interpret mode, tiny
+
+For each context (committed keys, default 4096,32768,131072) and tree size T (default 16,32,64,65,128; N = T new
+rows, a random tree with padding rows), each kernel runs as LAYERS (16) layer-calls inside one jitted function,
+every layer with its own K/V cache [1, 4, context + 128, 256] bf16 (so the caches really stream from HBM) and
+`start` = context passed as a run-time int32:
+  * gpu_ms: GPU time per call (all layers), the sum of the device kernels of a jax.profiler trace of `--prof`
+    calls (kernels + the jnp prep / merge XLA ops; no launch gaps) — the figure to compare;
+  * wall_ms: median wall time of `--reps` calls (block_until_ready; includes launch gaps);
+  * tflops: effective TFLOP/s = LAYERS · 4·T·H·context·hd / gpu_ms (the issue's count: every tree row, prefix
+    keys only; the H200's dense bf16 peak is 989);
+  * errors (at the smallest context, layer 0): max |out − ref| and ||out − ref|| / ||ref|| vs the bf16 jnp
+    reference and vs the reference on fp32-upcast inputs.
+The jnp reference is timed at the smallest context only. The Mosaic GPU kernel's tuning variants
+(--mgpu-variants) run at T = 65 for every context after the main grid. A failing variant (compile or run
+error) is recorded as {"error": ...} and the run goes on; work past --budget-s is recorded as skipped. The
+T = 65 rows run first. The JSON is rewritten after every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+import warnings
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from kernels_pallas import tree_attention as tri  # noqa: E402
+from kernels_pallas import tree_attention_mgpu as mg  # noqa: E402
+from kernels_pallas._testing import random_tree_mask  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_timing  # noqa: E402
+from gpu_timing import gpu_profile, log, save_json, wall_ms  # noqa: E402
+
+# the Mosaic GPU kernel's tuning neighbours (name: kwargs), run at T = 65
+MGPU_VARIANTS = {
+    "ns4": dict(n_split=4), "ns16": dict(n_split=16), "ns32": dict(n_split=32),
+    "no_pingpong": dict(pingpong=False), "s1": dict(num_stages=1),
+}
+
+
+def caches_for(key, layers, B, Hkv, hd, S, dtype):
+    """Per layer (k_cache, v_cache): generated on the device, layer by layer."""
+    gen = jax.jit(lambda k: (jax.random.normal(jax.random.fold_in(k, 0), (B, Hkv, S, hd), dtype),
+                             jax.random.normal(jax.random.fold_in(k, 1), (B, Hkv, S, hd), dtype)))
+    return [gen(jax.random.fold_in(key, i)) for i in range(layers)]
+
+
+def small_inputs(key, rng, layers, B, T, H, Hkv, hd, dtype):
+    out = []
+    for i in range(layers):
+        ks = jax.random.split(jax.random.fold_in(key, 1000 + i), 3)
+        q = jax.random.normal(ks[0], (B, T, H, hd), dtype)
+        kn = jax.random.normal(ks[1], (B, T, Hkv, hd), dtype)
+        vn = jax.random.normal(ks[2], (B, T, Hkv, hd), dtype)
+        mask, _ = random_tree_mask(rng, B, T, n_pad=min(3, T - 1))
+        out.append((q, kn, vn, mask))
+    return out
+
+
+def all_layers(fn):
+    """One jitted function running fn for every layer: (start, caches, smalls) -> per-layer outputs."""
+    def run(start, caches, smalls):
+        return [fn(q, kc, vc, start, kn, vn, m) for (kc, vc), (q, kn, vn, m) in zip(caches, smalls)]
+    return jax.jit(run)
+
+
+def errors(out, ref, ref32):
+    o = np.asarray(out, np.float32)
+    r = np.asarray(ref, np.float32)
+    r32 = np.asarray(ref32, np.float32)
+    rel = lambda a, b: float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+    return {"max_abs_vs_bf16_ref": float(np.max(np.abs(o - r))), "rel_vs_bf16_ref": rel(o, r),
+            "max_abs_vs_fp32_ref": float(np.max(np.abs(o - r32))), "rel_vs_fp32_ref": rel(o, r32),
+            "finite": bool(np.all(np.isfinite(o)))}
+
+
+def measure(name, fn, start, caches, smalls, flops, args):
+    """{compile_s, gpu_ms, wall_ms, tflops} of fn over every layer, or {"error": ...}."""
+    rec = {}
+    try:
+        f = all_layers(fn)
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(f(start, caches, smalls))
+        rec["compile_s"] = round(time.perf_counter() - t0, 2)
+        rec["wall_ms"] = round(wall_ms(f, (start, caches, smalls), reps=args.reps, warmup=1), 4)
+        prof = None if args.smoke else gpu_profile(f, (start, caches, smalls), n=args.prof, top=4)
+        if prof is not None:
+            rec["gpu_ms"] = round(prof["us"] / 1e3, 4)
+            rec["launches"] = prof["launches"]
+            rec["top_kernels"] = prof["top"]
+        ms = rec.get("gpu_ms") or rec["wall_ms"]
+        rec["tflops"] = float(f"{flops / (ms * 1e-3) / 1e12:.4g}")
+        log(f"    {name:24s} gpu {rec.get('gpu_ms')} ms  wall {rec['wall_ms']} ms  {rec['tflops']} TFLOP/s  "
+            f"compile {rec['compile_s']} s")
+        return rec, out
+    except Exception as e:  # one failing variant must not sink the run
+        rec["error"] = f"{type(e).__name__}: {str(e)[:1500]}"
+        log(f"    {name:24s} FAILED {rec['error'][:500]}")
+        traceback.print_exc(limit=3)
+        return rec, None
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="")
+    ap.add_argument("--contexts", default="4096,32768,131072")
+    ap.add_argument("--nodes", default="16,32,64,65,128")
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--prof", type=int, default=5, help="calls in the profiler trace")
+    ap.add_argument("--mgpu-variants", default=",".join(MGPU_VARIANTS), help="comma list ('' for none)")
+    ap.add_argument("--budget-s", type=float, default=200.0, help="skip the rows not started by then")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, CPU")
+    args = ap.parse_args()
+    H, Hkv, hd, dtype = 24, 4, 256, jnp.bfloat16
+    contexts = [int(c) for c in args.contexts.split(",")]
+    nodes = [int(t) for t in args.nodes.split(",")]
+    layers = args.layers
+    ikw = {}
+    if args.smoke:
+        gpu_timing.QUICK = True
+        H, Hkv, hd, layers, ikw = 4, 2, 64, 2, {"interpret": True}
+        contexts, nodes = [100], [5]
+    t_end = time.perf_counter() + args.budget_s
+    dev = jax.devices()[0]
+    res = {"device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform, "jax": jax.__version__,
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "smoke": args.smoke, "layers": layers, "shapes": dict(H=H, Hkv=Hkv, hd=hd, dtype="bfloat16",
+                                                                  cache="context + 128"),
+           "method": __doc__.split("For each context")[1].split("The JSON")[0].strip(),
+           "rows": {}, "errors": {}, "mgpu_variants": {}}
+    log(json.dumps({k: v for k, v in res.items() if k not in ("method", "rows", "errors", "mgpu_variants")}))
+    kernels = {"triton": lambda *a: tri.tree_attention(*a, **ikw), "mgpu": lambda *a: mg.tree_attention(*a, **ikw)}
+    small_ctx = min(contexts)
+    order = sorted(((c, t) for c in contexts for t in nodes), key=lambda ct: (ct[1] != 65, ct[0], ct[1]))
+    key = jax.random.PRNGKey(0)
+    cache_ctx, caches = None, None
+    for ctx, T in order:
+        row = res["rows"].setdefault(str(ctx), {}).setdefault(str(T), {})
+        if time.perf_counter() > t_end:
+            row["skipped"] = "--budget-s spent"
+            continue
+        S = ctx + 128
+        log(f"== context {ctx}, T = {T} ({layers} layers, cache {S})")
+        if cache_ctx != ctx:
+            caches = None
+            caches = caches_for(jax.random.fold_in(key, ctx), layers, 1, Hkv, hd, S, dtype)
+            cache_ctx = ctx
+        smalls = small_inputs(jax.random.fold_in(key, T), np.random.default_rng(T), layers, 1, T, H, Hkv, hd, dtype)
+        start = jnp.int32(ctx)
+        flops = layers * 4.0 * T * H * ctx * hd
+        outs = {}
+        for name, fn in kernels.items():
+            row[name], outs[name] = measure(name, fn, start, caches, smalls, flops, args)
+        if ctx == small_ctx:
+            row["reference"], outs["reference"] = measure("reference", tri.tree_attention_reference, start, caches,
+                                                          smalls, flops, args)
+            (kc, vc), (q, kn, vn, m) = caches[0], smalls[0]
+            one = (q, kc, vc, start, kn, vn, m)
+            ref = jax.jit(tri.tree_attention_reference)(*one)
+            up = tuple(x.astype(jnp.float32) if x.dtype == dtype else x for x in one)
+            ref32 = jax.jit(tri.tree_attention_reference)(*up)
+            res["errors"].setdefault(str(ctx), {})[str(T)] = {
+                n: errors(o[0], ref, ref32) for n, o in outs.items() if o is not None and n != "reference"}
+            log(f"    errors {res['errors'][str(ctx)][str(T)]}")
+        save_json(args.out, res)
+    vnames = [v for v in args.mgpu_variants.split(",") if v]
+    if args.smoke:  # the interpreter takes seconds a call: one variant checks the loop
+        vnames = vnames[-1:]
+    for vname in vnames:
+        kw = dict(MGPU_VARIANTS[vname], **ikw)
+        for ctx in contexts:
+            T = 65 if not args.smoke else nodes[0]
+            rec = res["mgpu_variants"].setdefault(vname, {"kwargs": MGPU_VARIANTS[vname]})
+            if time.perf_counter() > t_end:
+                rec[str(ctx)] = {"skipped": "--budget-s spent"}
+                continue
+            S = ctx + 128
+            log(f"== mgpu variant {vname} {kw}, context {ctx}, T = {T}")
+            if cache_ctx != ctx:
+                caches = None
+                caches = caches_for(jax.random.fold_in(key, ctx), layers, 1, Hkv, hd, S, dtype)
+                cache_ctx = ctx
+            smalls = small_inputs(jax.random.fold_in(key, T), np.random.default_rng(T), layers, 1, T, H, Hkv, hd,
+                                  dtype)
+            rec[str(ctx)], _ = measure(vname, lambda *a, kw=kw: mg.tree_attention(*a, **kw), jnp.int32(ctx),
+                                       caches, smalls, layers * 4.0 * T * H * ctx * hd, args)
+            save_json(args.out, res)
+    # summary: ms per LAYERS layers (gpu_ms, else wall_ms) by kernel, context and T
+    summ = {}
+    for ctx, by_t in res["rows"].items():
+        for T, row in by_t.items():
+            for name in ("triton", "mgpu", "reference"):
+                r = row.get(name) or {}
+                ms = r.get("gpu_ms") or r.get("wall_ms")
+                if ms is not None:
+                    summ.setdefault(name, {}).setdefault(ctx, {})[T] = ms
+    res["ms_by_kernel_context_nodes"] = summ
+    best = {}
+    for ctx in map(str, contexts):
+        cands = {n: summ.get(n, {}).get(ctx, {}).get("65") for n in ("triton", "mgpu")}
+        cands.update({f"mgpu_{v}": (res["mgpu_variants"].get(v, {}).get(ctx) or {}).get("gpu_ms")
+                      for v in res["mgpu_variants"]})
+        cands = {n: v for n, v in cands.items() if v}
+        best[ctx] = min(cands, key=cands.get) if cands else None
+    res["fastest_at_T65"] = best
+    res["goal"] = "T = 65, 131072 keys, 16 layers: <= 5.5 ms (>= 600 TFLOP/s)"
+    res["total_s"] = round(time.perf_counter() - (t_end - args.budget_s), 1)
+    save_json(args.out, res)
+    log(json.dumps({"ms_by_kernel_context_nodes": summ, "fastest_at_T65": best}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
