@@ -47,9 +47,14 @@ import gpu_timing  # noqa: E402
 from gpu_timing import gpu_profile, log, save_json, wall_ms  # noqa: E402
 
 # the Mosaic GPU kernel's tuning neighbours (name: kwargs), run at T = 65
+# (default at T = 65: 4 row blocks x 4 kv heads x 8 splits = 128 CTAs, the light 4th row block on the same splits)
 MGPU_VARIANTS = {
-    "ns4": dict(n_split=4), "ns16": dict(n_split=16), "ns32": dict(n_split=32),
-    "no_pingpong": dict(pingpong=False), "s1": dict(num_stages=1),
+    "ns9_tail6": dict(n_split=9, tail_split=6),  # 4 x (3 x 9 + 6) = 132 CTAs: light CTAs take longer ranges
+    "ns10_tail3": dict(n_split=10, tail_split=3),  # 4 x (3 x 10 + 3) = 132
+    "ns16": dict(n_split=16),  # two waves
+    "ns4": dict(n_split=4),
+    "no_pingpong": dict(pingpong=False),
+    "s1": dict(num_stages=1),
 }
 
 

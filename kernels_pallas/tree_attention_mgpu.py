@@ -35,6 +35,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -86,18 +87,30 @@ def _unsupported(dtype, hd, kv_dtype) -> str | None:
 
 
 def plan(T: int, H: int, hkv: int, hd: int, S: int, N: int, *, block_k: int = 64, num_stages: int = 2,
-         n_split: int | None = None, B: int = 1, dtype=jnp.bfloat16, target_ctas: int = 132) -> dict:
-    """Static configuration of a call: row blocks, padded rows, tree blocks / mask words, splits, SMEM bytes."""
+         n_split: int | None = None, tail_split: int | None = None, B: int = 1, dtype=jnp.bfloat16,
+         target_ctas: int = 132) -> dict:
+    """Static configuration of a call: row blocks, padded rows, tree blocks / mask words, splits, SMEM bytes.
+
+    A last row block whose second warpgroup holds only padding rows ("light": T = 65 at G = 6 leaves 390 - 384 =
+    6 rows) runs one warpgroup, faster than a full block; tail_split (default n_split) gives it its own split
+    count so that its CTAs can take longer key ranges (light CTAs then read K/V apart from the full ones)."""
     G = H // hkv
     R = T * G
     n_rb = -(-R // (_WGS * _BQ))
     bk = block_k
     nbt = -(-N // bk)
     n_words = nbt * bk // 32
-    ns = n_split or max(1, min(round(target_ctas / (B * hkv * n_rb)), max(1, S // bk)))
+    # default: as many splits as fit one wave of target_ctas CTAs (a second, partial wave would double the time)
+    ns = int(n_split or max(1, min(target_ctas // (B * hkv * n_rb), max(1, S // bk))))
+    light = n_rb > 1 and R - (n_rb - 1) * _WGS * _BQ <= _BQ
+    ns_tail = int(tail_split or ns) if light else ns
+    if ns_tail == ns:  # one split count: every row block in the main part of the grid
+        light = False
+    n_main_rb = n_rb - int(light)
     smem = smem_bytes(hd, bk, num_stages, n_words, dtype)
     return dict(G=G, R=R, n_rb=n_rb, Rp=n_rb * _WGS * _BQ, block_k=bk, nbt=nbt, Np=nbt * bk, n_words=n_words,
-                n_split=int(ns), num_stages=num_stages, smem=smem)
+                n_split=ns, tail_split=ns_tail, n_main_rb=n_main_rb,
+                n_ctas=B * hkv * (n_main_rb * ns + int(light) * ns_tail), num_stages=num_stages, smem=smem)
 
 
 def _mask_words(mask, G: int, Rp: int, Np: int):
@@ -114,12 +127,20 @@ def _mask_words(mask, G: int, Rp: int, Np: int):
 
 def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, w_ref, o_ref, lse_ref,
             q_smem, k_smem, v_smem, w_smem, lse_smem, q_bar, w_bar, k_bar, v_bar, k_used, v_used, sched, *,
-            hkv: int, S: int, R: int, bk: int, nst: int, ns: int, nbt: int, scale: float, pingpong: bool,
+            hkv: int, S: int, R: int, bk: int, nst: int, ns: int, ns_tail: int, n_main_rb: int, BH: int,
+            nbt: int, scale: float, pingpong: bool,
             interpret: bool):
     f32 = jnp.float32
-    bh = lax.axis_index("bh")
-    s = lax.axis_index("split")
-    rb = lax.axis_index("rows")
+    # 1-D grid: the main CTAs (row blocks fastest, so the row blocks of one (kv head, split) run side by side
+    # and share its K/V tiles in L2), then the light last row block's CTAs (their own split count)
+    cta = lax.axis_index("cta")
+    n_main = jnp.int32(n_main_rb * BH * ns)
+    is_main = cta < n_main
+    ct = cta - n_main
+    rb = jnp.where(is_main, lax.rem(cta, jnp.int32(n_main_rb)), n_main_rb)
+    bh = jnp.where(is_main, lax.rem(lax.div(cta, jnp.int32(n_main_rb)), jnp.int32(BH)), lax.rem(ct, jnp.int32(BH)))
+    s = jnp.where(is_main, lax.div(cta, jnp.int32(n_main_rb * BH)), lax.div(ct, jnp.int32(BH)))
+    nsc = jnp.where(is_main, jnp.int32(ns), jnp.int32(ns_tail))  # this CTA's split count
     wg = lax.axis_index("wg")
     b = lax.div(bh, jnp.int32(hkv))
     h = lax.rem(bh, jnp.int32(hkv))
@@ -129,13 +150,13 @@ def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, w_ref, o_ref, lse_
     start = start_ref[b]
     nfp = lax.div(start, jnp.int32(bk))  # whole prefix blocks
     nbp = lax.div(start + (bk - 1), jnp.int32(bk))  # prefix blocks, the last one partial when start % bk
-    per = lax.div(nbp + (nbt + ns - 1), jnp.int32(ns))
+    per = lax.div(nbp + nbt + nsc - 1, nsc)
     lo = s * per
     hi = jnp.minimum(lo + per, nbp)
     n_full = jnp.maximum(jnp.minimum(hi, nfp) - lo, 0)
     n_part = ((nbp > nfp) & (lo <= nfp) & (nfp < hi)).astype(jnp.int32)
     n_pre = n_full + n_part
-    n_steps = n_pre + jnp.where(s == ns - 1, nbt, 0)
+    n_steps = n_pre + jnp.where(s == nsc - 1, nbt, 0)
 
     def block_start(i):  # first cache row of prefix step i (the partial block's window kept inside the cache)
         return jnp.minimum((lo + i) * bk, S - bk)
@@ -223,8 +244,10 @@ def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, w_ref, o_ref, lse_
                 plgpu.barrier_wait(sched)
             l = l + p.sum(axis=1)
             vs = v_smem.at[slot]
-            if interpret:  # no pl.run_state in the Mosaic GPU interpreter
+            if interpret:  # no pl.run_state in the Mosaic GPU interpreter: a generic-proxy read of V,
+                # fenced before the slot's release (the TMA refilling it writes through the async proxy)
                 acc = acc + jnp.dot(p16, vs[...], preferred_element_type=f32)
+                plgpu.commit_smem()
             else:
                 def pv(acc_ref):
                     plgpu.wgmma(acc_ref, p16, vs)
@@ -286,18 +309,27 @@ def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, w_ref, o_ref, lse_
 
         lax.fori_loop(jnp.int32(nst), jnp.maximum(n_steps, nst), body, None)
 
+        def drain(i, _):  # observe the last consumptions too (no barrier phase left unobserved at exit)
+            slot = lax.rem(i, jnp.int32(nst))
+            plgpu.barrier_wait(k_used.at[slot])
+            plgpu.barrier_wait(v_used.at[slot])
+            return _
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_k", "num_stages", "n_split", "pingpong",
-                                             "target_ctas"))
+        lax.fori_loop(jnp.maximum(n_steps - nst, 0), n_steps, drain, None)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "block_k", "num_stages", "n_split", "tail_split",
+                                             "pingpong", "target_ctas"))
 def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret: bool = False,
-                   block_k: int = 64, num_stages: int = 2, n_split: int | None = None, pingpong: bool = True,
-                   target_ctas: int = 132):
+                   block_k: int = 64, num_stages: int = 2, n_split: int | None = None, tail_split: int | None = None,
+                   pingpong: bool = True, target_ctas: int = 132):
     """q [B,T,H,hd]; k/v_cache [B,Hkv,S,hd]; start int32 scalar or [B]; k/v_new [B,N,Hkv,hd]; mask [B,T,N] bool
     -> [B,T,H,hd] (q.dtype). Same as `tree_attention_reference`; bf16 / fp16 only (`check_supported`).
 
     block_k: keys per step (64; the SMEM ring holds num_stages K and V tiles [block_k, hd]); n_split: prefix
-    splits (default: about target_ctas CTAs in all); pingpong: the FA3 barrier that alternates the two compute
-    warpgroups between softmax and matmuls. interpret: run on the Mosaic GPU interpreter (CPU)."""
+    splits (default: about target_ctas CTAs in all); tail_split: the splits of a light last row block (`plan`); pingpong: the FA3 barrier that alternates the two compute
+    warpgroups between softmax and matmuls. interpret: run on the Mosaic GPU interpreter (CPU); True, or a
+    `plgpu.InterpretGPUParams` (e.g. detect_races=True)."""
     check_supported(q, k_cache, v_cache, k_new, v_new)
     B, T, H, hd = q.shape
     hkv, S = k_cache.shape[1], k_cache.shape[2]
@@ -308,12 +340,13 @@ def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret:
         raise ValueError(f"tree_attention_mgpu: block_k {block_k} must be 64 or 128")
     if num_stages < 1:
         raise ValueError(f"tree_attention_mgpu: num_stages {num_stages} must be >= 1")
-    cfg = plan(T, H, hkv, hd, S, N, block_k=block_k, num_stages=num_stages, n_split=n_split, B=B,
-               dtype=q.dtype, target_ctas=target_ctas)
+    cfg = plan(T, H, hkv, hd, S, N, block_k=block_k, num_stages=num_stages, n_split=n_split,
+               tail_split=tail_split, B=B, dtype=q.dtype, target_ctas=target_ctas)
     if cfg["smem"] > SMEM_LIMIT:
         raise ValueError(f"tree_attention_mgpu: block_k {block_k} x {num_stages} stages at head dim {hd} needs "
                          f"{cfg['smem']} bytes of shared memory (> {SMEM_LIMIT})")
-    G, R, Rp, Np, ns, bk = cfg["G"], cfg["R"], cfg["Rp"], cfg["Np"], cfg["n_split"], block_k
+    G, R, Rp, Np, bk = cfg["G"], cfg["R"], cfg["Rp"], cfg["Np"], block_k
+    ns = max(cfg["n_split"], cfg["tail_split"])  # split slots of the partials
     if S < bk:  # tiny caches only: the kernel slices whole [bk, hd] windows out of the cache
         pad = ((0, 0), (0, 0), (0, bk - S), (0, 0))
         k_cache, v_cache, S = jnp.pad(k_cache, pad), jnp.pad(v_cache, pad), bk
@@ -340,26 +373,34 @@ def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret:
         plgpu.Barrier(num_arrivals=_WGS, num_barriers=nst),  # V slot consumed
         plgpu.Barrier(num_arrivals=_WGS),  # ping-pong schedule
     ]
-    body = functools.partial(_kernel, hkv=hkv, S=S, R=R, bk=bk, nst=nst, ns=ns, nbt=cfg["nbt"],
-                             scale=hd ** -0.5 * _LOG2E, pingpong=pingpong, interpret=interpret)
+    body = functools.partial(_kernel, hkv=hkv, S=S, R=R, bk=bk, nst=nst, ns=cfg["n_split"], ns_tail=cfg["tail_split"],
+                             n_main_rb=cfg["n_main_rb"], BH=B * hkv, nbt=cfg["nbt"],
+                             scale=hd ** -0.5 * _LOG2E, pingpong=pingpong, interpret=bool(interpret))
     o_p, lse_p = plgpu.kernel(
         body,
         out_type=[jax.ShapeDtypeStruct((ns, B * hkv, Rp, hd), q.dtype),
                   jax.ShapeDtypeStruct((ns, B * hkv, Rp), jnp.float32)],
         scratch_types=scratch,
-        grid=(cfg["n_rb"], B * hkv, ns),
-        grid_names=("rows", "bh", "split"),
+        grid=(cfg["n_ctas"],),
+        grid_names=("cta",),
         num_threads=_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams)
+                   else plgpu.InterpretGPUParams() if interpret else None),
     )(start_b, qf, k_cache, v_cache, kn, vn, words)
-    return _merge(o_p, lse_p, B=B, T=T, hkv=hkv, G=G, R=R).astype(q.dtype)
+    # split slots a row's CTAs never wrote (the light row block's, past its tail_split) are left out
+    r_split = np.where(np.arange(Rp) >= cfg["n_main_rb"] * _WGS * _BQ, cfg["tail_split"], cfg["n_split"])
+    written = jnp.asarray(np.arange(ns)[:, None] < r_split[None, :])[:, None, :]  # [ns, 1, Rp]
+    return _merge(o_p, lse_p, written, B=B, T=T, hkv=hkv, G=G, R=R).astype(q.dtype)
 
 
-def _merge(o_p, lse_p, *, B, T, hkv, G, R):
-    """Split partials [ns, B·Hkv, Rp, hd] (normalised) + LSE [ns, B·Hkv, Rp] (base 2) -> [B, T, H, hd] fp32."""
-    o_p, lse_p = o_p[:, :, :R], lse_p[:, :, :R]
+def _merge(o_p, lse_p, written, *, B, T, hkv, G, R):
+    """Split partials [ns, B·Hkv, Rp, hd] (normalised) + LSE [ns, B·Hkv, Rp] (base 2), of which the slots
+    `written` [ns, 1, Rp] hold results -> [B, T, H, hd] fp32."""
+    written = written[:, :, :R]
+    o_p = jnp.where(written[..., None], o_p[:, :, :R], 0)
+    lse_p = jnp.where(written, lse_p[:, :, :R], -jnp.inf)
     mx = jnp.max(lse_p, axis=0)
     mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
     w = jnp.exp2(lse_p - mx)
