@@ -4,7 +4,7 @@
     JAX_PLATFORMS=cpu python benchmarks/ab_tree_attention.py --smoke --out /tmp/ab.json   # interpret mode, tiny
 
 For each context (committed keys, default 4096,32768,131072) and tree size T (default 16,32,64,65,128; N = T new
-rows, a random tree with padding rows), each kernel runs as LAYERS (16) layer-calls inside one jitted function,
+rows, one random tree with padding rows for every layer, as in a verify round), each kernel runs as LAYERS (16) layer-calls inside one jitted function,
 every layer with its own K/V cache [1, 4, context + 128, 256] bf16 (so the caches really stream from HBM) and
 `start` = context passed as a run-time int32:
   * gpu_ms: GPU time per call (all layers), the sum of the device kernels of a jax.profiler trace of `--prof`
@@ -66,13 +66,14 @@ def caches_for(key, layers, B, Hkv, hd, S, dtype):
 
 
 def small_inputs(key, rng, layers, B, T, H, Hkv, hd, dtype):
+    """Per layer (q, k_new, v_new, mask): one random tree mask for every layer, as in a verify round."""
+    mask, _ = random_tree_mask(rng, B, T, n_pad=min(3, T - 1))
     out = []
     for i in range(layers):
         ks = jax.random.split(jax.random.fold_in(key, 1000 + i), 3)
         q = jax.random.normal(ks[0], (B, T, H, hd), dtype)
         kn = jax.random.normal(ks[1], (B, T, Hkv, hd), dtype)
         vn = jax.random.normal(ks[2], (B, T, Hkv, hd), dtype)
-        mask, _ = random_tree_mask(rng, B, T, n_pad=min(3, T - 1))
         out.append((q, kn, vn, mask))
     return out
 
