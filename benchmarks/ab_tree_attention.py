@@ -66,7 +66,7 @@ def caches_for(key, layers, B, Hkv, hd, S, dtype):
 
 
 def small_inputs(key, rng, layers, B, T, H, Hkv, hd, dtype):
-    """Per layer (q, k_new, v_new, mask): one random tree mask for every layer, as in a verify round."""
+    """(mask, per layer (q, k_new, v_new)): one random tree mask for every layer, as in a verify round."""
     mask, _ = random_tree_mask(rng, B, T, n_pad=min(3, T - 1))
     out = []
     for i in range(layers):
@@ -74,14 +74,15 @@ def small_inputs(key, rng, layers, B, T, H, Hkv, hd, dtype):
         q = jax.random.normal(ks[0], (B, T, H, hd), dtype)
         kn = jax.random.normal(ks[1], (B, T, Hkv, hd), dtype)
         vn = jax.random.normal(ks[2], (B, T, Hkv, hd), dtype)
-        out.append((q, kn, vn, mask))
-    return out
+        out.append((q, kn, vn))
+    return mask, out
 
 
 def all_layers(fn):
-    """One jitted function running fn for every layer: (start, caches, smalls) -> per-layer outputs."""
-    def run(start, caches, smalls):
-        return [fn(q, kc, vc, start, kn, vn, m) for (kc, vc), (q, kn, vn, m) in zip(caches, smalls)]
+    """One jitted function running fn for every layer: (start, mask, caches, smalls) -> per-layer outputs (start and
+    the mask are one argument each, shared by the layers)."""
+    def run(start, mask, caches, smalls):
+        return [fn(q, kc, vc, start, kn, vn, mask) for (kc, vc), (q, kn, vn) in zip(caches, smalls)]
     return jax.jit(run)
 
 
@@ -95,16 +96,16 @@ def errors(out, ref, ref32):
             "finite": bool(np.all(np.isfinite(o)))}
 
 
-def measure(name, fn, start, caches, smalls, flops, args):
+def measure(name, fn, start, mask, caches, smalls, flops, args):
     """{compile_s, gpu_ms, wall_ms, tflops} of fn over every layer, or {"error": ...}."""
     rec = {}
     try:
         f = all_layers(fn)
         t0 = time.perf_counter()
-        out = jax.block_until_ready(f(start, caches, smalls))
+        out = jax.block_until_ready(f(start, mask, caches, smalls))
         rec["compile_s"] = round(time.perf_counter() - t0, 2)
-        rec["wall_ms"] = round(wall_ms(f, (start, caches, smalls), reps=args.reps, warmup=1), 4)
-        prof = None if args.smoke else gpu_profile(f, (start, caches, smalls), n=args.prof, top=4)
+        rec["wall_ms"] = round(wall_ms(f, (start, mask, caches, smalls), reps=args.reps, warmup=1), 4)
+        prof = None if args.smoke else gpu_profile(f, (start, mask, caches, smalls), n=args.prof, top=4)
         if prof is not None:
             rec["gpu_ms"] = round(prof["us"] / 1e3, 4)
             rec["launches"] = prof["launches"]
@@ -130,7 +131,7 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--prof", type=int, default=5, help="calls in the profiler trace")
     ap.add_argument("--mgpu-variants", default=",".join(MGPU_VARIANTS), help="comma list ('' for none)")
-    ap.add_argument("--budget-s", type=float, default=200.0, help="skip the rows not started by then")
+    ap.add_argument("--budget-s", type=float, default=180.0, help="skip the rows not started by then")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, CPU")
     args = ap.parse_args()
     H, Hkv, hd, dtype = 24, 4, 256, jnp.bfloat16
@@ -167,17 +168,18 @@ def main():
             caches = None
             caches = caches_for(jax.random.fold_in(key, ctx), layers, 1, Hkv, hd, S, dtype)
             cache_ctx = ctx
-        smalls = small_inputs(jax.random.fold_in(key, T), np.random.default_rng(T), layers, 1, T, H, Hkv, hd, dtype)
+        mask, smalls = small_inputs(jax.random.fold_in(key, T), np.random.default_rng(T), layers, 1, T, H, Hkv, hd,
+                                    dtype)
         start = jnp.int32(ctx)
         flops = layers * 4.0 * T * H * ctx * hd
         outs = {}
         for name, fn in kernels.items():
-            row[name], outs[name] = measure(name, fn, start, caches, smalls, flops, args)
+            row[name], outs[name] = measure(name, fn, start, mask, caches, smalls, flops, args)
         if ctx == small_ctx:
-            row["reference"], outs["reference"] = measure("reference", tri.tree_attention_reference, start, caches,
-                                                          smalls, flops, args)
-            (kc, vc), (q, kn, vn, m) = caches[0], smalls[0]
-            one = (q, kc, vc, start, kn, vn, m)
+            row["reference"], outs["reference"] = measure("reference", tri.tree_attention_reference, start, mask,
+                                                          caches, smalls, flops, args)
+            (kc, vc), (q, kn, vn) = caches[0], smalls[0]
+            one = (q, kc, vc, start, kn, vn, mask)
             ref = jax.jit(tri.tree_attention_reference)(*one)
             up = tuple(x.astype(jnp.float32) if x.dtype == dtype else x for x in one)
             ref32 = jax.jit(tri.tree_attention_reference)(*up)
@@ -202,9 +204,9 @@ def main():
                 caches = None
                 caches = caches_for(jax.random.fold_in(key, ctx), layers, 1, Hkv, hd, S, dtype)
                 cache_ctx = ctx
-            smalls = small_inputs(jax.random.fold_in(key, T), np.random.default_rng(T), layers, 1, T, H, Hkv, hd,
-                                  dtype)
-            rec[str(ctx)], _ = measure(vname, lambda *a, kw=kw: mg.tree_attention(*a, **kw), jnp.int32(ctx),
+            mask, smalls = small_inputs(jax.random.fold_in(key, T), np.random.default_rng(T), layers, 1, T, H, Hkv,
+                                        hd, dtype)
+            rec[str(ctx)], _ = measure(vname, lambda *a, kw=kw: mg.tree_attention(*a, **kw), jnp.int32(ctx), mask,
                                        caches, smalls, layers * 4.0 * T * H * ctx * hd, args)
             save_json(args.out, res)
     # summary: ms per LAYERS layers (gpu_ms, else wall_ms) by kernel, context and T
