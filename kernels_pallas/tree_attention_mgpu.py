@@ -88,7 +88,7 @@ def _unsupported(dtype, hd, kv_dtype) -> str | None:
 
 def plan(T: int, H: int, hkv: int, hd: int, S: int, N: int, *, block_k: int = 64, num_stages: int = 2,
          n_split: int | None = None, tail_split: int | None = None, B: int = 1, dtype=jnp.bfloat16,
-         target_ctas: int = 132) -> dict:
+         target_ctas: int = 132, causal: bool = False) -> dict:
     """Static configuration of a call: row blocks, padded rows, tree blocks / mask words, splits, SMEM bytes.
 
     A last row block whose second warpgroup holds only padding rows ("light": T = 65 at G = 6 leaves 390 - 384 =
@@ -99,7 +99,7 @@ def plan(T: int, H: int, hkv: int, hd: int, S: int, N: int, *, block_k: int = 64
     n_rb = -(-R // (_WGS * _BQ))
     bk = block_k
     nbt = -(-N // bk)
-    n_words = nbt * bk // 32
+    n_words = 0 if causal else nbt * bk // 32
     # default: as many splits as fit one wave of target_ctas CTAs (a second, partial wave would double the time)
     ns = int(n_split or max(1, min(target_ctas // (B * hkv * n_rb), max(1, S // bk))))
     light = n_rb > 1 and R - (n_rb - 1) * _WGS * _BQ <= _BQ
@@ -125,11 +125,18 @@ def _mask_words(mask, G: int, Rp: int, Np: int):
     return w.reshape(B, Rp // _BQ, _BQ, Np // 32).transpose(0, 1, 3, 2)
 
 
-def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, w_ref, o_ref, lse_ref,
-            q_smem, k_smem, v_smem, w_smem, lse_smem, q_bar, w_bar, k_bar, v_bar, k_used, v_used, sched, *,
-            hkv: int, S: int, R: int, bk: int, nst: int, ns: int, ns_tail: int, n_main_rb: int, BH: int,
-            nbt: int, scale: float, pingpong: bool,
-            interpret: bool):
+def _kernel(*refs, hkv: int, S: int, R: int, G: int, bk: int, nst: int, ns: int, ns_tail: int, n_main_rb: int,
+            BH: int, nbt: int, scale: float, pingpong: bool, causal: bool, interpret: bool):
+    """One CTA: rows [rb·128, rb·128 + 128) of kv head bh % Hkv (batch row bh // Hkv) over split s. causal: the
+    new rows are the queries' own tokens (query row t·G + i sees new rows j <= t: the prefill mode, no mask
+    words; only the new-row blocks up to the CTA's last token are visited)."""
+    if causal:
+        (start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, o_ref, lse_ref,
+         q_smem, k_smem, v_smem, lse_smem, q_bar, k_bar, v_bar, k_used, v_used, sched) = refs
+        w_ref = w_smem = w_bar = None
+    else:
+        (start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, w_ref, o_ref, lse_ref,
+         q_smem, k_smem, v_smem, w_smem, lse_smem, q_bar, w_bar, k_bar, v_bar, k_used, v_used, sched) = refs
     f32 = jnp.float32
     # 1-D grid: the main CTAs (row blocks fastest, so the row blocks of one (kv head, split) run side by side
     # and share its K/V tiles in L2), then the light last row block's CTAs (their own split count)
@@ -138,6 +145,8 @@ def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, w_ref, o_ref, lse_
     is_main = cta < n_main
     ct = cta - n_main
     rb = jnp.where(is_main, lax.rem(cta, jnp.int32(n_main_rb)), n_main_rb)
+    if causal:  # the late (heavy) row blocks first
+        rb = jnp.where(is_main, n_main_rb - 1 - rb, rb)
     bh = jnp.where(is_main, lax.rem(lax.div(cta, jnp.int32(n_main_rb)), jnp.int32(BH)), lax.rem(ct, jnp.int32(BH)))
     s = jnp.where(is_main, lax.div(cta, jnp.int32(n_main_rb * BH)), lax.div(ct, jnp.int32(BH)))
     nsc = jnp.where(is_main, jnp.int32(ns), jnp.int32(ns_tail))  # this CTA's split count
@@ -150,6 +159,9 @@ def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, w_ref, o_ref, lse_
     start = start_ref[b]
     nfp = lax.div(start, jnp.int32(bk))  # whole prefix blocks
     nbp = lax.div(start + (bk - 1), jnp.int32(bk))  # prefix blocks, the last one partial when start % bk
+    if causal:  # new-row blocks [0, t_hi // bk] for the CTA's last query token t_hi
+        t_hi = lax.div(jnp.minimum(R - 1, rb * (_WGS * _BQ) + _WGS * _BQ - 1), jnp.int32(G))
+        nbt = lax.div(t_hi, jnp.int32(bk)) + 1
     per = lax.div(nbp + nbt + nsc - 1, nsc)
     lo = s * per
     hi = jnp.minimum(lo + per, nbp)
@@ -197,9 +209,11 @@ def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, w_ref, o_ref, lse_
         plgpu.set_max_registers(232, action="increase")
         qs = q_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[bh, pl.ds(r0, _BQ)], qs, q_bar.at[wg])
-        plgpu.copy_gmem_to_smem(w_ref.at[b, rb * _WGS + wg], w_smem.at[wg], w_bar.at[wg])
+        if not causal:
+            plgpu.copy_gmem_to_smem(w_ref.at[b, rb * _WGS + wg], w_smem.at[wg], w_bar.at[wg])
         plgpu.barrier_wait(q_bar.at[wg])
-        plgpu.barrier_wait(w_bar.at[wg])
+        if not causal:
+            plgpu.barrier_wait(w_bar.at[wg])
         row_l = plgpu.Layout.WGMMA.reduce(1)
         m = plgpu.layout_cast(jnp.full((_BQ,), _NEG, f32), row_l)
         l = plgpu.layout_cast(jnp.full((_BQ,), 0.0, f32), row_l)
@@ -231,6 +245,10 @@ def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, w_ref, o_ref, lse_
                     word = wc if word is None else jnp.where(col >= 32 * c, wc, word)
                 bit = lax.shift_right_logical(word, lax.rem(col, jnp.int32(32))) & 1
                 qk = jnp.where(bit != 0, qk, -jnp.inf)
+            elif kind == "causal":  # new key j visible to query row r iff j <= r // G
+                key = (i - n_pre) * bk + col_iota()
+                row = plgpu.broadcasted_iota(jnp.int32, (_BQ, bk), 0, layout=plgpu.Layout.WGMMA)
+                qk = jnp.where(key <= lax.div(r0 + row, jnp.int32(G)), qk, -jnp.inf)
             m_new = jnp.maximum(m, qk.max(axis=1) * scale)
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(qk * scale - lax.broadcast_in_dim(m_new, qk.shape, [0]))
@@ -263,7 +281,12 @@ def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, w_ref, o_ref, lse_
         pl.when(wg == 1)(sched_sync)
         carry = loop(0, n_full, "full", (acc, m, l))
         carry = loop(n_full, n_pre, "part", carry)
-        acc, m, l = loop(n_pre, n_steps, "tree", carry)
+        if causal:  # new-row blocks wholly below this warpgroup's first token need no mask
+            n_vis = jnp.minimum(lax.div(lax.div(r0, jnp.int32(G)) + 1, jnp.int32(bk)), n_steps - n_pre)
+            carry = loop(n_pre, n_pre + n_vis, "full", carry)
+            acc, m, l = loop(n_pre + n_vis, n_steps, "causal", carry)
+        else:
+            acc, m, l = loop(n_pre, n_steps, "tree", carry)
         pl.when(wg == 0)(sched_sync)
 
         pos = l > 0
@@ -327,9 +350,20 @@ def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret:
     -> [B,T,H,hd] (q.dtype). Same as `tree_attention_reference`; bf16 / fp16 only (`check_supported`).
 
     block_k: keys per step (64; the SMEM ring holds num_stages K and V tiles [block_k, hd]); n_split: prefix
-    splits (default: about target_ctas CTAs in all); tail_split: the splits of a light last row block (`plan`); pingpong: the FA3 barrier that alternates the two compute
-    warpgroups between softmax and matmuls. interpret: run on the Mosaic GPU interpreter (CPU); True, or a
-    `plgpu.InterpretGPUParams` (e.g. detect_races=True)."""
+    splits (default: as many as fit one wave of target_ctas CTAs); tail_split: the splits of a light last row
+    block (`plan`); pingpong: the FA3 barrier that alternates the two compute warpgroups between softmax and
+    matmuls. interpret: run on the Mosaic GPU interpreter (CPU); True, or a `plgpu.InterpretGPUParams` (e.g.
+    detect_races=True)."""
+    return attention(q, k_cache, v_cache, start, k_new, v_new, mask, causal=False, interpret=interpret,
+                     block_k=block_k, num_stages=num_stages, n_split=n_split, tail_split=tail_split,
+                     pingpong=pingpong, target_ctas=target_ctas)
+
+
+def attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, causal: bool, interpret=False, block_k: int = 64,
+              num_stages: int = 2, n_split: int | None = None, tail_split: int | None = None, pingpong: bool = True,
+              target_ctas: int = 132):
+    """The kernel call behind `tree_attention` (mask [B, T, N]) and, with causal=True (mask None, N = T: query t
+    sees new rows j <= t), `prefill_attention_mgpu.prefill_attention`."""
     check_supported(q, k_cache, v_cache, k_new, v_new)
     B, T, H, hd = q.shape
     hkv, S = k_cache.shape[1], k_cache.shape[2]
@@ -340,8 +374,10 @@ def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret:
         raise ValueError(f"tree_attention_mgpu: block_k {block_k} must be 64 or 128")
     if num_stages < 1:
         raise ValueError(f"tree_attention_mgpu: num_stages {num_stages} must be >= 1")
+    if causal and N != T:
+        raise ValueError(f"tree_attention_mgpu: the causal mode takes T new rows (got {N} for {T} queries)")
     cfg = plan(T, H, hkv, hd, S, N, block_k=block_k, num_stages=num_stages, n_split=n_split,
-               tail_split=tail_split, B=B, dtype=q.dtype, target_ctas=target_ctas)
+               tail_split=tail_split, B=B, dtype=q.dtype, target_ctas=target_ctas, causal=causal)
     if cfg["smem"] > SMEM_LIMIT:
         raise ValueError(f"tree_attention_mgpu: block_k {block_k} x {num_stages} stages at head dim {hd} needs "
                          f"{cfg['smem']} bytes of shared memory (> {SMEM_LIMIT})")
@@ -354,28 +390,30 @@ def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret:
     qf = jnp.pad(qf, ((0, 0), (0, Rp - R), (0, 0)))
     kn = jnp.pad(k_new, ((0, 0), (0, Np - N), (0, 0), (0, 0)))
     vn = jnp.pad(v_new, ((0, 0), (0, Np - N), (0, 0), (0, 0)))
-    words = _mask_words(mask, G, Rp, Np)
     start_b = jnp.broadcast_to(jnp.asarray(start, jnp.int32).reshape(-1), (B,))
+    operands = [start_b, qf, k_cache, v_cache, kn, vn] + ([] if causal else [_mask_words(mask, G, Rp, Np)])
 
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     nst = num_stages
+    words = [] if causal else [plgpu.SMEM((_WGS, cfg["n_words"], _BQ), jnp.int32)]  # tree-mask words
     scratch = [
         plgpu.SMEM((_WGS, _BQ, hd), q.dtype, transforms=tiled),  # q, then the output
         plgpu.SMEM((nst, bk, hd), q.dtype, transforms=tiled),  # K ring
         plgpu.SMEM((nst, bk, hd), q.dtype, transforms=tiled),  # V ring
-        plgpu.SMEM((_WGS, cfg["n_words"], _BQ), jnp.int32),  # tree-mask words
+        *words,
         plgpu.SMEM((_WGS, _BQ), jnp.float32),  # lse staging
         plgpu.Barrier(num_barriers=_WGS),  # q loaded
-        plgpu.Barrier(num_barriers=_WGS),  # words loaded
+        *([] if causal else [plgpu.Barrier(num_barriers=_WGS)]),  # words loaded
         plgpu.Barrier(num_barriers=nst),  # K slot loaded
         plgpu.Barrier(num_barriers=nst),  # V slot loaded
         plgpu.Barrier(num_arrivals=_WGS, num_barriers=nst),  # K slot consumed
         plgpu.Barrier(num_arrivals=_WGS, num_barriers=nst),  # V slot consumed
         plgpu.Barrier(num_arrivals=_WGS),  # ping-pong schedule
     ]
-    body = functools.partial(_kernel, hkv=hkv, S=S, R=R, bk=bk, nst=nst, ns=cfg["n_split"], ns_tail=cfg["tail_split"],
-                             n_main_rb=cfg["n_main_rb"], BH=B * hkv, nbt=cfg["nbt"],
-                             scale=hd ** -0.5 * _LOG2E, pingpong=pingpong, interpret=bool(interpret))
+    body = functools.partial(_kernel, hkv=hkv, S=S, R=R, G=G, bk=bk, nst=nst, ns=cfg["n_split"],
+                             ns_tail=cfg["tail_split"], n_main_rb=cfg["n_main_rb"], BH=B * hkv, nbt=cfg["nbt"],
+                             scale=hd ** -0.5 * _LOG2E, pingpong=pingpong, causal=causal,
+                             interpret=bool(interpret))
     o_p, lse_p = plgpu.kernel(
         body,
         out_type=[jax.ShapeDtypeStruct((ns, B * hkv, Rp, hd), q.dtype),
@@ -388,7 +426,10 @@ def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret:
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams)
                    else plgpu.InterpretGPUParams() if interpret else None),
-    )(start_b, qf, k_cache, v_cache, kn, vn, words)
+    )(*operands)
+    if ns == 1:  # one split: the normalised partial is the output
+        o = o_p[0, :, :R]
+        return o.reshape(B, hkv, T, G, hd).transpose(0, 2, 1, 3, 4).reshape(B, T, H, hd)
     # split slots a row's CTAs never wrote (the light row block's, past its tail_split) are left out
     r_split = np.where(np.arange(Rp) >= cfg["n_main_rb"] * _WGS * _BQ, cfg["tail_split"], cfg["n_split"])
     written = jnp.asarray(np.arange(ns)[:, None] < r_split[None, :])[:, None, :]  # [ns, 1, Rp]
