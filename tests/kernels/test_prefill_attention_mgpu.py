@@ -26,7 +26,7 @@ def test_signature_matches_reference():
     # G = 2: 200 rows in 2 row blocks; row block 1's first warpgroup (tokens 64..95) sees new-row block 0
     # whole (unmasked), the rest masked; a partial prefix block at the end of the cache; 2 splits
     (1, 100, 2, 1, 130, 129, dict(n_split=2)),
-    (2, 40, 4, 2, 64, 0, {}),  # empty prefix, batch 2, a light row block (G = 2: 80 rows)
+    (2, 40, 4, 2, 64, 0, {}),  # empty prefix, batch 2, G = 2: 80 rows (the second warpgroup 16 of them)
 ])
 def test_prefill_matches_reference(B, T, H, Hkv, S, start, kw):
     q, kc, vc, st, kn, vn, _ = attention_inputs(jax.random.PRNGKey(T + S), None, B, T, H, Hkv, 64, S, start)
