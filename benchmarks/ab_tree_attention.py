@@ -14,7 +14,10 @@ every layer with its own K/V cache [1, 4, context + 128, 256] bf16 (so the cache
     keys only; the H200's dense bf16 peak is 989);
   * errors (at the smallest context, layer 0): max |out − ref| and ||out − ref|| / ||ref|| vs the bf16 jnp
     reference and vs the reference on fp32-upcast inputs.
-The jnp reference is timed at the smallest context only. The Mosaic GPU kernel's tuning variants
+The jnp reference is timed at the smallest context only. Prefill rows (--prefill T:start, --prefill-layers
+layers each with its own cache): the Triton `prefill_attention` vs the Mosaic GPU kernel's causal mode
+(`prefill_attention_mgpu`), gpu_ms per layer, TFLOP/s of the causal work (`prefill_flops`), and the max / relative
+difference between the two. The Mosaic GPU kernel's tuning variants
 (--mgpu-variants) run at T = 65 for every context after the main grid. A failing variant (compile or run
 error) is recorded as {"error": ...} and the run goes on; work past --budget-s is recorded as skipped. The
 T = 65 rows run first. The JSON is rewritten after every row.
@@ -38,6 +41,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from kernels_pallas import prefill_attention as ptri  # noqa: E402
+from kernels_pallas import prefill_attention_mgpu as pmg  # noqa: E402
 from kernels_pallas import tree_attention as tri  # noqa: E402
 from kernels_pallas import tree_attention_mgpu as mg  # noqa: E402
 from kernels_pallas._testing import random_tree_mask  # noqa: E402
@@ -132,6 +137,9 @@ def main():
     ap.add_argument("--prof", type=int, default=5, help="calls in the profiler trace")
     ap.add_argument("--mgpu-variants", default=",".join(MGPU_VARIANTS), help="comma list ('' for none)")
     ap.add_argument("--budget-s", type=float, default=180.0, help="skip the rows not started by then")
+    ap.add_argument("--prefill", default="4096:0,4096:122880",
+                    help="causal prefill rows T:start ('' for none), each --prefill-layers layers")
+    ap.add_argument("--prefill-layers", type=int, default=2)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, CPU")
     args = ap.parse_args()
     H, Hkv, hd, dtype = 24, 4, 256, jnp.bfloat16
@@ -143,6 +151,7 @@ def main():
         gpu_timing.QUICK = True
         H, Hkv, hd, layers, ikw = 4, 2, 64, 2, {"interpret": True}
         contexts, nodes = [100], [5]
+        args.prefill = "24:40" if args.prefill else ""
     t_end = time.perf_counter() + args.budget_s
     dev = jax.devices()[0]
     res = {"device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform, "jax": jax.__version__,
@@ -150,7 +159,7 @@ def main():
            "smoke": args.smoke, "layers": layers, "shapes": dict(H=H, Hkv=Hkv, hd=hd, dtype="bfloat16",
                                                                   cache="context + 128"),
            "method": __doc__.split("For each context")[1].split("The JSON")[0].strip(),
-           "rows": {}, "errors": {}, "mgpu_variants": {}}
+           "rows": {}, "errors": {}, "prefill": {}, "mgpu_variants": {}}
     log(json.dumps({k: v for k, v in res.items() if k not in ("method", "rows", "errors", "mgpu_variants")}))
     kernels = {"triton": lambda *a: tri.tree_attention(*a, **ikw), "mgpu": lambda *a: mg.tree_attention(*a, **ikw)}
     small_ctx = min(contexts)
@@ -187,6 +196,40 @@ def main():
                 n: errors(o[0], ref, ref32) for n, o in outs.items() if o is not None and n != "reference"}
             log(f"    errors {res['errors'][str(ctx)][str(T)]}")
         save_json(args.out, res)
+    # causal prefill: the Triton prefill kernel vs the Mosaic GPU kernel's causal mode (compute bound: a few
+    # layers, each with its own cache; ms are per layer)
+    pref = [tuple(int(x) for x in r.split(":")) for r in args.prefill.split(",") if r]
+    if pref:
+        caches, cache_ctx = None, None
+        lp = max(1, args.prefill_layers)
+        cap = max(st + t for t, st in pref) + 128
+        pcaches = caches_for(jax.random.fold_in(key, 7), lp, 1, Hkv, hd, cap, dtype)
+        pk = {"triton": lambda *a: ptri.prefill_attention(*a, **ikw),
+              "mgpu": lambda *a: pmg.prefill_attention(*a, **ikw)}
+        pargs = argparse.Namespace(**dict(vars(args), reps=min(args.reps, 3), prof=min(args.prof, 2)))
+        for T, st in pref:
+            row = res["prefill"].setdefault(f"T{T}_start{st}", {})
+            if time.perf_counter() > t_end:
+                row["skipped"] = "--budget-s spent"
+                continue
+            log(f"== prefill T = {T} at start {st} ({lp} layers, cache {cap})")
+            _, smalls = small_inputs(jax.random.fold_in(key, 100 + T), np.random.default_rng(T), lp, 1, T, H, Hkv,
+                                     hd, dtype)
+            flops = lp * ptri.prefill_flops(T, st, H, hd)
+            outs = {}
+            for name, fn in pk.items():
+                rec, out = measure(name, lambda q, kc, vc, s_, kn, vn, m, fn=fn: fn(q, kc, vc, s_, kn, vn),
+                                   jnp.int32(st), None, pcaches, smalls, flops, pargs)
+                for k in ("gpu_ms", "wall_ms"):
+                    if rec.get(k) is not None:
+                        rec[f"{k}_per_layer"] = round(rec[k] / lp, 4)
+                row[name], outs[name] = rec, out
+            if outs.get("triton") is not None and outs.get("mgpu") is not None:
+                a, b = np.asarray(outs["mgpu"][0], np.float32), np.asarray(outs["triton"][0], np.float32)
+                row["mgpu_vs_triton"] = {"max_abs": float(np.max(np.abs(a - b))),
+                                         "rel": float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))}
+            save_json(args.out, res)
+        pcaches = None
     vnames = [v for v in args.mgpu_variants.split(",") if v]
     if args.smoke:  # the interpreter takes seconds a call: one variant checks the loop
         vnames = vnames[-1:]
