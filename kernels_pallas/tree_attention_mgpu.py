@@ -2,36 +2,44 @@
 
 Same function as `kernels_pallas.attention_reference.tree_attention_reference` and
 `kernels_pallas.tree_attention.tree_attention` (Pallas-Triton): query t (all H heads) attends to the committed
-cache rows [0, start) and to the new rows j with mask[b, t, j]. bf16 / fp16 only (wgmma operands); fp32
-accumulation and softmax (base 2: logits × scale·log2 e, exp2).
+cache rows [0, start) and to the new rows j with mask[b, t, j]. bf16 / fp16 only (wgmma operands; `supports`,
+`check_supported`); fp32 accumulation and softmax (base 2: logits × scale·log2 e, exp2).
 
 Layout. GQA is folded into the rows: for kv head h the R = T·G query rows (node t, head h·G + i) are row
-r = t·G + i of a [B, Hkv, Rp, hd] copy of q (one transpose + pad in jnp, Rp a multiple of 128), so a CTA's two
-compute warpgroups (64 rows each, the wgmma M) share every K/V tile. The grid is (row blocks of 128, B·Hkv,
-n_split); a CTA has 3 warpgroups: 2 consumers (wgmma QKᵀ, online softmax in registers, wgmma PV, ping-pong
-scheduled through a barrier so that one group's softmax overlaps the other's matmuls) and 1 producer issuing
-the TMA loads of K/V tiles [block_k, hd] into a `num_stages` ring (barriers: loaded / consumed per slot).
+r = t·G + i of a [B·Hkv, Rp, hd] copy of q (one transpose + pad in jnp, Rp a multiple of 128), so a CTA's two
+compute warpgroups (64 rows each, the wgmma M) share every K/V tile. A CTA has 3 warpgroups: 2 consumers
+(wgmma QKᵀ, online softmax in registers, wgmma PV, ping-pong scheduled through a barrier so that one group's
+softmax overlaps the other's matmuls) and 1 producer issuing the TMA loads of K/V tiles [block_k, hd] into a
+`num_stages` ring (barriers: loaded / consumed per slot). A warpgroup whose 64 rows are all padding keeps the
+barrier protocol and computes nothing. The grid is 1-D: (row blocks fastest, B·Hkv, n_split) — the row blocks of
+one (kv head, split) run side by side and share its K/V tiles in L2 — then, with `tail_split`, a light last row
+block (one live warpgroup: T = 65 at G = 6 leaves 6 of 390 rows) on its own split count.
 
 Run-time length. `start` is read from GMEM in the kernel (a scalar or one per batch row): the prefix blocks
 [0, cdiv(start, bk)) followed by the cdiv(N, bk) tree blocks form one sequence of units and split s takes an
 equal share (as the Triton kernel), so the trip counts are run-time values: no loads or flops past `start`
 except the last, partial, prefix block (its keys >= start are masked; its TMA window is clamped inside the
-cache, so the capacity need only be >= block_k). The tree blocks (the new rows, padded to a multiple of bk)
-ride on the last split; their mask arrives as one 32-bit word per (query row, 32 new keys), loaded into SMEM
-once per CTA and expanded in registers (no per-step mask traffic).
+cache, so the capacity need only be >= block_k; rows [start, S) must hold finite values, as for the Triton
+kernel: a masked key's V row still enters the PV product with weight 0). The tree blocks (the new rows, padded
+to a multiple of bk) ride on the last split; their mask arrives as one 32-bit word per (query row, 32 new keys),
+loaded into SMEM once per CTA and expanded in registers (no per-step mask traffic).
+
+Causal mode (`attention(..., causal=True)`, behind `prefill_attention_mgpu`): the new rows are the queries' own
+tokens; a CTA visits the new-row blocks up to its last token only, masks from iotas only the blocks that reach
+past a warpgroup's first token, and the late (heavy) row blocks launch first.
 
 Each CTA writes its partial output (normalised, q's dtype) and log-sum-exp (base 2) for its rows and split;
-the jnp merge combines the splits and undoes the GQA fold.
+the jnp merge combines the splits (none with one split) and undoes the GQA fold.
 
 Interpret mode (CPU, `interpret=True`): the Mosaic GPU interpreter has no `pl.run_state`, so there the PV
-product is `acc + jnp.dot(p, v_tile)` on the SMEM tile instead of a wgmma into the running accumulator; every
-other line (TMA, barriers, QKᵀ wgmma, masks, splits) is the same code as on the GPU.
+product is `acc + jnp.dot(p, v_tile)` on the SMEM tile (fenced with `commit_smem` before the slot's release)
+instead of a wgmma into the running accumulator; every other line (TMA, barriers, QKᵀ wgmma, masks, splits) is
+the code that runs on the GPU.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
