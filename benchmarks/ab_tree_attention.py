@@ -4,9 +4,9 @@
     JAX_PLATFORMS=cpu python benchmarks/ab_tree_attention.py --smoke --out /tmp/ab.json   # interpret mode, tiny
 
 For each context (committed keys, default 4096,32768,131072) and tree size T (default 16,32,64,65,128; N = T new
-rows, one random tree with padding rows for every layer, as in a verify round), each kernel runs as LAYERS (16) layer-calls inside one jitted function,
-every layer with its own K/V cache [1, 4, context + 128, 256] bf16 (so the caches really stream from HBM) and
-`start` = context passed as a run-time int32:
+rows, one random tree with padding rows for every layer, as in a verify round), each kernel runs as LAYERS (16)
+layer-calls inside one jitted function, every layer with its own K/V cache [1, 4, context + 128, 256] bf16 (so the
+caches really stream from HBM) and `start` = context passed as a run-time int32:
   * gpu_ms: GPU time per call (all layers), the sum of the device kernels of a jax.profiler trace of `--prof`
     calls (kernels + the jnp prep / merge XLA ops; no launch gaps) — the figure to compare;
   * wall_ms: median wall time of `--reps` calls (block_until_ready; includes launch gaps);

@@ -3,7 +3,6 @@ the jnp reference on the Mosaic GPU interpreter (CPU), and its CUDA lowering for
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from kernels_pallas import prefill_attention_mgpu as pm
