@@ -60,6 +60,7 @@ MGPU_VARIANTS = {
     "ns4": dict(n_split=4),
     "no_pingpong": dict(pingpong=False),
     "s1": dict(num_stages=1),
+    "bk128_s1": dict(block_k=128, num_stages=1),  # QKᵀ at n = 128 (less SMEM traffic per flop), K/V not ringed
 }
 
 
