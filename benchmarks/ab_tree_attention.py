@@ -18,9 +18,10 @@ The jnp reference is timed at the smallest context only. Prefill rows (--prefill
 layers each with its own cache): the Triton `prefill_attention` vs the Mosaic GPU kernel's causal mode
 (`prefill_attention_mgpu`), gpu_ms per layer, TFLOP/s of the causal work (`prefill_flops`), and the max / relative
 difference between the two. The Mosaic GPU kernel's tuning variants
-(--mgpu-variants) run at T = 65 for every context after the main grid. A failing variant (compile or run
-error) is recorded as {"error": ...} and the run goes on; work past --budget-s is recorded as skipped. The
-T = 65 rows run first. The JSON is rewritten after every row.
+(--mgpu-variants) run at T = 65 for every context. A failing variant (compile or run
+error) is recorded as {"error": ...} and the run goes on; work past --budget-s is listed in "skipped". The
+order: T = 65 at every context, the variants at the longest context, the other tree sizes, prefill, the
+variants at the other contexts. The JSON is rewritten after every row.
 """
 
 from __future__ import annotations
@@ -164,20 +165,19 @@ def main():
     log(json.dumps({k: v for k, v in res.items() if k not in ("method", "rows", "errors", "mgpu_variants")}))
     kernels = {"triton": lambda *a: tri.tree_attention(*a, **ikw), "mgpu": lambda *a: mg.tree_attention(*a, **ikw)}
     small_ctx = min(contexts)
-    order = sorted(((c, t) for c in contexts for t in nodes), key=lambda ct: (ct[1] != 65, ct[0], ct[1]))
     key = jax.random.PRNGKey(0)
-    cache_ctx, caches = None, None
-    for ctx, T in order:
+    held = {}  # the caches of one context at a time
+
+    def caches_at(ctx):
+        if held.get("ctx") != ctx:
+            held.clear()
+            held.update(ctx=ctx, caches=caches_for(jax.random.fold_in(key, ctx), layers, 1, Hkv, hd, ctx + 128, dtype))
+        return held["caches"]
+
+    def tree_row(ctx, T):
         row = res["rows"].setdefault(str(ctx), {}).setdefault(str(T), {})
-        if time.perf_counter() > t_end:
-            row["skipped"] = "--budget-s spent"
-            continue
-        S = ctx + 128
-        log(f"== context {ctx}, T = {T} ({layers} layers, cache {S})")
-        if cache_ctx != ctx:
-            caches = None
-            caches = caches_for(jax.random.fold_in(key, ctx), layers, 1, Hkv, hd, S, dtype)
-            cache_ctx = ctx
+        log(f"== context {ctx}, T = {T} ({layers} layers, cache {ctx + 128})")
+        caches = caches_at(ctx)
         mask, smalls = small_inputs(jax.random.fold_in(key, T), np.random.default_rng(T), layers, 1, T, H, Hkv, hd,
                                     dtype)
         start = jnp.int32(ctx)
@@ -196,63 +196,71 @@ def main():
             res["errors"].setdefault(str(ctx), {})[str(T)] = {
                 n: errors(o[0], ref, ref32) for n, o in outs.items() if o is not None and n != "reference"}
             log(f"    errors {res['errors'][str(ctx)][str(T)]}")
-        save_json(args.out, res)
+
+    def variant_row(vname, ctx):
+        kw = dict(MGPU_VARIANTS[vname], **ikw)
+        T = 65 if not args.smoke else nodes[0]
+        rec = res["mgpu_variants"].setdefault(vname, {"kwargs": MGPU_VARIANTS[vname]})
+        log(f"== mgpu variant {vname} {kw}, context {ctx}, T = {T}")
+        caches = caches_at(ctx)
+        mask, smalls = small_inputs(jax.random.fold_in(key, T), np.random.default_rng(T), layers, 1, T, H, Hkv, hd,
+                                    dtype)
+        rec[str(ctx)], _ = measure(vname, lambda *a, kw=kw: mg.tree_attention(*a, **kw), jnp.int32(ctx), mask,
+                                   caches, smalls, layers * 4.0 * T * H * ctx * hd, args)
+
     # causal prefill: the Triton prefill kernel vs the Mosaic GPU kernel's causal mode (compute bound: a few
     # layers, each with its own cache; ms are per layer)
     pref = [tuple(int(x) for x in r.split(":")) for r in args.prefill.split(",") if r]
-    if pref:
-        caches, cache_ctx = None, None
-        lp = max(1, args.prefill_layers)
-        cap = max(st + t for t, st in pref) + 128
-        pcaches = caches_for(jax.random.fold_in(key, 7), lp, 1, Hkv, hd, cap, dtype)
-        pk = {"triton": lambda *a: ptri.prefill_attention(*a, **ikw),
-              "mgpu": lambda *a: pmg.prefill_attention(*a, **ikw)}
-        pargs = argparse.Namespace(**dict(vars(args), reps=min(args.reps, 3), prof=min(args.prof, 2)))
-        for T, st in pref:
-            row = res["prefill"].setdefault(f"T{T}_start{st}", {})
-            if time.perf_counter() > t_end:
-                row["skipped"] = "--budget-s spent"
-                continue
-            log(f"== prefill T = {T} at start {st} ({lp} layers, cache {cap})")
-            _, smalls = small_inputs(jax.random.fold_in(key, 100 + T), np.random.default_rng(T), lp, 1, T, H, Hkv,
-                                     hd, dtype)
-            flops = lp * ptri.prefill_flops(T, st, H, hd)
-            outs = {}
-            for name, fn in pk.items():
-                rec, out = measure(name, lambda q, kc, vc, s_, kn, vn, m, fn=fn: fn(q, kc, vc, s_, kn, vn),
-                                   jnp.int32(st), None, pcaches, smalls, flops, pargs)
-                for k in ("gpu_ms", "wall_ms"):
-                    if rec.get(k) is not None:
-                        rec[f"{k}_per_layer"] = round(rec[k] / lp, 4)
-                row[name], outs[name] = rec, out
-            if outs.get("triton") is not None and outs.get("mgpu") is not None:
-                a, b = np.asarray(outs["mgpu"][0], np.float32), np.asarray(outs["triton"][0], np.float32)
-                row["mgpu_vs_triton"] = {"max_abs": float(np.max(np.abs(a - b))),
-                                         "rel": float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))}
-            save_json(args.out, res)
-        pcaches = None
+    lp = max(1, args.prefill_layers)
+    pk = {"triton": lambda *a: ptri.prefill_attention(*a, **ikw), "mgpu": lambda *a: pmg.prefill_attention(*a, **ikw)}
+    pargs = argparse.Namespace(**dict(vars(args), reps=min(args.reps, 3), prof=min(args.prof, 2)))
+
+    def prefill_row(T, st):
+        row = res["prefill"].setdefault(f"T{T}_start{st}", {})
+        cap = max(s_ + t_ for t_, s_ in pref) + 128
+        log(f"== prefill T = {T} at start {st} ({lp} layers, cache {cap})")
+        if held.get("ctx") != ("prefill", cap):
+            held.clear()
+            held.update(ctx=("prefill", cap), caches=caches_for(jax.random.fold_in(key, 7), lp, 1, Hkv, hd, cap, dtype))
+        _, smalls = small_inputs(jax.random.fold_in(key, 100 + T), np.random.default_rng(T), lp, 1, T, H, Hkv, hd,
+                                 dtype)
+        flops = lp * ptri.prefill_flops(T, st, H, hd)
+        outs = {}
+        for name, fn in pk.items():
+            rec, out = measure(name, lambda q, kc, vc, s_, kn, vn, m, fn=fn: fn(q, kc, vc, s_, kn, vn),
+                               jnp.int32(st), None, held["caches"], smalls, flops, pargs)
+            for k in ("gpu_ms", "wall_ms"):
+                if rec.get(k) is not None:
+                    rec[f"{k}_per_layer"] = round(rec[k] / lp, 4)
+            row[name], outs[name] = rec, out
+        if outs.get("triton") is not None and outs.get("mgpu") is not None:
+            x, y = np.asarray(outs["mgpu"][0], np.float32), np.asarray(outs["triton"][0], np.float32)
+            row["mgpu_vs_triton"] = {"max_abs": float(np.max(np.abs(x - y))),
+                                     "rel": float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30))}
+
     vnames = [v for v in args.mgpu_variants.split(",") if v]
     if args.smoke:  # the interpreter takes seconds a call: one variant checks the loop
         vnames = vnames[-1:]
-    for vname in vnames:
-        kw = dict(MGPU_VARIANTS[vname], **ikw)
-        for ctx in contexts:
-            T = 65 if not args.smoke else nodes[0]
-            rec = res["mgpu_variants"].setdefault(vname, {"kwargs": MGPU_VARIANTS[vname]})
-            if time.perf_counter() > t_end:
-                rec[str(ctx)] = {"skipped": "--budget-s spent"}
-                continue
-            S = ctx + 128
-            log(f"== mgpu variant {vname} {kw}, context {ctx}, T = {T}")
-            if cache_ctx != ctx:
-                caches = None
-                caches = caches_for(jax.random.fold_in(key, ctx), layers, 1, Hkv, hd, S, dtype)
-                cache_ctx = ctx
-            mask, smalls = small_inputs(jax.random.fold_in(key, T), np.random.default_rng(T), layers, 1, T, H, Hkv,
-                                        hd, dtype)
-            rec[str(ctx)], _ = measure(vname, lambda *a, kw=kw: mg.tree_attention(*a, **kw), jnp.int32(ctx), mask,
-                                       caches, smalls, layers * 4.0 * T * H * ctx * hd, args)
-            save_json(args.out, res)
+    # most important first: T = 65 at every context, the variants at the longest context, the other tree sizes,
+    # prefill, the variants at the other contexts
+    by_ctx = sorted(contexts, reverse=True)
+    tasks = ([(f"rows.{c}.65", tree_row, (c, 65)) for c in by_ctx if 65 in nodes]
+             + [(f"mgpu_variants.{v}.{by_ctx[0]}", variant_row, (v, by_ctx[0])) for v in vnames]
+             + [(f"rows.{c}.{t}", tree_row, (c, t)) for c in by_ctx for t in nodes if t != 65]
+             + [(f"prefill.T{t}_start{st}", prefill_row, (t, st)) for t, st in pref]
+             + [(f"mgpu_variants.{v}.{c}", variant_row, (v, c)) for c in by_ctx[1:] for v in vnames])
+    res["skipped"] = []
+    for name, fn, targs in tasks:
+        if time.perf_counter() > t_end:
+            res["skipped"].append(name)
+            continue
+        try:
+            fn(*targs)
+        except Exception as e:  # inputs or the reference failing: record, go on
+            res.setdefault("task_errors", {})[name] = f"{type(e).__name__}: {str(e)[:1500]}"
+            log(f"  task {name} FAILED {e}")
+        save_json(args.out, res)
+    held.clear()
     # summary: ms per LAYERS layers (gpu_ms, else wall_ms) by kernel, context and T
     summ = {}
     for ctx, by_t in res["rows"].items():
