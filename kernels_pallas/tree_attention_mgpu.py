@@ -187,11 +187,12 @@ def _kernel(*refs, hkv: int, S: int, R: int, G: int, bk: int, nst: int, ns: int,
             plgpu.barrier_wait(sched)
 
     def sync_steps(i, carry, compute):
-        """Step i of a compute warpgroup: the barrier protocol around `compute` (None: a warpgroup whose rows
-        are all padding keeps the protocol, computes nothing)."""
+        """Step i of a compute warpgroup: the barrier protocol around `compute` (which waits for step i + 1's K
+        tile itself, while its PV product runs; None: a warpgroup whose rows are all padding keeps the protocol,
+        computes nothing)."""
         slot = lax.rem(i, jnp.int32(nst))
-        plgpu.barrier_wait(k_bar.at[slot])
         if compute is None:
+            plgpu.barrier_wait(k_bar.at[slot])
             sched_sync()
             plgpu.barrier_arrive(k_used.at[slot])
             if pingpong:
@@ -270,13 +271,21 @@ def _kernel(*refs, hkv: int, S: int, R: int, G: int, bk: int, nst: int, ns: int,
                 plgpu.barrier_wait(sched)
             l = l + p.sum(axis=1)
             vs = v_smem.at[slot]
+
+            def wait_next_k():
+                @pl.when(i + 1 < n_steps)
+                def _():
+                    plgpu.barrier_wait(k_bar.at[lax.rem(i + 1, jnp.int32(nst))])
+
             if interpret:  # no pl.run_state in the Mosaic GPU interpreter: a generic-proxy read of V,
                 # fenced before the slot's release (the TMA refilling it writes through the async proxy)
                 acc = acc + jnp.dot(p16, vs[...], preferred_element_type=f32)
                 plgpu.commit_smem()
+                wait_next_k()
             else:
                 def pv(acc_ref):
                     plgpu.wgmma(acc_ref, p16, vs)
+                    wait_next_k()  # while the PV wgmma runs
 
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))
             plgpu.barrier_arrive(v_used.at[slot])
@@ -286,6 +295,7 @@ def _kernel(*refs, hkv: int, S: int, R: int, G: int, bk: int, nst: int, ns: int,
             body = lambda i, c: sync_steps(i, c, functools.partial(compute, kind=kind))
             return lax.fori_loop(lo_, hi_, body, carry)
 
+        pl.when(n_steps > 0)(lambda: plgpu.barrier_wait(k_bar.at[0]))
         pl.when(wg == 1)(sched_sync)
         carry = loop(0, n_full, "full", (acc, m, l))
         carry = loop(n_full, n_pre, "part", carry)
