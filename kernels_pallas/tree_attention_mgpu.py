@@ -125,7 +125,7 @@ def _mask_words(mask, G: int, Rp: int, Np: int):
     """mask [B, T, N] bool -> [B, Rp / 64, Np / 32, 64] int32: bit c of word w of query row r (= t·G + i) is
     mask[b, t, 32 w + c] (0 on padding rows / keys); rows grouped by compute warpgroup (64)."""
     B, T, N = mask.shape
-    m = jnp.pad(mask, ((0, 0), (0, 0), (0, Np - N)))
+    m = jnp.pad(mask != 0, ((0, 0), (0, 0), (0, Np - N)))
     m = jnp.repeat(m, G, axis=1)  # [B, T·G, Np]
     m = jnp.pad(m, ((0, 0), (0, Rp - T * G), (0, 0)))
     bits = m.reshape(B, Rp, Np // 32, 32).astype(jnp.uint32) << jnp.arange(32, dtype=jnp.uint32)
