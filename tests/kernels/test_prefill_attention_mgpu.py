@@ -1,0 +1,41 @@
+"""Mosaic GPU causal prefill attention (kernels_pallas.prefill_attention_mgpu: the tree kernel's causal mode) vs
+the jnp reference on the Mosaic GPU interpreter (CPU), and its CUDA lowering for an abstract H200 (27B shapes)."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from kernels_pallas import prefill_attention_mgpu as pm
+from kernels_pallas._common import lower_for_h200
+from kernels_pallas._testing import assert_kernel_signature, attention_inputs, check_attention
+
+
+@pytest.fixture(autouse=True)
+def _reset_interpreter():
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    gpu_callbacks.reset_gpu_interpret_mode_state()
+    yield
+
+
+def test_signature_matches_reference():
+    assert_kernel_signature(pm.prefill_attention, pm.prefill_attention_reference)
+
+
+@pytest.mark.parametrize("B,T,H,Hkv,S,start,kw", [
+    # G = 2: 200 rows in 2 row blocks; row block 1's first warpgroup (tokens 64..95) sees new-row block 0
+    # whole (unmasked), the rest masked; a partial prefix block at the end of the cache; 2 splits
+    (1, 100, 2, 1, 130, 129, dict(n_split=2)),
+    (2, 40, 4, 2, 64, 0, {}),  # empty prefix, batch 2, G = 2: 80 rows (the second warpgroup 16 of them)
+])
+def test_prefill_matches_reference(B, T, H, Hkv, S, start, kw):
+    q, kc, vc, st, kn, vn, _ = attention_inputs(jax.random.PRNGKey(T + S), None, B, T, H, Hkv, 64, S, start)
+    args = (q, kc, vc, st, kn, vn)
+    check_attention(pm.prefill_attention(*args, interpret=True, **kw), pm.prefill_attention_reference, args)
+
+
+@pytest.mark.parametrize("T,S", [(1024, 131072 + 4096), (4096, 131072 + 4096), (2048, 32768)])
+def test_lowers_for_h200_at_27b_shapes(T, S):
+    Sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    structs = [Sd((1, T, 24, 256), bf), Sd((1, 4, S, 256), bf), Sd((1, 4, S, 256), bf), Sd((), jnp.int32),
+               Sd((1, T, 4, 256), bf), Sd((1, T, 4, 256), bf)]
+    assert "mosaic_gpu" in lower_for_h200(pm.prefill_attention, *structs)
