@@ -253,7 +253,7 @@ def stream_rate(d_model: int, cols: int, target_kernels: str, log, smoke=False) 
     Ws = [jax.random.normal(jax.random.key(10 + i), (d_model, cols), jnp.bfloat16) for i in range(4)]
     x = jax.random.normal(jax.random.key(2), (1, d_model), jnp.bfloat16)
     fns = {"xla": jax.jit(lambda x, Ws: [x @ W for W in Ws])}
-    if target_kernels == "pallas":
+    if ops.is_pallas(target_kernels):
         fns["pallas"] = jax.jit(lambda x, Ws: [dense_kernel.dense(x, W) for W in Ws])
     out = {}
     for name, fn in fns.items():
@@ -364,8 +364,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sections", default="bandwidth,ar,prefill,verify,parts,round,host,e2e",
                     help="comma list of: bandwidth, ar, prefill, verify, parts, round, host, e2e (default: all)")
-    ap.add_argument("--kernels", default=None, choices=["xla", "pallas"],
-                    help="kernel path (default: pallas on a GPU, else xla); keys of a non-default path get a suffix")
+    ap.add_argument("--kernels", default=None, choices=["xla", *ops.VARIANTS],
+                    help="kernel path (default: pallas on a GPU, else xla; a variant of pallas: ops.VARIANTS, e.g. "
+                         "pallas:mgpu_attention); keys of a non-default path get a suffix")
     ap.add_argument("--context", type=int, default=4096, help="committed context length for decode/verify")
     ap.add_argument("--verify-nodes", default="16,32,64,128,256", help="N (non-root) for the verify sweep")
     ap.add_argument("--budgets", default="16,64,256", help="DDTree budgets for the round timings")
@@ -422,7 +423,7 @@ def main(argv=None):
     default_kernels = "pallas" if dev.platform == "gpu" else "xla"
     args.kernels = args.kernels or default_kernels
     key = "" if args.kernels == default_kernels else f"_{args.kernels}"
-    res["kernels"] = f"{default_kernels} (default here); keys ending in _xla/_pallas: the other path"
+    res["kernels"] = f"{default_kernels} (default here); keys ending in _xla/_pallas[:variant]: another path"
     res.update({"device": dev.device_kind, "date": datetime.date.today().isoformat(), "jax": jax.__version__})
 
     def save():

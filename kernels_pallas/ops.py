@@ -18,10 +18,13 @@ KERNELS = ("xla", "pallas")
 
 
 class Fusions(NamedTuple):
-    """The decode-step fusions of the Pallas path (AR step, bf16, kernels_pallas/dense.py's GEMV)."""
+    """What a Pallas-path variant runs: the decode-step fusions (AR step, bf16, kernels_pallas/dense.py's GEMV) and
+    the tree / prefill attention kernel."""
     parts: bool = True  # the gate in the GEMV's prologue, the residual in its epilogue; the attention layer's q/k
     #                     norm + RoPE + gate + KV-cache write as one kernel (`attention_decode_prep`)
     partials: bool = True  # the GEMV's split-K partials unsummed into the GDN / attention decode kernels
+    attention: str = "triton"  # tree / prefill attention: "triton" (tree_attention.py, prefill_attention.py) or
+    #                            "mgpu" (the Mosaic GPU candidates, *_mgpu.py, where they support the inputs)
 
 
 # kernels="pallas" and its benchmark-only variants with decode-step fusions off (A/B timing: benchmarks/
@@ -29,8 +32,11 @@ class Fusions(NamedTuple):
 # the H200 (AR step, 27B, 4K, 2026-11-30: 17.68 ms default, 17.97 no_partials, 18.14 unfused; BENCHMARKS.md
 # session 4, run B). Removed (git history), lost too: the RMSNorm in the GEMV prologue and the MLP as two GEMVs
 # with the SwiGLU in the down GEMV's prologue (20.63 ms with the MLP chain): both delay the weight stream.
+# "pallas:mgpu_attention": the Mosaic GPU tree / prefill attention (issue 27) in place of the Triton kernels, for the
+# H200 A/B of whole rounds and prefills (benchmarks/bench.py --kernels); not measured yet.
 VARIANTS = {"pallas": Fusions(), "pallas:no_partials": Fusions(partials=False),
-            "pallas:unfused": Fusions(parts=False, partials=False)}
+            "pallas:unfused": Fusions(parts=False, partials=False),
+            "pallas:mgpu_attention": Fusions(attention="mgpu")}
 
 
 def _fusions(kernels: str) -> Fusions | None:
@@ -47,6 +53,11 @@ def _check(kernels: str) -> str:
     return "xla" if _fusions(kernels) is None else "pallas"
 
 
+def is_pallas(kernels: str) -> bool:
+    """`kernels` names the Pallas path ("pallas" or one of its benchmark VARIANTS)."""
+    return _check(kernels) == "pallas"
+
+
 def _pallas_or(reference, kernel):
     """kernel() (the Pallas call), or reference() where no tile configuration of the kernel fits the GPU's shared
     memory for these shapes / dtypes (`_common.SharedMemoryError`, raised while tracing, before any work): one
@@ -59,11 +70,23 @@ def _pallas_or(reference, kernel):
         return reference()
 
 
+def _mgpu_attention(kernels: str, q, k_cache, k_new) -> bool:
+    """The Mosaic GPU attention for these inputs: the variant asks for it and the kernel takes them."""
+    f = _fusions(kernels)
+    if f is None or f.attention != "mgpu":
+        return False
+    from kernels_pallas import tree_attention_mgpu
+    return tree_attention_mgpu.supports(q, k_cache) and k_new.dtype == q.dtype
+
+
 def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, kernels="xla"):
     """q [B,T,H,hd] attends to cache rows [0, start) and to new rows j with mask[b,i,j] -> [B,T,H,hd]."""
     if _check(kernels) == "pallas":
         from kernels_pallas import tree_attention as ta
         from kernels_pallas.attention_reference import tree_attention_reference
+        if _mgpu_attention(kernels, q, k_cache, k_new):
+            from kernels_pallas import tree_attention_mgpu
+            return tree_attention_mgpu.tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask)
         return _pallas_or(lambda: tree_attention_reference(q, k_cache, v_cache, start, k_new, v_new, mask),
                           lambda: ta.tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask))
     from kernels_pallas.attention_reference import tree_attention_reference
@@ -75,6 +98,9 @@ def prefill_attention(q, k_cache, v_cache, start, k_new, v_new, kernels="xla"):
     to new rows j <= t -> [B,T,H,hd] (= tree_attention with the causal mask; no mask is built or read)."""
     if _check(kernels) == "pallas":
         from kernels_pallas import prefill_attention as pa
+        if _mgpu_attention(kernels, q, k_cache, k_new):
+            from kernels_pallas import prefill_attention_mgpu
+            return prefill_attention_mgpu.prefill_attention(q, k_cache, v_cache, start, k_new, v_new)
         return _pallas_or(lambda: pa.prefill_attention_reference(q, k_cache, v_cache, start, k_new, v_new),
                           lambda: pa.prefill_attention(q, k_cache, v_cache, start, k_new, v_new))
     from kernels_pallas.prefill_attention import prefill_attention_reference

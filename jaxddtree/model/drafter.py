@@ -154,7 +154,7 @@ def _layer(lp: DrafterLayer, cfg: DrafterConfig, window: int | None, h: Array, c
     v_cache = jax.lax.dynamic_update_slice(v_cache, v_c.transpose(0, 2, 1, 3).astype(v_cache.dtype), at)
 
     end = length + num_ctx  # committed rows after this call's context
-    if window is None and kernels == "pallas":  # rows [0, end) ++ the block (all of it visible), one kernel
+    if window is None and ops.is_pallas(kernels):  # rows [0, end) ++ the block (all of it visible), one kernel
         o = ops.tree_attention(q, k_cache, v_cache, end, k_b, v_b, jnp.ones((B, Bs, Bs), bool), kernels)
     else:
         o = _block_attention(q, k_cache, v_cache, k_b, v_b, end, blk_pos, window)

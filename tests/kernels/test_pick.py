@@ -16,6 +16,7 @@ TABLE = {
     ("bf16", "pallas"): "XXX XPP XXX XXX XXX XXX",
     ("bf16", "pallas:no_partials"): "XXX XFF XXX XXX XXX XXX",
     ("bf16", "pallas:unfused"): "XXX XUU XXX XXX XXX XXX",
+    ("bf16", "pallas:mgpu_attention"): "XXX XPP XXX XXX XXX XXX",  # another attention kernel, the same projections
     ("bf16", "xla"): "XXX XXX XXX XXX XXX XXX",
     ("fp32", "pallas"): "XXX XXX XXX XXX XXX XXX",
     ("fp32", "pallas:unfused"): "XXX XXX XXX XXX XXX XXX",
@@ -39,7 +40,8 @@ def _row(fmt: str, kernels: str) -> str:
 def test_table():
     got = {key: _row(*key) for key in TABLE}
     assert got == TABLE
-    assert set(ops.VARIANTS) == {"pallas", "pallas:no_partials", "pallas:unfused"}  # a new variant: add its rows
+    assert set(ops.VARIANTS) == {"pallas", "pallas:no_partials", "pallas:unfused",
+                                 "pallas:mgpu_attention"}  # a new variant: add its rows
 
 
 def test_gemv_thresholds_are_the_only_override():

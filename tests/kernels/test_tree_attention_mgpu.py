@@ -121,3 +121,27 @@ def test_lowering_catches_shared_memory_overflow(monkeypatch):
     monkeypatch.setattr(tm, "SMEM_LIMIT", 1 << 30)
     with pytest.raises(ValueError, match="exceeds available shared memory"):
         lower_for_h200(functools.partial(tm.tree_attention, num_stages=3), *_structs(65, 8192))
+
+
+def test_dispatch_variant(monkeypatch):
+    """ops: the benchmark variant "pallas:mgpu_attention" routes bf16 tree / prefill attention to the Mosaic GPU
+    kernels and everything they do not take (fp32) to the Triton ones; "pallas" never reaches them."""
+    from kernels_pallas import ops, prefill_attention as pa, prefill_attention_mgpu as pm, tree_attention as ta
+    calls = []
+
+    def rec(name):
+        return lambda *a, **k: calls.append(name) or jnp.zeros_like(a[0])
+    for mod, name in ((tm, "mgpu"), (ta, "triton")):
+        monkeypatch.setattr(mod, "tree_attention", rec(name))
+    monkeypatch.setattr(pm, "prefill_attention", rec("mgpu_prefill"))
+    monkeypatch.setattr(pa, "prefill_attention", rec("triton_prefill"))
+    for dt in (jnp.bfloat16, jnp.float32):
+        q = jnp.ones((1, 3, 4, 64), dt)
+        kc = jnp.ones((1, 2, 16, 64), dt)
+        kn = jnp.ones((1, 3, 2, 64), dt)
+        mask = jnp.ones((1, 3, 3), bool)
+        for kernels in ("pallas:mgpu_attention", "pallas"):
+            ops.tree_attention(q, kc, kc, jnp.int32(4), kn, kn, mask, kernels)
+            ops.prefill_attention(q, kc, kc, jnp.int32(4), kn, kn, kernels)
+    assert calls == ["mgpu", "mgpu_prefill", "triton", "triton_prefill"] + ["triton", "triton_prefill"] * 2
+    assert ops.is_pallas("pallas:mgpu_attention") and not ops.is_pallas("xla")
