@@ -9,6 +9,9 @@ jax profiler disables command buffers: read the gaps with care, time unprofiled.
     python benchmarks/profile_gpu.py --out prof.json [--kernels xla|pallas] [--context 4096]
         [--merge-into benchmarks/results/h200.json]   # adds decode/verify/round_kernels_per_step
     python benchmarks/profile_gpu.py --smoke --parts round --out /tmp/prof.json   # CPU check of the script
+    python benchmarks/profile_gpu.py --parts round,slots --slots 4 --budget 63 --out prof.json
+        # the pool's batched round of 4 slots (speculative/batch.py slots_fn, greedy plan, the bucket's per-slot
+        # budget) next to generate's round: which part grows with the slots
     python benchmarks/profile_gpu.py --parts decode --decode-fusions both --out ab.json
         # A/B of the decode-step fusions (kernels "pallas" vs the variant "pallas:unfused", ops.VARIANTS) in one
         # process: unprofiled step times, both profiles ("decode" fused, "decode_unfused") and the logits of one
@@ -135,7 +138,10 @@ def main():
     ap.add_argument("--nodes", type=int, default=65, help="tree nodes of the verify pass")
     ap.add_argument("--budget", type=int, default=64, help="DDTree budget of the profiled round")
     ap.add_argument("--context", type=int, default=4096, help="committed context length")
-    ap.add_argument("--parts", default="decode,verify,round", help="comma list of: decode, verify, round")
+    ap.add_argument("--parts", default="decode,verify,round", help="comma list of: decode, verify, round, slots")
+    ap.add_argument("--slots", type=int, default=4, help="slots of the batched round (--parts slots)")
+    ap.add_argument("--slot-rows", type=int, default=128, help="the pool's verify rows (per-slot budget: "
+                    "batch.bucket_budget)")
     ap.add_argument("--tp", type=int, default=1, help="tensor parallelism over the first N GPUs (profiles GPU 0; "
                     "NCCL kernels are the 'collective' category)")
     ap.add_argument("--merge-into", default=None,
@@ -225,7 +231,26 @@ def main():
         steps["round"] = lambda: rounds.call().n_out
         per_call["round"] = R
 
-    res = {"context": L, "kernels": args.kernels, "tp": args.tp, "weights": args.weights, "allreduce": args.allreduce, "nodes": args.nodes, "budget": args.budget,
+    if "slots" in parts:  # the pool's batched round: vmap of loop's per-slot round over B slots (greedy plan)
+        import dataclasses
+        from bench import loop_state
+        from jaxddtree.speculative import batch as batch_lib
+        B = args.slots
+        sb = batch_lib.bucket_budget(B, args.slot_rows)
+        splan = dataclasses.replace(batch_lib.batch_plan(target, dcfg, "ddtree", sb), sampling=False, truncate=False)
+        one = loop_state(target, drafter, splan, L, 40 * R * dcfg.block_size)
+        holder = [jax.tree.map(lambda x: jnp.stack([x] * B), one).replace(budget=jnp.full((B,), sb, jnp.int32))]
+        del one
+        sfn = batch_lib.slots_fn(target, dcfg, splan, B, R)
+        soracle = jnp.zeros((B, 1), jnp.int32)
+
+        def slots_round():
+            holder[0], prog = sfn(target.leaves, drafter.params, holder[0], soracle)
+            return prog.n_out
+        steps["slots"] = slots_round
+        per_call["slots"] = R
+
+    res = {"context": L, "kernels": args.kernels, "slot_count": args.slots if "slots" in parts else None, "tp": args.tp, "weights": args.weights, "allreduce": args.allreduce, "nodes": args.nodes, "budget": args.budget,
            "device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"),
            "decode_fusions": args.decode_fusions}
     if "decode_unfused" in steps:  # A/B, unprofiled: step times (alternating blocks) and one step's logits
