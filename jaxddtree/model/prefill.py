@@ -51,9 +51,10 @@ def chunk_size(n_tokens: int, chunk: int | None = None) -> int:
     return next((w for w in SHORT_WIDTHS if n_tokens <= w), PREFILL_CHUNK)
 
 
-def prompt_shape(n_tokens: int, chunk: int | None = None) -> tuple[int, int]:
-    """(chunk width, chunks) of a prompt's prefill (`chunk_size`): prompts of one shape can prefill together."""
-    w = chunk_size(n_tokens, chunk)
+def prompt_shape(n_tokens: int) -> tuple[int, int]:
+    """(chunk width, chunks) of a prompt's default prefill (`chunk_size`): prompts of one shape can prefill
+    together."""
+    w = chunk_size(n_tokens)
     return w, -(-n_tokens // w)
 
 

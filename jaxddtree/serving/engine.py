@@ -28,8 +28,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import itertools
 import queue
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -412,9 +412,13 @@ class Engine:
             runs.append(r)
         k = max([1] + [g for g in sizes if g <= len(runs)])
         if k > 1:
-            pool.group([r.pending for r in runs[:k]])
-            for r in runs[:k]:
-                r.mates = runs[:k]
+            try:
+                pool.group([r.pending for r in runs[:k]])
+            except ValueError as e:  # not expected (one shape, a size the pool takes): then one by one
+                print(f"jaxddtree.serving: {e}; these requests prefill one by one", file=sys.stderr, flush=True)
+            else:
+                for r in runs[:k]:
+                    r.mates = runs[:k]
         return runs
 
     def _advance(self, pool, joining: list[_Run], runs: dict) -> list[_Run]:

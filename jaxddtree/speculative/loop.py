@@ -32,7 +32,7 @@ from jaxddtree.model import layout as layout_lib
 from jaxddtree.model import sharding
 from jaxddtree.speculative import budget as budget_lib
 from jaxddtree.speculative import tree as tree_lib
-from jaxddtree.model.prefill import check_ids, check_vocab, chunk_size, padded_chunks, prompt_shape, round_up
+from jaxddtree.model.prefill import check_ids, check_vocab, chunk_size, padded_chunks, round_up
 from jaxddtree.model.cache import ModelCache, init_cache
 from jaxddtree.model.drafter import check_compatible, draft_logits, init_draft_cache
 from jaxddtree.model.target import Target
@@ -371,7 +371,7 @@ class Prefill:
                             jnp.float32(min_p), costs)
         self._cache = self._dcache = self._logits = self._blank = None
         self._S = S
-        self.shape = prompt_shape(len(ids), chunk)  # prompts of one shape can prefill together (PrefillGroup)
+        self.shape = (chunk, -(-len(ids) // chunk))  # (chunk width, chunks): one shape can prefill together
         self._group = None  # the PrefillGroup that runs this prompt's chunks, if any
         self.state = None
 
