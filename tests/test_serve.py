@@ -731,6 +731,24 @@ def test_scheduler_errors_fail_only_their_request(fake, monkeypatch):
     assert _stream_completion(client, "import io\n", 30)[0] == want
 
 
+def test_scheduler_join_failure_fails_only_that_request(fake, monkeypatch):
+    """A failure while a job joins (here the pool's group sizes) is that request's 500, and the server goes on."""
+    base, engine, client = fake
+    pool = engine.pool
+    real, calls = pool.group_sizes, []
+
+    def group_sizes(n):
+        if not calls:
+            calls.append(1)
+            raise RuntimeError("no sizes today")
+        return real(n)
+    monkeypatch.setattr(pool, "group_sizes", group_sizes)
+    r = httpx.post(base + "/v1/completions", json={"model": "demo", "prompt": "import io\n", "max_tokens": 8},
+                   timeout=60)
+    assert r.status_code == 500 and "no sizes today" in r.json()["error"]["message"]
+    assert _stream_completion(client, "import io\n", 8)[1] == "length"
+
+
 def test_scheduler_step_failure_fails_the_running_requests(fake, monkeypatch):
     """A round that fails fails the requests running in it (500 / an error event), not the server: the next
     requests complete."""

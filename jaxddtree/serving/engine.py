@@ -338,7 +338,12 @@ class Engine:
                     closing = True
                 elif job is not _NOTHING:
                     pool = self.pool  # (read again: the wait may have been long)
-                    joining = self._join(pool, job)
+                    try:
+                        joining = self._join(pool, job)
+                    except Exception as e:  # fails the request (a 500 / an error event), never the scheduler
+                        self.counts["failed"] += 1
+                        job.push("error", f"generation failed: {type(e).__name__}: {e}")
+                        joining = []
             if closing and not runs and not joining:
                 return
             # 2. prefill passes of the joining job(s) (up to prefill_tokens rows; all when no slot decodes), admits
