@@ -258,7 +258,7 @@ def stream_rate(d_model: int, cols: int, target_kernels: str, log, smoke=False) 
     out = {}
     for name, fn in fns.items():
         ms = median_ms(lambda: fn(x, Ws), n=5 if smoke else 30)
-        out[name] = round(sum(W.size for W in Ws) * 2 / (ms * 1e-3) / 1e12, 3)
+        out[name] = float(f"{sum(W.size for W in Ws) * 2 / (ms * 1e-3) / 1e12:.4g}")  # (not 0.0 on a slow CPU)
         log(f"GEMV [1,{d_model}] x [{d_model},{cols}] ({name}): {out[name]} TB/s")
     del Ws
     return out
