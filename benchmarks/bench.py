@@ -230,20 +230,21 @@ def random_tree(n_nodes: int, depth: int, seed: int):
     return np.asarray(parents, np.int32)
 
 
-def make_decode(target, kernels: str):
-    """A plain jitted greedy decode step (leaves, cache, tok [1, 1]) -> (next tok, cache), cache donated: only
-    for benchmarks/ab_decode_fusions.py (kernels: a variant of "pallas", ops.VARIANTS); the AR figures of this script
-    are `loop.loop_fn` rounds, as generate runs them."""
-    gd, td, K = target.graphdef, target.treedef, target.config.linear_conv_kernel_dim
-
-    @functools.partial(jax.jit, donate_argnames=("cache",))
+def decode_step(gd, td, K: int, kernels: str):
+    """The greedy AR decode step (leaves, cache, tok [1, 1]) -> (next tok, cache) with these kernels (pure)."""
     def decode(leaves, cache, tok):
         model = nnx.merge(gd, jax.tree.unflatten(td, leaves))
         lay = layout_lib.sequence(cache.length, 1, K, kernels=kernels)
         logits, cache, _, _ = model(tok, cache, lay, logits="all")
         return jnp.argmax(logits[:, -1], -1).astype(jnp.int32)[:, None], cache
-
     return decode
+
+
+def make_decode(target, kernels: str):
+    """`decode_step` jitted, cache donated: only for benchmarks/ab_decode_fusions.py (kernels: a variant of
+    "pallas", ops.VARIANTS); the AR figures of this script are `loop.loop_fn` rounds, as generate runs them."""
+    step = decode_step(target.graphdef, target.treedef, target.config.linear_conv_kernel_dim, kernels)
+    return jax.jit(step, donate_argnames=("cache",))
 
 
 def stream_rate(d_model: int, cols: int, target_kernels: str, log, smoke=False) -> dict:

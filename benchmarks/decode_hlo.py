@@ -44,7 +44,7 @@ from jaxddtree.model.cache import init_cache
 from jaxddtree.model.config import text_config_from_dict
 from jaxddtree.model.qwen35 import Qwen35
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import QWEN36_27B, SMOKE_TARGET  # noqa: E402
+from bench import QWEN36_27B, SMOKE_TARGET, decode_step  # noqa: E402
 
 FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "reshape", "after-all"}
 
@@ -80,16 +80,6 @@ def entry_ops(hlo: str) -> collections.Counter:
             op = f"fusion:{k.group(1) if k else '?'}"
         c[op] += 1
     return c
-
-
-def decode_step(gd, td, K: int, kernels: str):
-    """The greedy AR decode step (leaves, cache, tok [1, 1]) -> (next tok, cache) with these kernels."""
-    def decode(leaves, cache, tok):
-        m = nnx.merge(gd, jax.tree.unflatten(td, leaves))
-        lay = layout_lib.sequence(cache.length, 1, K, kernels=kernels)
-        logits, cache, _, _ = m(tok, cache, lay, logits="all")
-        return jnp.argmax(logits[:, -1], -1).astype(jnp.int32)[:, None], cache
-    return decode
 
 
 def count(layer_types: tuple, fused: bool, context: int = 256, show: bool = False) -> collections.Counter:
