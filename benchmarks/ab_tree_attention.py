@@ -143,6 +143,8 @@ def main():
     ap.add_argument("--prefill", default="4096:0,4096:122880",
                     help="causal prefill rows T:start ('' for none), each --prefill-layers layers")
     ap.add_argument("--prefill-layers", type=int, default=2)
+    ap.add_argument("--batched", type=int, default=4,
+                    help="slots of the vmapped check (the pool's batched round: one start per slot; 0: none)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, CPU")
     args = ap.parse_args()
     H, Hkv, hd, dtype = 24, 4, 256, jnp.bfloat16
@@ -240,13 +242,37 @@ def main():
             row["mgpu_vs_triton"] = {"max_abs": float(np.max(np.abs(x - y))),
                                      "rel": float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30))}
 
+    def batched_row(V):
+        """Errors only: jax.vmap of the Mosaic GPU kernel over V slots (its slot axis folded into the batch axis,
+        one start per slot: 0, mid-block, block-aligned, full cache), T = 32, one layer, vs each slot's reference."""
+        T, S = (nodes[0], 100) if args.smoke else (32, small_ctx + 128)
+        starts = [0, S // 3 + 5, (S // 2) // 64 * 64, S][:V] + [S - 1] * max(0, V - 4)
+        kc, vc = caches_for(jax.random.fold_in(key, 99), 1, V, Hkv, hd, S, dtype)[0]
+        kc, vc = kc[:, None], vc[:, None]  # [V, 1, Hkv, S, hd]
+        mask, smalls = small_inputs(jax.random.fold_in(key, 98), np.random.default_rng(98), V, 1, T, H, Hkv, hd,
+                                    dtype)
+        q, kn, vn = (jnp.stack([sm[i] for sm in smalls]) for i in range(3))
+        st = jnp.asarray(starts, jnp.int32)
+        out = jax.jit(jax.vmap(lambda *a: mg.tree_attention(*a, **ikw), in_axes=(0, 0, 0, 0, 0, 0, None)))(
+            q, kc, vc, st, kn, vn, mask)
+        rec = res.setdefault("batched", {"slots": V, "T": T, "cache": S, "starts": starts, "errors": []})
+        ref = jax.jit(tri.tree_attention_reference)
+        for v in range(V):
+            one = (q[v], kc[v], vc[v], st[v], kn[v], vn[v], mask)
+            up = tuple(x.astype(jnp.float32) if x.dtype == dtype else x for x in one)
+            rec["errors"].append(errors(out[v], ref(*one), ref(*up)))
+        worst = max(e["rel_vs_fp32_ref"] for e in rec["errors"])
+        rec["ok"] = bool(worst < 0.02 and all(e["finite"] for e in rec["errors"]))
+        log(f"== batched: {V} slots, starts {starts}: worst rel error vs fp32 {worst:.3g} ok={rec['ok']}")
+
     vnames = [v for v in args.mgpu_variants.split(",") if v]
     if args.smoke:  # the interpreter takes seconds a call: one variant checks the loop
         vnames = vnames[-1:]
     # most important first: T = 65 at every context, the variants at the longest context, the other tree sizes,
     # prefill, the variants at the other contexts
     by_ctx = sorted(contexts, reverse=True)
-    tasks = ([(f"rows.{c}.65", tree_row, (c, 65)) for c in by_ctx if 65 in nodes]
+    tasks = ([(f"batched.{args.batched}", batched_row, (args.batched,))] if args.batched else []) + (
+             [(f"rows.{c}.65", tree_row, (c, 65)) for c in by_ctx if 65 in nodes]
              + [(f"mgpu_variants.{v}.{by_ctx[0]}", variant_row, (v, by_ctx[0])) for v in vnames]
              + [(f"rows.{c}.{t}", tree_row, (c, t)) for c in by_ctx for t in nodes if t != 65]
              + [(f"prefill.T{t}_start{st}", prefill_row, (t, st)) for t, st in pref]

@@ -23,8 +23,10 @@ class Fusions(NamedTuple):
     parts: bool = True  # the gate in the GEMV's prologue, the residual in its epilogue; the attention layer's q/k
     #                     norm + RoPE + gate + KV-cache write as one kernel (`attention_decode_prep`)
     partials: bool = True  # the GEMV's split-K partials unsummed into the GDN / attention decode kernels
-    attention: str = "triton"  # tree / prefill attention: "triton" (tree_attention.py, prefill_attention.py) or
-    #                            "mgpu" (the Mosaic GPU candidates, *_mgpu.py, where they support the inputs)
+    attention: str = "mgpu"  # tree attention: "mgpu" (tree_attention_mgpu.py, where it takes the inputs: bf16 /
+    #                          fp16, head dim a multiple of 64) or "triton" (tree_attention.py, also the fallback)
+    prefill: str = "triton"  # causal prefill attention: "triton" (prefill_attention.py) or "mgpu"
+    #                          (prefill_attention_mgpu.py, where it takes the inputs)
 
 
 # kernels="pallas" and its benchmark-only variants with decode-step fusions off (A/B timing: benchmarks/
@@ -32,11 +34,14 @@ class Fusions(NamedTuple):
 # the H200 (AR step, 27B, 4K, 2026-11-30: 17.68 ms default, 17.97 no_partials, 18.14 unfused; BENCHMARKS.md
 # session 4, run B). Removed (git history), lost too: the RMSNorm in the GEMV prologue and the MLP as two GEMVs
 # with the SwiGLU in the down GEMV's prologue (20.63 ms with the MLP chain): both delay the weight stream.
-# "pallas:mgpu_attention": the Mosaic GPU tree / prefill attention (issue 27) in place of the Triton kernels, for the
-# H200 A/B of whole rounds and prefills (benchmarks/bench.py --kernels); not measured yet.
+# Tree attention: the Mosaic GPU kernel won on the H200 at every tree size >= 32 and context (2026-12-01,
+# benchmarks/ab_tree_attention.py, 16 layers, T = 65: 4K 0.46 vs 0.63 ms, 32K 1.86 vs 3.41, 128K 7.17 vs 12.64;
+# it lost only T = 16 at 4K, 0.40 vs 0.35), so it is the default where it takes the inputs and the Triton kernel
+# runs the rest (fp32). "pallas:mgpu_prefill": the Mosaic GPU causal prefill attention in place of the Triton one,
+# for the H200 A/B of whole prefills (benchmarks/bench.py --kernels); not measured yet.
 VARIANTS = {"pallas": Fusions(), "pallas:no_partials": Fusions(partials=False),
             "pallas:unfused": Fusions(parts=False, partials=False),
-            "pallas:mgpu_attention": Fusions(attention="mgpu")}
+            "pallas:mgpu_prefill": Fusions(prefill="mgpu")}
 
 
 def _fusions(kernels: str) -> Fusions | None:
@@ -70,10 +75,22 @@ def _pallas_or(reference, kernel):
         return reference()
 
 
-def _mgpu_attention(kernels: str, q, k_cache, k_new) -> bool:
-    """The Mosaic GPU attention for these inputs: the variant asks for it and the kernel takes them."""
+def _hopper() -> bool:
+    """The computation is for a Hopper GPU (wgmma, TMA): the first device's compute capability 9.x, or an abstract
+    H100 / H200 being lowered for (`_common.abstract_h200`). Elsewhere (a CPU: interpret mode; other GPUs) the
+    Triton kernels run."""
+    dev = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if dev is not None:
+        return dev.platform == "gpu" and any(h in dev.device_kind for h in ("H100", "H200", "H800"))
+    d = jax.devices()[0]
+    return d.platform == "gpu" and str(getattr(d, "compute_capability", "")).startswith("9")
+
+
+def _mgpu_attention(kernels: str, q, k_cache, k_new, causal: bool) -> bool:
+    """The Mosaic GPU tree (causal: prefill) attention for these inputs: `kernels` asks for it and the kernel
+    takes them."""
     f = _fusions(kernels)
-    if f is None or f.attention != "mgpu":
+    if f is None or (f.prefill if causal else f.attention) != "mgpu" or not _hopper():
         return False
     from kernels_pallas import tree_attention_mgpu
     return tree_attention_mgpu.supports(q, k_cache) and k_new.dtype == q.dtype
@@ -84,7 +101,7 @@ def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, kernels="xla"
     if _check(kernels) == "pallas":
         from kernels_pallas import tree_attention as ta
         from kernels_pallas.attention_reference import tree_attention_reference
-        if _mgpu_attention(kernels, q, k_cache, k_new):
+        if _mgpu_attention(kernels, q, k_cache, k_new, causal=False):
             from kernels_pallas import tree_attention_mgpu
             return tree_attention_mgpu.tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask)
         return _pallas_or(lambda: tree_attention_reference(q, k_cache, v_cache, start, k_new, v_new, mask),
@@ -98,7 +115,7 @@ def prefill_attention(q, k_cache, v_cache, start, k_new, v_new, kernels="xla"):
     to new rows j <= t -> [B,T,H,hd] (= tree_attention with the causal mask; no mask is built or read)."""
     if _check(kernels) == "pallas":
         from kernels_pallas import prefill_attention as pa
-        if _mgpu_attention(kernels, q, k_cache, k_new):
+        if _mgpu_attention(kernels, q, k_cache, k_new, causal=True):
             from kernels_pallas import prefill_attention_mgpu
             return prefill_attention_mgpu.prefill_attention(q, k_cache, v_cache, start, k_new, v_new)
         return _pallas_or(lambda: pa.prefill_attention_reference(q, k_cache, v_cache, start, k_new, v_new),

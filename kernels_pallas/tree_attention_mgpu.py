@@ -377,11 +377,47 @@ def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret:
                      pingpong=pingpong, target_ctas=target_ctas)
 
 
-def attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, causal: bool, interpret=False, block_k: int = 64,
-              num_stages: int = 2, n_split: int | None = None, tail_split: int | None = None, pingpong: bool = True,
-              target_ctas: int = 132):
+def attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, causal: bool, **kw):
     """The kernel call behind `tree_attention` (mask [B, T, N]) and, with causal=True (mask None, N = T: query t
-    sees new rows j <= t), `prefill_attention_mgpu.prefill_attention`."""
+    sees new rows j <= t), `prefill_attention_mgpu.prefill_attention`. Under `jax.vmap` (the pool's batched
+    round, grouped prefill) each vmapped axis is folded into the batch axis B — one launch over V·B batch rows,
+    each with its own start — by `_fold_vmap`."""
+    call = functools.partial(_attention, causal=causal, **kw)
+    if causal:
+        return _fold_vmap(lambda q, kc, vc, st, kn, vn: call(q, kc, vc, st, kn, vn, None))(
+            q, k_cache, v_cache, start, k_new, v_new)
+    return _fold_vmap(call)(q, k_cache, v_cache, start, k_new, v_new, mask)
+
+
+def _fold_vmap(call):
+    """call(q, k_cache, v_cache, start, k_new, v_new[, mask]) -> [B, T, H, hd], made vmappable by folding the
+    vmapped axis V into the batch axis (operands [V, B, ...] -> [V·B, ...]; unbatched ones broadcast; start ->
+    one per folded row) instead of leaving it to the Mosaic GPU kernel's own batching rule."""
+    f = jax.custom_batching.custom_vmap(call)
+
+    @f.def_vmap
+    def _rule(axis_size, in_batched, q, k_cache, v_cache, start, *rest):
+        V = axis_size
+        B = q.shape[1] if in_batched[0] else q.shape[0]
+
+        def fold(x, batched):
+            x = x if batched else jnp.broadcast_to(x, (V,) + x.shape)
+            return x.reshape((V * B,) + x.shape[2:])
+
+        s = jnp.asarray(start, jnp.int32)
+        s = jnp.broadcast_to(s.reshape((V, -1) if in_batched[3] else (1, -1)), (V, B)).reshape(V * B)
+        arrays = (q, k_cache, v_cache) + tuple(rest)
+        flags = tuple(in_batched[:3]) + tuple(in_batched[4:])
+        folded = [fold(x, b) for x, b in zip(arrays, flags)]
+        out = f(*folded[:3], s, *folded[3:])
+        return out.reshape((V, B) + out.shape[1:]), True
+
+    return f
+
+
+def _attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, causal: bool, interpret=False, block_k: int = 64,
+               num_stages: int = 2, n_split: int | None = None, tail_split: int | None = None, pingpong: bool = True,
+               target_ctas: int = 132):
     check_supported(q, k_cache, v_cache, k_new, v_new)
     B, T, H, hd = q.shape
     hkv, S = k_cache.shape[1], k_cache.shape[2]

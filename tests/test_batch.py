@@ -279,12 +279,13 @@ def test_pallas_batched_round_interpret(pair, ar_ref, monkeypatch):
     assert {"tree_attention", "gdn_masked_block", "prefill_attention", "gdn_chunked"} <= set(calls)
 
 
-@pytest.mark.parametrize("method,B", [("ddtree", 2), ("ar", 4)])
-def test_batched_round_lowers_for_h200(method, B, monkeypatch):
+@pytest.mark.parametrize("method,B,head_dim", [("ddtree", 2, 32), ("ddtree", 2, 64), ("ar", 4, 32)])
+def test_batched_round_lowers_for_h200(method, B, head_dim, monkeypatch):
     """The batched round with kernels="pallas" (bf16, bench.py's smoke shapes) traces and lowers for an abstract
     H200: the Pallas kernels' batching (attention / GDN: a slot grid axis; projections: folded rows) lowers. The
     GEMV's domain widened to these shapes, so that the AR step's per-slot projections take the split-K partials
-    path (`ops.decode_row` into the fused GDN / attention decode kernels) and fold onto a GEMV of B rows."""
+    path (`ops.decode_row` into the fused GDN / attention decode kernels) and fold onto a GEMV of B rows. At head
+    dim 64 the verify's tree attention is the Mosaic GPU kernel, its slot axis folded into its batch axis."""
     import dataclasses
     import functools
     from kernels_pallas import ops
@@ -295,7 +296,7 @@ def test_batched_round_lowers_for_h200(method, B, monkeypatch):
     from jaxddtree.model.target import random_target
     from kernels_pallas._common import lower_for_h200
     raw, dfl = dict(bench.QWEN36_27B), dict(bench.DFLASH_27B)
-    raw.update(bench.SMOKE_TARGET)
+    raw.update(bench.SMOKE_TARGET, head_dim=head_dim)
     dfl.update(bench.SMOKE_DFLASH)
     target = random_target(text_config_from_dict(raw, where="smoke"), "bfloat16")
     dcfg = DrafterConfig(**dfl) if method != "ar" else None
@@ -311,6 +312,7 @@ def test_batched_round_lowers_for_h200(method, B, monkeypatch):
     txt = lower_for_h200(f, pallas.leaves, drafter.params if dcfg else None, bst, jax.ShapeDtypeStruct((B, 1),
                                                                                                        jnp.int32))
     assert "triton" in txt
+    assert ("custom_call @mosaic_gpu" in txt) == (head_dim == 64)
 
 
 def _compiled(target):

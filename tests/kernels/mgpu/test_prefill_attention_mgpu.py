@@ -39,3 +39,16 @@ def test_lowers_for_h200_at_27b_shapes(T, S):
     structs = [Sd((1, T, 24, 256), bf), Sd((1, 4, S, 256), bf), Sd((1, 4, S, 256), bf), Sd((), jnp.int32),
                Sd((1, T, 4, 256), bf), Sd((1, T, 4, 256), bf)]
     assert "mosaic_gpu" in lower_for_h200(pm.prefill_attention, *structs)
+
+
+def test_vmap_folds_into_the_batch_axis():
+    """Grouped prefill (jax.vmap over the joining prompts' caches, one start each): one launch over the folded
+    rows, each prompt's output its reference's."""
+    V, T, H, Hkv, S = 2, 40, 4, 2, 64
+    ins = [attention_inputs(jax.random.PRNGKey(v), None, 1, T, H, Hkv, 64, S, 0) for v in range(V)]
+    q, kc, vc, _, kn, vn = (jnp.stack([x[i] for x in ins]) for i in (0, 1, 2, 3, 4, 5))
+    starts = jnp.array([0, 24], jnp.int32)
+    out = jax.vmap(lambda *a: pm.prefill_attention(*a, interpret=True))(q, kc, vc, starts, kn, vn)
+    for v in range(V):
+        args = (q[v], kc[v], vc[v], starts[v], kn[v], vn[v])
+        check_attention(out[v], pm.prefill_attention_reference, args)

@@ -123,11 +123,15 @@ def test_lowering_catches_shared_memory_overflow(monkeypatch):
         lower_for_h200(functools.partial(tm.tree_attention, num_stages=3), *_structs(65, 8192))
 
 
-def test_dispatch_variant(monkeypatch):
-    """ops: the benchmark variant "pallas:mgpu_attention" routes bf16 tree / prefill attention to the Mosaic GPU
-    kernels and everything they do not take (fp32) to the Triton ones; "pallas" never reaches them."""
+@pytest.mark.parametrize("hopper", [True, False])
+def test_dispatch(monkeypatch, hopper):
+    """ops on a Hopper GPU: "pallas" routes bf16 tree attention to the Mosaic GPU kernel and its prefill attention
+    to the Triton one; the benchmark variant "pallas:mgpu_prefill" routes bf16 prefill attention to the Mosaic GPU
+    kernel too; what the Mosaic GPU kernels do not take (fp32) runs on the Triton ones. Elsewhere (a CPU: interpret
+    mode; other GPUs) everything runs on the Triton kernels."""
     from kernels_pallas import ops, prefill_attention as pa, prefill_attention_mgpu as pm, tree_attention as ta
     calls = []
+    monkeypatch.setattr(ops, "_hopper", lambda: hopper)
 
     def rec(name):
         return lambda *a, **k: calls.append(name) or jnp.zeros_like(a[0])
@@ -140,8 +144,62 @@ def test_dispatch_variant(monkeypatch):
         kc = jnp.ones((1, 2, 16, 64), dt)
         kn = jnp.ones((1, 3, 2, 64), dt)
         mask = jnp.ones((1, 3, 3), bool)
-        for kernels in ("pallas:mgpu_attention", "pallas"):
+        for kernels in ("pallas:mgpu_prefill", "pallas"):
             ops.tree_attention(q, kc, kc, jnp.int32(4), kn, kn, mask, kernels)
             ops.prefill_attention(q, kc, kc, jnp.int32(4), kn, kn, kernels)
-    assert calls == ["mgpu", "mgpu_prefill", "triton", "triton_prefill"] + ["triton", "triton_prefill"] * 2
-    assert ops.is_pallas("pallas:mgpu_attention") and not ops.is_pallas("xla")
+    bf16 = ["mgpu", "mgpu_prefill", "mgpu", "triton_prefill"] if hopper else ["triton", "triton_prefill"] * 2
+    assert calls == bf16 + ["triton", "triton_prefill"] * 2
+    assert ops.is_pallas("pallas:mgpu_prefill") and not ops.is_pallas("xla")
+
+
+def test_hopper_is_the_lowering_target():
+    from kernels_pallas import ops
+    from kernels_pallas._common import abstract_h200
+    assert not ops._hopper()  # this CPU
+    with abstract_h200():
+        assert ops._hopper()
+
+
+def test_vmap_folds_into_the_batch_axis(monkeypatch):
+    """Under jax.vmap (the pool's batched round: a start per slot, caches batched, the new rows' mask shared) the
+    kernel runs once over the V·B folded batch rows, nested vmaps included, and each slot's output is its
+    reference's."""
+    V, B, T, H, Hkv, hd, S = 3, 2, 5, 4, 2, 64, 96
+    ks = jax.random.split(jax.random.PRNGKey(5), 5)
+    bf = jnp.bfloat16
+    q = jax.random.normal(ks[0], (V, B, T, H, hd), bf)
+    kc, vc = (jax.random.normal(k, (V, B, Hkv, S, hd), bf) for k in ks[1:3])
+    kn, vn = (jax.random.normal(k, (B, T, Hkv, hd), bf) for k in ks[3:5])
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+    starts = jnp.array([[7, 90], [0, 64], [65, 33]], jnp.int32)  # [V, B]
+    calls = []
+    real = tm._attention
+    monkeypatch.setattr(tm, "_attention", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    axes = (0, 0, 0, 0, None, None, None)
+    out = jax.vmap(functools.partial(tm.tree_attention, interpret=True), in_axes=axes)(q, kc, vc, starts, kn, vn,
+                                                                                        mask)
+    assert calls[-1] == (V * B, T, H, hd)  # (custom_vmap also traces the unbatched call for its output type)
+    for v in range(V):
+        for b in range(B):
+            one = (q[v, b:b + 1], kc[v, b:b + 1], vc[v, b:b + 1], starts[v, b], kn[b:b + 1], vn[b:b + 1],
+                   mask[b:b + 1])
+            check_attention(out[v, b:b + 1], tm.tree_attention_reference, one)
+    # nested: vmap over slots of a vmap over V, one scalar start per inner call
+    calls.clear()
+    inner = jax.vmap(functools.partial(tm.tree_attention, interpret=True), in_axes=(0, 0, 0, 0, None, None, None))
+    out2 = jax.vmap(inner, in_axes=(1, 1, 1, 1, None, None, None), out_axes=1)(
+        q[:, :, None], kc[:, :, None], vc[:, :, None], starts, kn[:1], vn[:1], mask[:1])
+    assert calls[-1] == (V * B, T, H, hd)
+    one = (q[2, 1:2], kc[2, 1:2], vc[2, 1:2], starts[2, 1], kn[:1], vn[:1], mask[:1])
+    check_attention(out2[2, 1], tm.tree_attention_reference, one)
+
+
+def test_lowers_for_h200_under_vmap():
+    """The pool's 4-slot round at 27B shapes: one Mosaic GPU call over the 4 folded batch rows."""
+    Sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    V, T, S = 4, 32, 8192 + 64
+    structs = [Sd((V,) + s.shape, s.dtype) for s in _structs(T, S)]
+    structs[3] = Sd((V,), jnp.int32)
+    txt = lower_for_h200(jax.vmap(tm.tree_attention), *structs)
+    assert txt.count("custom_call @mosaic_gpu") == 1
+    assert f"tensor<{V * 4}x" in txt  # the folded [V·B·Hkv, rows, hd] query operand
