@@ -366,7 +366,7 @@ def main(argv=None):
                     help="comma list of: bandwidth, ar, prefill, verify, parts, round, host, e2e (default: all)")
     ap.add_argument("--kernels", default=None, choices=["xla", *ops.VARIANTS],
                     help="kernel path (default: pallas on a GPU, else xla; a variant of pallas: ops.VARIANTS, e.g. "
-                         "pallas:mgpu_prefill); keys of a non-default path get a suffix")
+                         "pallas:unfused); keys of a non-default path get a suffix")
     ap.add_argument("--context", type=int, default=4096, help="committed context length for decode/verify")
     ap.add_argument("--verify-nodes", default="16,32,64,128,256", help="N (non-root) for the verify sweep")
     ap.add_argument("--budgets", default="16,64,256", help="DDTree budgets for the round timings")

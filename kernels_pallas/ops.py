@@ -18,15 +18,10 @@ KERNELS = ("xla", "pallas")
 
 
 class Fusions(NamedTuple):
-    """What a Pallas-path variant runs: the decode-step fusions (AR step, bf16, kernels_pallas/dense.py's GEMV) and
-    the tree / prefill attention kernel."""
+    """What a Pallas-path variant runs: the decode-step fusions (AR step, bf16, kernels_pallas/dense.py's GEMV)."""
     parts: bool = True  # the gate in the GEMV's prologue, the residual in its epilogue; the attention layer's q/k
     #                     norm + RoPE + gate + KV-cache write as one kernel (`attention_decode_prep`)
     partials: bool = True  # the GEMV's split-K partials unsummed into the GDN / attention decode kernels
-    attention: str = "mgpu"  # tree attention: "mgpu" (tree_attention_mgpu.py, where it takes the inputs: bf16 /
-    #                          fp16, head dim a multiple of 64) or "triton" (tree_attention.py, also the fallback)
-    prefill: str = "triton"  # causal prefill attention: "triton" (prefill_attention.py) or "mgpu"
-    #                          (prefill_attention_mgpu.py, where it takes the inputs)
 
 
 # kernels="pallas" and its benchmark-only variants with decode-step fusions off (A/B timing: benchmarks/
@@ -34,14 +29,8 @@ class Fusions(NamedTuple):
 # the H200 (AR step, 27B, 4K, 2026-11-30: 17.68 ms default, 17.97 no_partials, 18.14 unfused; BENCHMARKS.md
 # session 4, run B). Removed (git history), lost too: the RMSNorm in the GEMV prologue and the MLP as two GEMVs
 # with the SwiGLU in the down GEMV's prologue (20.63 ms with the MLP chain): both delay the weight stream.
-# Tree attention: the Mosaic GPU kernel won on the H200 at every tree size >= 32 and context (2026-12-01,
-# benchmarks/ab_tree_attention.py, 16 layers, T = 65: 4K 0.46 vs 0.63 ms, 32K 1.86 vs 3.41, 128K 7.17 vs 12.64;
-# it lost only T = 16 at 4K, 0.40 vs 0.35), so it is the default where it takes the inputs and the Triton kernel
-# runs the rest (fp32). "pallas:mgpu_prefill": the Mosaic GPU causal prefill attention in place of the Triton one,
-# for the H200 A/B of whole prefills (benchmarks/bench.py --kernels); not measured yet.
 VARIANTS = {"pallas": Fusions(), "pallas:no_partials": Fusions(partials=False),
-            "pallas:unfused": Fusions(parts=False, partials=False),
-            "pallas:mgpu_prefill": Fusions(prefill="mgpu")}
+            "pallas:unfused": Fusions(parts=False, partials=False)}
 
 
 def _fusions(kernels: str) -> Fusions | None:
@@ -86,11 +75,14 @@ def _hopper() -> bool:
     return d.platform == "gpu" and str(getattr(d, "compute_capability", "")).startswith("9")
 
 
-def _mgpu_attention(kernels: str, q, k_cache, k_new, causal: bool) -> bool:
-    """The Mosaic GPU tree (causal: prefill) attention for these inputs: `kernels` asks for it and the kernel
-    takes them."""
-    f = _fusions(kernels)
-    if f is None or (f.prefill if causal else f.attention) != "mgpu" or not _hopper():
+def _mgpu_attention(kernels: str, q, k_cache, k_new) -> bool:
+    """Tree and prefill attention run on the Mosaic GPU kernels (tree_attention_mgpu.py, prefill_attention_mgpu.py)
+    on the Pallas path of a Hopper GPU where they take the inputs (bf16 / fp16, head dim a multiple of 64), on the
+    Triton kernels otherwise (fp32; interpret mode on a CPU). They won the H200 A/B at every size that matters
+    (2026-12-01, benchmarks/ab_tree_attention.py; BENCHMARKS.md session 9): tree attention over 16 layers, T = 65,
+    4K 0.46 vs 0.63 ms, 32K 1.86 vs 3.41, 128K 7.17 vs 12.64 (lost only T = 16 at 4K, 0.40 vs 0.35); causal
+    prefill of a 2048-row chunk per layer at start 0 / 32K / 120K 0.136 / 2.47 / 9.45 vs 0.150 / 3.74 / 13.56 ms."""
+    if not is_pallas(kernels) or not _hopper():
         return False
     from kernels_pallas import tree_attention_mgpu
     return tree_attention_mgpu.supports(q, k_cache) and k_new.dtype == q.dtype
@@ -101,7 +93,7 @@ def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, kernels="xla"
     if _check(kernels) == "pallas":
         from kernels_pallas import tree_attention as ta
         from kernels_pallas.attention_reference import tree_attention_reference
-        if _mgpu_attention(kernels, q, k_cache, k_new, causal=False):
+        if _mgpu_attention(kernels, q, k_cache, k_new):
             from kernels_pallas import tree_attention_mgpu
             return tree_attention_mgpu.tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask)
         return _pallas_or(lambda: tree_attention_reference(q, k_cache, v_cache, start, k_new, v_new, mask),
@@ -115,7 +107,7 @@ def prefill_attention(q, k_cache, v_cache, start, k_new, v_new, kernels="xla"):
     to new rows j <= t -> [B,T,H,hd] (= tree_attention with the causal mask; no mask is built or read)."""
     if _check(kernels) == "pallas":
         from kernels_pallas import prefill_attention as pa
-        if _mgpu_attention(kernels, q, k_cache, k_new, causal=True):
+        if _mgpu_attention(kernels, q, k_cache, k_new):
             from kernels_pallas import prefill_attention_mgpu
             return prefill_attention_mgpu.prefill_attention(q, k_cache, v_cache, start, k_new, v_new)
         return _pallas_or(lambda: pa.prefill_attention_reference(q, k_cache, v_cache, start, k_new, v_new),

@@ -16,7 +16,6 @@ TABLE = {
     ("bf16", "pallas"): "XXX XPP XXX XXX XXX XXX",
     ("bf16", "pallas:no_partials"): "XXX XFF XXX XXX XXX XXX",
     ("bf16", "pallas:unfused"): "XXX XUU XXX XXX XXX XXX",
-    ("bf16", "pallas:mgpu_prefill"): "XXX XPP XXX XXX XXX XXX",  # another prefill attention kernel, the same projections
     ("bf16", "xla"): "XXX XXX XXX XXX XXX XXX",
     ("fp32", "pallas"): "XXX XXX XXX XXX XXX XXX",
     ("fp32", "pallas:unfused"): "XXX XXX XXX XXX XXX XXX",
@@ -40,8 +39,7 @@ def _row(fmt: str, kernels: str) -> str:
 def test_table():
     got = {key: _row(*key) for key in TABLE}
     assert got == TABLE
-    assert set(ops.VARIANTS) == {"pallas", "pallas:no_partials", "pallas:unfused",
-                                 "pallas:mgpu_prefill"}  # a new variant: add its rows
+    assert set(ops.VARIANTS) == {"pallas", "pallas:no_partials", "pallas:unfused"}  # a new variant: add its rows
 
 
 def test_gemv_thresholds_are_the_only_override():

@@ -125,10 +125,9 @@ def test_lowering_catches_shared_memory_overflow(monkeypatch):
 
 @pytest.mark.parametrize("hopper", [True, False])
 def test_dispatch(monkeypatch, hopper):
-    """ops on a Hopper GPU: "pallas" routes bf16 tree attention to the Mosaic GPU kernel and its prefill attention
-    to the Triton one; the benchmark variant "pallas:mgpu_prefill" routes bf16 prefill attention to the Mosaic GPU
-    kernel too; what the Mosaic GPU kernels do not take (fp32) runs on the Triton ones. Elsewhere (a CPU: interpret
-    mode; other GPUs) everything runs on the Triton kernels."""
+    """ops on a Hopper GPU: "pallas" (and its decode-fusion variants) route bf16 tree and prefill attention to the
+    Mosaic GPU kernels; what they do not take (fp32) runs on the Triton ones. Elsewhere (a CPU: interpret mode;
+    other GPUs) everything runs on the Triton kernels; "xla" never reaches a kernel."""
     from kernels_pallas import ops, prefill_attention as pa, prefill_attention_mgpu as pm, tree_attention as ta
     calls = []
     monkeypatch.setattr(ops, "_hopper", lambda: hopper)
@@ -144,12 +143,11 @@ def test_dispatch(monkeypatch, hopper):
         kc = jnp.ones((1, 2, 16, 64), dt)
         kn = jnp.ones((1, 3, 2, 64), dt)
         mask = jnp.ones((1, 3, 3), bool)
-        for kernels in ("pallas:mgpu_prefill", "pallas"):
+        for kernels in ("pallas:unfused", "pallas", "xla"):
             ops.tree_attention(q, kc, kc, jnp.int32(4), kn, kn, mask, kernels)
             ops.prefill_attention(q, kc, kc, jnp.int32(4), kn, kn, kernels)
-    bf16 = ["mgpu", "mgpu_prefill", "mgpu", "triton_prefill"] if hopper else ["triton", "triton_prefill"] * 2
+    bf16 = ["mgpu", "mgpu_prefill"] * 2 if hopper else ["triton", "triton_prefill"] * 2
     assert calls == bf16 + ["triton", "triton_prefill"] * 2
-    assert ops.is_pallas("pallas:mgpu_prefill") and not ops.is_pallas("xla")
 
 
 def test_hopper_is_the_lowering_target():
