@@ -146,7 +146,9 @@ def random_27b_engine(args):
                     default_max_tokens=args.default_max_tokens, max_batch=args.max_batch,
                     prefill_tokens=args.prefill_tokens)
     t = time.perf_counter()
-    engine.warmup(encode_text(tok, "Hello"), sampling=False)  # this benchmark sends temperature 0 only
+    from jaxddtree.serving.engine import warmup_printer
+    engine.warmup(encode_text(tok, "Hello"), sampling=False,  # this benchmark sends temperature 0 only
+                  progress=warmup_printer("serve_bench.py"))
     print(f"serve_bench.py: random 27B pair compiled in {time.perf_counter() - t:.1f} s", flush=True)
     return engine
 

@@ -184,7 +184,8 @@ def load_engine(args):
         file=sys.stderr, flush=True)
     if not args.no_warmup:
         t = time.perf_counter()
-        engine.warmup(encode_text(tok, "Hello"))
+        from jaxddtree.serving.engine import warmup_printer
+        engine.warmup(encode_text(tok, "Hello"), progress=warmup_printer("serve.py"))
         print(f"serve.py: compiled (every prefill width, slot count, greedy and sampled) in "
               f"{time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
     return engine

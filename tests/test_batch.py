@@ -329,7 +329,11 @@ def test_warmup_compiles_everything(pair, ar_ref):
     target, drafter = pair
     p = batch_lib.SlotPool(target, drafter, method="dflash", max_batch=4, cache_len=CACHE_LEN, sync_every=2,
                            max_group=2)
-    p.warmup(PROMPTS[0])
+    seen = []
+    p.warmup(PROMPTS[0], progress=lambda done, total, what: seen.append((done, total, what)))
+    # one progress line per stage: each prefill width, then each (slot count, greedy / sampled) bucket
+    assert [d for d, _, _ in seen] == list(range(1, len(seen) + 1)) and {t for _, t, _ in seen} == {len(seen)}
+    assert seen[-1][2] == "4 slots, sampled: rounds, joins and leaves" and "prefill" in seen[0][2]
     before = _compiled(target), batch_lib.TRACES["slots"], batch_lib.TRACES["rounds"], batch_lib.TRACES["start"]
     reqs = [Request(PROMPTS[0], 12), Request(PROMPTS[1], 20, temperature=0.8, seed=3),
             Request(PROMPTS[2], 9, temperature=1.0, top_p=0.8, stop_ids=(ar_ref[2][3],)), Request(PROMPTS[3], 30),

@@ -50,6 +50,17 @@ GIB = 1 << 30
 _NOTHING = object()  # no job waiting
 
 
+def warmup_printer(prog: str, stream=None):
+    """A `warmup` progress callback printing one line per stage to stderr:
+    "<prog>: warm-up 3/9 (41 s): prefill of 2048-token chunks compiled"."""
+    t0 = time.perf_counter()
+
+    def show(done, total, what):
+        print(f"{prog}: warm-up {done}/{total} ({time.perf_counter() - t0:.0f} s): {what} compiled",
+              file=stream or sys.stderr, flush=True)
+    return show
+
+
 class QueueFull(Exception):
     """The bounded request queue is full."""
 
@@ -308,11 +319,12 @@ class Engine:
     def close(self):
         self._queue.put_nowait(None)
 
-    def warmup(self, prompt_ids, sampling: bool = True):
+    def warmup(self, prompt_ids, sampling: bool = True, progress=None):
         """Compile everything a request can run (`pool.warmup`: every prefill width, the single-slot rounds
         greedy / sampled / truncated, the round of every slot-count bucket, greedy and sampling, joins and resizes),
-        before the server listens. sampling=False: the greedy classes only (a benchmark that sends only T = 0)."""
-        self.pool.warmup(list(prompt_ids) or [0], sampling=sampling)
+        before the server listens. sampling=False: the greedy classes only (a benchmark that sends only T = 0).
+        progress(done, total, what): called after each stage (`SlotPool.warmup`)."""
+        self.pool.warmup(list(prompt_ids) or [0], sampling=sampling, progress=progress)
 
     # ---------------------------------------------------------------- scheduler side
     def _request(self, job: Job):

@@ -529,10 +529,11 @@ class SlotPool:
         return self._read(prev) if prev is not None else {}
 
     # ------------------------------------------------------------------------------------------- warmup
-    def warmup(self, prompt_ids, sampling: bool = True) -> None:
+    def warmup(self, prompt_ids, sampling: bool = True, progress=None) -> None:
         """Compile what a request can run: every prefill width (prompts up to the cache capacity), the single-slot
         rounds (greedy, sampled, sampled + truncated), every slot-count bucket (greedy and sampling plans) and its
-        joins / resizes. sampling=False: the greedy classes only (for a client that sends only temperature 0)."""
+        joins / resizes. sampling=False: the greedy classes only (for a client that sends only temperature 0).
+        progress(done, total, what): called after each stage (a prefill width, a bucket), e.g. to print it."""
         ids = check_ids(prompt_ids, "prompt_ids").tolist()
         cfg = self.target.config
         fits = lambda n: loop_lib.capacity(self.target, self.dcfg, self.method, self.budget, n, 2)[1] <= self.cache_len
@@ -551,6 +552,15 @@ class SlotPool:
                         left.discard(h)
             self.drain()
 
+        stages = [(B, t) for t in ((0.0, 1.0) if sampling else (0.0,)) for B in self.buckets if not (B == 1 and t > 0)]
+        total, done = len(widths) + len(stages), 0
+
+        def tick(what):
+            nonlocal done
+            done += 1
+            if progress is not None:
+                progress(done, total, what)
+
         for n in widths:
             for t, top_k in ((0.0, 0), (1.0, 0), (1.0, 5)) if sampling else ((0.0, 0),):
                 try:
@@ -561,11 +571,11 @@ class SlotPool:
                 ps = [self.prefill(Request(prompt(n), 2)) for _ in range(k)]
                 self.group(ps)
                 run_all(pending=ps)
+            groups = self.group_sizes(n)
+            tick(f"prefill of {n}-token chunks" + (f" (and groups of {', '.join(map(str, groups))})" if groups else ""))
         base = prompt(min(len(ids), 64))
         # join one at a time up to B, then leave down to one: every resize and bucket, greedy then sampling
-        for B, t in [(B, t) for t in ((0.0, 1.0) if sampling else (0.0,)) for B in self.buckets]:
-            if B == 1 and t > 0:
-                continue
+        for B, t in stages:
             hs = []
             for k in range(B):
                 hs.append(self.admit(self.prefill(Request(base, 4 * self.sync_every + 2, temperature=t, top_k=5))))
@@ -576,6 +586,7 @@ class SlotPool:
             self.release(hs[-1])
             self.step()
             self.drain()
+            tick(f"{B} slot{'s' if B > 1 else ''}, {'sampled' if t > 0 else 'greedy'}: rounds, joins and leaves")
 
 
 def generate_many(target: Target, requests, *, drafter=None, method: str = "ar", max_batch: int = 4, join_at=None,
