@@ -54,10 +54,10 @@ PRIOR_TOKENS = 8.0
 S_MIN, S_MAX = 0.05, 2.0
 SHIPPED = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "h200.json"
 
-# default model (ms): c(rows, L) = C0 + C1 L + (rows - 16) (C2 + C3 L), fitted to issue 27's H200 27B round
-# times (device loop, 2026-12-01): chain (16 rows) 17.4 / 20.6 ms and DDTree(64) (65 rows) 20.9 / 33.3 ms at
-# L = 4096 / 131072.
-MODEL = (17.297, 2.520e-5, 6.537e-2, 1.479e-6)
+# default model (ms): c(rows, L) = C0 + C1 L + (rows - 16) (C2 + C3 L), fitted to the H200 27B round times with
+# the Mosaic GPU tree attention (device loop, 2026-12-01, BENCHMARKS.md session 9): chain (16 rows) 17.77 / 20.59 ms
+# and DDTree(64) (65 rows) 20.83 / 28.14 ms at L = 4096 / 131072 (with the Triton kernel: 20.9 / 33.3).
+MODEL = (17.675, 2.2201e-5, 5.9489e-2, 7.2278e-7)
 
 
 def name(b: int) -> str:
