@@ -3,8 +3,10 @@
 as `generate` runs them (bench.py's `Rounds`: --rounds-per-call steps / rounds of `loop.loop_fn` per jitted
 call), and summarise the GPU kernels per step: count and time by category (GEMM, Pallas, XLA fusion, copy),
 busy time vs span, the top kernels, the copies of >= 1 MB, and for the round the GPU time by part (draft, tree
-build, verify, accept + commit: the round's named scopes, read from the kernels' op names in the trace). The
-jax profiler disables command buffers: read the gaps with care, time unprofiled.
+build, verify, accept + commit: the round's named scopes, read from the kernels' op names in the trace, else from
+the optimized HLO XLA dumps while it compiles the rounds: a kernel is named after its fusion / custom call,
+`hlo_parts`; sessions 6–9 found only the tree build's scope in the trace). The jax profiler disables command
+buffers: read the gaps with care, time unprofiled. `kernel_event_stats`: the stats the kernel events carry.
 
     python benchmarks/profile_gpu.py --out prof.json [--kernels xla|pallas] [--context 4096]
         [--merge-into benchmarks/results/h200.json]   # adds decode/verify/round_kernels_per_step
@@ -20,7 +22,7 @@ jax profiler disables command buffers: read the gaps with care, time unprofiled.
 """
 from __future__ import annotations
 
-import argparse, collections, glob, json, os, sys, tempfile, time
+import argparse, collections, glob, json, os, re, sys, tempfile, time
 
 try:
     import jaxddtree  # noqa: F401
@@ -78,17 +80,59 @@ def copy_bytes(ev):
 PARTS = ("draft", "tree_build", "verify", "accept_commit")  # loop._spec_round's named scopes
 
 
-def part_of(ev) -> str | None:
-    """The round part whose named scope appears in a kernel event's op-name stats, else None."""
-    for _, v in ev.stats:
-        if isinstance(v, str) and "/" in v:
-            for p in PARTS:
-                if f"/{p}/" in v or v.endswith(f"/{p}"):
-                    return p
+def scope_part(op_name: str) -> str | None:
+    """The round part (named scope) in an XLA op name ("jit(run_rounds)/while/body/verify/..."), else None."""
+    for p in PARTS:
+        if f"/{p}/" in op_name or op_name.endswith(f"/{p}"):
+            return p
     return None
 
 
-def summarise(trace_dir, n_steps):
+def _norm(name: str) -> str:
+    return name.replace(".", "_").replace("-", "_")
+
+
+_INSTR = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*?op_name="([^"]+)"')
+
+
+def hlo_parts(files) -> dict:
+    """{instruction name with '.' / '-' as '_' (as XLA names a kernel after its fusion / custom call): part} from the
+    optimized HLO text files XLA dumped (`--xla_dump_to`, "*after_optimizations.txt"): the parts of kernels whose
+    trace events carry no op name.
+    Names found in several modules with different parts are dropped."""
+    out, clash = {}, set()
+    for fn in files:
+        with open(fn) as f:
+            for line in f:
+                m = _INSTR.match(line)
+                if not m:
+                    continue
+                part = scope_part(m.group(2))
+                key = _norm(m.group(1))
+                if part is None or key in clash:
+                    continue
+                if out.setdefault(key, part) != part:
+                    clash.add(key)
+                    del out[key]
+    return out
+
+
+def part_of(ev, names: dict | None = None) -> str | None:
+    """The round part of a kernel event: the named scope in its op-name stats; else (names: `hlo_parts`) the part
+    of the HLO instruction its name or a stat value names; else None."""
+    for _, v in ev.stats:
+        if isinstance(v, str) and "/" in v and scope_part(v):
+            return scope_part(v)
+    if names:
+        for v in [ev.name] + [v for _, v in ev.stats if isinstance(v, str)]:
+            hit = names.get(_norm(v))
+            if hit:
+                return hit
+    return None
+
+
+def summarise(trace_dir, n_steps, names: dict | None = None):
+    """names: `hlo_parts` of the profiled function (the parts of kernels whose events carry no op name)."""
     from jax.profiler import ProfileData
     fn = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
     pd = ProfileData.from_file(fn)
@@ -96,6 +140,7 @@ def summarise(trace_dir, n_steps):
     starts, ends, busy = [], [], 0.0
     big_copies = collections.Counter()
     by_part = collections.defaultdict(float)
+    stat_names = collections.Counter()  # what the kernel events carry (for reading the part attribution)
     for plane in pd.planes:
         if plane.name != "/device:GPU:0":  # the first GPU (with --tp, every GPU runs the same step)
             continue
@@ -110,7 +155,8 @@ def summarise(trace_dir, n_steps):
                     if nbytes is None or nbytes >= 1 << 20:  # unknown size counts as big: look at it
                         big_copies[f"{ev.name} ({'?' if nbytes is None else f'{nbytes / 2**20:.1f} MiB'})"] += 1
                 busy += ev.duration_ns / 1e3
-                by_part[part_of(ev) or "other"] += ev.duration_ns / 1e3
+                by_part[part_of(ev, names) or "other"] += ev.duration_ns / 1e3
+                stat_names.update(str(k) for k, _ in ev.stats)
                 starts.append(ev.start_ns)
                 ends.append(ev.start_ns + ev.duration_ns)
     span = (max(ends) - min(starts)) / 1e3 if starts else 0.0
@@ -127,6 +173,7 @@ def summarise(trace_dir, n_steps):
             "gpu_us_by_part": ({k: round(v / n_steps, 1) for k, v in sorted(by_part.items())}
                                if set(by_part) - {"other"} else None),
             "copies_ge_1mb_per_step": {k: v / n_steps for k, v in big_copies.most_common(20)},
+            "kernel_event_stats": dict(stat_names.most_common(12)),
             "top": [{"name": k[:120], "us_per_step": round(v[0] / n_steps, 1), "count_per_step": v[1] / n_steps}
                     for k, v in top]}
 
@@ -160,6 +207,11 @@ def main():
     args = ap.parse_args()
     sharding.use_allreduce(args.allreduce)  # read when the backend starts
     parts = args.parts.split(",")
+    dump = None
+    if {"round", "slots"} & set(parts):  # the optimized HLO of the rounds, for the parts of kernels (hlo_parts)
+        dump = tempfile.mkdtemp(prefix="hlo_")
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} --xla_dump_hlo_as_text"
+                                   " --xla_dump_hlo_module_re=.*(run_rounds|run_slots).*").strip()
     raw, dflash = dict(QWEN36_27B), dict(DFLASH_27B)
     if args.smoke:
         raw.update(SMOKE_TARGET)
@@ -268,16 +320,21 @@ def main():
             "logits_elems_differing": int(np.sum(la != lb)),
             "argmax_equal": bool(np.array_equal(la.argmax(-1), lb.argmax(-1)))}
         print("decode_ab", json.dumps(res["decode_ab"]), flush=True)
+    def dumped():
+        return set(glob.glob(os.path.join(dump, "*after_optimizations.txt"))) if dump else set()
+
     for name, fn in steps.items():
+        before = dumped()
         for _ in range(3):  # compile + warm up
             jax.block_until_ready(fn())
+        new_hlo = sorted(dumped() - before)  # the modules this step compiled
         d = tempfile.mkdtemp()
         n = 5
         t = time.perf_counter()
         with jax.profiler.trace(d):
             for _ in range(n):
                 jax.block_until_ready(fn())
-        res[name] = summarise(d, n * per_call.get(name, 1))
+        res[name] = summarise(d, n * per_call.get(name, 1), hlo_parts(new_hlo) if new_hlo else None)
         res[name]["wall_ms_per_step_profiled"] = (time.perf_counter() - t) * 1e3 / (n * per_call.get(name, 1))
         res[name]["steps_per_call"] = per_call.get(name, 1)
         print(name, json.dumps({k: v for k, v in res[name].items() if k != "top"}), flush=True)

@@ -33,6 +33,32 @@ def test_profile_round_smoke(tmp_path):
     _run(["benchmarks/profile_gpu.py", "--smoke", "--parts", "round", "--out", str(out)])
     res = json.loads(out.read_text())
     assert res["round"]["wall_ms_per_step_profiled"] > 0 and res["budget"] == 64
+    assert "kernel_event_stats" in res["round"]
+
+
+def test_profile_parts_from_the_optimized_hlo(tmp_path):
+    """profile_gpu.hlo_parts: a kernel named after its fusion / custom call gets the part of that instruction's op
+    name in the dumped optimized HLO; names of two parts in two modules are dropped; part_of reads op-name stats
+    first, then the names."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import profile_gpu as pg
+    a, b = tmp_path / "m1_gpu_after_optimizations.txt", tmp_path / "m2_gpu_after_optimizations.txt"
+    a.write_text('  %loop_add_fusion.47 = f32[8]{0} fusion(%p), kind=kLoop, calls=%fc, metadata={op_type="add" '
+                 'op_name="jit(run_rounds)/while/body/verify/add" source_file="x.py"}\n'
+                 '  ROOT %custom-call.3 = f32[8]{0} custom-call(%q), custom_call_target="__gpu$xla.gpu.triton", '
+                 'metadata={op_name="jit(run_rounds)/while/body/draft/pallas_call"}\n'
+                 '  %copy.1 = f32[8]{0} copy(%r), metadata={op_name="jit(run_rounds)/while/body/tree_build/x"}\n')
+    b.write_text('  %copy.1 = f32[8]{0} copy(%r), metadata={op_name="jit(run_slots)/accept_commit/y"}\n')
+    names = pg.hlo_parts([str(a), str(b)])
+    assert names == {"loop_add_fusion_47": "verify", "custom_call_3": "draft"}
+
+    class Ev:
+        def __init__(self, name, stats):
+            self.name, self.stats = name, stats
+    assert pg.part_of(Ev("loop_add_fusion_47", []), names) == "verify"
+    assert pg.part_of(Ev("gdn_tree_block", [("hlo_op", "custom-call.3")]), names) == "draft"
+    assert pg.part_of(Ev("loop_add_fusion_47", [("tf_op", "jit(f)/accept_commit/z")]), names) == "accept_commit"
+    assert pg.part_of(Ev("nvjet_sm90", []), names) is None
 
 
 def test_kernel_benches_dry(tmp_path):
