@@ -2,6 +2,7 @@
 
     PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/kernels.json [--sections tree,attn,prefill,decode_fused]
     PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/long.json --sections attn_long,prefill_attn
+    PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/slots.json --sections tree_slots  # issue 28
     JAX_PLATFORMS=cpu python benchmarks/bench_kernels.py --dry     # tiny shapes, interpret mode: checks the script
     --select REGEX runs only the variants whose 'section:variant' matches (the reference always runs)
 
@@ -61,7 +62,7 @@ GDN_LAYERS, ATTN_LAYERS = 48, 16
 TREE_N, PREFIX, PREFILL_T = 65, 4096, 8192
 DRY = False  # --dry: tiny shapes, interpret mode, CPU (checks this script, not the kernels' speed)
 LONG_CONTEXTS, PREFILL_CHUNKS, PREFILL_STARTS = (4096, 32768, 131072), (1024, 2048, 4096), (0, 32768, 122880)
-BUDGET = {"tree": 75, "attn": 50, "decode_attn": 15, "prefill": 30, "decode_fused": 60, "attn_long": 100,
+BUDGET = {"tree": 75, "tree_slots": 60, "attn": 50, "decode_attn": 15, "prefill": 30, "decode_fused": 60, "attn_long": 100,
           "prefill_attn": 130}  # seconds per section (scaled by --budget-scale)
 
 RESULTS: dict = {}
@@ -169,6 +170,46 @@ def section_tree(deadline):
                           layers_all=layers)
     RESULTS["gdn_tree"] = recs
     summarize("gdn_tree_verify", recs, best, GDN_LAYERS, str(N))
+
+
+def section_tree_slots(deadline):
+    """The pool's batched verify (issue 28): the GDN tree kernel under jax.vmap over B slots of N nodes each (the
+    bucket's per-slot budget + 1: 4 x 32, 16 x 8) next to one slot of 64 nodes (generate's round), µs per layer;
+    the profile of the 4-slot round had it at 3.5 x the one-slot time for 2 x the rows. Variants: the slot axis
+    folded into the kernel's batch axis (one [B, N] call instead of vmap), 8 warps at head blocks < 64 (the
+    default gives them 4), other value tiles."""
+    shapes = [(1, 64), (4, 32), (16, 8)] if not DRY else [(1, 16), (2, 8)]
+    rng = np.random.default_rng(1)
+    for B, N in shapes:
+        if time.perf_counter() > deadline:
+            break
+        per = []
+        for b in range(B):
+            mask, valid = random_tree_mask(rng, 1, N, n_pad=min(3, N - 1))
+            per.append((*gdn_inputs(jax.random.PRNGKey(100 + b), 1, N, HK, HV, DK, DV, valid=valid)[:5], mask,
+                        gdn_inputs(jax.random.PRNGKey(200 + b), 1, N, HK, HV, DK, DV, valid=valid)[5]))
+        # slots stacked on a new leading axis (vmap) and, for "folded", concatenated on the batch axis
+        stacked = jax.device_put(tuple(jnp.stack([x[i] for x in per]) for i in range(7)))
+        ref0 = [np.asarray(x) for x in jax.jit(jax.vmap(gdn_tree.gdn_masked_block_reference))(*stacked)]
+        variants = {"xla_reference": None, "default": {}, "folded": dict(_fold=True), "md16": dict(max_depth=16),
+                    "w8": dict(num_warps=8), "bv32": dict(block_v=32), "bv128": dict(block_v=128)}
+
+        def make(kw):
+            if kw is None:
+                return jax.vmap(gdn_tree.gdn_masked_block_reference)
+            kw = dict(kw)
+            if kw.pop("_fold", False):
+                def folded(*a):
+                    flat = [x.reshape((-1,) + x.shape[2:]) for x in a]
+                    return [o.reshape((a[0].shape[0], -1) + o.shape[1:])
+                            for o in gdn_tree.gdn_masked_block(*flat, **kw, **IKW())]
+                return folded
+            return jax.vmap(functools.partial(gdn_tree.gdn_masked_block, **kw, **IKW()))
+        log(f"== GDN tree verify under vmap: {B} slot(s) x N={N}")
+        recs, best = evaluate(f"tree_slots_{B}x{N}", variants, make, stacked,
+                              lambda out: errs(zip("oWG", out, ref0)), deadline)
+        RESULTS[f"gdn_tree_slots_{B}x{N}"] = recs
+        RESULTS[f"gdn_tree_slots_{B}x{N}_best_variant"] = best
 
 
 # ----------------------------------------------------------------------------- tree attention
@@ -472,6 +513,8 @@ def main():
         try:
             if sec == "tree":
                 section_tree(deadline)
+            elif sec == "tree_slots":
+                section_tree_slots(deadline)
             elif sec == "attn":
                 # tuning neighbours of the default (128x64 tiles, 8 warps, 2 stages, splits for ~132
                 # programs, jnp merge); rounds 4-5 are in the tree_attention docstring
