@@ -14,6 +14,8 @@ buffers: read the gaps with care, time unprofiled. `kernel_event_stats`: the sta
     python benchmarks/profile_gpu.py --parts round,slots --slots 4 --budget 63 --out prof.json
         # the pool's batched round of 4 slots (speculative/batch.py slots_fn, greedy plan, the bucket's per-slot
         # budget) next to generate's round: which part grows with the slots
+    python benchmarks/profile_gpu.py --parts prefill --context 32768 --prefill-chunk 2048 --out prefill.json
+        # one 2048-row prefill pass over 32K committed rows: GEMMs vs the GDN chunk kernel vs attention (issue 27)
     python benchmarks/profile_gpu.py --parts decode --decode-fusions both --out ab.json
         # A/B of the decode-step fusions (kernels "pallas" vs the variant "pallas:unfused", ops.VARIANTS) in one
         # process: unprofiled step times, both profiles ("decode" fused, "decode_unfused") and the logits of one
@@ -185,7 +187,10 @@ def main():
     ap.add_argument("--nodes", type=int, default=65, help="tree nodes of the verify pass")
     ap.add_argument("--budget", type=int, default=64, help="DDTree budget of the profiled round")
     ap.add_argument("--context", type=int, default=4096, help="committed context length")
-    ap.add_argument("--parts", default="decode,verify,round", help="comma list of: decode, verify, round, slots")
+    ap.add_argument("--parts", default="decode,verify,round", help="comma list of: decode, verify, round, slots, "
+                    "prefill")
+    ap.add_argument("--prefill-chunk", type=int, default=2048, help="rows of the profiled prefill pass (--parts "
+                    "prefill: one chunk of a prompt continuing --context committed rows, as generate's prefill runs it)")
     ap.add_argument("--slots", type=int, default=4, help="slots of the batched round (--parts slots)")
     ap.add_argument("--slot-rows", type=int, default=128, help="the pool's verify rows (per-slot budget: "
                     "batch.bucket_budget)")
@@ -282,6 +287,17 @@ def main():
         rounds = Rounds(target, drafter, make_plan(target, dcfg, "ddtree", args.budget), L, R, 20 * R)
         steps["round"] = lambda: rounds.call().n_out
         per_call["round"] = R
+
+    if "prefill" in parts:  # one chunk of a long prompt's prefill (Target.prefill, as loop.Prefill calls it)
+        pcache = [fresh_cache() if args.prefill_chunk <= S - L else sharding.place(fill_random(
+            target.init_cache(L + args.prefill_chunk), jax.random.key(3)).replace(length=jnp.int32(L)), target.mesh)]
+        pids = jnp.asarray(np.random.RandomState(0).randint(0, cfg.vocab_size, (1, args.prefill_chunk)), jnp.int32)
+
+        def prefill_chunk():
+            lg, c, _, _ = target.prefill(pcache[0], pids, args.prefill_chunk)
+            pcache[0] = c.replace(length=jnp.int32(L))  # the same committed rows for every profiled pass
+            return lg
+        steps["prefill"] = prefill_chunk
 
     if "slots" in parts:  # the pool's batched round: vmap of loop's per-slot round over B slots (greedy plan)
         import dataclasses

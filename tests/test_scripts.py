@@ -30,9 +30,11 @@ def test_bench_smoke_writes_every_key(tmp_path):
 def test_profile_round_smoke(tmp_path):
     """profile_gpu.py's round (draft, tree build, verify, accept, commit) at bench.py's smoke shapes."""
     out = tmp_path / "prof.json"
-    _run(["benchmarks/profile_gpu.py", "--smoke", "--parts", "round", "--out", str(out)])
+    _run(["benchmarks/profile_gpu.py", "--smoke", "--parts", "round,prefill", "--prefill-chunk", "64", "--out",
+          str(out)])
     res = json.loads(out.read_text())
     assert res["round"]["wall_ms_per_step_profiled"] > 0 and res["budget"] == 64
+    assert res["prefill"]["wall_ms_per_step_profiled"] > 0
     assert "kernel_event_stats" in res["round"]
 
 
