@@ -75,14 +75,23 @@ def _hopper() -> bool:
     return d.platform == "gpu" and str(getattr(d, "compute_capability", "")).startswith("9")
 
 
+MGPU_MIN_ROWS = 32  # tree / prefill rows from which the Mosaic GPU attention runs at any cache size ...
+MGPU_MIN_CACHE = 16384  # ... and the cache capacity from which it runs fewer rows too
+
+
 def _mgpu_attention(kernels: str, q, k_cache, k_new) -> bool:
     """Tree and prefill attention run on the Mosaic GPU kernels (tree_attention_mgpu.py, prefill_attention_mgpu.py)
-    on the Pallas path of a Hopper GPU where they take the inputs (bf16 / fp16, head dim a multiple of 64), on the
-    Triton kernels otherwise (fp32; interpret mode on a CPU). They won the H200 A/B at every size that matters
-    (2026-12-01, benchmarks/ab_tree_attention.py; BENCHMARKS.md session 9): tree attention over 16 layers, T = 65,
-    4K 0.46 vs 0.63 ms, 32K 1.86 vs 3.41, 128K 7.17 vs 12.64 (lost only T = 16 at 4K, 0.40 vs 0.35); causal
-    prefill of a 2048-row chunk per layer at start 0 / 32K / 120K 0.136 / 2.47 / 9.45 vs 0.150 / 3.74 / 13.56 ms."""
+    on the Pallas path of a Hopper GPU where they take the inputs (bf16 / fp16, head dim a multiple of 64) and the
+    shape is one they won, on the Triton kernels otherwise (fp32; interpret mode on a CPU). H200 A/B (2026-12-01,
+    benchmarks/ab_tree_attention.py; BENCHMARKS.md session 9), tree attention over 16 layers: T = 65 at 4K / 32K /
+    128K 0.46 / 1.86 / 7.17 ms vs Triton 0.63 / 3.41 / 12.64, T = 32 at 4K 0.39 vs 0.42; T = 16 won at 32K / 128K
+    (0.87 / 2.32 vs 1.02 / 3.19) but lost at 4K (0.40 vs 0.35: the jnp fold / merge around the kernel), so below
+    MGPU_MIN_ROWS rows (the decode step's 1, a chain's 16, 16 slots' 8) it takes caches of MGPU_MIN_CACHE rows and
+    more only. Causal prefill, a 2048-row chunk per layer at start 0 / 32K / 120K: 0.136 / 2.47 / 9.45 vs 0.150 /
+    3.74 / 13.56 ms."""
     if not is_pallas(kernels) or not _hopper():
+        return False
+    if q.shape[1] < MGPU_MIN_ROWS and k_cache.shape[2] < MGPU_MIN_CACHE:
         return False
     from kernels_pallas import tree_attention_mgpu
     return tree_attention_mgpu.supports(q, k_cache) and k_new.dtype == q.dtype

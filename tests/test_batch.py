@@ -279,13 +279,14 @@ def test_pallas_batched_round_interpret(pair, ar_ref, monkeypatch):
     assert {"tree_attention", "gdn_masked_block", "prefill_attention", "gdn_chunked"} <= set(calls)
 
 
-@pytest.mark.parametrize("method,B,head_dim", [("ddtree", 2, 32), ("ddtree", 2, 64), ("ar", 4, 32)])
-def test_batched_round_lowers_for_h200(method, B, head_dim, monkeypatch):
+@pytest.mark.parametrize("method,B,head_dim,budget", [("ddtree", 2, 32, 15), ("ddtree", 2, 64, 31), ("ar", 4, 32, 15)])
+def test_batched_round_lowers_for_h200(method, B, head_dim, budget, monkeypatch):
     """The batched round with kernels="pallas" (bf16, bench.py's smoke shapes) traces and lowers for an abstract
     H200: the Pallas kernels' batching (attention / GDN: a slot grid axis; projections: folded rows) lowers. The
     GEMV's domain widened to these shapes, so that the AR step's per-slot projections take the split-K partials
     path (`ops.decode_row` into the fused GDN / attention decode kernels) and fold onto a GEMV of B rows. At head
-    dim 64 the verify's tree attention is the Mosaic GPU kernel, its slot axis folded into its batch axis."""
+    dim 64 and 32 tree rows per slot the verify's tree attention is the Mosaic GPU kernel (ops.MGPU_MIN_ROWS), its
+    slot axis folded into its batch axis."""
     import dataclasses
     import functools
     from kernels_pallas import ops
@@ -301,7 +302,7 @@ def test_batched_round_lowers_for_h200(method, B, head_dim, monkeypatch):
     target = random_target(text_config_from_dict(raw, where="smoke"), "bfloat16")
     dcfg = DrafterConfig(**dfl) if method != "ar" else None
     drafter = bench.random_drafter(DrafterConfig(**dfl), jnp.bfloat16)
-    plan = batch_lib.batch_plan(target, dcfg, method, 15)
+    plan = batch_lib.batch_plan(target, dcfg, method, budget)
     one = jax.eval_shape(lambda: bench.loop_state(target, drafter, plan, 64, 64))
     bst = jax.tree.map(lambda x: jax.ShapeDtypeStruct((B,) + x.shape, x.dtype), one)
     if method == "ddtree":

@@ -230,13 +230,17 @@ def test_pallas_kernels_lower_per_shard_for_two_h200():
         path = jnp.arange(16, dtype=jnp.int32)[None]  # a chain's first 16 nodes, committed per shard
         return logits, commit(cache, stashes, path, jnp.asarray([5], jnp.int32), kernels="pallas", mesh=mesh)
 
-    for tokens, parents, kernels in ((scalar((1, 1)), None, {"dense_dot", "gdn_decode_fused", "tree_attention"}),
-                                     (scalar((1, 65)), scalar((65,)), {"gdn_tree_block", "tree_attention"}),
-                                     (scalar((1, 128)), None, {"gdn_prefill_inter_chunk", "prefill_attention"})):
+    # the decode step's attention (1 row, a 4K cache) on the Triton kernel, the verify's and the prefill's (65 / 128
+    # rows) on the Mosaic GPU ones (ops._mgpu_attention)
+    for tokens, parents, kernels, mgpu in (
+            (scalar((1, 1)), None, {"dense_dot", "gdn_decode_fused", "tree_attention"}, False),
+            (scalar((1, 65)), scalar((65,)), {"gdn_tree_block"}, True),
+            (scalar((1, 128)), None, {"gdn_prefill_inter_chunk"}, True)):
         with jax.sharding.use_abstract_mesh(mesh):
             txt = jax.jit(step).trace(leaves, cache, tokens, parents).lower(lowering_platforms=("cuda",)).as_text()
         assert txt.count("all_reduce") == 4  # 2 layers x (mixer + MLP)
         assert kernels <= set(re.findall(r'name\s*=\s*\\?"([a-z_0-9]+)', txt)), kernels  # the Pallas kernels
+        assert ("custom_call @mosaic_gpu" in txt) == mgpu
 
 
 if __name__ == "__main__":

@@ -125,9 +125,10 @@ def test_lowering_catches_shared_memory_overflow(monkeypatch):
 
 @pytest.mark.parametrize("hopper", [True, False])
 def test_dispatch(monkeypatch, hopper):
-    """ops on a Hopper GPU: "pallas" (and its decode-fusion variants) route bf16 tree and prefill attention to the
-    Mosaic GPU kernels; what they do not take (fp32) runs on the Triton ones. Elsewhere (a CPU: interpret mode;
-    other GPUs) everything runs on the Triton kernels; "xla" never reaches a kernel."""
+    """ops on a Hopper GPU: "pallas" (and its decode-fusion variants) route bf16 tree and prefill attention of
+    >= MGPU_MIN_ROWS rows, or over a cache of >= MGPU_MIN_CACHE rows, to the Mosaic GPU kernels; fewer rows over a
+    smaller cache (a decode step at 4K), and what they do not take (fp32), run on the Triton ones. Elsewhere (a CPU:
+    interpret mode; other GPUs) everything runs on the Triton kernels."""
     from kernels_pallas import ops, prefill_attention as pa, prefill_attention_mgpu as pm, tree_attention as ta
     calls = []
     monkeypatch.setattr(ops, "_hopper", lambda: hopper)
@@ -138,16 +139,19 @@ def test_dispatch(monkeypatch, hopper):
         monkeypatch.setattr(mod, "tree_attention", rec(name))
     monkeypatch.setattr(pm, "prefill_attention", rec("mgpu_prefill"))
     monkeypatch.setattr(pa, "prefill_attention", rec("triton_prefill"))
+    big, few = ops.MGPU_MIN_CACHE, ops.MGPU_MIN_ROWS - 1
     for dt in (jnp.bfloat16, jnp.float32):
-        q = jnp.ones((1, 3, 4, 64), dt)
-        kc = jnp.ones((1, 2, 16, 64), dt)
-        kn = jnp.ones((1, 3, 2, 64), dt)
-        mask = jnp.ones((1, 3, 3), bool)
-        for kernels in ("pallas:unfused", "pallas", "xla"):
-            ops.tree_attention(q, kc, kc, jnp.int32(4), kn, kn, mask, kernels)
-            ops.prefill_attention(q, kc, kc, jnp.int32(4), kn, kn, kernels)
-    bf16 = ["mgpu", "mgpu_prefill"] * 2 if hopper else ["triton", "triton_prefill"] * 2
-    assert calls == bf16 + ["triton", "triton_prefill"] * 2
+        for T, S in ((ops.MGPU_MIN_ROWS, 16), (few, big), (few, big - 1)):
+            q = jnp.ones((1, T, 4, 64), dt)
+            kc = jax.ShapeDtypeStruct((1, 2, S, 64), dt)
+            kn = jnp.ones((1, T, 2, 64), dt)
+            mask = jnp.ones((1, T, T), bool)
+            for kernels in ("pallas:unfused", "pallas"):
+                ops.tree_attention(q, kc, kc, jnp.int32(4), kn, kn, mask, kernels)
+                ops.prefill_attention(q, kc, kc, jnp.int32(4), kn, kn, kernels)
+    mg = ["mgpu", "mgpu_prefill"] * 2 if hopper else ["triton", "triton_prefill"] * 2
+    tri = ["triton", "triton_prefill"] * 2
+    assert calls == mg + mg + tri + tri * 3
 
 
 def test_hopper_is_the_lowering_target():
