@@ -13,14 +13,6 @@ from kernels_pallas._common import lower_for_h200
 from kernels_pallas._testing import assert_kernel_signature, attention_inputs, check_attention
 
 
-@pytest.fixture(autouse=True)
-def _reset_interpreter():
-    """The interpreter keeps global state that an exception leaves behind (its docstring)."""
-    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-    gpu_callbacks.reset_gpu_interpret_mode_state()
-    yield
-
-
 def test_signature_matches_reference():
     assert_kernel_signature(tm.tree_attention, tm.tree_attention_reference)
 
