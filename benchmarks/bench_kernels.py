@@ -186,8 +186,8 @@ def section_tree_slots(deadline):
         per = []
         for b in range(B):
             mask, valid = random_tree_mask(rng, 1, N, n_pad=min(3, N - 1))
-            per.append((*gdn_inputs(jax.random.PRNGKey(100 + b), 1, N, HK, HV, DK, DV, valid=valid)[:5], mask,
-                        gdn_inputs(jax.random.PRNGKey(200 + b), 1, N, HK, HV, DK, DV, valid=valid)[5]))
+            q, k, v, g, beta, state = gdn_inputs(jax.random.PRNGKey(100 + b), 1, N, HK, HV, DK, DV, valid=valid)
+            per.append((q, k, v, g, beta, mask, state))
         # slots stacked on a new leading axis (vmap) and, for "folded", concatenated on the batch axis
         stacked = jax.device_put(tuple(jnp.stack([x[i] for x in per]) for i in range(7)))
         ref0 = [np.asarray(x) for x in jax.jit(jax.vmap(gdn_tree.gdn_masked_block_reference))(*stacked)]

@@ -123,8 +123,8 @@ def part_of(ev, names: dict | None = None) -> str | None:
     """The round part of a kernel event: the named scope in its op-name stats; else (names: `hlo_parts`) the part
     of the HLO instruction its name or a stat value names; else None."""
     for _, v in ev.stats:
-        if isinstance(v, str) and "/" in v and scope_part(v):
-            return scope_part(v)
+        if isinstance(v, str) and "/" in v and (part := scope_part(v)):
+            return part
     if names:
         for v in [ev.name] + [v for _, v in ev.stats if isinstance(v, str)]:
             hit = names.get(_norm(v))

@@ -50,14 +50,14 @@ GIB = 1 << 30
 _NOTHING = object()  # no job waiting
 
 
-def warmup_printer(prog: str, stream=None):
+def warmup_printer(prog: str):
     """A `warmup` progress callback printing one line per stage to stderr:
     "<prog>: warm-up 3/9 (41 s): prefill of 2048-token chunks compiled"."""
     t0 = time.perf_counter()
 
     def show(done, total, what):
         print(f"{prog}: warm-up {done}/{total} ({time.perf_counter() - t0:.0f} s): {what} compiled",
-              file=stream or sys.stderr, flush=True)
+              file=sys.stderr, flush=True)
     return show
 
 
