@@ -175,9 +175,8 @@ def section_tree(deadline):
 def section_tree_slots(deadline):
     """The pool's batched verify (issue 28): the GDN tree kernel under jax.vmap over B slots of N nodes each (the
     bucket's per-slot budget + 1: 4 x 32, 16 x 8) next to one slot of 64 nodes (generate's round), µs per layer;
-    the profile of the 4-slot round had it at 3.5 x the one-slot time for 2 x the rows. Variants: the slot axis
-    folded into the kernel's batch axis (one [B, N] call instead of vmap), 8 warps at head blocks < 64 (the
-    default gives them 4), other value tiles."""
+    the profile of the 4-slot round had it at 3.5 x the one-slot time for 2 x the rows. Variants: 8 warps, 128-wide
+    value tiles. Session 10 measured and dropped merging the slots' trees into one block-diagonal tree (NOTES.md)."""
     shapes = [(1, 64), (4, 32), (16, 8)] if not DRY else [(1, 16), (2, 8)]
     rng = np.random.default_rng(1)
     for B, N in shapes:
@@ -188,23 +187,12 @@ def section_tree_slots(deadline):
             mask, valid = random_tree_mask(rng, 1, N, n_pad=min(3, N - 1))
             q, k, v, g, beta, state = gdn_inputs(jax.random.PRNGKey(100 + b), 1, N, HK, HV, DK, DV, valid=valid)
             per.append((q, k, v, g, beta, mask, state))
-        # slots stacked on a new leading axis (vmap) and, for "folded", concatenated on the batch axis
+        # slots stacked on a new leading axis (vmap)
         stacked = jax.device_put(tuple(jnp.stack([x[i] for x in per]) for i in range(7)))
         ref0 = [np.asarray(x) for x in jax.jit(jax.vmap(gdn_tree.gdn_masked_block_reference))(*stacked)]
-        variants = {"xla_reference": None, "default": {}, "folded": dict(_fold=True), "md16": dict(max_depth=16),
-                    "w8": dict(num_warps=8), "bv32": dict(block_v=32), "bv128": dict(block_v=128)}
-
-        def make(kw):
-            if kw is None:
-                return jax.vmap(gdn_tree.gdn_masked_block_reference)
-            kw = dict(kw)
-            if kw.pop("_fold", False):
-                def folded(*a):
-                    flat = [x.reshape((-1,) + x.shape[2:]) for x in a]
-                    return [o.reshape((a[0].shape[0], -1) + o.shape[1:])
-                            for o in gdn_tree.gdn_masked_block(*flat, **kw, **IKW())]
-                return folded
-            return jax.vmap(functools.partial(gdn_tree.gdn_masked_block, **kw, **IKW()))
+        variants = {"xla_reference": None, "default": {}, "w8": dict(num_warps=8), "bv128": dict(block_v=128)}
+        make = lambda kw: (jax.vmap(gdn_tree.gdn_masked_block_reference) if kw is None
+                           else jax.vmap(functools.partial(gdn_tree.gdn_masked_block, **kw, **IKW())))
         log(f"== GDN tree verify under vmap: {B} slot(s) x N={N}")
         recs, best = evaluate(f"tree_slots_{B}x{N}", variants, make, stacked,
                               lambda out: errs(zip("oWG", out, ref0)), deadline)

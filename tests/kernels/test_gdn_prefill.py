@@ -3,6 +3,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from kernels_pallas import gdn_prefill
@@ -33,3 +34,16 @@ def test_lowers_for_h200_at_27b_shapes():
                S((1, T, 48), f), S((1, 48, 128, 128), f)]
     txt = lower_for_h200(gdn_prefill.gdn_chunked, *structs)
     assert "__gpu$xla.gpu.triton" in txt
+
+
+@pytest.mark.parametrize("C", [1, 2, 16, 64])
+def test_unit_lower_inverse_is_the_inverse(C):
+    """The doubling inverse (what replaces the batched triangular solve) against a float64 inverse, on random
+    strictly-lower L of several batch axes."""
+    from kernels_pallas.gdn_prefill import unit_lower_inverse
+    L = np.tril(np.random.default_rng(C).normal(size=(3, 2, C, C)).astype(np.float32) * 0.3, -1)
+    inv = np.asarray(unit_lower_inverse(jnp.asarray(L)))
+    ref = np.linalg.inv(np.eye(C) + L.astype(np.float64))
+    assert np.abs(inv - ref).max() <= 1e-6 * max(1.0, np.abs(ref).max())
+    assert np.all(np.triu(inv, 1) == 0)
+
