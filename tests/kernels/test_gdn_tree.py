@@ -164,3 +164,67 @@ def test_vmapped_slots_match_reference(S, N):
         for name, a, b in zip(("o", "W", "G"), out, ref):
             assert a[s].shape == b.shape, name
             assert rel_err(a[s], b) < TOL, (s, name, rel_err(a[s], b))
+
+
+def _pallas_rows(f, *args):
+    """Per gdn_tree_block launch in f's jaxpr: (rows N of its tree, its operands' leading batch shape)."""
+    found = []
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "pallas_call":
+                found.append((e.invars[2].aval.shape[-3], e.invars[2].aval.shape[:-3]))
+            for p in e.params.values():
+                for sub in (p if isinstance(p, (list, tuple)) else [p]):
+                    if hasattr(sub, "eqns"):
+                        walk(sub)
+                    elif hasattr(sub, "jaxpr"):
+                        walk(sub.jaxpr if hasattr(sub.jaxpr, "eqns") else sub.jaxpr.jaxpr)
+    walk(jax.make_jaxpr(f)(*args).jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("S,N,merged", [(4, 32, True), (3, 16, True), (2, 64, True), (16, 8, False), (3, 21, False),
+                                        (4, 64, False)])
+def test_merged_slots_match_reference(S, N, merged):
+    """merge_rows (the pool's vmapped trees as one block-diagonal tree, each slot's S0 products on its own rows):
+    each slot's o / W / G are its own tree's; it merges only N = 2^k >= 16 with S·N <= merge_rows (else the grid's
+    slot axis), and one launch of S·N rows it is."""
+    args = _slots(S, N, seed=S + N + 1)
+    f = jax.vmap(functools.partial(gdn_tree.gdn_masked_block, interpret=True, merge_rows=128))
+    out = f(*args)
+    for s in range(S):
+        ref = gdn_tree.gdn_masked_block_reference(*(x[s] for x in args))
+        for name, a, b in zip(("o", "W", "G"), out, ref):
+            assert rel_err(a[s], b) < TOL, (s, name, rel_err(a[s], b))
+    (rows, lead), = _pallas_rows(f, *args)
+    assert (rows, lead) == ((S * N, (1,)) if merged else (N, (S, 1))), (rows, lead)
+
+
+def test_merged_slots_nested_and_shared_operands():
+    """Two vmapped axes (2 x 2 slots of 16 nodes) merge into one 64-row launch; an unbatched operand (one mask for
+    every slot) is broadcast first."""
+    S, N = 4, 16
+    args = _slots(S, N, seed=9)
+    kernel = functools.partial(gdn_tree.gdn_masked_block, interpret=True, merge_rows=128)
+    nested = tuple(x.reshape((2, 2) + x.shape[1:]) for x in args)
+    out = jax.vmap(jax.vmap(kernel))(*nested)
+    assert [r for r, _ in _pallas_rows(jax.vmap(jax.vmap(kernel)), *nested)] == [S * N]
+    for s in range(S):
+        ref = gdn_tree.gdn_masked_block_reference(*(x[s] for x in args))
+        for a, b in zip(out, ref):
+            assert rel_err(a.reshape((S,) + a.shape[2:])[s], b) < TOL
+    shared = jax.vmap(kernel, in_axes=(0, 0, 0, 0, 0, None, 0))(*args[:5], args[5][0], args[6])
+    for s in range(S):
+        ref = gdn_tree.gdn_masked_block_reference(*(x[s] for x in args[:5]), args[5][0], args[6][s])
+        for a, b in zip(shared, ref):
+            assert rel_err(a[s], b) < TOL
+
+
+@pytest.mark.parametrize("S,N", [(4, 32), (8, 16), (2, 64)])
+def test_merged_slots_lower_for_h200_at_27b_shapes(S, N):
+    f = jax.vmap(functools.partial(gdn_tree.gdn_masked_block, merge_rows=128))
+    Sd, f32 = jax.ShapeDtypeStruct, jnp.float32
+    structs = [Sd((S,) + x.shape, x.dtype) for x in _structs(N=N)]
+    txt = lower_for_h200(f, *structs)
+    assert "triton" in txt
