@@ -5,7 +5,8 @@ call), and summarise the GPU kernels per step: count and time by category (GEMM,
 busy time vs span, the top kernels, the copies of >= 1 MB, and for the round the GPU time by part (draft, tree
 build, verify, accept + commit: the round's named scopes, read from the kernels' op names in the trace, else from
 the optimized HLO XLA dumps while it compiles the rounds: a kernel is named after its fusion / custom call,
-`hlo_parts`; sessions 6–9 found only the tree build's scope in the trace). The jax profiler disables command
+`hlo_parts`; sessions 6–9 found only the tree build's scope in the trace; in session 10 the dumps named the
+one-slot round's parts; the batched round's scopes read "vmap(verify)" and are matched since). The jax profiler disables command
 buffers: read the gaps with care, time unprofiled. `kernel_event_stats`: the stats the kernel events carry.
 
     python benchmarks/profile_gpu.py --out prof.json [--kernels xla|pallas] [--context 4096]
@@ -83,9 +84,10 @@ PARTS = ("draft", "tree_build", "verify", "accept_commit")  # loop._spec_round's
 
 
 def scope_part(op_name: str) -> str | None:
-    """The round part (named scope) in an XLA op name ("jit(run_rounds)/while/body/verify/..."), else None."""
+    """The round part (named scope) in an XLA op name ("jit(run_rounds)/while/body/verify/...", under jax.vmap
+    "jit(run_slots)/while/body/eval_jaxpr/vmap(verify)/..."), else None."""
     for p in PARTS:
-        if f"/{p}/" in op_name or op_name.endswith(f"/{p}"):
+        if re.search(rf"/(?:vmap\()*{p}\)*(?:/|$)", op_name):
             return p
     return None
 

@@ -61,6 +61,10 @@ def test_profile_parts_from_the_optimized_hlo(tmp_path):
     assert pg.part_of(Ev("gdn_tree_block", [("hlo_op", "custom-call.3")]), names) == "draft"
     assert pg.part_of(Ev("loop_add_fusion_47", [("tf_op", "jit(f)/accept_commit/z")]), names) == "accept_commit"
     assert pg.part_of(Ev("nvjet_sm90", []), names) is None
+    # the pool's batched round: its scopes under jax.vmap read "vmap(verify)" (the CPU dump of run_slots)
+    assert pg.scope_part("jit(run_slots)/while/body/eval_jaxpr/vmap(verify)/btd,dv->btv/dot_general") == "verify"
+    assert pg.scope_part("jit(g)/vmap(vmap(accept_commit))") == "accept_commit"
+    assert pg.scope_part("jit(g)/verify_x/add") is None and pg.scope_part("jit(g)/vmap(draft_y)/add") is None
 
 
 def test_kernel_benches_dry(tmp_path):
