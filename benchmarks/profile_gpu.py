@@ -7,7 +7,8 @@ build, verify, accept + commit: the round's named scopes, read from the kernels'
 the optimized HLO XLA dumps while it compiles the rounds: a kernel is named after its fusion / custom call,
 `hlo_parts`; sessions 6–9 found only the tree build's scope in the trace; in session 10 the dumps named the
 one-slot round's parts; the batched round's scopes read "vmap(verify)" and are matched since). The jax profiler disables command
-buffers: read the gaps with care, time unprofiled. `kernel_event_stats`: the stats the kernel events carry.
+buffers: read the gaps with care, time unprofiled. `kernel_event_stats`: the stats the kernel events carry. Each
+top kernel of a round or prefill profile carries the op name of its HLO instruction ("op": which jnp line).
 
     python benchmarks/profile_gpu.py --out prof.json [--kernels xla|pallas] [--context 4096]
         [--merge-into benchmarks/results/h200.json]   # adds decode/verify/round_kernels_per_step
@@ -121,6 +122,35 @@ def hlo_parts(files) -> dict:
     return out
 
 
+def hlo_op_names(files) -> dict:
+    """{instruction name with '.' / '-' as '_': its op name (the jnp line's scope path)} from the dumped optimized
+    HLO text files, for the top kernels of a profile (which jnp op a fusion came from). Names found in several
+    modules with different op names are dropped."""
+    out, clash = {}, set()
+    for fn in files:
+        with open(fn) as f:
+            for line in f:
+                m = _INSTR.match(line)
+                if not m or (key := _norm(m.group(1))) in clash:
+                    continue
+                if out.setdefault(key, m.group(2)) != m.group(2):
+                    clash.add(key)
+                    del out[key]
+    return out
+
+
+def op_of(ev, ops: dict | None) -> str | None:
+    """The op name of a kernel event: an op-name stat, else the HLO instruction its name or a stat value names."""
+    for _, v in ev.stats:
+        if isinstance(v, str) and v.startswith("jit("):
+            return v
+    if ops:
+        for v in [ev.name] + [v for _, v in ev.stats if isinstance(v, str)]:
+            if (hit := ops.get(_norm(v))):
+                return hit
+    return None
+
+
 def part_of(ev, names: dict | None = None) -> str | None:
     """The round part of a kernel event: the named scope in its op-name stats; else (names: `hlo_parts`) the part
     of the HLO instruction its name or a stat value names; else None."""
@@ -135,12 +165,14 @@ def part_of(ev, names: dict | None = None) -> str | None:
     return None
 
 
-def summarise(trace_dir, n_steps, names: dict | None = None):
-    """names: `hlo_parts` of the profiled function (the parts of kernels whose events carry no op name)."""
+def summarise(trace_dir, n_steps, names: dict | None = None, ops: dict | None = None):
+    """names: `hlo_parts` of the profiled function (the parts of kernels whose events carry no op name); ops:
+    `hlo_op_names` (each top kernel's op name, "op" in "top")."""
     from jax.profiler import ProfileData
     fn = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
     pd = ProfileData.from_file(fn)
     per = collections.defaultdict(lambda: [0.0, 0])
+    op_names = {}  # kernel name -> the op name of its first event that has one
     starts, ends, busy = [], [], 0.0
     big_copies = collections.Counter()
     by_part = collections.defaultdict(float)
@@ -154,6 +186,8 @@ def summarise(trace_dir, n_steps, names: dict | None = None):
             for ev in line.events:
                 per[ev.name][0] += ev.duration_ns / 1e3
                 per[ev.name][1] += 1
+                if ev.name not in op_names and (op := op_of(ev, ops)):
+                    op_names[ev.name] = op
                 if category(ev.name) == "copy":
                     nbytes = copy_bytes(ev)
                     if nbytes is None or nbytes >= 1 << 20:  # unknown size counts as big: look at it
@@ -178,8 +212,8 @@ def summarise(trace_dir, n_steps, names: dict | None = None):
                                if set(by_part) - {"other"} else None),
             "copies_ge_1mb_per_step": {k: v / n_steps for k, v in big_copies.most_common(20)},
             "kernel_event_stats": dict(stat_names.most_common(12)),
-            "top": [{"name": k[:120], "us_per_step": round(v[0] / n_steps, 1), "count_per_step": v[1] / n_steps}
-                    for k, v in top]}
+            "top": [{"name": k[:120], "us_per_step": round(v[0] / n_steps, 1), "count_per_step": v[1] / n_steps,
+                     **({"op": op_names[k][:200]} if k in op_names else {})} for k, v in top]}
 
 
 def main():
@@ -215,10 +249,10 @@ def main():
     sharding.use_allreduce(args.allreduce)  # read when the backend starts
     parts = args.parts.split(",")
     dump = None
-    if {"round", "slots"} & set(parts):  # the optimized HLO of the rounds, for the parts of kernels (hlo_parts)
+    if {"round", "slots", "prefill"} & set(parts):  # the optimized HLO: parts of kernels (hlo_parts), op names
         dump = tempfile.mkdtemp(prefix="hlo_")
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} --xla_dump_hlo_as_text"
-                                   " --xla_dump_hlo_module_re=.*(run_rounds|run_slots).*").strip()
+                                   " --xla_dump_hlo_module_re=.*(run_rounds|run_slots|_prefill).*").strip()
     raw, dflash = dict(QWEN36_27B), dict(DFLASH_27B)
     if args.smoke:
         raw.update(SMOKE_TARGET)
@@ -352,7 +386,8 @@ def main():
         with jax.profiler.trace(d):
             for _ in range(n):
                 jax.block_until_ready(fn())
-        res[name] = summarise(d, n * per_call.get(name, 1), hlo_parts(new_hlo) if new_hlo else None)
+        res[name] = summarise(d, n * per_call.get(name, 1), hlo_parts(new_hlo) if new_hlo else None,
+                              hlo_op_names(new_hlo) if new_hlo else None)
         res[name]["wall_ms_per_step_profiled"] = (time.perf_counter() - t) * 1e3 / (n * per_call.get(name, 1))
         res[name]["steps_per_call"] = per_call.get(name, 1)
         print(name, json.dumps({k: v for k, v in res[name].items() if k != "top"}), flush=True)

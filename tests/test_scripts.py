@@ -61,6 +61,12 @@ def test_profile_parts_from_the_optimized_hlo(tmp_path):
     assert pg.part_of(Ev("gdn_tree_block", [("hlo_op", "custom-call.3")]), names) == "draft"
     assert pg.part_of(Ev("loop_add_fusion_47", [("tf_op", "jit(f)/accept_commit/z")]), names) == "accept_commit"
     assert pg.part_of(Ev("nvjet_sm90", []), names) is None
+    ops = pg.hlo_op_names([str(a), str(b)])
+    assert ops == {"loop_add_fusion_47": "jit(run_rounds)/while/body/verify/add",
+                   "custom_call_3": "jit(run_rounds)/while/body/draft/pallas_call"}  # copy.1: two op names, dropped
+    assert pg.op_of(Ev("gdn_tree_block", [("hlo_op", "custom-call.3")]), ops).endswith("draft/pallas_call")
+    assert pg.op_of(Ev("x", [("tf_op", "jit(f)/accept_commit/z")]), ops) == "jit(f)/accept_commit/z"
+    assert pg.op_of(Ev("nvjet_sm90", []), ops) is None
     # the pool's batched round: its scopes under jax.vmap read "vmap(verify)" (the CPU dump of run_slots)
     assert pg.scope_part("jit(run_slots)/while/body/eval_jaxpr/vmap(verify)/btd,dv->btv/dot_general") == "verify"
     assert pg.scope_part("jit(g)/vmap(vmap(accept_commit))") == "accept_commit"
