@@ -100,43 +100,33 @@ def _norm(name: str) -> str:
 _INSTR = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*?op_name="([^"]+)"')
 
 
-def hlo_parts(files) -> dict:
-    """{instruction name with '.' / '-' as '_' (as XLA names a kernel after its fusion / custom call): part} from the
-    optimized HLO text files XLA dumped (`--xla_dump_to`, "*after_optimizations.txt"): the parts of kernels whose
-    trace events carry no op name.
-    Names found in several modules with different parts are dropped."""
+def _hlo_map(files, value) -> dict:
+    """{instruction name with '.' / '-' as '_' (as XLA names a kernel after its fusion / custom call):
+    value(its op name)} over the optimized HLO text files XLA dumped (`--xla_dump_to`,
+    "*after_optimizations.txt"); None values are skipped, names with different values in several modules dropped."""
     out, clash = {}, set()
     for fn in files:
         with open(fn) as f:
             for line in f:
                 m = _INSTR.match(line)
-                if not m:
+                if not m or (val := value(m.group(2))) is None or (key := _norm(m.group(1))) in clash:
                     continue
-                part = scope_part(m.group(2))
-                key = _norm(m.group(1))
-                if part is None or key in clash:
-                    continue
-                if out.setdefault(key, part) != part:
+                if out.setdefault(key, val) != val:
                     clash.add(key)
                     del out[key]
     return out
+
+
+def hlo_parts(files) -> dict:
+    """{kernel name: round part} from the dumped optimized HLO (`_hlo_map` of `scope_part`): the parts of kernels
+    whose trace events carry no op name."""
+    return _hlo_map(files, scope_part)
 
 
 def hlo_op_names(files) -> dict:
-    """{instruction name with '.' / '-' as '_': its op name (the jnp line's scope path)} from the dumped optimized
-    HLO text files, for the top kernels of a profile (which jnp op a fusion came from). Names found in several
-    modules with different op names are dropped."""
-    out, clash = {}, set()
-    for fn in files:
-        with open(fn) as f:
-            for line in f:
-                m = _INSTR.match(line)
-                if not m or (key := _norm(m.group(1))) in clash:
-                    continue
-                if out.setdefault(key, m.group(2)) != m.group(2):
-                    clash.add(key)
-                    del out[key]
-    return out
+    """{kernel name: op name (the jnp line's scope path)} from the dumped optimized HLO, for the top kernels of a
+    profile (which jnp op a fusion came from)."""
+    return _hlo_map(files, lambda op: op)
 
 
 def op_of(ev, ops: dict | None) -> str | None:

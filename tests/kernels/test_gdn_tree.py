@@ -152,14 +152,9 @@ def _slots(S, N, Hk=2, Hv=4, d=16, n_pad=2, seed=0):
     return tuple(jnp.stack([p[i] for p in per]) for i in range(7))
 
 
-
-@pytest.mark.parametrize("S,N", [(4, 32), (3, 21)])
-def test_vmapped_slots_match_reference(S, N):
-    """jax.vmap over slots (the pool's batched round, each slot its own tree and state): each slot's o / W / G are
-    its own tree's, whatever the others hold."""
-    args = _slots(S, N, seed=S + N)
-    out = jax.vmap(functools.partial(gdn_tree.gdn_masked_block, interpret=True))(*args)
-    for s in range(S):
+def _assert_each_slot(out, args):
+    """out (o, W, G) of a vmapped call over args stacked by slot: each slot's is its own tree's (the reference)."""
+    for s in range(args[0].shape[0]):
         ref = gdn_tree.gdn_masked_block_reference(*(x[s] for x in args))
         for name, a, b in zip(("o", "W", "G"), out, ref):
             assert a[s].shape == b.shape, name
@@ -184,19 +179,17 @@ def _pallas_rows(f, *args):
     return found
 
 
-@pytest.mark.parametrize("S,N,merged", [(4, 32, True), (3, 16, True), (2, 64, True), (16, 8, False), (3, 21, False),
-                                        (4, 64, False)])
-def test_merged_slots_match_reference(S, N, merged):
-    """merge_rows (the pool's vmapped trees as one block-diagonal tree, each slot's S0 products on its own rows):
-    each slot's o / W / G are its own tree's; it merges only N = 2^k >= 16 with S·N <= merge_rows (else the grid's
-    slot axis), and one launch of S·N rows it is."""
-    args = _slots(S, N, seed=S + N + 1)
-    f = jax.vmap(functools.partial(gdn_tree.gdn_masked_block, interpret=True, merge_rows=128))
-    out = f(*args)
-    for s in range(S):
-        ref = gdn_tree.gdn_masked_block_reference(*(x[s] for x in args))
-        for name, a, b in zip(("o", "W", "G"), out, ref):
-            assert rel_err(a[s], b) < TOL, (s, name, rel_err(a[s], b))
+@pytest.mark.parametrize("S,N,merge_rows,merged", [(4, 32, 0, False), (3, 21, 0, False), (4, 32, 128, True),
+                                                   (3, 16, 128, True), (2, 64, 128, True), (16, 8, 128, False),
+                                                   (3, 21, 128, False), (4, 64, 128, False)])
+def test_vmapped_slots_match_reference(S, N, merge_rows, merged):
+    """jax.vmap over slots (the pool's batched round, each slot its own tree and state): each slot's o / W / G are
+    its own tree's, whatever the others hold. merge_rows (the trees as one block-diagonal tree, each slot's S0
+    products on its own rows) merges only N = 2^k >= 16 with S·N <= merge_rows — one launch of S·N rows — else
+    the grid gets the slot axis."""
+    args = _slots(S, N, seed=S + N + (1 if merge_rows else 0))
+    f = jax.vmap(functools.partial(gdn_tree.gdn_masked_block, interpret=True, merge_rows=merge_rows))
+    _assert_each_slot(f(*args), args)
     (rows, lead), = _pallas_rows(f, *args)
     assert (rows, lead) == ((S * N, (1,)) if merged else (N, (S, 1))), (rows, lead)
 
@@ -210,21 +203,15 @@ def test_merged_slots_nested_and_shared_operands():
     nested = tuple(x.reshape((2, 2) + x.shape[1:]) for x in args)
     out = jax.vmap(jax.vmap(kernel))(*nested)
     assert [r for r, _ in _pallas_rows(jax.vmap(jax.vmap(kernel)), *nested)] == [S * N]
-    for s in range(S):
-        ref = gdn_tree.gdn_masked_block_reference(*(x[s] for x in args))
-        for a, b in zip(out, ref):
-            assert rel_err(a.reshape((S,) + a.shape[2:])[s], b) < TOL
+    _assert_each_slot([a.reshape((S,) + a.shape[2:]) for a in out], args)
+    one_mask = args[:5] + (jnp.broadcast_to(args[5][:1], args[5].shape),) + args[6:]
     shared = jax.vmap(kernel, in_axes=(0, 0, 0, 0, 0, None, 0))(*args[:5], args[5][0], args[6])
-    for s in range(S):
-        ref = gdn_tree.gdn_masked_block_reference(*(x[s] for x in args[:5]), args[5][0], args[6][s])
-        for a, b in zip(shared, ref):
-            assert rel_err(a[s], b) < TOL
+    _assert_each_slot(shared, one_mask)
 
 
 @pytest.mark.parametrize("S,N", [(4, 32), (8, 16), (2, 64)])
 def test_merged_slots_lower_for_h200_at_27b_shapes(S, N):
     f = jax.vmap(functools.partial(gdn_tree.gdn_masked_block, merge_rows=128))
-    Sd, f32 = jax.ShapeDtypeStruct, jnp.float32
-    structs = [Sd((S,) + x.shape, x.dtype) for x in _structs(N=N)]
+    structs = [jax.ShapeDtypeStruct((S,) + x.shape, x.dtype) for x in _structs(N=N)]
     txt = lower_for_h200(f, *structs)
     assert "triton" in txt
