@@ -11,8 +11,9 @@ if ROOT not in sys.path:
 # Pallas-Triton lowering and interpret mode warn (deprecated backend); harmless here.
 warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*[Tt]riton.*")
 
-# The Mosaic GPU kernels' tests (interpreter + CUDA lowering) run in a process of their own
-# (test_mosaic_gpu.py): Mosaic GPU's lowering and interpreter are suspected of leaving process state behind
-# (two XLA CPU compile segfaults in later, unrelated tests of the same xdist worker, 2026-12-01).
-MGPU_ENV = "JAXDDTREE_MGPU_SUBPROCESS"
-collect_ignore = [] if os.environ.get(MGPU_ENV) else ["mgpu"]
+# Test directories that run in a process of their own (test_own_process.py), as XLA CPU compile segfaults in later,
+# unrelated tests of the same xdist worker followed them (2026-12-01): mgpu/ (the Mosaic GPU kernels' interpreter and
+# CUDA lowering) and gdn_slots/ (the GDN tree kernel under vmap, custom_vmap merging).
+OWN_PROCESS_ENV = "JAXDDTREE_OWN_PROCESS"
+OWN_PROCESS = ("mgpu", "gdn_slots")
+collect_ignore = [] if os.environ.get(OWN_PROCESS_ENV) else list(OWN_PROCESS)
