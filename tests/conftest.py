@@ -31,6 +31,8 @@ if os.environ.get("JAX_PLATFORMS") == "cpu" and "xla_backend_optimization_level"
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 import hf_models  # noqa: E402
+from crash_rerun import (  # noqa: E402,F401  (hooks: a crashed xdist worker's test runs once more)
+    pytest_handlecrashitem, pytest_report_teststatus, pytest_terminal_summary)
 
 
 class Zoo:
