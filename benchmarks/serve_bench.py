@@ -129,9 +129,8 @@ def random_27b_engine(args):
         def decode(self, ids, **_) -> str:
             return "".join(chr(32 + int(i) % 95) for i in ids)
 
-    if args.compile_cache:  # as serve.py: reuse compilations across runs
-        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compile_cache))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    from jaxddtree import compile_cache  # as serve.py: reuse compilations across runs
+    compile_cache.enable(args.compile_cache, "serve_bench.py")
     raw, dflash, dtype = dict(bench.QWEN36_27B), dict(bench.DFLASH_27B), "bfloat16"
     if args.smoke:  # bench.py's tiny shapes (the code path on the CPU)
         raw.update(bench.SMOKE_TARGET)

@@ -162,9 +162,10 @@ def build_parser() -> Parser:
                    "--loop host (default: 1)")
     r.add_argument("--no-warmup", action="store_true", help="skip the compile-only warm-up call; then time to "
                    "first token and tokens/s include compilation (default: warm up first)")
-    r.add_argument("--compile-cache", metavar="DIR", default=os.environ.get("JAXDDTREE_COMPILE_CACHE"),
-                   help="persistent XLA compilation cache directory: later runs with the same shapes skip "
-                   "compilation (default: $JAXDDTREE_COMPILE_CACHE, else off)")
+    r.add_argument("--compile-cache", metavar="DIR|none", default=None,
+                   help="persistent XLA compilation cache directory: later runs with the same shapes load their "
+                   "programs instead of compiling them; none: off (default: $JAXDDTREE_COMPILE_CACHE, else "
+                   "~/.cache/jaxddtree/xla)")
     r.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line: tokens, "
                    "prompt_ids, text (when a tokenizer exists), acceptance_lengths, stats (no streaming). "
                    "Otherwise, on a terminal, the prompt is shown before the streamed text and stderr shows "
@@ -309,9 +310,8 @@ def run(argv=None) -> int:
 
     jd = import_jaxddtree()
     import jax
-    if args.compile_cache:
-        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compile_cache))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    from jaxddtree import compile_cache
+    compile_cache.enable(args.compile_cache, "generate.py")
     backend = jax.default_backend()
     dtype = args.dtype or ("float32" if backend == "cpu" else "bfloat16")
     kernels = args.kernels or ("xla" if backend == "cpu" else "pallas")

@@ -94,8 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=positive_int, default=1, metavar="N", help="tensor parallelism: split the target "
                    "over the first N devices (see generate.py --tp; default: 1)")
     p.add_argument("--no-warmup", action="store_true", help="do not compile before listening")
-    p.add_argument("--compile-cache", metavar="DIR", default=os.environ.get("JAXDDTREE_COMPILE_CACHE"),
-                   help="persistent XLA compilation cache directory (default: $JAXDDTREE_COMPILE_CACHE)")
+    p.add_argument("--compile-cache", metavar="DIR|none", default=None, help="persistent XLA compilation cache "
+                   "directory: a second start with the same settings loads the warm-up's programs instead of "
+                   "compiling them; none: off (default: $JAXDDTREE_COMPILE_CACHE, else ~/.cache/jaxddtree/xla)")
     return p
 
 
@@ -145,9 +146,8 @@ def load_engine(args):
             costs = budget_lib.load(costs)
         except ValueError as e:
             raise SystemExit(f"serve.py: error: argument --budget-costs: {e}") from None
-    if args.compile_cache:
-        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compile_cache))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    from jaxddtree import compile_cache
+    cache_dir = compile_cache.enable(args.compile_cache, "serve.py")
     backend = jax.default_backend()
     dtype = args.dtype or ("float32" if backend == "cpu" else "bfloat16")
     if args.target is None:
@@ -187,7 +187,8 @@ def load_engine(args):
         from jaxddtree.serving.engine import warmup_printer
         engine.warmup(encode_text(tok, "Hello"), progress=warmup_printer("serve.py"))
         print(f"serve.py: compiled (every prefill width, slot count, greedy and sampled) in "
-              f"{time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+              f"{time.perf_counter() - t:.1f} s" + (f" (compilation cache: {cache_dir})" if cache_dir else ""),
+              file=sys.stderr, flush=True)
     return engine
 
 

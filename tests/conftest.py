@@ -19,6 +19,10 @@ for p in (ROOT, HERE, os.path.join(ROOT, "benchmarks")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
+# The tools' persistent compilation cache is on by default (jaxddtree/compile_cache.py): off in the tests and their
+# subprocesses, which stay hermetic (a test that wants it passes --compile-cache DIR).
+os.environ.setdefault("JAXDDTREE_COMPILE_CACHE", "none")
+
 # transformers logs a fallback notice for every GDN layer without fla / causal_conv1d: silence it.
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
