@@ -6,7 +6,7 @@ of the first start (what is left is tracing and lowering, ≈ 10 s, and programs
 
 Where: `--compile-cache DIR`, else $JAXDDTREE_COMPILE_CACHE, else $XDG_CACHE_HOME/jaxddtree/xla (~/.cache/...); the
 value "none" turns it off. JAX keys each entry by the program, the compile options, the devices and the jax/jaxlib
-versions, so a stale entry is never used. The cache is trusted code: keep it in a directory only you can write.
+versions, so a stale entry is never used; past 8 GiB the least recently used entries are deleted. The cache is trusted code: keep it in a directory only you can write.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import sys
 ENV = "JAXDDTREE_COMPILE_CACHE"
 OFF = ("none", "off", "")
 MIN_COMPILE_SECS = 0.5  # programs compiling faster than this are not written
+MAX_BYTES = 8 << 30  # past this the least recently used entries go (JAX's LRU file cache)
 
 
 def default_dir() -> str:
@@ -50,4 +51,5 @@ def enable(arg: str | None, prog: str) -> str | None:
     import jax
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECS)
+    jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
     return path
