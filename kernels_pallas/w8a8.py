@@ -309,8 +309,3 @@ def plan(M: int, K: int, N: int, block_in: int = 128, block_out: int = 128, **ov
     cfg["programs"] = _cdiv(N, cfg["block_n"]) * cfg["split_k"] * _cdiv(M, cfg["block_m"])
     return cfg
 
-
-def weight_bytes(K: int, N: int, block_in: int = 128, block_out: int = 128) -> int:
-    """fp8 weight + compact fp32 scale bytes of one [K, N] projection."""
-    return K * N + 4 * _cdiv(K, block_in) * _cdiv(N, block_out)
-

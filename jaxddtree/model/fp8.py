@@ -73,10 +73,6 @@ class Fp8Weight:
         return self.dequantize(dtype)
 
 
-def is_fp8(w) -> bool:
-    return isinstance(w, Fp8Weight)
-
-
 def compact_scales(cols, max_block: int = 128):
     """A per-column scale grid cols [nb, N] (numpy) -> (compact [nb, ceil(N / g)], g): g the widest column
     group, among the divisors of `max_block` (descending), over which every row of `cols` is constant — so
