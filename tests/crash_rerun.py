@@ -1,10 +1,11 @@
 """Run a test again, once, when it took its xdist worker down (a hard crash: segfault, abort).
 
-Why: five full CPU runs across sessions 8-11 lost a worker to a segmentation fault inside XLA's CPU compiler,
-each time in a different test that passes alone and on the next run (test_train's init, test_tree's build,
-test_generate's sampling, test_verify's commit). A crash is retried once in a fresh worker; a second crash of
-the same test fails it, and an ordinary failure (an assertion, an exception) is never retried. Every retry is
-listed at the end of the run, so a crash stays visible.
+Why: six full CPU runs across sessions 8-11 lost a worker to a segmentation fault inside XLA's CPU compiler,
+each time in a different test that passes alone. The cause, found in session 11: the worker had used up
+vm.max_map_count memory mappings (tests/map_budget.py now keeps it under). This retry stays as the net for a hard
+crash: it is retried once in a fresh worker; a second crash of the same test fails it, and an ordinary failure
+(an assertion, an exception) is never retried. Every retry is listed at the end of the run, so a crash stays
+visible.
 
 Loaded by tests/conftest.py (the controller process runs these hooks; without xdist they never fire).
 """
