@@ -1,7 +1,5 @@
 """The GDN tree kernel under jax.vmap (the pool's batched round: a slot grid axis, or merge_rows' one block-diagonal
-tree), on the interpreter and lowered for an abstract H200 — in a process of their own (tests/kernels/conftest.py:
-with these in the shared xdist workers two full CI runs had an XLA CPU compile segfault in a later, unrelated test,
-2026-12-01; deselected, the suite passed)."""
+tree), on the interpreter and lowered for an abstract H200."""
 
 import functools
 
