@@ -175,9 +175,8 @@ def section_tree(deadline):
 def section_tree_slots(deadline):
     """The pool's batched verify (issue 28): the GDN tree kernel under jax.vmap over B slots of N nodes each (the
     bucket's per-slot budget + 1: 4 x 32, 8 x 16, 16 x 8) next to one slot of 64 nodes (generate's round), µs per layer;
-    the profile of the 4-slot round had it at 3.5 x the one-slot time for 2 x the rows. Variants: "merged" (the slots'
-    trees as one block-diagonal tree, `gdn_tree._merge_vmap`; off by default until it wins here), 8 warps, 128-wide
-    value tiles. Session 10 measured two other merges, both lost (NOTES.md)."""
+    the profile of the 4-slot round had it at 3.5 x the one-slot time for 2 x the rows. Variants: 8 warps, 128-wide
+    value tiles. Three merges of the slots' trees into one block-diagonal launch lost (NOTES.md, sessions 10, 12)."""
     shapes = [(1, 64), (4, 32), (8, 16), (16, 8)] if not DRY else [(1, 16), (2, 8)]
     rng = np.random.default_rng(1)
     for B, N in shapes:
@@ -191,7 +190,7 @@ def section_tree_slots(deadline):
         # slots stacked on a new leading axis (vmap)
         stacked = jax.device_put(tuple(jnp.stack([x[i] for x in per]) for i in range(7)))
         ref0 = [np.asarray(x) for x in jax.jit(jax.vmap(gdn_tree.gdn_masked_block_reference))(*stacked)]
-        variants = {"xla_reference": None, "default": {}, "merged": dict(merge_rows=128), "w8": dict(num_warps=8),
+        variants = {"xla_reference": None, "default": {}, "w8": dict(num_warps=8),
                     "bv128": dict(block_v=128)}
         make = lambda kw: (jax.vmap(gdn_tree.gdn_masked_block_reference) if kw is None
                            else jax.vmap(functools.partial(gdn_tree.gdn_masked_block, **kw, **IKW())))

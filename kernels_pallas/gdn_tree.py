@@ -22,18 +22,13 @@ masking, the solve and the products with S0 and W. Everything is fp32. The kerne
 "bf16x3m": each fp32 operand split once into bf16 hi + lo, three bf16 tensor-core products summed in fp32
 (rel. err 4.4e-6 on o at 27B shapes).
 
-Under `jax.vmap` (the pool's batched round: one tree and state S0 per slot) with `merge_rows` > 0 the slots' trees
-merge into one tree of S·N rows with a block-diagonal mask — one launch of the usual (batch, value head, dv tile)
-grid instead of a grid axis of slots — where N is a power of two ≥ 16 and S·N ≤ merge_rows ≤ 128 (one head block);
-each program takes the products with S0 per slot, on that slot's N rows only, and parks them in its o / W outputs
-until the head block reads them (`_merge_vmap`). Off by default until measured on the H200 (NOTES.md, session 10:
-the merged kernel without those products ran 32.7 vs 55.6 µs at 4 x 32 nodes).
-
 H200, N=65, Hv=48, GPU µs per layer (2026-11-29): default (head block 128, bv 64, 8 warps) 43.4 (kernel
 33.6 + grams 6.0 + transpose 1.5); the XLA reference 85. Round 4 (grams still in the kernel): bf16x3
 preset (re-splits operands in every product) ~+35%; head block 64 + a 16-row block 56; 16-row blocks only
 67-88; bv 128 64, bv 32 94, 16 warps 153; tf32 37 (o err 4e-4). Removed after round 5: grams formed inside
 the kernel by every program (46.4) and a two-kernel split (W/G kernel + a parallel output kernel, 46-79).
+Under vmap (the pool's slots) the slots are a grid axis; merging their trees into one block-diagonal launch lost
+three times (sessions 10 and 12; H200 2026-12-02, µs per layer: 4 x 32 nodes 144 vs 68, 8 x 16 109 vs 39).
 """
 
 from __future__ import annotations
@@ -75,16 +70,13 @@ def plan(N: int, dkp: int, dvp: int, *, block_v: int | None = None, block_t: int
 
 
 def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, m_ref, s_ref, kk_ref, qk_ref, o_ref, w_ref, G_ref, *, n: int,
-            bh: int, bt: int, ntail: int, npc: int, max_depth: int | None, mm_w, mm_o, same: bool, barrier,
-            slots: int):
+            bh: int, bt: int, ntail: int, npc: int, max_depth: int | None, mm_w, mm_o, same: bool, barrier):
     """Row blocks: a head block of `bh` rows [0, bh), then `ntail` tail blocks of `bt` rows (scf.for
     loops: the code stays small and only O(block) tensors are live). W_j and G_j of finished blocks are
     read back from the outputs (this program wrote them; a CTA barrier makes the global writes visible to
     all its threads). mm_w / mm_o = (split, dot): operands are split once (bf16 hi/lo for "bf16x3m") and
     reused by every product they enter. The key grams K Kᵀ, Q Kᵀ of this key head come in as inputs
-    (kk_ref, qk_ref [N, N], fp32, computed once per key head outside by `key_grams`). s_ref [slots, dk, BV]: the
-    state tile of each merged slot; with slots > 1 (merged trees: N = slots · n_s rows, all in the head block) the
-    products K S0, Q S0 are taken per slot on its n_s rows and parked in W / o until the head block reads them."""
+    (kk_ref, qk_ref [N, N], fp32, computed once per key head outside by `key_grams`)."""
     f32 = jnp.float32
     sw, dw = mm_w
     so, do_ = mm_o
@@ -113,9 +105,8 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, m_ref, s_ref, kk_ref, qk_ref, o_r
 
     def block(start, size, earlier):
         sl, ok = rows(start, size)
-        Vi = load_rows(v_ref, start, size)
-        if slots == 1:
-            Ki, Qi = load_rows(k_ref, start, size), load_rows(q_ref, start, size)
+        Ki, Vi = load_rows(k_ref, start, size), load_rows(v_ref, start, size)
+        Qi = load_rows(q_ref, start, size)
         bi = load_vec(b_ref, start, size)
         # G_i = Σ_j M_ij g_j (path cumsum) from the [size, npc] mask row panel; written out, read back as G_j
         cols = jnp.arange(npc)
@@ -124,13 +115,11 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, m_ref, s_ref, kk_ref, qk_ref, o_r
         Gi = jnp.sum(jnp.where(panel, gall[None, :], 0.0), axis=1)
         pltr.store(G_ref.at[sl], Gi.astype(G_ref.dtype), mask=ok)
         eG = jnp.exp(Gi)
-        if slots == 1:
-            S0 = s_ref[0].astype(f32)  # [dk, BV], loaded where used (not kept live)
-            ks, qs = dw(sw(Ki), sw(S0)), do_(so(Qi), so(S0))
-        else:  # merged slots: parked per slot before the head block (below)
-            ks, qs = load_rows(w_ref, start, size), load_rows(o_ref, start, size)
-        rhs = bi[:, None] * (Vi - eG[:, None] * ks)  # [size, BV]
-        o = eG[:, None] * qs
+        S0 = s_ref[...].astype(f32)  # [dk, BV], loaded where used (not kept live)
+        Kw = sw(Ki)
+        Qo = so(Qi)
+        rhs = bi[:, None] * (Vi - eG[:, None] * dw(Kw, sw(S0)))  # [size, BV]
+        o = eG[:, None] * do_(Qo, so(S0))
         rhs, o = earlier(bi, Gi, rhs, o)
         # diagonal block: (I + L) W = rhs with L strictly lower and nilpotent: L^d = 0 for d ≥ the
         # number of nodes on any root path of the block's rows (their mask row sums), so
@@ -170,15 +159,6 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, m_ref, s_ref, kk_ref, qk_ref, o_r
         o = o + do_(so(gam * qk), Wjw if same else so(Wj))
         return rhs, o
 
-    if slots > 1:  # K S0 / Q S0 of each merged slot on its own rows, into W / o (read back by the head block)
-        ns = n // slots
-        for si in range(slots):
-            Ks, Qs = load_rows(k_ref, si * ns, ns), load_rows(q_ref, si * ns, ns)
-            S0 = s_ref[si].astype(f32)
-            rows_s = pl.ds(si * ns, ns)
-            pltr.store(w_ref.at[rows_s, :], dw(sw(Ks), sw(S0)).astype(w_ref.dtype))
-            pltr.store(o_ref.at[rows_s, :], do_(so(Qs), so(S0)).astype(o_ref.dtype))
-        barrier()
     block(0, bh, lambda bi, Gi, rhs, o: (rhs, o))
 
     def tail(t, carry):
@@ -203,11 +183,11 @@ def key_grams(q, k):
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_v", "block_t", "head_block", "max_depth",
-                                             "num_warps", "num_stages", "precision", "smem_limit", "merge_rows"))
+                                             "num_warps", "num_stages", "precision", "smem_limit"))
 def gdn_masked_block(q, k, v, g, beta, mask, state, *, interpret: bool = False, block_v: int | None = None,
                      block_t: int = 16, head_block: int | None = None, max_depth: int | None = None,
                      num_warps: int | None = None, num_stages: int = 1, precision: str = "bf16x3m",
-                     smem_limit: int | None = None, merge_rows: int = 0):
+                     smem_limit: int | None = None):
     """The WY form over one block of N tokens related by `mask` (ancestor-or-self, [B,N,N] bool).
 
     q,k [B,N,Hk,dk]; v [B,N,Hv,dv]; g,beta [B,N,Hv]; state [B,Hv,dk,dv] (all fp32).
@@ -221,72 +201,22 @@ def gdn_masked_block(q, k, v, g, beta, mask, state, *, interpret: bool = False, 
 
     K Kᵀ and Q Kᵀ are formed once per key head by one batched fp32 XLA dot (`key_grams`, shared by the
     Hv/Hk value heads and every dv tile) and read by the kernel, which does the decay masking, the solve
-    and the products with S0 / W. merge_rows: under `jax.vmap`, merge the slots' trees into one of up to that
-    many rows (`_merge_vmap`; 0: never).
+    and the products with S0 / W.
     """
-    dk, dv = k.shape[3], v.shape[3]
+    B, N, Hk, dk = k.shape
+    Hv, dv = v.shape[2], v.shape[3]
+    r = Hv // Hk
+    assert is_pow2(block_t) and block_t >= 16, block_t
     dkp, dvp = feature_pad(dk), feature_pad(dv)
+    cfg = plan(N, dkp, dvp, block_v=block_v, block_t=block_t, head_block=head_block, limit=smem_limit)
+    bh = cfg["head_block"]
+    assert is_pow2(bh) and bh >= block_t, bh
     f32 = jnp.float32
     q, k, v, g, beta, state = (x.astype(f32) for x in (q, k, v, g, beta, state))
     if dkp != dk:  # tiny test shapes only: zero features change nothing
         q, k, state = pad_axis(q, 3, dkp), pad_axis(k, 3, dkp), pad_axis(state, 2, dkp)
     if dvp != dv:
         v, state = pad_axis(v, 3, dvp), pad_axis(state, 3, dvp)
-    kw = dict(interpret=interpret, block_v=block_v, block_t=block_t, head_block=head_block, max_depth=max_depth,
-              num_warps=num_warps, num_stages=num_stages, precision=precision, smem_limit=smem_limit)
-    call = functools.partial(_block, **kw)
-    if merge_rows:
-        call = _merge_vmap(call, min(merge_rows, 128))
-    o, W, G = call(q, k, v, g, beta, mask, state[:, None])
-    if dvp != dv:
-        o, W = o[..., :dv], W[..., :dv]
-    return o, W, G
-
-
-def _merge_vmap(call, merge_rows: int):
-    """call(q, k, v, g, beta, mask, state [B, slots, Hv, dk, dv]) -> (o, W, G), made vmappable by merging the
-    vmapped axis S into the tree: row i of slot s becomes row s·N + i of one tree of S·N rows whose mask is
-    block-diagonal (no row sees another slot's) and whose rows take their slot's state — where N is a power of two
-    ≥ 16 and S·N ≤ merge_rows; else the kernel's own batching rule (a grid axis of slots). Exact: nothing couples
-    rows outside the mask but the state, and each row keeps its own."""
-    f = jax.custom_batching.custom_vmap(call)
-
-    @f.def_vmap
-    def _rule(axis_size, in_batched, *args):
-        S = axis_size
-        args = [x if b else jnp.broadcast_to(x, (S,) + x.shape) for x, b in zip(args, in_batched)]
-        q, k, v, g, beta, mask, state = args
-        B, N, slots = q.shape[1], q.shape[2], state.shape[2]
-        ns = N // slots
-        if S * N > merge_rows or ns < 16 or not is_pow2(ns):
-            return jax.vmap(call)(*args), (True, True, True)
-
-        def rows(x):  # [S, B, N, ...] -> [B, S·N, ...]
-            return jnp.moveaxis(x, 0, 1).reshape((B, S * N) + x.shape[3:])
-
-        eye = jnp.eye(S, dtype=bool)
-        m = jnp.moveaxis(mask, 0, 1)[:, :, :, None, :] & eye[None, :, None, :, None]  # [B, S, N, S, N]
-        st = jnp.moveaxis(state, 0, 1).reshape((B, S * slots) + state.shape[3:])  # [B, S·slots, Hv, dk, dv]
-        o, W, G = f(rows(q), rows(k), rows(v), rows(g), rows(beta), m.reshape(B, S * N, S * N), st)
-        back = lambda x: jnp.moveaxis(x.reshape((B, S, N) + x.shape[2:]), 1, 0)
-        return (back(o), back(W), back(G)), (True, True, True)
-
-    return f
-
-
-def _block(q, k, v, g, beta, mask, state, *, interpret, block_v, block_t, head_block, max_depth, num_warps,
-           num_stages, precision, smem_limit):
-    """The kernel over padded fp32 operands (`gdn_masked_block`); state [B, slots, Hv, dk, dv]: rows
-    [s·N/slots, (s+1)·N/slots) take slot s's (slots > 1: merged trees, all rows in the head block)."""
-    B, N, Hk, dkp = k.shape
-    slots, Hv, dvp = state.shape[1], v.shape[2], v.shape[3]
-    r = Hv // Hk
-    assert is_pow2(block_t) and block_t >= 16, block_t
-    cfg = plan(N, dkp, dvp, block_v=block_v, block_t=block_t, head_block=head_block, limit=smem_limit)
-    bh = cfg["head_block"]
-    assert is_pow2(bh) and bh >= block_t, bh
-    assert slots == 1 or (N % slots == 0 and N <= bh), (N, slots, bh)
-    f32 = jnp.float32
     bv = cfg["block_v"]
     num_warps = num_warps or (8 if bh >= 64 else 4)
     assert is_pow2(bv) and dvp % bv == 0
@@ -300,9 +230,9 @@ def _block(q, k, v, g, beta, mask, state, *, interpret, block_v, block_t, head_b
     pw, po = ("tf32", "tf32x3m") if precision == "mixed" else (precision, precision)
     kern = functools.partial(_kernel, n=N, bh=bh, bt=block_t, ntail=ntail, npc=next_pow2(N), max_depth=max_depth,
                              mm_w=matmul_fns(pw, interpret), mm_o=matmul_fns(po, interpret), same=pw == po,
-                             barrier=barrier, slots=slots)
+                             barrier=barrier)
     grams = key_grams(q, k)  # [B, 2, Hk, N, N]
-    return pl.pallas_call(
+    o, W, G = pl.pallas_call(
         kern,
         grid=(B, Hv, nvt),
         in_specs=[
@@ -312,7 +242,7 @@ def _block(q, k, v, g, beta, mask, state, *, interpret, block_v, block_t, head_b
             pl.BlockSpec((None, N, None), lambda b, h, t: (b, 0, h)),  # g
             pl.BlockSpec((None, N, None), lambda b, h, t: (b, 0, h)),  # beta
             pl.BlockSpec((None, N, N), lambda b, h, t: (b, 0, 0)),  # mask
-            pl.BlockSpec((None, slots, None, dkp, bv), lambda b, h, t: (b, 0, h, 0, t)),  # state (per slot)
+            pl.BlockSpec((None, None, dkp, bv), lambda b, h, t: (b, h, 0, t)),  # state
             pl.BlockSpec((None, None, None, N, N), lambda b, h, t: (b, 0, h // r, 0, 0)),  # K Kᵀ
             pl.BlockSpec((None, None, None, N, N), lambda b, h, t: (b, 1, h // r, 0, 0)),  # Q Kᵀ
         ],
@@ -330,3 +260,6 @@ def _block(q, k, v, g, beta, mask, state, *, interpret, block_v, block_t, head_b
         interpret=interpret,
         name="gdn_tree_block",
     )(q, k, v, g, beta, mask_i8, state, grams, grams)
+    if dvp != dv:
+        o, W = o[..., :dv], W[..., :dv]
+    return o, W, G

@@ -1,5 +1,5 @@
-"""The GDN tree kernel under jax.vmap (the pool's batched round: a slot grid axis, or merge_rows' one block-diagonal
-tree), on the interpreter and lowered for an abstract H200."""
+"""The GDN tree kernel under jax.vmap (the pool's batched round: the slots become a grid axis), on the interpreter
+and lowered for an abstract H200."""
 
 import functools
 
@@ -52,39 +52,33 @@ def _pallas_rows(f, *args):
     return found
 
 
-@pytest.mark.parametrize("S,N,merge_rows,merged", [(4, 32, 0, False), (3, 21, 0, False), (4, 32, 128, True),
-                                                   (3, 16, 128, True), (2, 64, 128, True), (16, 8, 128, False),
-                                                   (3, 21, 128, False), (4, 64, 128, False)])
-def test_vmapped_slots_match_reference(S, N, merge_rows, merged):
+@pytest.mark.parametrize("S,N", [(4, 32), (3, 21), (16, 8)])
+def test_vmapped_slots_match_reference(S, N):
     """jax.vmap over slots (the pool's batched round, each slot its own tree and state): each slot's o / W / G are
-    its own tree's, whatever the others hold. merge_rows (the trees as one block-diagonal tree, each slot's S0
-    products on its own rows) merges only N = 2^k >= 16 with S·N <= merge_rows — one launch of S·N rows — else
-    the grid gets the slot axis."""
-    args = _slots(S, N, seed=S + N + (1 if merge_rows else 0))
-    f = jax.vmap(functools.partial(gdn_tree.gdn_masked_block, interpret=True, merge_rows=merge_rows))
+    its own tree's, whatever the others hold; one launch, the slots a grid axis."""
+    args = _slots(S, N, seed=S + N)
+    f = jax.vmap(functools.partial(gdn_tree.gdn_masked_block, interpret=True))
     _assert_each_slot(f(*args), args)
     (rows, lead), = _pallas_rows(f, *args)
-    assert (rows, lead) == ((S * N, (1,)) if merged else (N, (S, 1))), (rows, lead)
+    assert (rows, lead) == (N, (S, 1)), (rows, lead)
 
 
-def test_merged_slots_nested_and_shared_operands():
-    """Two vmapped axes (2 x 2 slots of 16 nodes) merge into one 64-row launch; an unbatched operand (one mask for
-    every slot) is broadcast first."""
+def test_vmapped_slots_nested_and_shared_operands():
+    """Two vmapped axes (2 x 2 slots of 16 nodes); an unbatched operand (one mask for every slot)."""
     S, N = 4, 16
     args = _slots(S, N, seed=9)
-    kernel = functools.partial(gdn_tree.gdn_masked_block, interpret=True, merge_rows=128)
+    kernel = functools.partial(gdn_tree.gdn_masked_block, interpret=True)
     nested = tuple(x.reshape((2, 2) + x.shape[1:]) for x in args)
     out = jax.vmap(jax.vmap(kernel))(*nested)
-    assert [r for r, _ in _pallas_rows(jax.vmap(jax.vmap(kernel)), *nested)] == [S * N]
     _assert_each_slot([a.reshape((S,) + a.shape[2:]) for a in out], args)
     one_mask = args[:5] + (jnp.broadcast_to(args[5][:1], args[5].shape),) + args[6:]
     shared = jax.vmap(kernel, in_axes=(0, 0, 0, 0, 0, None, 0))(*args[:5], args[5][0], args[6])
     _assert_each_slot(shared, one_mask)
 
 
-@pytest.mark.parametrize("S,N", [(4, 32), (8, 16), (2, 64)])
-def test_merged_slots_lower_for_h200_at_27b_shapes(S, N):
-    f = jax.vmap(functools.partial(gdn_tree.gdn_masked_block, merge_rows=128))
+@pytest.mark.parametrize("S,N", [(4, 32), (8, 16)])
+def test_vmapped_slots_lower_for_h200_at_27b_shapes(S, N):
+    f = jax.vmap(gdn_tree.gdn_masked_block)
     structs = [jax.ShapeDtypeStruct((S,) + x.shape, x.dtype) for x in _structs(N=N)]
     txt = lower_for_h200(f, *structs)
     assert "triton" in txt
