@@ -8,7 +8,7 @@ the optimized HLO XLA dumps while it compiles the rounds: a kernel is named afte
 `hlo_parts`; sessions 6–9 found only the tree build's scope in the trace; in session 10 the dumps named the
 one-slot round's parts; the batched round's scopes read "vmap(verify)" and are matched since). The jax profiler disables command
 buffers: read the gaps with care, time unprofiled. `kernel_event_stats`: the stats the kernel events carry. Each
-top kernel of a round or prefill profile carries the op name of its HLO instruction ("op": which jnp line).
+top kernel of a round or prefill profile carries the op name of its HLO instruction ("op": which jnp line) and, for a fusion, "body": its shapes and opcodes.
 
     python benchmarks/profile_gpu.py --out prof.json [--kernels xla|pallas] [--context 4096]
         [--merge-into benchmarks/results/h200.json]   # adds decode/verify/round_kernels_per_step
@@ -129,6 +129,53 @@ def hlo_op_names(files) -> dict:
     return _hlo_map(files, lambda op: op)
 
 
+_COMP = re.compile(r'^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$')
+_LINE = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\((?:[^()]|\([^()]*\))*\)|\S+)\s+([\w\-]+)\((.*)$')
+_SHAPE = re.compile(r'\b((?:pred|s8|s16|s32|s64|u8|u16|u32|u64|f16|bf16|f32|f64|f8e4m3fn|f8e5m2)\[[\d,]*\])')
+
+
+def hlo_fusion_bodies(files, limit: int = 400) -> dict:
+    """{fusion name (as `_hlo_map`): a one-line account of it} from the dumped optimized HLO: its result shape, its
+    operands' shapes and the opcodes (with shapes) of the computation it calls, parameters left out, e.g.
+    "f32[1,48,2048,128] <- (bf16[1,2048,48,128]): reduce_precision f32[1,2048,48,128], transpose f32[1,48,2048,128]"
+    -- what a fusion moves, where the op name alone ("reduce_precision") does not say. Names met in several modules
+    with different bodies are dropped."""
+    comps, fusions = {}, {}  # computation -> [(opcode, shape)]; fusion -> (shape, operand shapes, callee)
+    for fn in files:
+        cur, shapes = None, {}  # instruction name -> its shapes (operands print as names)
+        with open(fn) as f:
+            for line in f:
+                if not line.startswith((" ", "\t")) and (m := _COMP.match(line)):
+                    cur = comps.setdefault(m.group(1), [])
+                    continue
+                if line.startswith("}"):
+                    cur = None
+                    continue
+                m = _LINE.match(line)
+                if not m:
+                    continue
+                name, shape, opcode, rest = m.groups()
+                shapes[name] = ",".join(_SHAPE.findall(shape)) or shape
+                if cur is not None and opcode != "parameter":
+                    cur.append((opcode, ",".join(_SHAPE.findall(shape)) or shape))
+                if opcode == "fusion" and (callee := re.search(r'calls=%?([\w.\-]+)', rest)):
+                    args = rest.split(")", 1)[0]
+                    args = ", ".join(_SHAPE.findall(args)) or ", ".join(
+                        shapes.get(a, "?") for a in re.findall(r'%([\w.\-]+)', args))
+                    fusions.setdefault(fn, {})[_norm(name)] = (shapes[name], args, callee.group(1))
+    out, clash = {}, set()
+    for per in fusions.values():
+        for key, (shape, args, callee) in per.items():
+            body = ", ".join(f"{op} {sh}" for op, sh in comps.get(callee, []))
+            text = f"{shape} <- ({args}): {body}"[:limit]
+            if key in clash:
+                continue
+            if out.setdefault(key, text) != text:
+                clash.add(key)
+                del out[key]
+    return out
+
+
 def op_of(ev, ops: dict | None) -> str | None:
     """The op name of a kernel event: an op-name stat, else the HLO instruction its name or a stat value names."""
     for _, v in ev.stats:
@@ -155,9 +202,9 @@ def part_of(ev, names: dict | None = None) -> str | None:
     return None
 
 
-def summarise(trace_dir, n_steps, names: dict | None = None, ops: dict | None = None):
+def summarise(trace_dir, n_steps, names: dict | None = None, ops: dict | None = None, bodies: dict | None = None):
     """names: `hlo_parts` of the profiled function (the parts of kernels whose events carry no op name); ops:
-    `hlo_op_names` (each top kernel's op name, "op" in "top")."""
+    `hlo_op_names` (each top kernel's op name, "op" in "top"); bodies: `hlo_fusion_bodies` ("body" in "top")."""
     from jax.profiler import ProfileData
     fn = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
     pd = ProfileData.from_file(fn)
@@ -203,7 +250,8 @@ def summarise(trace_dir, n_steps, names: dict | None = None, ops: dict | None = 
             "copies_ge_1mb_per_step": {k: v / n_steps for k, v in big_copies.most_common(20)},
             "kernel_event_stats": dict(stat_names.most_common(12)),
             "top": [{"name": k[:120], "us_per_step": round(v[0] / n_steps, 1), "count_per_step": v[1] / n_steps,
-                     **({"op": op_names[k][:200]} if k in op_names else {})} for k, v in top]}
+                     **({"op": op_names[k][:200]} if k in op_names else {}),
+                     **({"body": bodies[_norm(k)]} if bodies and _norm(k) in bodies else {})} for k, v in top]}
 
 
 def main():
@@ -377,7 +425,7 @@ def main():
             for _ in range(n):
                 jax.block_until_ready(fn())
         res[name] = summarise(d, n * per_call.get(name, 1), hlo_parts(new_hlo) if new_hlo else None,
-                              hlo_op_names(new_hlo) if new_hlo else None)
+                              hlo_op_names(new_hlo) if new_hlo else None, hlo_fusion_bodies(new_hlo) if new_hlo else None)
         res[name]["wall_ms_per_step_profiled"] = (time.perf_counter() - t) * 1e3 / (n * per_call.get(name, 1))
         res[name]["steps_per_call"] = per_call.get(name, 1)
         print(name, json.dumps({k: v for k, v in res[name].items() if k != "top"}), flush=True)

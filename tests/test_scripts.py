@@ -73,6 +73,32 @@ def test_profile_parts_from_the_optimized_hlo(tmp_path):
     assert pg.scope_part("jit(g)/verify_x/add") is None and pg.scope_part("jit(g)/vmap(draft_y)/add") is None
 
 
+def test_profile_fusion_bodies_from_the_optimized_hlo(tmp_path):
+    """profile_gpu.hlo_fusion_bodies: a fusion's result and operand shapes (operands resolved by name) and the
+    opcodes of the computation it calls, parameters left out; a name with two bodies in two modules is dropped."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import profile_gpu as pg
+    a, b = tmp_path / "m1_gpu_after_optimizations.txt", tmp_path / "m2_gpu_after_optimizations.txt"
+    a.write_text(
+        "HloModule jit_f\n\n"
+        "%fused_transpose (param_0: f32[2,3,4]) -> bf16[2,4,3] {\n"
+        "  %param_0 = f32[2,3,4]{2,1,0} parameter(0)\n"
+        "  %reduce-precision.1 = f32[2,3,4]{2,1,0} reduce-precision(%param_0), exponent_bits=8, mantissa_bits=7\n"
+        "  ROOT %transpose.2 = bf16[2,4,3]{2,1,0} transpose(%reduce-precision.1), dimensions={0,2,1}\n"
+        "}\n\n"
+        "ENTRY %main.9 (x.1: f32[2,3,4]) -> bf16[2,4,3] {\n"
+        "  %x.1 = f32[2,3,4]{2,1,0} parameter(0)\n"
+        "  ROOT %input_transpose_fusion.48 = bf16[2,4,3]{2,1,0} fusion(%x.1), kind=kInput, calls=%fused_transpose, "
+        'metadata={op_name="jit(_prefill)/reduce_precision"}\n'
+        "}\n")
+    b.write_text("ENTRY %main (y: f32[8]) -> f32[8] {\n  %y = f32[8]{0} parameter(0)\n"
+                 "  ROOT %input_transpose_fusion.48 = f32[8]{0} fusion(%y), kind=kLoop, calls=%other\n}\n")
+    bodies = pg.hlo_fusion_bodies([str(a)])
+    assert bodies == {"input_transpose_fusion_48": "bf16[2,4,3] <- (f32[2,3,4]): reduce-precision f32[2,3,4], "
+                                                   "transpose bf16[2,4,3]"}, bodies
+    assert pg.hlo_fusion_bodies([str(a), str(b)]) == {}
+
+
 def test_kernel_benches_dry(tmp_path):
     _run(["benchmarks/bench_kernels.py", "--dry", "--sections", "tree,attn,prefill,decode_fused,tree_slots",
           "--out", str(tmp_path / "k.json")])
