@@ -39,6 +39,7 @@ from kernels_pallas import ops
 
 from jaxddtree.model import layout as layout_lib
 from jaxddtree.model import sharding
+from jaxddtree.speculative import budget as budget_lib
 from jaxddtree.speculative import loop as loop_lib
 from jaxddtree.speculative import tree as tree_lib
 from jaxddtree.model.cache import KVCache
@@ -115,11 +116,11 @@ def make_plan(target, dcfg, method: str, budget: int = 0) -> loop_lib.Plan:
     return loop_lib.make_plan(target, dcfg if method != "ar" else None, method, budget)
 
 
-def loop_state(target, drafter, plan, context: int, max_new: int, cache=None):
+def loop_state(target, drafter, plan, context: int, max_new: int, cache=None, costs=None):
     """The decode state `generate` starts its rounds from after a `context`-token prompt (caches sized by
     `loop.capacity(context, max_new)`, made by `loop.start_fn`), with random cache contents (committed length
     = context) and random logits for the first token. `cache`: use this target cache instead (its length is
-    set to context)."""
+    set to context). costs: an auto plan's table (`budget_lib.padded`)."""
     cfg = target.config
     dcfg = drafter.config if plan.method != "ar" else None
     _, S = loop_lib.capacity(target, dcfg, plan.method, plan.budget, context, max_new)
@@ -136,7 +137,7 @@ def loop_state(target, drafter, plan, context: int, max_new: int, cache=None):
     start = loop_lib.start_fn(target, plan, P, F, round_up(max_new, 256))
     state = start(logits, sharding.place(cache, target.mesh), dcache, jnp.uint32(0),
                   jnp.zeros((cfg.vocab_size,), bool), jnp.float32(1.0), jnp.int32(max_new), jnp.int32(0),
-                  jnp.float32(1.0), jnp.float32(0.0))
+                  jnp.float32(1.0), jnp.float32(0.0), costs)
     return sharding.place(state, target.mesh)
 
 
@@ -144,13 +145,14 @@ class Rounds:
     """`rounds_per_call` rounds of `plan` per call of `loop.loop_fn` (what `generate` calls) on a
     `loop_state`; `call()` enqueues one call and returns its Progress (nothing blocks)."""
 
-    def __init__(self, target, drafter, plan, context: int, rounds_per_call: int, total_rounds: int, cache=None):
+    def __init__(self, target, drafter, plan, context: int, rounds_per_call: int, total_rounds: int, cache=None,
+                 costs=None):
         dcfg = drafter.config if plan.method != "ar" else None
         P = dcfg.block_size if dcfg else 1
         self.fn = loop_lib.loop_fn(target, dcfg, plan)
         self.fn1 = loop_lib.loop_fn(target, dcfg, plan, 1)  # one round per call (the server's host loop)
         self.args = (target.leaves, drafter.params if dcfg else None)
-        self.state = loop_state(target, drafter, plan, context, total_rounds * P, cache=cache)
+        self.state = loop_state(target, drafter, plan, context, total_rounds * P, cache=cache, costs=costs)
         self.oracle = jnp.zeros((1,), jnp.int32)
         self.n = jnp.int32(rounds_per_call)
         self.rounds_per_call = rounds_per_call
@@ -386,6 +388,10 @@ def main(argv=None):
     ap.add_argument("--context-budgets", default="chain,15,31,63,127",
                     help="with --contexts: rounds timed at each context for the --budget auto cost table "
                          "(round_ms_by_budget_context; 'chain' = DFlash)")
+    ap.add_argument("--auto-forced", default="on", choices=["on", "off"],
+                    help="with --contexts: also time generate's tree_budget='auto' round forced to each of "
+                         "--context-budgets (auto_round_ms_by_budget_context: it drafts and builds the largest "
+                         "tree every round; bench_auto_budget.py's cost of auto)")
     ap.add_argument("--prefill-contexts", default="8192,32768,131072",
                     help="prompt lengths timed for prefill_s_by_context (with --contexts)")
     ap.add_argument("--prefill-chunk", type=int, default=2048, help="rows per prefill call in the context sweep")
@@ -657,7 +663,12 @@ def contexts(args, res, key, target, drafter, dcfg, save, log):
     kn, vn = (jax.random.normal(k, (1, nn, cfg.num_key_value_heads, cfg.head_dim), jnp.bfloat16) for k in ks[1:])
 
     budgets = [b for b in args.context_budgets.split(",") if b]
-    table = res.setdefault("round_ms_by_budget_context" + key, {})  # jaxddtree.speculative.budget.TABLE_KEY
+    table = res.setdefault(budget_lib.TABLE_KEY + key, {})
+    auto_plan = auto_tab = None
+    if args.auto_forced == "on":  # generate's tree_budget="auto" round, forced to each candidate
+        cands = budget_lib.candidates_for(cfg.vocab_size, tuple(budget_lib.parse(b) for b in budgets))
+        auto_plan = loop_lib.make_plan(target, dcfg, "ddtree", max(cands), budgets=cands)
+        auto_tab = res.setdefault(budget_lib.AUTO_TABLE_KEY + key, {})
     # one capacity for every context (the kernels read the committed rows only): one compilation per plan
     _, S = loop_lib.capacity(target, dcfg, "ddtree", 128, max(ctxs), (runs + 2) * n * dcfg.block_size)
     for ctx in ctxs:
@@ -686,10 +697,22 @@ def contexts(args, res, key, target, drafter, dcfg, save, log):
                 table.setdefault(b, {})[str(ctx)] = ms
             if b == "64":
                 rnd[str(ctx)] = ms
+        if auto_plan is not None:  # one compilation: the forcing table is data
+            for b in cands:
+                one = Rounds(target, drafter, auto_plan, ctx, n, (runs + 2) * n, cache=cache,
+                             costs=budget_lib.padded(budget_lib.forcing(cands, b)))
+                del cache
+                auto_tab.setdefault(budget_lib.name(b), {})[str(ctx)] = round(one.ms_per_round(runs), 3)
+                chosen = np.asarray(one.state.auto.chosen)[:int(one.state.n_rounds)]
+                assert chosen.size and np.all(chosen == b), f"auto forced to {budget_lib.name(b)} chose {chosen}"
+                cache = one.state.cache
+                del one
         del cache
         log(f"context {ctx}: AR step {ar[str(ctx)]} ms, round(64) {rnd[str(ctx)]} ms, rounds by budget "
             f"{ {b: table.get(b, {}).get(str(ctx)) for b in budgets} }, "
-            f"tree attention x{cfg.layer_types.count('full_attention')} {att[str(ctx)]} ms")
+            + (f"auto rounds forced to each { {b: v.get(str(ctx)) for b, v in auto_tab.items()} }, "
+               if auto_plan is not None else "")
+            + f"tree attention x{cfg.layer_types.count('full_attention')} {att[str(ctx)]} ms")
         save()
 
     # prefill: whole prompts in chunks of --prefill-chunk into one cache sized for the longest (one compilation;

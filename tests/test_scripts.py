@@ -27,6 +27,17 @@ def test_bench_smoke_writes_every_key(tmp_path):
     assert res["host"]["dispatch_ms"] > 0
 
 
+def test_bench_context_sweep_times_the_auto_round_forced(tmp_path):
+    """bench.py --contexts: the fixed-budget table and generate's auto round forced to each candidate (its
+    assertion checks that auto chose the forced one every round), both in bench_auto_budget's layout."""
+    out = tmp_path / "bench.json"
+    _run(["benchmarks/bench.py", "--smoke", "--sections", "none", "--contexts", "64", "--context-budgets", "chain,7",
+          "--runs", "1", "--rounds-per-call", "2", "--out", str(out)])
+    res = json.loads(out.read_text())
+    for key in ("round_ms_by_budget_context", "auto_round_ms_by_budget_context"):
+        assert set(res[key]) == {"chain", "7"} and all(v["64"] > 0 for v in res[key].values()), res[key]
+
+
 def test_profile_round_smoke(tmp_path):
     """profile_gpu.py's round (draft, tree build, verify, accept, commit) at bench.py's smoke shapes."""
     out = tmp_path / "prof.json"

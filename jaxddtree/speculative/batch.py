@@ -537,7 +537,7 @@ class SlotPool:
         ids = check_ids(prompt_ids, "prompt_ids").tolist()
         cfg = self.target.config
         fits = lambda n: loop_lib.capacity(self.target, self.dcfg, self.method, self.budget, n, 2)[1] <= self.cache_len
-        widths = [n for _, n in chunk_widths(cfg.max_position_embeddings - 2) if fits(n)]
+        widths = [(w, n) for w, n in chunk_widths(cfg.max_position_embeddings - 2) if fits(n)]  # (chunk, prompt)
 
         def prompt(n):
             return (ids * (n // len(ids) + 1))[:n]
@@ -561,7 +561,7 @@ class SlotPool:
             if progress is not None:
                 progress(done, total, what)
 
-        for n in widths:
+        for w, n in widths:
             for t, top_k in ((0.0, 0), (1.0, 0), (1.0, 5)) if sampling else ((0.0, 0),):
                 try:
                     run_all([Request(prompt(n), 2, temperature=t, top_k=top_k)])
@@ -572,7 +572,8 @@ class SlotPool:
                 self.group(ps)
                 run_all(pending=ps)
             groups = self.group_sizes(n)
-            tick(f"prefill of {n}-token chunks" + (f" (and groups of {', '.join(map(str, groups))})" if groups else ""))
+            tick(f"prefill of {w}-token chunks" + (f" (and groups of {', '.join(map(str, groups))})" if groups else "")
+                 + ", with the rounds they start")
         base = prompt(min(len(ids), 64))
         # join one at a time up to B, then leave down to one: every resize and bucket, greedy then sampling
         for B, t in stages:
