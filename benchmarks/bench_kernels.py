@@ -3,6 +3,7 @@
     PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/kernels.json [--sections tree,attn,prefill,decode_fused]
     PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/long.json --sections attn_long,prefill_attn
     PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/slots.json --sections tree_slots  # issue 28
+    PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/c.json --sections commit,tree  # issue 26
     JAX_PLATFORMS=cpu python benchmarks/bench_kernels.py --dry     # tiny shapes, interpret mode: checks the script
     --select REGEX runs only the variants whose 'section:variant' matches (the reference always runs)
 
@@ -62,7 +63,7 @@ GDN_LAYERS, ATTN_LAYERS = 48, 16
 TREE_N, PREFIX, PREFILL_T = 65, 4096, 8192
 DRY = False  # --dry: tiny shapes, interpret mode, CPU (checks this script, not the kernels' speed)
 LONG_CONTEXTS, PREFILL_CHUNKS, PREFILL_STARTS = (4096, 32768, 131072), (1024, 2048, 4096), (0, 32768, 122880)
-BUDGET = {"tree": 75, "tree_slots": 120, "attn": 50, "decode_attn": 15, "prefill": 30, "decode_fused": 60, "attn_long": 100,
+BUDGET = {"commit": 40, "tree": 75, "tree_slots": 120, "attn": 50, "decode_attn": 15, "prefill": 30, "decode_fused": 60, "attn_long": 100,
           "prefill_attn": 130}  # seconds per section (scaled by --budget-scale)
 
 RESULTS: dict = {}
@@ -163,6 +164,7 @@ def section_tree(deadline):
         "bv128": dict(block_v=128),
         "bh64": dict(head_block=64),
         "tf32": dict(precision="tf32"),
+        "grams_bf16x3": dict(grams="bf16x3"),  # K Kᵀ / Q Kᵀ as one bf16 dot of split operands, not an fp32 SGEMM
     }
     make = lambda kw: (gdn_tree.gdn_masked_block_reference if kw is None
                        else functools.partial(gdn_tree.gdn_masked_block, **kw, **IKW()))
@@ -190,7 +192,7 @@ def section_tree_slots(deadline):
         # slots stacked on a new leading axis (vmap)
         stacked = jax.device_put(tuple(jnp.stack([x[i] for x in per]) for i in range(7)))
         ref0 = [np.asarray(x) for x in jax.jit(jax.vmap(gdn_tree.gdn_masked_block_reference))(*stacked)]
-        variants = {"xla_reference": None, "default": {}, "w8": dict(num_warps=8),
+        variants = {"xla_reference": None, "default": {}, "grams_bf16x3": dict(grams="bf16x3"), "w8": dict(num_warps=8),
                     "bv128": dict(block_v=128)}
         make = lambda kw: (jax.vmap(gdn_tree.gdn_masked_block_reference) if kw is None
                            else jax.vmap(functools.partial(gdn_tree.gdn_masked_block, **kw, **IKW())))
@@ -473,6 +475,54 @@ def section_prefill(deadline):
     RESULTS["gdn_prefill_xla_gpu_ms_8k_48_layers_projected"] = None if gr is None else 48 * gr / 1e3
 
 
+def commit_reduce(state, conv, k, W, g, x, path, path_len):
+    """`gdn_reference.gdn_commit` with the path's update as a broadcast multiply and sum over the path rows
+    (P <= 16), which XLA can fuse with the decay of S0 into one kernel, instead of a batched fp32 dot (cuBLAS SGEMM)
+    and an add. A variant to measure against the model's path (issue 26)."""
+    take = lambda a: jnp.take_along_axis(a, path.reshape(path.shape + (1,) * (a.ndim - 2)), axis=1)
+    on = jnp.arange(path.shape[1])[None, :] < path_len[:, None]  # [B, P]
+    kp, Wp, gp = take(k), take(W), jnp.where(on[..., None], take(g), 0.0)
+    hv = Wp.shape[2]
+    suffix = jnp.flip(jnp.cumsum(jnp.flip(gp, 1), axis=1), 1)
+    after = jnp.concatenate([suffix[:, 1:], jnp.zeros_like(suffix[:, :1])], axis=1)
+    coef = jnp.where(on[..., None], jnp.exp(after), 0.0)  # [B, P, Hv]
+    kc = gdn_reference.expand_kv_heads(kp, hv) * coef[..., None]  # [B, P, Hv, dk]
+    upd = jnp.sum(kc[..., :, None] * Wp[..., None, :], axis=1)  # [B, Hv, dk, dv]
+    new = jnp.exp(jnp.sum(gp, axis=1))[..., None, None] * state + upd
+    rows = jnp.concatenate([conv, take(x).astype(conv.dtype)], axis=1)
+    idx = path_len[:, None] + jnp.arange(conv.shape[1])[None, :]
+    return new, jnp.take_along_axis(rows, idx[..., None], axis=1)
+
+
+def section_commit(deadline):
+    """The commit of an accepted path (12 of 16 rows) into one GDN layer from the verify's stash of 65 nodes (the
+    round's accept + commit part, 48 layers): the model's path (`gdn_reference.gdn_commit`, the reference) vs
+    `commit_reduce`."""
+    N, P, conv_dim = TREE_N, 16, 2 * HK * DK + HV * DV
+    log(f"== GDN commit: stash of {N} nodes, path of 12 in {P} rows, x{GDN_LAYERS} layers")
+    layers = []
+    for l in range(GDN_LAYERS):
+        ks = jax.random.split(jax.random.PRNGKey(500 + l), 6)
+        k = jax.random.normal(ks[0], (1, N, HK, DK), jnp.float32)
+        k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+        W = 0.1 * jax.random.normal(ks[1], (1, N, HV, DV), jnp.float32)
+        g = -jax.random.uniform(ks[2], (1, N, HV), jnp.float32, 0.01, 2.0)
+        x = jax.random.normal(ks[3], (1, N, conv_dim), jnp.bfloat16)
+        state = jax.random.normal(ks[4], (1, HV, DK, DV), jnp.float32)
+        conv = jax.random.normal(ks[5], (1, CONV_K - 1, conv_dim), jnp.bfloat16)
+        path = jnp.asarray(np.sort(np.random.default_rng(l).choice(N, P, replace=False)))[None].astype(jnp.int32)
+        layers.append((state, conv, k, W, g, x, path, jnp.array([12], jnp.int32)))
+    layers = jax.device_put(layers)
+    ref0 = [np.asarray(a, np.float32) for a in jax.jit(gdn_reference.gdn_commit)(*layers[0])]
+    variants = {"xla_reference": None, "reduce": {}}
+    make = lambda kw: gdn_reference.gdn_commit if kw is None else commit_reduce
+    recs, best = evaluate("commit", variants, make, layers[0],
+                          lambda out: errs(zip(("state", "conv"), [np.asarray(a, np.float32) for a in out], ref0)),
+                          deadline, layers_all=layers)
+    RESULTS["gdn_commit"] = recs
+    summarize("gdn_commit", recs, best, GDN_LAYERS, "16")
+
+
 def main():
     global DRY, HK, HV, DK, DV, CONV_K, H, HKV, HD, GDN_LAYERS, ATTN_LAYERS, TREE_N, PREFIX, PREFILL_T, SELECT
     global LONG_CONTEXTS, PREFILL_CHUNKS, PREFILL_STARTS
@@ -528,6 +578,8 @@ def main():
                 summarize("decode_attention", recs1, best1, ATTN_LAYERS, "1")
             elif sec == "prefill":
                 section_prefill(deadline)
+            elif sec == "commit":
+                section_commit(deadline)
             elif sec == "decode_fused":
                 section_decode_fused(deadline)
             elif sec == "attn_long":
