@@ -161,14 +161,24 @@ def tree_conv(conv_state, x, conv_src, w):
     """Causal depthwise conv with SiLU along each token's predecessor chain.
 
     conv_state [B, K-1, C]; x [B, T, C]; conv_src [B, T, K-1] rows of concat(conv_state, x) (oldest
-    first); w [K, C] (tap K-1 hits the current token). Sums in fp32, rounded to the activations' dtype,
-    SiLU in fp32, rounded (transformers' `causal_conv1d_fn` / `causal_conv1d_update` torch fallback:
-    `F.conv1d` in the activations' dtype, then `ACT2FN["silu"]` on it).
+    first), or None for a sequence (token t's taps are rows t .. t+K-2: static slices, no gather); w [K, C]
+    (tap K-1 hits the current token). Sums in fp32, tap by tap (elementwise: no dot, so no transposed dot
+    output for XLA to lay back out), rounded to the activations' dtype, SiLU in fp32, rounded (transformers'
+    `causal_conv1d_fn` / `causal_conv1d_update` torch fallback: `F.conv1d` in the activations' dtype, then
+    `ACT2FN["silu"]` on it).
     """
     rows = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
-    taps = jax.vmap(lambda r, s: r[s])(rows, conv_src)  # [B, T, K-1, C]
+    km1, T = conv_state.shape[1], x.shape[1]
+    if conv_src is None:
+        tap = lambda s: rows[:, s:s + T]  # [B, T, C]
+    else:
+        taps = jax.vmap(lambda r, s: r[s])(rows, conv_src)  # [B, T, K-1, C]
+        tap = lambda s: taps[:, :, s]
     wf = w.astype(jnp.float32)
-    acc = jnp.einsum("btsc,sc->btc", taps.astype(jnp.float32), wf[:-1]) + x.astype(jnp.float32) * wf[-1]
+    acc = tap(0).astype(jnp.float32) * wf[0]
+    for s in range(1, km1):
+        acc = acc + tap(s).astype(jnp.float32) * wf[s]
+    acc = acc + x.astype(jnp.float32) * wf[-1]
     return rounded(silu32(rounded(acc, x.dtype)), x.dtype)
 
 
@@ -218,9 +228,8 @@ def gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, *,
     km1 = K - 1
     assert conv_state.shape[1] == km1 and conv_w.shape[0] == K, (conv_state.shape, conv_w.shape, K)
     xin, z, b, a = split_proj(proj, num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv)
-    # the single token sits at row K-1 of concat(conv_state, x); its taps are rows 0..K-2
-    src = jnp.broadcast_to(jnp.arange(km1, dtype=jnp.int32)[None, None], (B, 1, km1))
-    xc = tree_conv(conv_state, xin[:, None], src, conv_w)  # [B, 1, conv_dim]
+    # the single token sits at row K-1 of concat(conv_state, x); its taps are rows 0..K-2 (a sequence of one)
+    xc = tree_conv(conv_state, xin[:, None], None, conv_w)  # [B, 1, conv_dim]
     q, k, v = jnp.split(xc[:, 0], [hk * dk, 2 * hk * dk], axis=-1)
     q = l2norm(q.reshape(B, hk, dk).astype(jnp.float32)) * dk ** -0.5
     k = l2norm(k.reshape(B, hk, dk).astype(jnp.float32))

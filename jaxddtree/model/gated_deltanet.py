@@ -85,7 +85,7 @@ class GatedDeltaNet(nnx.Module):
         xin, z, b, a = jnp.split(proj, in_proj_split(cfg), axis=-1)  # xin [B,T,conv_dim] pre-conv
         z = z.reshape(B, T, hv, dv)  # b, a: [B,T,Hv]
 
-        xc = tree_conv(cache.conv, xin, layout.conv_src, self.conv[...])
+        xc = tree_conv(cache.conv, xin, layout.conv_src if layout.is_tree else None, self.conv[...])
         q, k, v = jnp.split(xc, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
         q = l2norm(q.reshape(B, T, hk, dk).astype(jnp.float32)) * dk ** -0.5
         k = l2norm(k.reshape(B, T, hk, dk).astype(jnp.float32))
