@@ -3,7 +3,7 @@
     PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/kernels.json [--sections tree,attn,prefill,decode_fused]
     PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/long.json --sections attn_long,prefill_attn
     PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/slots.json --sections tree_slots  # issue 28
-    PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/c.json --sections commit,tree  # issue 26
+    PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/c.json --sections conv,commit,tree  # issue 26
     JAX_PLATFORMS=cpu python benchmarks/bench_kernels.py --dry     # tiny shapes, interpret mode: checks the script
     --select REGEX runs only the variants whose 'section:variant' matches (the reference always runs)
 
@@ -63,7 +63,7 @@ GDN_LAYERS, ATTN_LAYERS = 48, 16
 TREE_N, PREFIX, PREFILL_T = 65, 4096, 8192
 DRY = False  # --dry: tiny shapes, interpret mode, CPU (checks this script, not the kernels' speed)
 LONG_CONTEXTS, PREFILL_CHUNKS, PREFILL_STARTS = (4096, 32768, 131072), (1024, 2048, 4096), (0, 32768, 122880)
-BUDGET = {"commit": 40, "tree": 75, "tree_slots": 120, "attn": 50, "decode_attn": 15, "prefill": 30, "decode_fused": 60, "attn_long": 100,
+BUDGET = {"commit": 40, "conv": 30, "tree": 75, "tree_slots": 120, "attn": 50, "decode_attn": 15, "prefill": 30, "decode_fused": 60, "attn_long": 100,
           "prefill_attn": 130}  # seconds per section (scaled by --budget-scale)
 
 RESULTS: dict = {}
@@ -523,6 +523,47 @@ def section_commit(deadline):
     summarize("gdn_commit", recs, best, GDN_LAYERS, "16")
 
 
+def conv_einsum(conv_state, x, conv_src, w):
+    """The GDN conv as it was before session 12 (`gdn_reference.tree_conv` with the taps gathered and summed by an
+    einsum, whose dot XLA emits as [C, B, T] and lays back out with a transpose): the variant the model's path
+    replaced, kept here to measure against it."""
+    rows = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)
+    taps = jax.vmap(lambda r, s: r[s])(rows, conv_src)  # [B, T, K-1, C]
+    wf = w.astype(jnp.float32)
+    acc = jnp.einsum("btsc,sc->btc", taps.astype(jnp.float32), wf[:-1]) + x.astype(jnp.float32) * wf[-1]
+    return gdn_reference.rounded(gdn_reference.silu32(gdn_reference.rounded(acc, x.dtype)), x.dtype)
+
+
+def section_conv(deadline):
+    """The GDN layer's causal conv + SiLU (bf16, 27B conv width) over a 2048-row prefill chunk and a 65-node tree
+    (random parents): the model's path (`gdn_reference.tree_conv`: taps summed one by one; a chunk's taps as
+    static slices) vs `conv_einsum`. One layer per call; x48 for a pass."""
+    from jaxddtree.model import layout as layout_lib
+    conv_dim = 2 * HK * DK + HV * DV
+    rng = np.random.default_rng(7)
+    for name, T, tree in (("prefill", 2048 if not DRY else 64, False), ("tree", TREE_N, True)):
+        if time.perf_counter() > deadline:
+            break
+        ks = jax.random.split(jax.random.PRNGKey(600 + T), 3)
+        x = jax.random.normal(ks[0], (1, T, conv_dim), jnp.bfloat16)
+        cs = jax.random.normal(ks[1], (1, CONV_K - 1, conv_dim), jnp.bfloat16)
+        w = (0.3 * jax.random.normal(ks[2], (CONV_K, conv_dim), jnp.float32)).astype(jnp.bfloat16)
+        if tree:
+            parents = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, T)], np.int32)
+            src = layout_lib.tree(0, jnp.asarray(parents), CONV_K).conv_src
+        else:
+            src = layout_lib.sequence(0, T, CONV_K).conv_src
+        one = jax.device_put((cs, x, src, w))
+        model = (lambda cs, x, src, w: gdn_reference.tree_conv(cs, x, src, w)) if tree else (
+            lambda cs, x, src, w: gdn_reference.tree_conv(cs, x, None, w))
+        ref0 = np.asarray(jax.jit(model)(*one), np.float32)
+        log(f"== GDN conv + SiLU: {name}, {T} rows x {conv_dim} channels (x{GDN_LAYERS} layers)")
+        recs, best = evaluate(f"conv_{name}", {"xla_reference": None, "einsum": {}},
+                              lambda kw: model if kw is None else conv_einsum, one,
+                              lambda out: errs([("xc", np.asarray(out, np.float32), ref0)]), deadline)
+        RESULTS[f"gdn_conv_{name}"] = recs
+
+
 def main():
     global DRY, HK, HV, DK, DV, CONV_K, H, HKV, HD, GDN_LAYERS, ATTN_LAYERS, TREE_N, PREFIX, PREFILL_T, SELECT
     global LONG_CONTEXTS, PREFILL_CHUNKS, PREFILL_STARTS
@@ -580,6 +621,8 @@ def main():
                 section_prefill(deadline)
             elif sec == "commit":
                 section_commit(deadline)
+            elif sec == "conv":
+                section_conv(deadline)
             elif sec == "decode_fused":
                 section_decode_fused(deadline)
             elif sec == "attn_long":
