@@ -3,7 +3,7 @@
     PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/kernels.json [--sections tree,attn,prefill,decode_fused]
     PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/long.json --sections attn_long,prefill_attn
     PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/slots.json --sections tree_slots  # issue 28
-    PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/c.json --sections conv,commit,tree  # issue 26
+    PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/c.json --sections conv,commit,rounding,tree  # issue 26
     JAX_PLATFORMS=cpu python benchmarks/bench_kernels.py --dry     # tiny shapes, interpret mode: checks the script
     --select REGEX runs only the variants whose 'section:variant' matches (the reference always runs)
 
@@ -63,7 +63,7 @@ GDN_LAYERS, ATTN_LAYERS = 48, 16
 TREE_N, PREFIX, PREFILL_T = 65, 4096, 8192
 DRY = False  # --dry: tiny shapes, interpret mode, CPU (checks this script, not the kernels' speed)
 LONG_CONTEXTS, PREFILL_CHUNKS, PREFILL_STARTS = (4096, 32768, 131072), (1024, 2048, 4096), (0, 32768, 122880)
-BUDGET = {"commit": 40, "conv": 30, "tree": 75, "tree_slots": 120, "attn": 50, "decode_attn": 15, "prefill": 30, "decode_fused": 60, "attn_long": 100,
+BUDGET = {"commit": 40, "conv": 30, "rounding": 60, "tree": 75, "tree_slots": 120, "attn": 50, "decode_attn": 15, "prefill": 30, "decode_fused": 60, "attn_long": 100,
           "prefill_attn": 130}  # seconds per section (scaled by --budget-scale)
 
 RESULTS: dict = {}
@@ -564,6 +564,36 @@ def section_conv(deadline):
         RESULTS[f"gdn_conv_{name}"] = recs
 
 
+def section_rounding(deadline):
+    """A projection's output rounding (issue 26/27: the rounding / convert fusions after every GEMM of the verify
+    and the prefill): today's path (`ops._project` + `dense`: the product in fp32, then `rounded` to bf16 by a
+    separate XLA fusion) vs the product written in bf16 by the GEMM itself (fp32 accumulation inside; cuBLAS rounds
+    its fp32 result to nearest even, so the values should be bitwise the same: rel_err says). 27B shapes: the MLP's
+    gate|up and down, the GDN input projection; 65 rows (the verify) and 2048 (a prefill chunk)."""
+    shapes = {"gate_up": (5120, 2 * 17408), "down": (17408, 5120), "gdn_in": (5120, 16480)}
+    rows_list = (65, 2048)
+    if DRY:
+        shapes, rows_list = {"gate_up": (64, 96)}, (5, 32)
+    for name, (K, N) in shapes.items():
+        for M in rows_list:
+            if time.perf_counter() > deadline:
+                return
+            ks = jax.random.split(jax.random.PRNGKey(K + N + M), 2)
+            x = jax.random.normal(ks[0], (1, M, K), jnp.bfloat16)
+            w = (jax.random.normal(ks[1], (K, N), jnp.float32) * K ** -0.5).astype(jnp.bfloat16)
+            one = jax.device_put((x, w))
+            f32_round = lambda x, w: gdn_reference.rounded(
+                jnp.einsum("btd,dc->btc", x, w, preferred_element_type=jnp.float32), x.dtype)
+            bf16_out = lambda x, w: jnp.einsum("btd,dc->btc", x, w, preferred_element_type=jnp.bfloat16)
+            ref0 = np.asarray(jax.jit(f32_round)(*one), np.float32)
+            log(f"== projection rounding: {name} [{M}, {K}] @ [{K}, {N}]")
+            recs, _ = evaluate(f"rounding_{name}_{M}", {"xla_reference": None, "bf16_out": {}},
+                               lambda kw: f32_round if kw is None else bf16_out, one,
+                               lambda out: errs([("y", np.asarray(out, np.float32), ref0)]), deadline, reps=10,
+                               n_prof=10)
+            RESULTS[f"rounding_{name}_{M}"] = recs
+
+
 def main():
     global DRY, HK, HV, DK, DV, CONV_K, H, HKV, HD, GDN_LAYERS, ATTN_LAYERS, TREE_N, PREFIX, PREFILL_T, SELECT
     global LONG_CONTEXTS, PREFILL_CHUNKS, PREFILL_STARTS
@@ -623,6 +653,8 @@ def main():
                 section_commit(deadline)
             elif sec == "conv":
                 section_conv(deadline)
+            elif sec == "rounding":
+                section_rounding(deadline)
             elif sec == "decode_fused":
                 section_decode_fused(deadline)
             elif sec == "attn_long":
