@@ -594,6 +594,12 @@ def section_rounding(deadline):
             RESULTS[f"rounding_{name}_{M}"] = recs
 
 
+# the sections that take only their deadline ("attn" runs two parts of its own in main)
+SECTIONS = {"tree": section_tree, "tree_slots": section_tree_slots, "prefill": section_prefill,
+            "commit": section_commit, "conv": section_conv, "rounding": section_rounding,
+            "decode_fused": section_decode_fused, "attn_long": section_attn_long, "prefill_attn": section_prefill_attn}
+
+
 def main():
     global DRY, HK, HV, DK, DV, CONV_K, H, HKV, HD, GDN_LAYERS, ATTN_LAYERS, TREE_N, PREFIX, PREFILL_T, SELECT
     global LONG_CONTEXTS, PREFILL_CHUNKS, PREFILL_STARTS
@@ -621,10 +627,8 @@ def main():
     for sec in args.sections.split(","):
         deadline = time.perf_counter() + BUDGET.get(sec, 60) * args.budget_scale
         try:
-            if sec == "tree":
-                section_tree(deadline)
-            elif sec == "tree_slots":
-                section_tree_slots(deadline)
+            if sec in SECTIONS:
+                SECTIONS[sec](deadline)
             elif sec == "attn":
                 # tuning neighbours of the default (128x64 tiles, 8 warps, 2 stages, splits for ~132
                 # programs, jnp merge); rounds 4-5 are in the tree_attention docstring
@@ -647,20 +651,6 @@ def main():
                                             "decode_attn", time.perf_counter() + BUDGET["decode_attn"] * args.budget_scale)
                 RESULTS["decode_attention"] = recs1
                 summarize("decode_attention", recs1, best1, ATTN_LAYERS, "1")
-            elif sec == "prefill":
-                section_prefill(deadline)
-            elif sec == "commit":
-                section_commit(deadline)
-            elif sec == "conv":
-                section_conv(deadline)
-            elif sec == "rounding":
-                section_rounding(deadline)
-            elif sec == "decode_fused":
-                section_decode_fused(deadline)
-            elif sec == "attn_long":
-                section_attn_long(deadline)
-            elif sec == "prefill_attn":
-                section_prefill_attn(deadline)
             else:
                 raise ValueError(f"unknown section '{sec}'")
         except Exception as e:
