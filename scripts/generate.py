@@ -194,6 +194,15 @@ def status(msg: str):
     _status = True
 
 
+def clear_status():
+    """Remove the transient status line, if one is showing."""
+    global _status
+    if _status:
+        sys.stderr.write("\r\x1b[K")
+        sys.stderr.flush()
+    _status = False
+
+
 def log(msg: str):
     global _status
     print(("\r\x1b[K" if _status else "") + msg, file=sys.stderr, flush=True)
@@ -374,28 +383,46 @@ def run(argv=None) -> int:
     target.kernels = kernels
     load_s = time.perf_counter() - t_load
 
+    from jaxddtree.model.prefill import chunk_size, warmup_length
+    from jaxddtree.speculative import loop as loop_lib
+    dc = drafter.config if (drafter is not None and method != "ar") else None
+    widest = loop_lib.resolve_budget(args.budget, method, cfg.vocab_size, dc, args.budget_costs)[0]
+    # one cache capacity for the warm-up and the run: the warm-up's shorter prompt compiles the same programs
+    cache_len = loop_lib.capacity(target, dc, method, widest, len(ids), max_new)[1]
     kw = dict(drafter=drafter if method != "ar" else None, method=method, max_new_tokens=max_new,
               tree_budget=args.budget, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
               min_p=args.min_p, seed=args.seed, loop=args.loop,
-              sync_every=args.sync_every, budget_costs=args.budget_costs)
+              sync_every=args.sync_every, budget_costs=args.budget_costs, cache_len=cache_len)
+    t_pre = [0.0]
+    show_prefill = tty and len(ids) > 4 * chunk_size(len(ids))
+    printer = StreamPrinter(tok) if (tok is not None and not args.json) else None
+    show_text = printer is not None and sys.stdout.isatty()  # the text continues the prompt: show it first, dimmed
+
+    def prefill_progress(done, total):  # long prompts on a terminal: one transient line per chunk, then the prompt
+        status(f"prefill: {done:,} / {total:,} prompt tokens ({time.perf_counter() - t_pre[0]:.1f} s)")
+        if done == total:
+            clear_status()
+            if show_text:
+                show_prompt(tok.decode(ids))
     if not args.json:
         log(f"{method}" + (f" (budget {args.budget})" if method == "ddtree" else "") +
             f", {len(ids)} prompt tokens, max {max_new} new, T={args.temperature:g}, {dtype}, kernels={kernels}, "
             f"{backend}" + (f", tp={args.tp}" if args.tp > 1 else "") + f" (loaded in {load_s:.1f} s)")
     compile_s = None
-    if not args.no_warmup:  # same shapes; every token is a stop id, so only the first is produced
+    if not args.no_warmup:  # same programs (a prompt of the same chunk width, the same caches); every token is a
+        # stop id, so only the first is produced
         say("compiling ...")
         t = time.perf_counter()
-        jd.generate(target, ids, **kw, stop_ids=range(cfg.vocab_size))
+        jd.generate(target, ids[:warmup_length(len(ids))], **kw, stop_ids=range(cfg.vocab_size))
         compile_s = time.perf_counter() - t
         if not args.json:
             log(f"compiled in {compile_s:.1f} s")
 
-    printer = StreamPrinter(tok) if (tok is not None and not args.json) else None
-    if printer is not None and sys.stdout.isatty():  # the text continues the prompt: show it first, dimmed
+    if show_text and not show_prefill:
         show_prompt(tok.decode(ids))
-    t = time.perf_counter()
-    gen = jd.generate(target, ids, **kw, stop_ids=stops, on_tokens=printer)
+    t = t_pre[0] = time.perf_counter()
+    gen = jd.generate(target, ids, **kw, stop_ids=stops, on_tokens=printer,
+                      on_prefill=prefill_progress if show_prefill else None)
     wall = time.perf_counter() - t
     text = tok.decode(gen.tokens) if tok is not None else None
     stats = dict(gen.stats)

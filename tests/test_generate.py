@@ -343,6 +343,34 @@ def test_long_prompts_prefill_in_long_chunks():
     assert prefill.chunk_size(prefill.LONG_PROMPT) == prefill.PREFILL_CHUNK
     assert prefill.chunk_size(prefill.LONG_PROMPT + 1) == prefill.LONG_PREFILL_CHUNK
     assert prefill.chunk_size(100_000, 512) == 512
+    # generate.py's warm-up prompt: the shortest with the same chunk width
+    assert [prefill.warmup_length(n) for n in (5, 64, 65, 8192, 8193, 131072)] == [1, 1, 65, 65, 8193, 8193]
+
+
+def test_prefill_progress_and_a_shorter_warmup_compile_the_same_programs(pair):
+    """on_prefill(done, total) after each chunk of a long prompt; a warm-up on `warmup_length` tokens with the run's
+    cache capacity (what generate.py does) leaves the run nothing to compile, and the tokens are those of a run
+    without either."""
+    from jaxddtree.model import prefill
+    target, drafter = pair
+    prompt = np.random.RandomState(5).randint(0, V - 1, 600).tolist()  # 256-token chunks: 3
+    S = loop_lib.capacity(target, drafter.config, "ddtree", 7, len(prompt), MAX_NEW)[1]
+    plain = run(pair, prompt, "ddtree", 7)
+    seen = []
+    run(pair, prompt[:prefill.warmup_length(len(prompt))], "ddtree", 7, cache_len=S, stop_ids=range(V))
+    compiles = []
+
+    def count(event, secs, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(secs)
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        g = run(pair, prompt, "ddtree", 7, cache_len=S, on_prefill=lambda d, t: seen.append((d, t)))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert compiles == []  # the warm-up compiled every program the run uses
+    assert seen == [(256, 600), (512, 600), (600, 600)]
+    assert g.tokens == plain.tokens
 
 
 class _FakeGPU:

@@ -51,6 +51,15 @@ def chunk_size(n_tokens: int, chunk: int | None = None) -> int:
     return next((w for w in SHORT_WIDTHS if n_tokens <= w), PREFILL_CHUNK)
 
 
+def warmup_length(n_tokens: int) -> int:
+    """The shortest prompt length (<= n_tokens) whose chunks have the width of an n_tokens-token prompt's
+    (`chunk_size`): a warm-up run on that many tokens compiles the same prefill programs (the committed length is
+    data) at a fraction of the prefill (a 128K-token prompt: 5 chunks of 2048 instead of 64); pass the real run's
+    cache capacity to both."""
+    w = chunk_size(n_tokens)
+    return next((n for width, n in chunk_widths(n_tokens) if width == w), n_tokens)
+
+
 def prompt_shape(n_tokens: int) -> tuple[int, int]:
     """(chunk width, chunks) of a prompt's default prefill (`chunk_size`): prompts of one shape can prefill
     together."""

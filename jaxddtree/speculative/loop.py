@@ -403,6 +403,10 @@ class Prefill:
         self._cache = self._dcache = self._logits = None
         return True
 
+    def wait(self) -> None:
+        """Block until the chunks enqueued so far have run (for progress reports; `advance` never blocks)."""
+        jax.block_until_ready((self._logits, self._dcache))
+
 
 class PrefillGroup:
     """k >= 2 prompts of one shape (chunk width and count; `Prefill.shape`) prefilled together: each `advance()`
@@ -566,7 +570,8 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
              tree_budget: int | str = "auto", temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              min_p: float = 0.0, seed: int = 0, stop_ids=None,
              loop: str = "host", sync_every: int = 1, on_tokens: Callable[[list[int]], None] | None = None,
-             cache_len: int | None = None, budget_costs=None, _oracle_tokens=None) -> Generation:
+             cache_len: int | None = None, budget_costs=None,
+             on_prefill: Callable[[int, int], None] | None = None, _oracle_tokens=None) -> Generation:
     """Generate up to `max_new_tokens` new tokens after `prompt_ids`.
 
     method: "ar" (autoregressive), "dflash" (chain of the drafter's block) or "ddtree" (best tree of `tree_budget`
@@ -582,6 +587,8 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     rounds with loop="host", once at the end with loop="device").
     `cache_len`: the caches' capacity in positions (default: the prompt + max_new_tokens, bucketed); a server
     passes one capacity for all its requests so that every request reuses one compiled round.
+    `on_prefill(done, total)`: called after each prefill chunk has run (prompt tokens in the cache, prompt length),
+    for progress on long prompts; each chunk is then waited for (without it the chunks are enqueued back to back).
     """
     if method not in METHODS:
         raise ValueError(f"unknown method '{method}' (choose one of {', '.join(METHODS)})")
@@ -621,8 +628,12 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     pre = Prefill(target, drafter if dcfg else None, plan, ids, chunk, S, out_len, seed=seed, stop_mask=stop_mask,
                   temperature=temperature, max_new=max_new, top_k=top_k, top_p=top_p, min_p=min_p,
                   costs=budget_lib.padded(table) if auto else None)
+    done = 0
     while not pre.advance():  # enqueued back to back: nothing is read until the first token
-        pass
+        if on_prefill is not None:
+            done = min(done + chunk, len(ids))
+            pre.wait()
+            on_prefill(done, len(ids))
     state = pre.state
     state = sharding.place(state, target.mesh)
     first_np = int(np.asarray(state.root)[0])
