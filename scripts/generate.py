@@ -384,26 +384,13 @@ def run(argv=None) -> int:
     load_s = time.perf_counter() - t_load
 
     from jaxddtree.model.prefill import chunk_size, warmup_length
-    from jaxddtree.speculative import loop as loop_lib
-    dc = drafter.config if (drafter is not None and method != "ar") else None
-    widest = loop_lib.resolve_budget(args.budget, method, cfg.vocab_size, dc, args.budget_costs)[0]
+    from jaxddtree.speculative.loop import cache_positions
     # one cache capacity for the warm-up and the run: the warm-up's shorter prompt compiles the same programs
-    cache_len = loop_lib.capacity(target, dc, method, widest, len(ids), max_new)[1]
+    cache_len = cache_positions(target, drafter, method, args.budget, len(ids), max_new, args.budget_costs)
     kw = dict(drafter=drafter if method != "ar" else None, method=method, max_new_tokens=max_new,
               tree_budget=args.budget, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
               min_p=args.min_p, seed=args.seed, loop=args.loop,
               sync_every=args.sync_every, budget_costs=args.budget_costs, cache_len=cache_len)
-    t_pre = [0.0]
-    show_prefill = tty and len(ids) > 4 * chunk_size(len(ids))
-    printer = StreamPrinter(tok) if (tok is not None and not args.json) else None
-    show_text = printer is not None and sys.stdout.isatty()  # the text continues the prompt: show it first, dimmed
-
-    def prefill_progress(done, total):  # long prompts on a terminal: one transient line per chunk, then the prompt
-        status(f"prefill: {done:,} / {total:,} prompt tokens ({time.perf_counter() - t_pre[0]:.1f} s)")
-        if done == total:
-            clear_status()
-            if show_text:
-                show_prompt(tok.decode(ids))
     if not args.json:
         log(f"{method}" + (f" (budget {args.budget})" if method == "ddtree" else "") +
             f", {len(ids)} prompt tokens, max {max_new} new, T={args.temperature:g}, {dtype}, kernels={kernels}, "
@@ -418,9 +405,19 @@ def run(argv=None) -> int:
         if not args.json:
             log(f"compiled in {compile_s:.1f} s")
 
+    printer = StreamPrinter(tok) if (tok is not None and not args.json) else None
+    show_text = printer is not None and sys.stdout.isatty()  # the text continues the prompt: show it first, dimmed
+    show_prefill = tty and len(ids) > 4 * chunk_size(len(ids))
+
+    def prefill_progress(done, total):  # long prompts on a terminal: one transient line per chunk, then the prompt
+        status(f"prefill: {done:,} / {total:,} prompt tokens ({time.perf_counter() - t:.1f} s)")
+        if done == total:
+            clear_status()
+            if show_text:
+                show_prompt(tok.decode(ids))
     if show_text and not show_prefill:
         show_prompt(tok.decode(ids))
-    t = t_pre[0] = time.perf_counter()
+    t = time.perf_counter()
     gen = jd.generate(target, ids, **kw, stop_ids=stops, on_tokens=printer,
                       on_prefill=prefill_progress if show_prefill else None)
     wall = time.perf_counter() - t

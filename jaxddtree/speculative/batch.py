@@ -600,10 +600,8 @@ def generate_many(target: Target, requests, *, drafter=None, method: str = "ar",
     join_at = [0] * len(requests) if join_at is None else list(join_at)
     if pool is None:
         if cache_len is None:
-            dcfg = drafter.config if (drafter is not None and method != "ar") else None
-            widest = loop_lib.resolve_budget(tree_budget, method, target.config.vocab_size, dcfg, budget_costs)[0]
-            cache_len = max(loop_lib.capacity(target, dcfg, method, widest, len(r.ids), r.max_new)[1]
-                            for r in requests)
+            cache_len = max(loop_lib.cache_positions(target, drafter, method, tree_budget, len(r.ids), r.max_new,
+                                                     budget_costs) for r in requests)
         pool = SlotPool(target, drafter, method=method, max_batch=max_batch, cache_len=cache_len,
                         tree_budget=tree_budget, budget_costs=budget_costs, slot_rows=slot_rows,
                         sync_every=sync_every, _oracle_len=_oracle_len)

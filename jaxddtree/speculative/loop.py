@@ -521,6 +521,15 @@ def capacity(target: Target, dcfg, method: str, budget: int, prompt_len: int, ma
     return chunk, round_up(prompt_len + max_new + max(chunk, n_tree, P) + P, 256)
 
 
+def cache_positions(target: Target, drafter, method: str, tree_budget, prompt_len: int, max_new: int,
+                    budget_costs=None) -> int:
+    """The cache capacity `generate` gives a request by default (`capacity` at its widest tree): pass it as
+    `cache_len` to runs that must share compiled programs (a warm-up on a shorter prompt, a pool's requests)."""
+    dcfg = drafter.config if (drafter is not None and method != "ar") else None
+    widest = resolve_budget(tree_budget, method, target.config.vocab_size, dcfg, budget_costs)[0]
+    return capacity(target, dcfg, method, widest, prompt_len, max_new)[1]
+
+
 def resolve_budget(tree_budget, method: str, vocab_size: int, dcfg, budget_costs=None):
     """(budget, cost table) of a generation: tree_budget="auto" (DDTree) -> (the largest candidate, its
     `budget_lib.CostTable` resolved from `budget_costs`); an int -> (it, None); "auto" for AR / DFlash -> (0, None)
