@@ -78,8 +78,8 @@ def unit_lower_inverse(L):
 def intra_chunk(q, k, v, g, beta, C: int):
     """Chunk-local parts. Inputs padded to n·C tokens. Returns O0, W0 [B,n,Hv,C,dv]; U, Qt [B,n,Hv,C,dk] (the
     batched products' own layout: the inter-chunk kernel reads a head's chunks from it, so no transpose back to
-    [B,T,Hv,d] — four 50 MB fp32 transposes per 27B GDN layer per 2048-row pass, likely the 0.32 ms transpose
-    fusion per layer of the H200 profile of 2026-12-01); G [B,T,Hv] (cumsum of g inside each chunk), all fp32."""
+    [B,T,Hv,d] — four 50 MB fp32 transposes per 27B GDN layer per 2048-row pass; H200, 2026-12-02: one layer's
+    8K prefill 4.17 vs 4.74 ms); G [B,T,Hv] (cumsum of g inside each chunk), all fp32."""
     B, T, Hk, dk = k.shape
     Hv, dv = v.shape[2], v.shape[3]
     n = T // C
