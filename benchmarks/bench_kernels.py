@@ -3,7 +3,8 @@
     PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/kernels.json [--sections tree,attn,prefill,decode_fused]
     PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/long.json --sections attn_long,prefill_attn
     PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/slots.json --sections tree_slots  # issue 28
-    PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/c.json --sections conv,commit,rounding,tree  # issue 26
+    PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/c.json --sections conv,commit,tree  # issue 26
+    PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/s.json --sections compile  # compile s per call site
     JAX_PLATFORMS=cpu python benchmarks/bench_kernels.py --dry     # tiny shapes, interpret mode: checks the script
     --select REGEX runs only the variants whose 'section:variant' matches (the reference always runs)
 
@@ -63,7 +64,7 @@ GDN_LAYERS, ATTN_LAYERS = 48, 16
 TREE_N, PREFIX, PREFILL_T = 65, 4096, 8192
 DRY = False  # --dry: tiny shapes, interpret mode, CPU (checks this script, not the kernels' speed)
 LONG_CONTEXTS, PREFILL_CHUNKS, PREFILL_STARTS = (4096, 32768, 131072), (1024, 2048, 4096), (0, 32768, 122880)
-BUDGET = {"commit": 40, "conv": 30, "rounding": 60, "tree": 75, "tree_slots": 120, "attn": 50, "decode_attn": 15, "prefill": 30, "decode_fused": 60, "attn_long": 100,
+BUDGET = {"commit": 40, "conv": 30, "compile": 150, "tree": 75, "tree_slots": 120, "attn": 50, "decode_attn": 15, "prefill": 30, "decode_fused": 60, "attn_long": 100,
           "prefill_attn": 130}  # seconds per section (scaled by --budget-scale)
 
 RESULTS: dict = {}
@@ -164,7 +165,6 @@ def section_tree(deadline):
         "bv128": dict(block_v=128),
         "bh64": dict(head_block=64),
         "tf32": dict(precision="tf32"),
-        "grams_bf16x3": dict(grams="bf16x3"),  # K Kᵀ / Q Kᵀ as one bf16 dot of split operands, not an fp32 SGEMM
     }
     make = lambda kw: (gdn_tree.gdn_masked_block_reference if kw is None
                        else functools.partial(gdn_tree.gdn_masked_block, **kw, **IKW()))
@@ -192,7 +192,7 @@ def section_tree_slots(deadline):
         # slots stacked on a new leading axis (vmap)
         stacked = jax.device_put(tuple(jnp.stack([x[i] for x in per]) for i in range(7)))
         ref0 = [np.asarray(x) for x in jax.jit(jax.vmap(gdn_tree.gdn_masked_block_reference))(*stacked)]
-        variants = {"xla_reference": None, "default": {}, "grams_bf16x3": dict(grams="bf16x3"), "w8": dict(num_warps=8),
+        variants = {"xla_reference": None, "default": {}, "w8": dict(num_warps=8),
                     "bv128": dict(block_v=128)}
         make = lambda kw: (jax.vmap(gdn_tree.gdn_masked_block_reference) if kw is None
                            else jax.vmap(functools.partial(gdn_tree.gdn_masked_block, **kw, **IKW())))
@@ -475,29 +475,11 @@ def section_prefill(deadline):
     RESULTS["gdn_prefill_xla_gpu_ms_8k_48_layers_projected"] = None if gr is None else 48 * gr / 1e3
 
 
-def commit_reduce(state, conv, k, W, g, x, path, path_len):
-    """`gdn_reference.gdn_commit` with the path's update as a broadcast multiply and sum over the path rows
-    (P <= 16), which XLA can fuse with the decay of S0 into one kernel, instead of a batched fp32 dot (cuBLAS SGEMM)
-    and an add. A variant to measure against the model's path (issue 26)."""
-    take = lambda a: jnp.take_along_axis(a, path.reshape(path.shape + (1,) * (a.ndim - 2)), axis=1)
-    on = jnp.arange(path.shape[1])[None, :] < path_len[:, None]  # [B, P]
-    kp, Wp, gp = take(k), take(W), jnp.where(on[..., None], take(g), 0.0)
-    hv = Wp.shape[2]
-    suffix = jnp.flip(jnp.cumsum(jnp.flip(gp, 1), axis=1), 1)
-    after = jnp.concatenate([suffix[:, 1:], jnp.zeros_like(suffix[:, :1])], axis=1)
-    coef = jnp.where(on[..., None], jnp.exp(after), 0.0)  # [B, P, Hv]
-    kc = gdn_reference.expand_kv_heads(kp, hv) * coef[..., None]  # [B, P, Hv, dk]
-    upd = jnp.sum(kc[..., :, None] * Wp[..., None, :], axis=1)  # [B, Hv, dk, dv]
-    new = jnp.exp(jnp.sum(gp, axis=1))[..., None, None] * state + upd
-    rows = jnp.concatenate([conv, take(x).astype(conv.dtype)], axis=1)
-    idx = path_len[:, None] + jnp.arange(conv.shape[1])[None, :]
-    return new, jnp.take_along_axis(rows, idx[..., None], axis=1)
-
-
 def section_commit(deadline):
     """The commit of an accepted path (12 of 16 rows) into one GDN layer from the verify's stash of 65 nodes (the
-    round's accept + commit part, 48 layers): the model's path (`gdn_reference.gdn_commit`, the reference) vs
-    `commit_reduce`."""
+    round's accept + commit part, 48 layers): the model's path (`gdn_reference.gdn_commit`). A fused
+    multiply-sum over the path rows instead of its batched fp32 dot lost (11.6 vs 11.0 µs per layer, H200
+    2026-12-02)."""
     N, P, conv_dim = TREE_N, 16, 2 * HK * DK + HV * DV
     log(f"== GDN commit: stash of {N} nodes, path of 12 in {P} rows, x{GDN_LAYERS} layers")
     layers = []
@@ -514,8 +496,8 @@ def section_commit(deadline):
         layers.append((state, conv, k, W, g, x, path, jnp.array([12], jnp.int32)))
     layers = jax.device_put(layers)
     ref0 = [np.asarray(a, np.float32) for a in jax.jit(gdn_reference.gdn_commit)(*layers[0])]
-    variants = {"xla_reference": None, "reduce": {}}
-    make = lambda kw: gdn_reference.gdn_commit if kw is None else commit_reduce
+    variants = {"xla_reference": None}
+    make = lambda kw: gdn_reference.gdn_commit
     recs, best = evaluate("commit", variants, make, layers[0],
                           lambda out: errs(zip(("state", "conv"), [np.asarray(a, np.float32) for a in out], ref0)),
                           deadline, layers_all=layers)
@@ -523,21 +505,12 @@ def section_commit(deadline):
     summarize("gdn_commit", recs, best, GDN_LAYERS, "16")
 
 
-def conv_einsum(conv_state, x, conv_src, w):
-    """The GDN conv as it was before session 12 (`gdn_reference.tree_conv` with the taps gathered and summed by an
-    einsum, whose dot XLA emits as [C, B, T] and lays back out with a transpose): the variant the model's path
-    replaced, kept here to measure against it."""
-    rows = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)
-    taps = jax.vmap(lambda r, s: r[s])(rows, conv_src)  # [B, T, K-1, C]
-    wf = w.astype(jnp.float32)
-    acc = jnp.einsum("btsc,sc->btc", taps.astype(jnp.float32), wf[:-1]) + x.astype(jnp.float32) * wf[-1]
-    return gdn_reference.rounded(gdn_reference.silu32(gdn_reference.rounded(acc, x.dtype)), x.dtype)
-
-
 def section_conv(deadline):
     """The GDN layer's causal conv + SiLU (bf16, 27B conv width) over a 2048-row prefill chunk and a 65-node tree
     (random parents): the model's path (`gdn_reference.tree_conv`: taps summed one by one; a chunk's taps as
-    static slices) vs `conv_einsum`. One layer per call; x48 for a pass."""
+    static slices). One layer per call; x48 for a pass. The former einsum over gathered taps (a dot laid out
+    [C, B, T] and transposed back) took 388 vs 151 µs per layer on the chunk, 15.0 vs 7.2 on the tree (H200
+    2026-12-02)."""
     from jaxddtree.model import layout as layout_lib
     conv_dim = 2 * HK * DK + HV * DV
     rng = np.random.default_rng(7)
@@ -558,45 +531,77 @@ def section_conv(deadline):
             lambda cs, x, src, w: gdn_reference.tree_conv(cs, x, None, w))
         ref0 = np.asarray(jax.jit(model)(*one), np.float32)
         log(f"== GDN conv + SiLU: {name}, {T} rows x {conv_dim} channels (x{GDN_LAYERS} layers)")
-        recs, best = evaluate(f"conv_{name}", {"xla_reference": None, "einsum": {}},
-                              lambda kw: model if kw is None else conv_einsum, one,
+        recs, best = evaluate(f"conv_{name}", {"xla_reference": None}, lambda kw: model, one,
                               lambda out: errs([("xc", np.asarray(out, np.float32), ref0)]), deadline)
         RESULTS[f"gdn_conv_{name}"] = recs
 
 
-def section_rounding(deadline):
-    """A projection's output rounding (issue 26/27: the rounding / convert fusions after every GEMM of the verify
-    and the prefill): today's path (`ops._project` + `dense`: the product in fp32, then `rounded` to bf16 by a
-    separate XLA fusion) vs the product written in bf16 by the GEMM itself (fp32 accumulation inside; cuBLAS rounds
-    its fp32 result to nearest even, so the values should be bitwise the same: rel_err says). 27B shapes: the MLP's
-    gate|up and down, the GDN input projection; 65 rows (the verify) and 2048 (a prefill chunk)."""
-    shapes = {"gate_up": (5120, 2 * 17408), "down": (17408, 5120), "gdn_in": (5120, 16480)}
-    rows_list = (65, 2048)
+def section_compile(deadline):
+    """Compile time (wall, `jax.jit(f).lower(...).compile()` on abstract inputs) of one program that calls a
+    kernel n times on n distinct inputs (the 27B's layers are a Python loop: 48 GDN and 16 attention call sites
+    per program), and of the same n calls as one `lax.scan` over stacked inputs (one call site). On the H200 a
+    27B `_prefill` program took 38-60 s to compile and a round 34-45 s (serve_bench warm-up, 2026-12-02): if the
+    unrolled time grows by a kernel's compile per call site, its slope (s per call site) says what a scan over
+    the layers would save. Kernels: the GDN tree (Triton), the GDN chunked prefill (Triton), the tree and
+    prefill attention (Mosaic GPU on the H200; the Triton kernels under --dry)."""
+    rng = np.random.default_rng(9)
+    T = 2048 if not DRY else 64
+    S = PREFIX + 64
+    sds = lambda xs: tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs)
+    mask, valid = random_tree_mask(rng, 1, TREE_N, n_pad=3)
+    tree_in = sds(gdn_inputs(jax.random.PRNGKey(1), 1, TREE_N, HK, HV, DK, DV, valid=valid)) + (
+        jax.ShapeDtypeStruct(mask.shape, mask.dtype),)
+    pre_in = sds(gdn_inputs(jax.random.PRNGKey(2), 1, T, HK, HV, DK, DV))
+    att = attention_inputs(jax.random.PRNGKey(3), rng, 1, TREE_N, H, HKV, HD, S, PREFIX, dtype=jnp.bfloat16, n_pad=3)
+    att_in = sds(att)
+    patt = attention_inputs(jax.random.PRNGKey(4), None, 1, 1, H, HKV, HD, S, PREFIX, dtype=jnp.bfloat16)
+    q = jax.ShapeDtypeStruct((1, T, H, HD), jnp.bfloat16)
+    kv_new = jax.ShapeDtypeStruct((1, T, HKV, HD), jnp.bfloat16)
+    patt_in = (q,) + sds(patt[1:4]) + (kv_new, kv_new)
     if DRY:
-        shapes, rows_list = {"gate_up": (64, 96)}, (5, 32)
-    for name, (K, N) in shapes.items():
-        for M in rows_list:
-            if time.perf_counter() > deadline:
-                return
-            ks = jax.random.split(jax.random.PRNGKey(K + N + M), 2)
-            x = jax.random.normal(ks[0], (1, M, K), jnp.bfloat16)
-            w = (jax.random.normal(ks[1], (K, N), jnp.float32) * K ** -0.5).astype(jnp.bfloat16)
-            one = jax.device_put((x, w))
-            f32_round = lambda x, w: gdn_reference.rounded(
-                jnp.einsum("btd,dc->btc", x, w, preferred_element_type=jnp.float32), x.dtype)
-            bf16_out = lambda x, w: jnp.einsum("btd,dc->btc", x, w, preferred_element_type=jnp.bfloat16)
-            ref0 = np.asarray(jax.jit(f32_round)(*one), np.float32)
-            log(f"== projection rounding: {name} [{M}, {K}] @ [{K}, {N}]")
-            recs, _ = evaluate(f"rounding_{name}_{M}", {"xla_reference": None, "bf16_out": {}},
-                               lambda kw: f32_round if kw is None else bf16_out, one,
-                               lambda out: errs([("y", np.asarray(out, np.float32), ref0)]), deadline, reps=10,
-                               n_prof=10)
-            RESULTS[f"rounding_{name}_{M}"] = recs
+        tree_attn, pre_attn = (functools.partial(tree_attention.tree_attention, interpret=True),
+                               functools.partial(prefill_attention.prefill_attention, interpret=True))
+    else:
+        from kernels_pallas import prefill_attention_mgpu, tree_attention_mgpu
+        tree_attn, pre_attn = tree_attention_mgpu.tree_attention, prefill_attention_mgpu.prefill_attention
+    gdn_t = lambda q, k, v, g, b, st, m: gdn_tree.gdn_masked_block(q, k, v, g, b, m, st, **IKW())
+    gdn_p = lambda *a: gdn_prefill.gdn_chunked(*a, **IKW())
+    kernels = {"gdn_tree": (gdn_t, tree_in), "gdn_prefill_2048": (gdn_p, pre_in),
+               "tree_attention": (tree_attn, att_in), "prefill_attention_2048": (pre_attn, patt_in)}
+    total = lambda out: sum(jnp.sum(o.astype(jnp.float32)) for o in jax.tree.leaves(out))
+    ns = (1, 4, 16) if not DRY else (1, 2)
+    out = {}
+    for name, (kern, one) in kernels.items():
+        rec = {}
+        for n in ns:
+            for form in ("unrolled", "scan"):
+                if time.perf_counter() > deadline or (form == "scan" and n == 1):
+                    continue
+                if form == "unrolled":
+                    def f(*xs, kern=kern, n=n):
+                        return sum(total(kern(*xs[i * len(one):(i + 1) * len(one)])) for i in range(n))
+                    args = one * n
+                else:
+                    def f(*xs, kern=kern):
+                        return jax.lax.scan(lambda c, a: (c + total(kern(*a)), None), jnp.float32(0), xs)[0]
+                    args = tuple(jax.ShapeDtypeStruct((n,) + x.shape, x.dtype) for x in one)
+                t0 = time.perf_counter()
+                try:
+                    jax.jit(f).lower(*args).compile()
+                    rec[f"{form}_{n}"] = round(time.perf_counter() - t0, 2)
+                except Exception as e:  # a kernel that does not lower here (e.g. Mosaic GPU off the H200)
+                    rec[f"{form}_{n}"] = f"{type(e).__name__}: {str(e)[:200]}"
+                log(f"  [compile] {name:24s} {form:8s} n={n:2d}  {rec[f'{form}_{n}']} s")
+        a, b = rec.get(f"unrolled_{ns[0]}"), rec.get(f"unrolled_{ns[-1]}")
+        if isinstance(a, float) and isinstance(b, float):
+            rec["s_per_call_site"] = round((b - a) / (ns[-1] - ns[0]), 3)
+        out[name] = rec
+    RESULTS["compile_s"] = out
 
 
 # the sections that take only their deadline ("attn" runs two parts of its own in main)
 SECTIONS = {"tree": section_tree, "tree_slots": section_tree_slots, "prefill": section_prefill,
-            "commit": section_commit, "conv": section_conv, "rounding": section_rounding,
+            "commit": section_commit, "conv": section_conv, "compile": section_compile,
             "decode_fused": section_decode_fused, "attn_long": section_attn_long, "prefill_attn": section_prefill_attn}
 
 

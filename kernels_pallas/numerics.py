@@ -11,7 +11,7 @@ import jax.numpy as jnp
 def rounded(x: jax.Array, dtype) -> jax.Array:
     """x (any float dtype) rounded once to `dtype`, returned as `dtype`; a plain cast for fp32."""
     dtype = jnp.dtype(dtype)
-    if dtype == jnp.float32 or dtype == jnp.float64:
+    if dtype == jnp.float32 or dtype == jnp.float64 or x.dtype == dtype:  # (already in dtype: nothing to round)
         return x.astype(dtype)
     fi = jnp.finfo(dtype)
     r = jax.lax.reduce_precision(x.astype(jnp.float32), exponent_bits=fi.nexp, mantissa_bits=fi.nmant)

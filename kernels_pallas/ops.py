@@ -297,10 +297,11 @@ def dense(spec: str, x, w, kernels="xla", *, norm=None, gate=None, residual=None
         def f(acts, weights):
             x_, gate_, residual_ = acts
             w_, nw_ = weights
-            return _project(spec, x_, w_, kernels, None if nw_ is None else (nw_, eps), gate_, residual_)
+            return _project(spec, x_, w_, kernels, None if nw_ is None else (nw_, eps), gate_, residual_,
+                            partial=reduce is not None)
         y = fold_rows(f, (x, gate, res), (w, nw))
     else:
-        y = _project(spec, x, w, kernels, norm, gate, res)
+        y = _project(spec, x, w, kernels, norm, gate, res, partial=reduce is not None)
     if reduce is None:
         return rounded(y, x.dtype)
     y = rounded(jax.lax.psum(y, reduce), x.dtype)
@@ -371,9 +372,11 @@ def fold_rows(f, acts, weights, out_axis: int = 0, rule=None):
     return fn(acts, weights)
 
 
-def _project(spec: str, x, w, kernels: str, norm, gate, residual):
-    """A plain-weight projection with its parts on `pick`'s kernel -> fp32: unrounded, or with residual the
-    rounded sum rounded(residual + rounded(y)) (as fp32)."""
+def _project(spec: str, x, w, kernels: str, norm, gate, residual, partial: bool = False):
+    """A plain-weight projection with its parts on `pick`'s kernel -> y rounded once to x's dtype (an XLA GEMM
+    writes it from its fp32 accumulator: round to nearest even, the value `rounded` gives, without a fusion of its
+    own), or with residual the rounded sum rounded(residual + y). partial (tensor parallelism: a partial product,
+    summed before its rounding): the unrounded fp32 product instead."""
     nc, rows, K, N = _problem(spec, x, w.shape)
     choice = pick(weight_format(x.dtype, w.dtype), rows, N, kernels)
     if norm is not None:
@@ -385,18 +388,19 @@ def _project(spec: str, x, w, kernels: str, norm, gate, residual):
             y = dense_kernel.dense(x.reshape(rows, K), w.reshape(K, -1),
                                    None if gate is None else gate.reshape(rows, K),
                                    None if residual is None else residual.reshape(rows, -1))
-            return y.reshape(out_shape).astype(jnp.float32)
+            return f32(y.reshape(out_shape)) if partial else y.reshape(out_shape)
         if gate is not None:
             x = rounded(f32(x) * f32(gate), x.dtype)
-        y = dense_kernel.dense(x.reshape(rows, K), w.reshape(K, -1)).reshape(out_shape).astype(jnp.float32)
+        y = dense_kernel.dense(x.reshape(rows, K), w.reshape(K, -1)).reshape(out_shape)
     else:
         if gate is not None:
             x = rounded(f32(x) * f32(gate), x.dtype)
         prec = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-        y = jnp.einsum(spec, x, w.astype(x.dtype), precision=prec, preferred_element_type=jnp.float32)
+        y = jnp.einsum(spec, x, w.astype(x.dtype), precision=prec,
+                       preferred_element_type=jnp.float32 if partial else x.dtype)
     if residual is not None:
-        y = f32(rounded(f32(residual) + f32(rounded(y, x.dtype)), residual.dtype))
-    return y
+        y = rounded(f32(residual) + f32(rounded(y, x.dtype)), residual.dtype)
+    return f32(y) if partial else y
 
 
 def _dense_fp8(spec: str, x, q, fp8: Fp8, kernels: str, *, norm, gate, residual, reduce):

@@ -111,13 +111,12 @@ def test_profile_fusion_bodies_from_the_optimized_hlo(tmp_path):
 
 
 def test_kernel_benches_dry(tmp_path):
-    _run(["benchmarks/bench_kernels.py", "--dry", "--sections", "tree,attn,prefill,decode_fused,tree_slots,commit,conv,rounding",
+    _run(["benchmarks/bench_kernels.py", "--dry", "--sections", "tree,attn,prefill,decode_fused,tree_slots,commit,conv,compile",
           "--out", str(tmp_path / "k.json")])
     k = json.loads((tmp_path / "k.json").read_text())
     assert k["gdn_tree_slots_2x8_best_variant"] is not None  # the vmapped GDN tree kernel ran and matched
-    assert k["gdn_commit"]["reduce"]["rel_err"]["state"] < 1e-5  # the commit variant ran and matched
-    assert k["gdn_conv_tree"]["einsum"]["rel_err"]["xc"] < 1e-2  # the conv's former form ran and matched
-    assert k["rounding_gate_up_5"]["bf16_out"]["rel_err"]["y"] == 0.0  # a bf16-output product: the same values
+    assert all("error" not in k[s]["xla_reference"] for s in ("gdn_commit", "gdn_conv_tree", "gdn_conv_prefill"))  # they ran
+    assert all(isinstance(r.get("scan_2"), float) for r in k["compile_s"].values()), k["compile_s"]  # all compiled
     assert k["dry"] is True and "decode_fused_section_error" not in k
     fused = k["gdn_decode_fused"]
     assert all("error" not in r and "rel_err" in r for r in fused.values()), fused
