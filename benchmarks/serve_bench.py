@@ -146,8 +146,10 @@ def random_27b_engine(args):
                     prefill_tokens=args.prefill_tokens)
     t = time.perf_counter()
     from jaxddtree.serving.engine import warmup_printer
-    engine.warmup(encode_text(tok, "Hello"), sampling=False,  # this benchmark sends temperature 0 only
-                  progress=warmup_printer("serve_bench.py"))
+    # this benchmark sends temperature 0 only, and its clients' prompts: only their prefill widths are compiled
+    lengths = [len(encode_text(tok, prompt_text(i, args.prompt_tokens, tok))) for i in range(max(args.clients))]
+    engine.warmup(encode_text(tok, "Hello"), sampling=False, progress=warmup_printer("serve_bench.py"),
+                  lengths=lengths)
     print(f"serve_bench.py: random 27B pair compiled in {time.perf_counter() - t:.1f} s", flush=True)
     return engine
 
@@ -192,6 +194,9 @@ def main(argv=None) -> int:
                    "--max-batch 2, --max-context 512; the demo pair, or with --random-27b bench.py's tiny shapes")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
+    missing = [m for m in ("uvicorn", "openai", "fastapi") if importlib.util.find_spec(m) is None]
+    if missing:  # before the model is built and compiled (minutes at 27B), not after
+        p.error(f"needs {', '.join(missing)} (pip install -e '.[serve]' openai)")
     if args.smoke:
         args.clients, args.max_tokens, args.max_context = [1, 3], 8, 512
         args.max_batch = 2 if args.max_batch == "auto" else args.max_batch

@@ -324,6 +324,26 @@ def _compiled(target):
     return sum(f._cache_size() for f in fns if hasattr(f, "_cache_size"))
 
 
+def test_warmup_lengths_compiles_only_their_widths(pair):
+    """warmup(lengths=...) (what serve_bench.py passes): only the prefill widths of those prompt lengths; a
+    length that fits no cache is a ValueError before anything compiles."""
+    from jaxddtree.model.prefill import chunk_size, chunk_widths
+    target, drafter = pair
+    p = batch_lib.SlotPool(target, drafter, method="dflash", max_batch=2, cache_len=2 * CACHE_LEN, sync_every=2,
+                           max_group=2)
+    with pytest.raises(ValueError, match="fits the cache"):
+        p.warmup(PROMPTS[0], sampling=False, lengths=[10 ** 6])
+    fits = lambda n: batch_lib.loop_lib.capacity(target, p.dcfg, p.method, p.budget, n, 2)[1] <= 2 * CACHE_LEN
+    all_widths = [w for w, n in chunk_widths(target.config.max_position_embeddings - 2) if fits(n)]
+    assert len(all_widths) > 1, all_widths  # (else the filter below could not fail)
+    seen = []
+    p.warmup(PROMPTS[0], sampling=False, lengths=[len(PROMPTS[0]), len(PROMPTS[1])],
+             progress=lambda done, total, what: seen.append(what))
+    pre = [w for w in seen if "prefill" in w]
+    assert len(pre) == 1 and pre[0].startswith(f"prefill of {chunk_size(len(PROMPTS[0]))}-token chunks"), seen
+    assert seen[-1] == "2 slots, greedy: rounds, joins and leaves"
+
+
 def test_warmup_compiles_everything(pair, ar_ref):
     """After warmup(), requests of every kind (greedy, sampled, truncated; joining, leaving, single and batched)
     compile nothing."""

@@ -319,12 +319,13 @@ class Engine:
     def close(self):
         self._queue.put_nowait(None)
 
-    def warmup(self, prompt_ids, sampling: bool = True, progress=None):
+    def warmup(self, prompt_ids, sampling: bool = True, progress=None, lengths=None):
         """Compile everything a request can run (`pool.warmup`: every prefill width, the single-slot rounds
         greedy / sampled / truncated, the round of every slot-count bucket, greedy and sampling, joins and resizes),
-        before the server listens. sampling=False: the greedy classes only (a benchmark that sends only T = 0).
+        before the server listens. sampling=False: the greedy classes only (a benchmark that sends only T = 0);
+        lengths: the prompt lengths a benchmark sends (only their prefill widths).
         progress(done, total, what): called after each stage (`SlotPool.warmup`)."""
-        self.pool.warmup(list(prompt_ids) or [0], sampling=sampling, progress=progress)
+        self.pool.warmup(list(prompt_ids) or [0], sampling=sampling, progress=progress, lengths=lengths)
 
     # ---------------------------------------------------------------- scheduler side
     def _request(self, job: Job):

@@ -529,15 +529,22 @@ class SlotPool:
         return self._read(prev) if prev is not None else {}
 
     # ------------------------------------------------------------------------------------------- warmup
-    def warmup(self, prompt_ids, sampling: bool = True, progress=None) -> None:
+    def warmup(self, prompt_ids, sampling: bool = True, progress=None, lengths=None) -> None:
         """Compile what a request can run: every prefill width (prompts up to the cache capacity), the single-slot
         rounds (greedy, sampled, sampled + truncated), every slot-count bucket (greedy and sampling plans) and its
         joins / resizes. sampling=False: the greedy classes only (for a client that sends only temperature 0).
+        lengths: the only prompt lengths that will come (a benchmark): only their chunk widths are compiled (at 27B
+        on the H200 each width's prefill programs, alone and in groups of 2 / 4 / 8, take ≈ 4 × 50 s).
         progress(done, total, what): called after each stage (a prefill width, a bucket), e.g. to print it."""
         ids = check_ids(prompt_ids, "prompt_ids").tolist()
         cfg = self.target.config
         fits = lambda n: loop_lib.capacity(self.target, self.dcfg, self.method, self.budget, n, 2)[1] <= self.cache_len
         widths = [(w, n) for w, n in chunk_widths(cfg.max_position_embeddings - 2) if fits(n)]  # (chunk, prompt)
+        if lengths is not None:
+            used = {chunk_size(int(n)) for n in lengths}
+            widths = [(w, n) for w, n in widths if w in used]
+            if not widths:
+                raise ValueError(f"no prompt of lengths {sorted(set(lengths))} fits the cache ({self.cache_len} rows)")
 
         def prompt(n):
             return (ids * (n // len(ids) + 1))[:n]
@@ -574,7 +581,7 @@ class SlotPool:
             groups = self.group_sizes(n)
             tick(f"prefill of {w}-token chunks" + (f" (and groups of {', '.join(map(str, groups))})" if groups else "")
                  + ", with the rounds they start")
-        base = prompt(min(len(ids), 64))
+        base = prompt(min(len(ids), 64) if lengths is None else widths[0][1])  # (a compiled width)
         # join one at a time up to B, then leave down to one: every resize and bucket, greedy then sampling
         for B, t in stages:
             hs = []
