@@ -48,7 +48,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kernels_pallas import mgpu_kernel_hash
 from kernels_pallas.attention_reference import tree_attention_reference
+
+mgpu_kernel_hash.install()  # one compilation of each kernel per process, not per program (its docstring)
 
 __all__ = ["tree_attention", "tree_attention_reference", "supports", "check_supported", "plan", "smem_bytes"]
 

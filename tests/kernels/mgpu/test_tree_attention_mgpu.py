@@ -197,3 +197,22 @@ def test_lowers_for_h200_under_vmap():
     txt = lower_for_h200(jax.vmap(tm.tree_attention), *structs)
     assert txt.count("custom_call @mosaic_gpu") == 1
     assert f"tensor<{V * 4}x" in txt  # the folded [V·B·Hkv, rows, hd] query operand
+
+
+def test_a_kernel_lowered_in_two_programs_has_one_hash():
+    """`mgpu_kernel_hash`: the same kernel at the same shapes lowered into two different programs carries one
+    `kernel_hash` (jaxlib compiles it once per process; without the fix every lowering's dump-name counter made a
+    new hash, so each program compiled its Mosaic GPU kernels again), and a different kernel another one."""
+    import re
+    from kernels_pallas import prefill_attention_mgpu
+    from kernels_pallas._common import lower_for_h200
+    S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    B, T, H, Hkv, hd, Sc = 1, 16, 8, 2, 64, 256
+    args = (S((B, T, H, hd), bf), S((B, Hkv, Sc, hd), bf), S((B, Hkv, Sc, hd), bf), S((), jnp.int32),
+            S((B, T, Hkv, hd), bf), S((B, T, Hkv, hd), bf), S((B, T, T), jnp.bool_))
+    hashes = lambda txt: re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', txt)
+    a = hashes(lower_for_h200(lambda *x: tm.tree_attention(*x), *args))
+    b = hashes(lower_for_h200(lambda *x: tm.tree_attention(*x) * 2 + tm.tree_attention(*x), *args))
+    c = hashes(lower_for_h200(lambda *x: prefill_attention_mgpu.prefill_attention(*x[:6]), *args))
+    assert len(a) == 1 and b == a, (a, b)  # (two call sites in one program: one lowering)
+    assert len(c) == 1 and c != a
