@@ -130,15 +130,7 @@ def lowered_hash(raw: dict, dtype: str, weights: str, kernels: str, part: str, s
     with abstract_h200():
         txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return hashlib.sha256(_stable(txt).replace(root, "#" * len(root)).encode()).hexdigest()[:16]
-
-
-def _stable(txt: str) -> str:
-    """The lowering without what differed between two lowerings of one Mosaic GPU kernel in a process before
-    `kernels_pallas.mgpu_kernel_hash` (which drops it): its dump name's counter ("anonymous_0", "anonymous_1", ...)
-    and the kernel hash over the module holding it."""
-    txt = re.sub(r"(mosaic_gpu\.dump_basename\\00[A-Za-z0-9_]*?)_\d+\\00", r"\1\\00", txt)
-    return re.sub(r'kernel_hash = "(?:[^"\\]|\\.)*"', 'kernel_hash = ""', txt)
+    return hashlib.sha256(txt.replace(root, "#" * len(root)).encode()).hexdigest()[:16]
 
 
 def hashes() -> dict:
