@@ -459,7 +459,6 @@ def section_prefill(deadline):
         "bv64_w4_tf32x3": dict(block_v=64),
         "bv32_w4_tf32x3": dict(block_v=32),
         "bv64_w4_s3_tf32x3": dict(block_v=64, num_stages=3),
-        "intra_kernel": dict(intra="kernel"),  # the chunk-local parts as one kernel, not XLA's batched fp32 dots
     }
     make = lambda kw: (gdn_prefill.gdn_chunked_reference if kw is None
                        else functools.partial(gdn_prefill.gdn_chunked, **kw, **IKW()))

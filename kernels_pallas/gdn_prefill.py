@@ -24,7 +24,7 @@ from kernels_pallas.gdn_reference import gdn_chunked as gdn_chunked_reference
 from kernels_pallas._common import (HIGHEST, compiler_params, dot_fn, feature_pad, first_fit, is_pow2, pad_axis,
                                     pipeline_buffers, pl, pltr, tile_bytes)
 
-__all__ = ["gdn_chunked", "gdn_chunked_reference", "intra_chunk", "intra_chunk_kernel", "intra_smem_bytes", "smem_bytes", "plan"]
+__all__ = ["gdn_chunked", "gdn_chunked_reference", "intra_chunk", "smem_bytes", "plan"]
 
 
 def smem_bytes(C: int, dkp: int, bv: int, num_stages: int) -> int:
@@ -109,67 +109,6 @@ def intra_chunk(q, k, v, g, beta, C: int):
     return O0, W0, U, Qt, G.reshape(B, T, Hv)
 
 
-def _intra_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, o0_ref, w0_ref, u_ref, qt_ref, G_ref, *, C: int, dot):
-    """`intra_chunk` for one (batch, chunk, value head): (I + L)⁻¹ as the nilpotent product
-    Π_t (I + (−L)^(2^t)), t < log2 C (L is strictly lower triangular: L^C = 0), instead of the doubling solve."""
-    f32 = jnp.float32
-    q, k, v = (r[...].astype(f32) for r in (q_ref, k_ref, v_ref))  # [C, dk], [C, dk], [C, dv]
-    beta = b_ref[...].astype(f32)  # [C]
-    G = jnp.cumsum(g_ref[...].astype(f32))  # [C]
-    i = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
-    j = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
-    gam = jnp.exp(jnp.where(j <= i, G[:, None] - G[None, :], -jnp.inf))  # Γ [C, C]
-    N = jnp.where(j < i, -(beta[:, None] * gam * dot(k, k.T)), 0.0)  # −L
-    eye = jnp.where(i == j, 1.0, 0.0)
-    M, P = eye + N, N
-    for _ in range(C.bit_length() - 2):  # C = 2^m: factors t = 1 .. m − 1
-        P = dot(P, P)
-        M = M + dot(M, P)
-    eG = jnp.exp(G)[:, None]
-    W0 = dot(M, beta[:, None] * v)
-    U = dot(M, (beta[:, None] * eG) * k)
-    A = jnp.where(j <= i, gam * dot(q, k.T), 0.0)
-    o0_ref[...] = dot(A, W0)
-    w0_ref[...] = W0
-    u_ref[...] = U
-    qt_ref[...] = eG * q - dot(A, U)
-    G_ref[...] = G
-
-
-def intra_smem_bytes(C: int, dkp: int, dvp: int) -> int:
-    """Shared memory (bytes, an upper estimate) of the intra-chunk program: its dots' operands staged in fp32 (q, k
-    and kᵀ, v or the [C, C] products) — four [C, d] tiles and two [C, C] ones. 27B widths (C 64, d 128): 163840;
-    Triton's allocation for the lowered kernel: 131072."""
-    f32 = jnp.float32
-    return 4 * tile_bytes((C, max(dkp, dvp)), f32) + 2 * tile_bytes((C, C), f32)
-
-
-def intra_chunk_kernel(q, k, v, g, beta, C: int, *, dot, interpret: bool = False, num_warps: int = 4):
-    """`intra_chunk` (same inputs, outputs and layout) as one Pallas kernel per (batch, chunk, value head); every
-    dtype in fp32 (`intra_smem_bytes` fits the H200 at the 27B widths: the model's only case, C 64, d 128)."""
-    B, T, Hk, dk = k.shape
-    Hv, dv = v.shape[2], v.shape[3]
-    n, r, f32 = T // C, Hv // Hk, jnp.float32
-    ch = lambda x: x.reshape((B, n, C) + x.shape[2:])
-    qc, kc, vc, gc, bc = map(ch, (q, k, v, g, beta))
-    row = lambda d, head: pl.BlockSpec((None, None, C, None, d), lambda b, c, h: (b, c, 0, head(h), 0))
-    vec = pl.BlockSpec((None, None, C, None), lambda b, c, h: (b, c, 0, h))
-    out = lambda d: pl.BlockSpec((None, None, None, C, d), lambda b, c, h: (b, c, h, 0, 0))
-    O0, W0, U, Qt, G = pl.pallas_call(
-        functools.partial(_intra_kernel, C=C, dot=dot),
-        grid=(B, n, Hv),
-        in_specs=[row(dk, lambda h: h // r), row(dk, lambda h: h // r), row(dv, lambda h: h), vec, vec],
-        out_specs=[out(dv), out(dv), out(dk), out(dk), vec],
-        out_shape=[jax.ShapeDtypeStruct((B, n, Hv, C, dv), f32), jax.ShapeDtypeStruct((B, n, Hv, C, dv), f32),
-                   jax.ShapeDtypeStruct((B, n, Hv, C, dk), f32), jax.ShapeDtypeStruct((B, n, Hv, C, dk), f32),
-                   jax.ShapeDtypeStruct((B, n, C, Hv), f32)],
-        compiler_params=compiler_params(num_warps, 1),
-        interpret=interpret,
-        name="gdn_prefill_intra_chunk",
-    )(qc, kc, vc, gc, bc)
-    return O0, W0, U, Qt, G.reshape(B, T, Hv)
-
-
 def _kernel(o0_ref, w0_ref, u_ref, qt_ref, k_ref, G_ref, s_ref, o_ref, so_ref, *, C: int, n: int, dot):
     f32 = jnp.float32
     last = jnp.arange(C) == C - 1
@@ -188,14 +127,11 @@ def _kernel(o0_ref, w0_ref, u_ref, qt_ref, k_ref, G_ref, s_ref, o_ref, so_ref, *
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "interpret", "block_v", "num_warps", "num_stages",
-                                             "precision", "smem_limit", "intra"))
+                                             "precision", "smem_limit"))
 def gdn_chunked(q, k, v, g, beta, state, chunk: int = 64, *, interpret: bool = False, block_v: int | None = None,
-                num_warps: int = 4, num_stages: int = 2, precision: str = "tf32x3", smem_limit: int | None = None,
-                intra: str = "xla"):
+                num_warps: int = 4, num_stages: int = 2, precision: str = "tf32x3", smem_limit: int | None = None):
     """Chunked prefill over T tokens. q,k [B,T,Hk,dk]; v [B,T,Hv,dv]; g,beta [B,T,Hv]; state [B,Hv,dk,dv]
-    -> (o [B,T,Hv,dv], state). Same as `gdn_chunked_reference`. intra: the chunk-local parts in XLA
-    (`intra_chunk`) or as one kernel (`intra_chunk_kernel`, "kernel": a variant of bench_kernels.py's prefill
-    section, unmeasured on the H200)."""
+    -> (o [B,T,Hv,dv], state). Same as `gdn_chunked_reference`."""
     f32 = jnp.float32
     B, T, Hk, dk = k.shape
     Hv, dv = v.shape[2], v.shape[3]
@@ -215,12 +151,7 @@ def gdn_chunked(q, k, v, g, beta, state, chunk: int = 64, *, interpret: bool = F
         q, k, state = pad_axis(q, 3, dkp), pad_axis(k, 3, dkp), pad_axis(state, 2, dkp)
     if dvp != dv:
         v, state = pad_axis(v, 3, dvp), pad_axis(state, 3, dvp)
-    if intra == "kernel":
-        O0, W0, U, Qt, Gc = intra_chunk_kernel(q, k, v, g, beta, Cp, dot=dot_fn(precision, interpret),
-                                               interpret=interpret)
-    else:
-        assert intra == "xla", intra
-        O0, W0, U, Qt, Gc = intra_chunk(q, k, v, g, beta, Cp)
+    O0, W0, U, Qt, Gc = intra_chunk(q, k, v, g, beta, Cp)
     cfg = plan(Cp, dkp, dvp, block_v=block_v, num_stages=num_stages, limit=smem_limit)
     bv, num_stages = cfg["block_v"], cfg["num_stages"]
     assert is_pow2(bv) and dvp % bv == 0

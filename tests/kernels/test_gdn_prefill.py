@@ -28,31 +28,12 @@ def test_chunked_matches_reference(B, T, Hk, Hv, dk, dv, chunk, kw):
     assert rel_err(s, s_r) < 1e-5, rel_err(s, s_r)
 
 
-@pytest.mark.parametrize("C", [16, 64])
-def test_intra_chunk_kernel_matches_intra_chunk(C):
-    """The chunk-local parts as one kernel (nilpotent-product inverse) == `intra_chunk` (doubling solve), all five
-    outputs, on random inputs with long decays (g near 0) as well as short ones; and through gdn_chunked."""
-    B, T, Hk, Hv, dk, dv = 2, 4 * C, 2, 4, 16, 32
-    q, k, v, g, beta, state = gdn_inputs(jax.random.PRNGKey(C), B, T, Hk, Hv, dk, dv)
-    g = g.at[:, : T // 2].multiply(0.01)  # half the chunks barely decay: the largest entries of (I + L)⁻¹
-    dot = lambda a, b: jnp.dot(a, b, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-    got = gdn_prefill.intra_chunk_kernel(q, k, v, g, beta, C, dot=dot, interpret=True)
-    ref = gdn_prefill.intra_chunk(q, k, v, g, beta, C)
-    for name, a, b in zip(("O0", "W0", "U", "Qt", "G"), got, ref):
-        assert a.shape == b.shape and rel_err(a, b) < 1e-5, (name, rel_err(a, b))
-    o, s = gdn_prefill.gdn_chunked(q, k, v, g, beta, state, C, interpret=True, intra="kernel")
-    o_r, s_r = gdn_prefill.gdn_chunked_reference(q, k, v, g, beta, state, C)
-    assert rel_err(o, o_r) < 1e-5 and rel_err(s, s_r) < 1e-5, (rel_err(o, o_r), rel_err(s, s_r))
-
-
 def test_lowers_for_h200_at_27b_shapes():
     S, f, T = jax.ShapeDtypeStruct, jnp.float32, 8192
     structs = [S((1, T, 16, 128), f), S((1, T, 16, 128), f), S((1, T, 48, 128), f), S((1, T, 48), f),
                S((1, T, 48), f), S((1, 48, 128, 128), f)]
     txt = lower_for_h200(gdn_prefill.gdn_chunked, *structs)
     assert "__gpu$xla.gpu.triton" in txt
-    txt = lower_for_h200(lambda *a: gdn_prefill.gdn_chunked(*a, intra="kernel"), *structs)
-    assert txt.count("__gpu$xla.gpu.triton") >= 2  # the intra-chunk kernel and the inter-chunk one
 
 
 @pytest.mark.parametrize("C", [1, 2, 16, 64])

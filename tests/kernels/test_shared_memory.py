@@ -64,9 +64,6 @@ def cases(dt):
     for T in (16, 1000):  # every dtype runs in fp32 inside: the same plan
         est = gdn_prefill.plan(min(64, max(16, 1 << (min(64, T) - 1).bit_length())), DK, DV)["smem"]
         out.append((f"gdn_prefill T={T}", est, gdn_prefill.gdn_chunked, _gdn_structs(T, False)))
-    intra = functools.partial(gdn_prefill.intra_chunk_kernel, C=64, dot=_common.dot_fn("tf32x3", False))
-    out.append(("gdn_prefill intra-chunk kernel", gdn_prefill.intra_smem_bytes(64, DK, DV), intra,
-                _gdn_structs(2048, False)[:5]))
     for N in (17, 65, 257):
         out.append((f"gdn_tree N={N}", gdn_tree.plan(N, DK, DV)["smem"], gdn_tree.gdn_masked_block, _gdn_structs(N, True)))
     fn = functools.partial(attention_decode.decode_attention_prep, num_heads=H, num_kv_heads=HKV, head_dim=HD, eps=1e-6)
