@@ -394,7 +394,8 @@ def main(argv=None):
                          "tree every round; bench_auto_budget.py's cost of auto)")
     ap.add_argument("--prefill-contexts", default="8192,32768,131072",
                     help="prompt lengths timed for prefill_s_by_context (with --contexts)")
-    ap.add_argument("--prefill-chunk", type=int, default=2048, help="rows per prefill call in the context sweep")
+    ap.add_argument("--prefill-chunk", default="2048", help="rows per prefill call in the context sweep; a comma "
+                    "list times each in this run (prefill_s_by_chunk_context; prefill_s_by_context takes the first)")
     ap.add_argument("--tp", type=int, default=None, help="tensor parallelism over the first N GPUs; the results go "
                     "into the tp<N> object of --out (tp_ratios compares tp1 and tp2 when both are there)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, few runs: check the script on a CPU")
@@ -416,7 +417,8 @@ def main(argv=None):
         dflash.update(SMOKE_DFLASH)
         args.runs, args.context, args.rounds_per_call, args.e2e_tokens, args.e2e_runs = 3, 64, 2, 6, 1
         if args.contexts:
-            args.contexts, args.prefill_contexts, args.prefill_chunk = "64,192", "64,128", 32
+            args.contexts, args.prefill_contexts = "64,192", "64,128"
+            args.prefill_chunk = ",".join(dict.fromkeys(str(min(int(c), 32)) for c in args.prefill_chunk.split(",")))
     cfg = text_config_from_dict(raw, where=args.config or "built-in Qwen3.6-27B shapes")
     dev = jax.devices()[0]
     res = top = {}
@@ -715,26 +717,31 @@ def contexts(args, res, key, target, drafter, dcfg, save, log):
             + f"tree attention x{cfg.layer_types.count('full_attention')} {att[str(ctx)]} ms")
         save()
 
-    # prefill: whole prompts in chunks of --prefill-chunk into one cache sized for the longest (one compilation;
-    # the attention kernels read the committed rows only, so the capacity does not change the work)
-    pre = res.setdefault("prefill_s_by_context" + key, {})
-    chunk = args.prefill_chunk
-    res["prefill_chunk_by_context"] = chunk
+    # prefill: whole prompts in chunks of each --prefill-chunk into one cache sized for the longest (one compilation
+    # per chunk width; the attention kernels read the committed rows only, so the capacity does not change the work)
+    chunks = [int(c) for c in args.prefill_chunk.split(",")]
+    res["prefill_chunk_by_context"] = chunks[0]
+    first = res.setdefault("prefill_s_by_context" + key, {})
+    by_chunk = res.setdefault("prefill_s_by_chunk_context" + key, {})
     lengths = [int(v) for v in args.prefill_contexts.split(",")]
-    cache = target.init_cache(max(lengths) + chunk)
-    ids = jnp.asarray(np.random.RandomState(0).randint(0, cfg.vocab_size, (1, chunk)), jnp.int32)
-    lg, cache, _, _ = target.prefill(cache, ids, chunk)
-    jax.block_until_ready(lg)
-    for length in lengths:
-        cache = cache.replace(length=jnp.int32(0))
-        t = time.perf_counter()
-        for _ in range(-(-length // chunk)):
-            lg, cache, _, _ = target.prefill(cache, ids, chunk)
+    for chunk in chunks:
+        pre = by_chunk.setdefault(str(chunk), {})
+        cache = target.init_cache(max(lengths) + chunk)
+        ids = jnp.asarray(np.random.RandomState(0).randint(0, cfg.vocab_size, (1, chunk)), jnp.int32)
+        lg, cache, _, _ = target.prefill(cache, ids, chunk)
         jax.block_until_ready(lg)
-        pre[str(length)] = round(time.perf_counter() - t, 3)
-        log(f"prefill {length} tokens (chunks of {chunk}): {pre[str(length)]} s")
-        save()
-    del cache
+        for length in lengths:
+            cache = cache.replace(length=jnp.int32(0))
+            t = time.perf_counter()
+            for _ in range(-(-length // chunk)):
+                lg, cache, _, _ = target.prefill(cache, ids, chunk)
+            jax.block_until_ready(lg)
+            pre[str(length)] = round(time.perf_counter() - t, 3)
+            if chunk == chunks[0]:
+                first[str(length)] = pre[str(length)]
+            log(f"prefill {length} tokens (chunks of {chunk}): {pre[str(length)]} s")
+            save()
+        del cache, lg
 
 
 if __name__ == "__main__":

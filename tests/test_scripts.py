@@ -29,13 +29,17 @@ def test_bench_smoke_writes_every_key(tmp_path):
 
 def test_bench_context_sweep_times_the_auto_round_forced(tmp_path):
     """bench.py --contexts: the fixed-budget table and generate's auto round forced to each candidate (its
-    assertion checks that auto chose the forced one every round), both in bench_auto_budget's layout."""
+    assertion checks that auto chose the forced one every round), both in bench_auto_budget's layout; the prefill
+    timed at two chunk widths in the same run."""
     out = tmp_path / "bench.json"
     _run(["benchmarks/bench.py", "--smoke", "--sections", "none", "--contexts", "64", "--context-budgets", "chain,7",
-          "--runs", "1", "--rounds-per-call", "2", "--out", str(out)])
+          "--runs", "1", "--rounds-per-call", "2", "--prefill-chunk", "16,32", "--out", str(out)])
     res = json.loads(out.read_text())
     for key in ("round_ms_by_budget_context", "auto_round_ms_by_budget_context"):
         assert set(res[key]) == {"chain", "7"} and all(v["64"] > 0 for v in res[key].values()), res[key]
+    by_chunk = res["prefill_s_by_chunk_context"]
+    assert set(by_chunk) == {"16", "32"} and all(set(v) == {"64", "128"} for v in by_chunk.values()), by_chunk
+    assert res["prefill_chunk_by_context"] == 16 and res["prefill_s_by_context"] == by_chunk["16"]
 
 
 def test_profile_round_smoke(tmp_path):
