@@ -393,7 +393,7 @@ def main(argv=None):
                          "--context-budgets (auto_round_ms_by_budget_context: it drafts and builds the largest "
                          "tree every round; bench_auto_budget.py's cost of auto)")
     ap.add_argument("--prefill-contexts", default="8192,32768,131072",
-                    help="prompt lengths timed for prefill_s_by_context (with --contexts)")
+                    help="prompt lengths timed for prefill_s_by_context (with --contexts; 'none': no prefill)")
     ap.add_argument("--prefill-chunk", default="2048", help="rows per prefill call in the context sweep; a comma "
                     "list times each in this run (prefill_s_by_chunk_context; prefill_s_by_context takes the first)")
     ap.add_argument("--tp", type=int, default=None, help="tensor parallelism over the first N GPUs; the results go "
@@ -719,6 +719,8 @@ def contexts(args, res, key, target, drafter, dcfg, save, log):
 
     # prefill: whole prompts in chunks of each --prefill-chunk into one cache sized for the longest (one compilation
     # per chunk width; the attention kernels read the committed rows only, so the capacity does not change the work)
+    if args.prefill_contexts in ("", "none"):
+        return
     chunks = [int(c) for c in args.prefill_chunk.split(",")]
     res["prefill_chunk_by_context"] = chunks[0]
     first = res.setdefault("prefill_s_by_context" + key, {})
