@@ -22,6 +22,9 @@ class Fusions(NamedTuple):
     parts: bool = True  # the gate in the GEMV's prologue, the residual in its epilogue; the attention layer's q/k
     #                     norm + RoPE + gate + KV-cache write as one kernel (`attention_decode_prep`)
     partials: bool = True  # the GEMV's split-K partials unsummed into the GDN / attention decode kernels
+    materialise: bool = False  # (benchmark A/B) an XLA GEMM's output of > 1 row written once, behind an
+    #                            optimization barrier, so that its consumers read it rather than each summing
+    #                            XLA's split-K fp32 partials again (the 65-row verify: session 15's profile)
 
 
 # kernels="pallas" and its benchmark-only variants with decode-step fusions off (A/B timing: benchmarks/
@@ -30,7 +33,7 @@ class Fusions(NamedTuple):
 # session 4, run B). Removed (git history), lost too: the RMSNorm in the GEMV prologue and the MLP as two GEMVs
 # with the SwiGLU in the down GEMV's prologue (20.63 ms with the MLP chain): both delay the weight stream.
 VARIANTS = {"pallas": Fusions(), "pallas:no_partials": Fusions(partials=False),
-            "pallas:unfused": Fusions(parts=False, partials=False)}
+            "pallas:unfused": Fusions(parts=False, partials=False), "pallas:materialised": Fusions(materialise=True)}
 
 
 def _fusions(kernels: str) -> Fusions | None:
@@ -398,6 +401,9 @@ def _project(spec: str, x, w, kernels: str, norm, gate, residual, partial: bool 
         prec = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
         y = jnp.einsum(spec, x, w.astype(x.dtype), precision=prec,
                        preferred_element_type=jnp.float32 if partial else x.dtype)
+        fusions = _fusions(kernels)
+        if fusions is not None and fusions.materialise and rows > 1:
+            y = jax.lax.optimization_barrier(y)
     if residual is not None:
         y = rounded(f32(residual) + f32(rounded(y, x.dtype)), residual.dtype)
     return f32(y) if partial else y

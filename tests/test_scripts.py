@@ -174,3 +174,7 @@ def test_decode_hlo_variants_reach_the_model():
     assert mod.lowered_hash(raw, "bfloat16", "bf16", "pallas", "ar") == ar["pallas"]  # deterministic
     assert (mod.lowered_hash(raw, "bfloat16", "bf16", "pallas", "verify")
             == mod.lowered_hash(raw, "bfloat16", "bf16", "pallas:unfused", "verify"))  # 17 rows: no GEMV
+    # the materialised-GEMM A/B changes the verify's projections (17 rows: XLA GEMMs), not the decode step's GEMVs
+    assert (mod.lowered_hash(raw, "bfloat16", "bf16", "pallas:materialised", "verify")
+            != mod.lowered_hash(raw, "bfloat16", "bf16", "pallas", "verify"))
+    assert mod.lowered_hash(raw, "bfloat16", "bf16", "pallas:materialised", "ar") == ar["pallas"]
