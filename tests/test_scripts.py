@@ -42,6 +42,18 @@ def test_bench_context_sweep_times_the_auto_round_forced(tmp_path):
     assert res["prefill_chunk_by_context"] == 16 and res["prefill_s_by_context"] == by_chunk["16"]
 
 
+def test_ab_kernels_smoke(tmp_path):
+    """ab_kernels.py: every variant's AR step and rounds in one process, medians and differences to the first."""
+    out = tmp_path / "ab.json"
+    _run(["benchmarks/ab_kernels.py", "--smoke", "--variants", "pallas,pallas:materialised", "--budgets", "chain,7",
+          "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert res["ran_as"] == {"pallas": "xla", "pallas:materialised": "xla"}  # the CPU: both as xla
+    assert set(res["median_ms"]["pallas"]) == {"ar", "chain", "7"}
+    assert all(v > 0 for d in res["median_ms"].values() for v in d.values())
+    assert set(res["minus_first_ms"]) == {"pallas:materialised"}
+
+
 def test_profile_round_smoke(tmp_path):
     """profile_gpu.py's round (draft, tree build, verify, accept, commit) at bench.py's smoke shapes."""
     out = tmp_path / "prof.json"
