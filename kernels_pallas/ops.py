@@ -207,10 +207,12 @@ class Choice(NamedTuple):
     "xla" (XLA's einsum), "w8a8" (the Pallas W8A8 block FP8 kernel, kernels_pallas/w8a8.py) or "w8a8_ref" (its jnp
     reference: the same function on XLA). For "gemv": `fused`, the gate in its prologue and the residual in its
     epilogue (else the same ops as XLA kernels around it); `partials`, its split-K partials go unsummed to the
-    consumer kernel of a decode step's first projection (`decode_row`)."""
+    consumer kernel of a decode step's first projection (`decode_row`). For "xla": `materialise` (the benchmark
+    variant "pallas:materialised"), its output passes an optimization barrier, written once for every consumer."""
     kernel: str
     fused: bool = False
     partials: bool = False
+    materialise: bool = False
 
 
 class Fp8(NamedTuple):
@@ -257,7 +259,7 @@ def pick(fmt: str, rows: int, cols: int, kernels: str = "xla", *, block_in: int 
         return Choice("w8a8" if ok else "w8a8_ref")
     if fusions is not None and fmt == "bf16" and 0 < rows <= gemv_rows and cols >= gemv_cols:
         return Choice("gemv", fused=fusions.parts, partials=fusions.parts and fusions.partials)
-    return Choice("xla")
+    return Choice("xla", materialise=fusions is not None and fusions.materialise and rows > 1)
 
 
 def _problem(spec: str, x, w_shape) -> tuple[int, int, int, int]:
@@ -401,8 +403,7 @@ def _project(spec: str, x, w, kernels: str, norm, gate, residual, partial: bool 
         prec = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
         y = jnp.einsum(spec, x, w.astype(x.dtype), precision=prec,
                        preferred_element_type=jnp.float32 if partial else x.dtype)
-        fusions = _fusions(kernels)
-        if fusions is not None and fusions.materialise and rows > 1:
+        if choice.materialise:
             y = jax.lax.optimization_barrier(y)
     if residual is not None:
         y = rounded(f32(residual) + f32(rounded(y, x.dtype)), residual.dtype)
