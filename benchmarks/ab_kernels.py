@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import jax  # noqa: E402
 
-from bench import (DFLASH_27B, QWEN36_27B, SMOKE_DFLASH, SMOKE_TARGET, Rounds, make_plan,  # noqa: E402
+from bench import (DFLASH_27B, QWEN36_27B, SMOKE_DFLASH, SMOKE_TARGET, Rounds, plan_for,  # noqa: E402
                    random_drafter)
 from jaxddtree.model.config import text_config_from_dict  # noqa: E402
 from jaxddtree.model.drafter_config import DrafterConfig  # noqa: E402
@@ -68,14 +68,13 @@ def main(argv=None):
     def log(msg):
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
-    figures = [("ar", "ar", 0, 4 * n)] + [
-        (b, "dflash" if b == "chain" else "ddtree", 0 if b == "chain" else int(b), n)
-        for b in args.budgets.split(",") if b]
+    figures = ["ar"] + [b for b in args.budgets.split(",") if b]
     for p in range(args.passes):
         for v in variants:
             target.kernels = ran_as[v]
-            for name, method, budget, per_call in figures:
-                r = Rounds(target, drafter, make_plan(target, dcfg, method, budget), args.context, per_call,
+            for name in figures:
+                per_call = 4 * n if name == "ar" else n  # caches sized per figure by loop.capacity (bench.Rounds)
+                r = Rounds(target, drafter, plan_for(target, dcfg, name), args.context, per_call,
                            (args.runs + 2) * per_call)
                 ms = round(r.ms_per_round(args.runs), 3)
                 del r

@@ -116,6 +116,13 @@ def make_plan(target, dcfg, method: str, budget: int = 0) -> loop_lib.Plan:
     return loop_lib.make_plan(target, dcfg if method != "ar" else None, method, budget)
 
 
+def plan_for(target, dcfg, figure: str) -> loop_lib.Plan:
+    """The Plan of a timed figure: "ar" (the AR step), "chain" (DFlash) or a DDTree budget ("64")."""
+    if figure in ("ar", "chain"):
+        return make_plan(target, dcfg, "ar" if figure == "ar" else "dflash")
+    return make_plan(target, dcfg, "ddtree", int(figure))
+
+
 def loop_state(target, drafter, plan, context: int, max_new: int, cache=None, costs=None):
     """The decode state `generate` starts its rounds from after a `context`-token prompt (caches sized by
     `loop.capacity(context, max_new)`, made by `loop.start_fn`), with random cache contents (committed length
@@ -707,8 +714,7 @@ def contexts(args, res, key, target, drafter, dcfg, save, log):
         cache = arr.state.cache
         del arr
         for b in sorted(set(budgets) | {"64"}, key=lambda v: (v != "chain", int(v) if v.isdigit() else 0)):
-            plan = make_plan(target, dcfg, "dflash") if b == "chain" else make_plan(target, dcfg, "ddtree", int(b))
-            one = Rounds(target, drafter, plan, ctx, n, (runs + 2) * n, cache=cache)
+            one = Rounds(target, drafter, plan_for(target, dcfg, b), ctx, n, (runs + 2) * n, cache=cache)
             del cache
             ms = round(one.ms_per_round(runs), 3)
             cache = one.state.cache

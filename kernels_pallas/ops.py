@@ -18,7 +18,8 @@ KERNELS = ("xla", "pallas")
 
 
 class Fusions(NamedTuple):
-    """What a Pallas-path variant runs: the decode-step fusions (AR step, bf16, kernels_pallas/dense.py's GEMV)."""
+    """What a Pallas-path variant runs: the decode-step fusions (AR step, bf16, kernels_pallas/dense.py's GEMV) and
+    how the XLA GEMMs of more rows hand over their output."""
     parts: bool = True  # the gate in the GEMV's prologue, the residual in its epilogue; the attention layer's q/k
     #                     norm + RoPE + gate + KV-cache write as one kernel (`attention_decode_prep`)
     partials: bool = True  # the GEMV's split-K partials unsummed into the GDN / attention decode kernels
@@ -27,7 +28,8 @@ class Fusions(NamedTuple):
     #                            XLA's split-K fp32 partials again (the 65-row verify: session 15's profile)
 
 
-# kernels="pallas" and its benchmark-only variants with decode-step fusions off (A/B timing: benchmarks/
+# kernels="pallas" and its benchmark-only variants: decode-step fusions off, or the XLA GEMMs' outputs materialised
+# (pallas:materialised, unmeasured: benchmarks/ab_kernels.py decides it) (A/B timing: benchmarks/
 # ab_decode_fusions.py, profile_gpu.py --decode-fusions, decode_hlo.py; the same kernels otherwise). Both lost on
 # the H200 (AR step, 27B, 4K, 2026-11-30: 17.68 ms default, 17.97 no_partials, 18.14 unfused; BENCHMARKS.md
 # session 4, run B). Removed (git history), lost too: the RMSNorm in the GEMV prologue and the MLP as two GEMVs
