@@ -475,6 +475,12 @@ def main(argv=None):
 
     def save():
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        f8 = res.get("fp8", {})
+        if args.weights == "both" and f8:  # issue 38's ratios, fp8 over bf16 of this run
+            f8["over_bf16"] = {k: round(a / b, 3) for k, a, b in (
+                ("ar_step", f8.get("ar_step_ms"), res.get("ar_step_ms")),
+                ("chain_round", f8.get("chain_round_ms"), res.get("chain_round_ms")),
+                ("round_64", f8.get("round_ms", {}).get("64"), res.get("round_ms", {}).get("64"))) if a and b}
         for tp2 in [k for k in top if k.startswith("tp2") and not k.endswith("_ratios")]:  # issue 18's goals
             if "tp1" in top and tp2 in top:
                 top[f"{tp2}_ratios"] = {f"{k}_tp2_over_tp1": round(v2 / v1, 3) for k, v1, v2 in (
