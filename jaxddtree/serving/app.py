@@ -21,7 +21,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxddtree.serving.engine import Engine, Job, QueueFull
 from jaxddtree.serving.protocol import APIError, ChatRequest, CompletionRequest, parse, unhonoured
-from jaxddtree.serving.tools import ToolCallParser, prompt_in_think
+from jaxddtree.serving.chat_output import ChatOutput
+from jaxddtree.serving.tools import prompt_in_think
 from jaxddtree.speculative.tree import check_truncation
 from jaxddtree.text import encode_rendered, encode_text, ensure_chat_template, render_chat
 
@@ -88,7 +89,8 @@ def create_app(engine: Engine) -> FastAPI:
         if not req.messages:
             raise APIError(400, "'messages' must contain at least one message", param="messages")
         tok = engine.tokenizer
-        tools = _tools(req)
+        tools = _tools(req)  # rendered
+        known = [t.model_dump(exclude_none=True) for t in req.tools] if tools else None  # parsed: every tool
         turns = [_turn(m, i) for i, m in enumerate(req.messages)]
         try:
             ensure_chat_template(tok)
@@ -99,7 +101,8 @@ def create_app(engine: Engine) -> FastAPI:
         max_tokens, param = ((req.max_completion_tokens, "max_completion_tokens")
                              if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens"))
         job = _job(req, ids, max_tokens, param, default_max=engine.default_max_tokens)
-        parser = (lambda: ToolCallParser(tools, in_think=prompt_in_think(text))) if tools else None
+        in_think = prompt_in_think(text)
+        parser = (lambda: ChatOutput(known, in_think)) if (known or in_think) else None
         return await _respond(request, req, job, chat=True, parser=parser)
 
     def _checked(req):
@@ -150,6 +153,9 @@ def create_app(engine: Engine) -> FastAPI:
             turn["tool_calls"] = calls
         if m.tool_call_id is not None:
             turn["tool_call_id"] = m.tool_call_id
+        reasoning = (m.model_extra or {}).get("reasoning_content")
+        if m.role == "assistant" and isinstance(reasoning, str):  # Qwen3.6's template renders it back
+            turn["reasoning_content"] = reasoning
         return turn
 
     def _job(req, ids, max_tokens, param, default_max) -> Job:
@@ -228,11 +234,10 @@ def create_app(engine: Engine) -> FastAPI:
             message, finish = {"role": "assistant", "content": text}, info["finish_reason"]
             if parser is not None:
                 p = parser()
-                (content, calls), (rest, more) = p.feed(text), p.finish()
-                content, calls = content + rest, calls + more
-                message["content"] = content if (content or not calls) else None
-                if calls:
-                    message["tool_calls"] = [c.openai() for c in calls]
+                p.feed(text)
+                p.finish()
+                message = p.message()
+                if p.calls:
                     finish = "tool_calls" if finish == "stop" else finish
             choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
         else:
@@ -244,11 +249,13 @@ def create_app(engine: Engine) -> FastAPI:
         def event(obj) -> str:
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-        def chunk(delta: str | None, finish=None, role=False, tool_calls=None):
+        def chunk(delta: str | None, finish=None, role=False, tool_calls=None, reasoning=None):
             if chat:
                 d = {} if delta is None else {"content": delta}
                 if role:
                     d["role"] = "assistant"
+                if reasoning is not None:
+                    d["reasoning_content"] = reasoning
                 if tool_calls:
                     d["tool_calls"] = tool_calls
                 c = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
@@ -259,14 +266,16 @@ def create_app(engine: Engine) -> FastAPI:
         p = parser() if parser is not None else None
         n_calls = 0
 
-        def parsed(text: str, final: bool):  # content and tool-call chunks of a text delta
+        def parsed(text: str, final: bool):  # reasoning, content and tool-call chunks of a text delta, in order
             nonlocal n_calls
-            content, calls = p.finish() if final else p.feed(text)
-            if content:
-                yield event(chunk(content))
-            for c in calls:
-                yield event(chunk(None, tool_calls=[c.openai(n_calls)]))
-                n_calls += 1
+            for kind, value in (p.finish() if final else p.feed(text)):
+                if kind == "content":
+                    yield event(chunk(value))
+                elif kind == "reasoning":
+                    yield event(chunk(None, reasoning=value))
+                else:
+                    n_calls = max(n_calls, value.index + 1)
+                    yield event(chunk(None, tool_calls=[value.openai()]))
 
         try:
             if chat:
