@@ -1,13 +1,17 @@
 """The FastAPI app: /v1/completions, /v1/chat/completions (both with `stream: true` as server-sent events),
-/v1/models, /health. Requests are validated here (OpenAI-style 4xx errors) and run by the `Engine`.
+/v1/models, /health, /metrics (Prometheus, serving/metrics.py). Requests are validated here (OpenAI-style 4xx
+errors) and run by the `Engine`; with `api_keys`, every /v1 request needs `Authorization: Bearer KEY` (401
+otherwise; /health and /metrics stay open).
 
 Sampling: temperature, top_p, top_k, min_p (vLLM's extra fields), seed, stop, max_tokens are honoured; a sampling
 field it does not honour with a non-default value is a 400 naming it (protocol.UNHONOURED). Chat `tools` go
-through the chat template, the model's tool-call blocks come back as `tool_calls` (serving/tools.py)."""
+through the chat template, the model's tool-call blocks come back as `tool_calls` (serving/tools.py); with thinking
+on, the reasoning comes back as `reasoning_content` (serving/reasoning.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import math
 import random
@@ -16,10 +20,11 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxddtree.serving.engine import Engine, Job, QueueFull
+from jaxddtree.serving.metrics import ServerMetrics
 from jaxddtree.serving.protocol import APIError, ChatRequest, CompletionRequest, parse, unhonoured
 from jaxddtree.serving.chat_output import ChatOutput
 from jaxddtree.serving.tools import prompt_in_think
@@ -29,10 +34,28 @@ from jaxddtree.text import encode_rendered, encode_text, ensure_chat_template, r
 MAX_STOPS = 4
 
 
-def create_app(engine: Engine) -> FastAPI:
+def create_app(engine: Engine, api_keys=None) -> FastAPI:
+    """The app over `engine`; api_keys: the keys a /v1 request may carry (None or empty: no key needed)."""
     app = FastAPI(title="jaxddtree", docs_url=None, redoc_url=None)
     app.state.engine = engine
+    app.state.metrics = metrics = ServerMetrics(engine)
     created = int(time.time())
+    keys = [k.encode() for k in (api_keys or ()) if k]
+
+    if keys:
+        @app.middleware("http")
+        async def _auth(request: Request, call_next):
+            if request.url.path == "/v1" or request.url.path.startswith("/v1/"):
+                scheme, _, token = request.headers.get("authorization", "").partition(" ")
+                given = token.strip().encode()
+                # every key compared (constant time): the answer's timing does not tell which one nearly matched
+                ok = scheme.lower() == "bearer" and sum(hmac.compare_digest(given, k) for k in keys) > 0
+                if not ok:
+                    return JSONResponse(APIError(401, "missing or incorrect API key: send 'Authorization: Bearer "
+                                                 "KEY' with a key the server was started with (--api-key)",
+                                                 code="invalid_api_key").body(), status_code=401,
+                                        headers={"WWW-Authenticate": "Bearer"})
+            return await call_next(request)
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
@@ -56,6 +79,10 @@ def create_app(engine: Engine) -> FastAPI:
     async def health():
         return {"status": "ok", "model": engine.name, "busy": engine.busy, "running": engine.running(),
                 "waiting": engine.waiting(), "max_batch": engine.max_batch, **engine.counts}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.text(), media_type=metrics.content_type)
 
     @app.get("/v1/models")
     async def models():
