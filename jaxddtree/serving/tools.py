@@ -209,15 +209,15 @@ def _coerce(v, schema):
 
 def typed_value(text: str, schema) -> object:
     """A parameter's value from its raw text and its JSON schema (None: undeclared -> the raw text):
-    "null" / "None" is None where the schema admits null; where a string is admitted the raw text, unless it
+    "null" / "None" is None where the schema admits null or no string; where a string is admitted the raw text, unless it
     spells an object or array the schema admits too; otherwise the first reading of the text (JSON, a Python
     literal, double-encoded JSON) that has an admitted type, nested values typed by the schema too; the raw text
     when none has (or the schema names no type)."""
     kinds = _kinds(schema) if schema is not None else set()
     if not kinds:
         return text
-    if "null" in kinds and text.strip() in ("null", "None"):
-        return None
+    if text.strip() in ("null", "None") and ("null" in kinds or "string" not in kinds):
+        return None  # (as vLLM: an optional integer the model leaves null is null, not the text "null")
     wanted = kinds - {"string"} if "string" not in kinds else kinds & {"object", "array"}
     if not wanted:
         return text
