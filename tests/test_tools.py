@@ -157,6 +157,11 @@ CASES = {
     "a line <parameter=x> of another name inside a value": (
         block("write_file", content="a\n<parameter=query>\nb", path="q"),
         ("", [("write_file", {"content": "a\n<parameter=query>\nb", "path": "q"})])),
+    "<tool_call> left out (vLLM's fallback)": (
+        "Calling:\n<function=get_weather>\n<parameter=city>\nDallas\n</parameter>\n</function>\nDone.",
+        ("Calling:Done.", [("get_weather", {"city": "Dallas"})])),
+    "<function=...> inside a line is text": ("Call it as <function=ping> please, or " + block("ping"),
+                                             ("Call it as <function=ping> please, or", [("ping", {})])),
     # <tool_call> that is not a call: content, and the calls after it still parsed
     "mentioned in prose": ("Use <tool_call> tags to call.\n" + block("ping"),
                            ("Use <tool_call> tags to call.", [("ping", {})])),
@@ -171,6 +176,8 @@ NOT_CALLS = [
     "<tool_call>\n<function=\"ping\">\n</function>\n</tool_call>",                   # quotes
     "<tool_call>\n<function=get_weather>\nParis\n</function>\n</tool_call>",          # text, no parameter
     "<tool_call>\n<function=get_weather",                                            # cut in the header
+    "<function=get_weather>\nParis\n</function>",                                    # bare, no parameter
+    "<function=nope>\n<parameter=a>\n1\n</parameter>\n</function>",                    # bare, not a tool
 ]
 
 

@@ -26,7 +26,8 @@ lenient as the models need (what vLLM, SGLang, llama.cpp and ollama met in pract
   parameter not given yet (the `</parameter>` forgotten); at a line `</function>` followed by `</tool_call>`.
   Any other `</parameter>`, `<tool_call>`, ... (a file's contents) is part of the value, as is a whole nested
   `<tool_call>...</tool_call>` block;
-- two `<function=` blocks in one `<tool_call>` are two calls; a missing `</tool_call>` or `</function>` ends the
+- a `<function=NAME>` block at the start of a line without `<tool_call>` is read as if it had one (vLLM's
+  fallback); two `<function=` blocks in one `<tool_call>` are two calls; a missing `</tool_call>` or `</function>` ends the
   block where the next text starts; a block still open when the text ends is a call with what it holds (the
   finish reason says "length" when max_tokens cut it);
 - a repeated parameter keeps its first value; values get the types of the tool's JSON schema (`typed_value`).
@@ -362,9 +363,9 @@ def _follows_param(text: str, j: int, keys, unseen_of, final: bool):
 
 
 def scan_block(text: str, final: bool, schemas) -> _Scan:
-    """Read the block that starts `text` (with "<tool_call>") as far as it is decided."""
+    """Read the block that starts `text` (with "<tool_call>", or a bare "<function=") as far as it is decided."""
     calls: list[_Call] = []
-    pos = len(OPEN)
+    pos = len(OPEN) if text.startswith(OPEN) else 0
     n = len(text)
     while True:  # a function in the block
         p = _skip_ws(text, pos)
@@ -461,6 +462,7 @@ class ToolCallParser:
         self.schemas = _schemas(tools)
         self.buf = ""            # undecided text (in a block: from its "<tool_call>")
         self.in_block = False
+        self.prev = "\n"         # the character before buf (a bare <function= must start a line)
         self.ws = ""             # whitespace held: dropped if a call follows
         self.after_call = False  # whitespace right after a call is dropped
         self.calls: list[ToolCall] = []
@@ -489,19 +491,16 @@ class ToolCallParser:
         out: list[tuple] = []
         while True:
             if not self.in_block:
-                i = self.buf.find(OPEN)
+                i = self._block_start()
                 if i < 0:
-                    keep = 0 if final else _partial_suffix(self.buf, OPEN)
-                    self._content(out, self.buf[:len(self.buf) - keep], final)
-                    self.buf = self.buf[len(self.buf) - keep:]
+                    keep = 0 if final else max(_partial_suffix(self.buf, OPEN), _partial_suffix(self.buf, FUNC))
+                    self._consume(out, len(self.buf) - keep, final)
                     return out
-                self._content(out, self.buf[:i], final=False)
-                self.buf = self.buf[i:]
+                self._consume(out, i, final=False)
                 self.in_block, self._sent = True, []
             scan = scan_block(self.buf, final, self.schemas)
             if scan.not_call:
-                self._content(out, OPEN, final=False)
-                self.buf = self.buf[len(OPEN):]
+                self._consume(out, len(OPEN) if self.buf.startswith(OPEN) else len(FUNC), final=False)
                 self.in_block = False
                 continue
             self._emit_calls(out, scan.calls)
@@ -510,8 +509,25 @@ class ToolCallParser:
                     self._content(out, self.buf, final=True)
                     self.buf, self.in_block = "", False
                 return out
+            self.prev = self.buf[scan.end - 1] if scan.end else self.prev
             self.buf = self.buf[scan.end:]
             self.in_block, self.after_call = False, True
+
+    def _block_start(self) -> int:
+        """Where the next block may start in buf: "<tool_call>", or "<function=" at the start of a line (the
+        models sometimes leave out <tool_call>, as vLLM's fallback reads); -1: none."""
+        i = self.buf.find(OPEN)
+        j = self.buf.find(FUNC)
+        while j >= 0 and not (self.buf[j - 1] == "\n" if j else self.prev == "\n"):
+            j = self.buf.find(FUNC, j + 1)
+        return min(k for k in (i, j) if k >= 0) if max(i, j) >= 0 else -1
+
+    def _consume(self, out: list, n: int, final: bool):
+        """The first n characters of buf are content."""
+        if n:
+            self.prev = self.buf[n - 1]
+        self._content(out, self.buf[:n], final)
+        self.buf = self.buf[n:]
 
     def _emit_calls(self, out: list, calls: list):
         for k, c in enumerate(calls):
