@@ -76,7 +76,8 @@ def whole(text, tools=TOOLS):
     return content, [(x.name, x.arguments) for x in calls]
 
 
-FILE = "def f(x):\n    return '</parameter>' if x else \"<tool_call>\"\n</parameter>\nnot the end\n"
+FILE = ("def f(x):\n    return '</parameter>' if x else \"<tool_call>\"\n</parameter>\nnot the end\n"
+        "</parameter>\n</function>\nstill not\n")
 CASES = {
     # well-formed (vLLM's basic cases)
     "one call": ("Let me check.\n\n" + block("get_weather", city="Paris", days=3) + "\n",
@@ -137,6 +138,8 @@ CASES = {
         ("", [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "London"})])),
     "</tool_call> forgotten": (block("ping")[:-len("</tool_call>")] + "Then text.",
                                ("Then text.", [("ping", {})])),
+    "</tool_call> forgotten at the end": (block("get_weather", city="Rome")[:-len("\n</tool_call>")],
+                                          ("", [("get_weather", {"city": "Rome"})])),
     "</function> forgotten": ("<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n"
                               "</tool_call>", ("", [("get_weather", {"city": "Rome"})])),
     "repeated parameter: the first": (
@@ -221,7 +224,7 @@ def test_prose_is_not_held_back():
 
 
 def test_arguments_stream_as_they_parse():
-    """The call's id and name come once the header is confirmed, each parameter as its end is known, "}" at
+    """The call's id and name come once the header is confirmed, each parameter as its end is known, "}" after
     </function>: before the block is complete."""
     p = ToolCallParser(TOOLS)
     assert p.feed("<tool_call>\n<function=get_weather>\n") == []
@@ -233,8 +236,10 @@ def test_arguments_stream_as_they_parse():
     assert p.feed("city>\nParis\n</parameter>\n") == []  # undecided: the value may go on
     (_, d), = p.feed("<parameter=days>\n")
     assert d.arguments == '{"city": "Paris"' and d.openai() == {"index": 0, "function": {"arguments": d.arguments}}
-    assert [e[1].arguments for e in p.feed("2\n</parameter>\n</function>")] == [', "days": 2', "}"]
-    assert p.feed("\n</tool_call>") == [] and p.finish() == []
+    assert p.feed("2\n</parameter>\n</function>") == []  # a </function> inside a value must meet </tool_call>
+    assert p.feed("\n</tool") == []
+    assert [e[1].arguments for e in p.feed("_call>")] == [', "days": 2', "}"]
+    assert p.finish() == []
     assert p.calls[0].arguments == {"city": "Paris", "days": 2}
 
 

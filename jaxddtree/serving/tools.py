@@ -22,7 +22,7 @@ lenient as the models need (what vLLM, SGLang, llama.cpp and ollama met in pract
   as that is known, never held back to the end;
 - a value ends at a `</parameter>` (or a drifted form: `</parameter1>`, `</parameter/>`, `</parameter_x>`, a
   truncated `</parameter`) that whitespace and then a tag (`<parameter=` a parameter of the function's schema,
-  `</function>`, `</tool_call>`) or the end of the text follow; at a line `<parameter=NAME>` of a schema
+  `</function>` before `</tool_call>` / `<function=` / the end, `</tool_call>`) or the end of the text follow; at a line `<parameter=NAME>` of a schema
   parameter not given yet (the `</parameter>` forgotten); at a line `</function>` followed by `</tool_call>`.
   Any other `</parameter>`, `<tool_call>`, ... (a file's contents) is part of the value, as is a whole nested
   `<tool_call>...</tool_call>` block;
@@ -278,9 +278,10 @@ def _param_name(text: str, i: int):
     return text[start:nl].strip(), nl + 1
 
 
-def _value_end(text: str, v: int, keys, seen: set, final: bool):
+def _value_end(text: str, v: int, keys, seen: set, final: bool, bare: bool = False):
     """The end of the value that starts at v -> (value end, where the next tag starts), or None while undecided.
-    `keys`: the function's schema parameters (None: any name); `seen`: the parameters given so far."""
+    `keys`: the function's schema parameters (None: any name); `seen`: the parameters given so far; bare: the
+    block has no <tool_call> (a </function> then ends it whatever follows)."""
     depth = 0  # nested <tool_call> blocks inside the value (a file that holds one)
     n = len(text)
     for m in _MARK.finditer(text, v):
@@ -309,7 +310,7 @@ def _value_end(text: str, v: int, keys, seen: set, final: bool):
                     if not final and re.fullmatch(r"[^\s<>]{0,16}", text[after:]):
                         return None  # a drifted tag still coming
                     continue
-            ok = _follows_param(text, _skip_ws(text, after), keys, None, final)
+            ok = _follows_param(text, _skip_ws(text, after), keys, None, final, bare)
         elif tag == PARAM:  # the previous </parameter> forgotten: a line that opens a parameter not given yet
             if i == v or text[i - 1] != "\n":
                 continue
@@ -339,14 +340,21 @@ def _value_end(text: str, v: int, keys, seen: set, final: bool):
     return end, n
 
 
-def _follows_param(text: str, j: int, keys, unseen_of, final: bool):
+def _follows_param(text: str, j: int, keys, unseen_of, final: bool, bare: bool = False):
     """Whether a parameter can end before position j: a tag follows (`<parameter=NAME>` with NAME a schema
     parameter, and not given yet when `unseen_of` is the set given), or the end of the text. None: undecided."""
     rest = text[j:]
     if not rest:
         return True if final else None
-    if rest.startswith(FUNC_END) or rest.startswith(CLOSE):
+    if rest.startswith(CLOSE):
         return True
+    if rest.startswith(FUNC_END):  # ... itself followed by </tool_call>, the next function or the end
+        if bare:
+            return True
+        after = text[_skip_ws(text, j + len(FUNC_END)):]
+        if after.startswith(CLOSE) or after.startswith(FUNC) or (final and not after):
+            return True
+        return None if not final and (not after or _could_be(after, (CLOSE, FUNC))) else False
     if rest.startswith(PARAM):
         got = _param_name(text, j)
         if got is None:
@@ -412,7 +420,7 @@ def scan_block(text: str, final: bool, schemas) -> _Scan:
                         return _Scan(calls, end=n)
                     return _Scan(calls)
                 key, v = got
-                ends = _value_end(text, v, keys, seen | {key}, final)
+                ends = _value_end(text, v, keys, seen | {key}, final, bare=not text.startswith(OPEN))
                 if ends is None:
                     return _Scan(calls)
                 vend, p = ends
