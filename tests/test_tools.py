@@ -6,7 +6,9 @@ Where the cases come from (rewritten here, not copied): vLLM's tests/tool_parser
 test_qwen3_xml_coder_shared.py and test_qwen36_bugs.py (typed parameters, Python-repr objects, parallel calls, two
 calls in one delta, arrays with JSON booleans) and its qwen3coder parser's structural scan (a literal
 </parameter> or a whole <tool_call> block inside a value, a missing </parameter>); SGLang PR #27337 (drifted end
-tags: </parameter1>, </parameter/>, </parameter_x>, a truncated </parameter); ollama PR #17914 (a dropped
+tags: </parameter1>, </parameter/>, </parameter_x>, a truncated </parameter) and SGLang's
+test/registered/unit/function_call/test_qwen3_coder_detector.py (values ending like a drifted tag, linear time)
+and test_unknown_tool_name.py (an unknown tool between known ones); ollama PR #17914 (a dropped
 closing tag, closed by the next tag); mlx-lm PR #1881 (a parameter name whose ">" was dropped); ninfer issue #138
 (Python True, a value holding a <parameter=...>...</parameter> pair); vLLM issue #39771 (a malformed parameter
 must not lose the other calls); llama.cpp's tests/test-chat.cpp (content around calls, whitespace)."""
@@ -165,6 +167,11 @@ CASES = {
         ("Calling:Done.", [("get_weather", {"city": "Dallas"})])),
     "<function=...> inside a line is text": ("Call it as <function=ping> please, or " + block("ping"),
                                              ("Call it as <function=ping> please, or", [("ping", {})])),
+    "a value ending like a drifted tag, then </parameter>": (  # (SGLang's test_qwen3_coder_detector.py)
+        block("get_weather", city="<config>\n  <p>1</p>\n</parameters>", units="x </parameterList>"),
+        ("", [("get_weather", {"city": "<config>\n  <p>1</p>\n</parameters>", "units": "x </parameterList>"})])),
+    "an unknown block between two calls": (block("ping") + block("nope", a=1) + block("get_weather", city="Oslo"),
+                                           (block("nope", a=1), [("ping", {}), ("get_weather", {"city": "Oslo"})])),
     # <tool_call> that is not a call: content, and the calls after it still parsed
     "mentioned in prose": ("Use <tool_call> tags to call.\n" + block("ping"),
                            ("Use <tool_call> tags to call.", [("ping", {})])),
@@ -202,6 +209,18 @@ def test_not_calls_stay_text(i):
         assert streamed(text, seed=seed) == (text, [])
     # it does not hide the well-formed call after it
     assert whole(text + "\n" + block("ping")) == (text, [("ping", {})])
+
+
+def test_long_values_parse_in_linear_time():
+    """A long whitespace run in a value whose </parameter> was forgotten (SGLang's linear-time case)."""
+    import time
+    value = "a" + " " * 100_000 + "b"
+    text = ("<tool_call>\n<function=get_weather>\n<parameter=city>\n" + value + "\n<parameter=days>\n3\n"
+            "</parameter>\n</function>\n</tool_call>")
+    t = time.perf_counter()
+    assert whole(text) == ("", [("get_weather", {"city": value, "days": 3})])
+    assert streamed(text, pieces=20) == whole(text)
+    assert time.perf_counter() - t < 1.0
 
 
 def test_unknown_names_without_tools():
