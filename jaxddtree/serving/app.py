@@ -11,7 +11,6 @@ on, the reasoning comes back as `reasoning_content` (serving/reasoning.py)."""
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import math
 import random
@@ -23,10 +22,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from jaxddtree.serving.auth import APIKeys
+from jaxddtree.serving.chat_output import ChatOutput
 from jaxddtree.serving.engine import Engine, Job, QueueFull
 from jaxddtree.serving.metrics import ServerMetrics
 from jaxddtree.serving.protocol import APIError, ChatRequest, CompletionRequest, parse, unhonoured
-from jaxddtree.serving.chat_output import ChatOutput
 from jaxddtree.serving.tools import prompt_in_think
 from jaxddtree.speculative.tree import check_truncation
 from jaxddtree.text import encode_rendered, encode_text, ensure_chat_template, render_chat
@@ -40,22 +40,8 @@ def create_app(engine: Engine, api_keys=None) -> FastAPI:
     app.state.engine = engine
     app.state.metrics = metrics = ServerMetrics(engine)
     created = int(time.time())
-    keys = [k.encode() for k in (api_keys or ()) if k]
-
-    if keys:
-        @app.middleware("http")
-        async def _auth(request: Request, call_next):
-            if request.url.path == "/v1" or request.url.path.startswith("/v1/"):
-                scheme, _, token = request.headers.get("authorization", "").partition(" ")
-                given = token.strip().encode()
-                # every key compared (constant time): the answer's timing does not tell which one nearly matched
-                ok = scheme.lower() == "bearer" and sum(hmac.compare_digest(given, k) for k in keys) > 0
-                if not ok:
-                    return JSONResponse(APIError(401, "missing or incorrect API key: send 'Authorization: Bearer "
-                                                 "KEY' with a key the server was started with (--api-key)",
-                                                 code="invalid_api_key").body(), status_code=401,
-                                        headers={"WWW-Authenticate": "Bearer"})
-            return await call_next(request)
+    if api_keys:
+        app.add_middleware(APIKeys, keys=list(api_keys))
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
