@@ -372,6 +372,7 @@ class Engine:
                     except Exception as e:  # fails the request (a 500 / an error event), never the scheduler
                         self.counts["failed"] += 1
                         job.push("error", f"generation failed: {type(e).__name__}: {e}")
+                        self._observe("finished", "error", {})
                         joining = []
             if closing and not runs and not joining:
                 return
@@ -432,6 +433,7 @@ class Engine:
         for j in jobs:
             if j.cancelled.is_set():
                 self.counts["cancelled"] += 1
+                self._observe("finished", "cancelled", {})  # (never prefilled: no tokens)
                 continue
             n = len(j.prompt_ids)
             w, chunks = prompt_shape(n)
