@@ -11,7 +11,7 @@ test/registered/unit/function_call/test_qwen3_coder_detector.py (values ending l
 and test_unknown_tool_name.py (an unknown tool between known ones); ollama PR #17914 (a dropped
 closing tag, closed by the next tag); mlx-lm PR #1881 (a parameter name whose ">" was dropped); ninfer issue #138
 (Python True, a value holding a <parameter=...>...</parameter> pair); vLLM issue #39771 (a malformed parameter
-must not lose the other calls); llama.cpp's tests/test-chat.cpp (content around calls, whitespace)."""
+must not lose the other calls)."""
 
 from __future__ import annotations
 
@@ -149,6 +149,9 @@ CASES = {
         "</parameter>\n</function>\n</tool_call>", ("", [("get_weather", {"city": "A"})])),
     "cut by the end of the text": ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
                                    "<parameter=days>\n3\n</param", ("", [("get_weather", {"city": "Paris", "days": 3})])),
+    "a parameter tag never closed (vLLM #39771)": (
+        "<tool_call>\n<function=get_weather>\n<parameter=city</parameter>\n<parameter=days>\n2\n</parameter>\n"
+        "</function>\n</tool_call>\n" + block("ping"), ("", [("get_weather", {"days": 2}), ("ping", {})])),
     # literal tags inside a value (a file's contents), scanned with the schema's parameter names
     "</parameter> and <tool_call> inside a value": (
         block("write_file", path="a.py", content=FILE), ("", [("write_file", {"path": "a.py", "content": FILE})])),

@@ -312,11 +312,11 @@ def _value_end(text: str, v: int, keys, seen: set, final: bool, bare: bool = Fal
                     continue
             ok = _follows_param(text, _skip_ws(text, after), keys, None, final, bare)
         elif tag == PARAM:  # the previous </parameter> forgotten: a line that opens a parameter not given yet
-            if i == v or text[i - 1] != "\n":
+            if text[i - 1] != "\n":
                 continue
             ok = _follows_param(text, i, keys, seen, final)
         else:  # </function> on a line of its own, then </tool_call> or the end: the </parameter> forgotten
-            if i == v or text[i - 1] != "\n":
+            if text[i - 1] != "\n":
                 continue
             rest = text[_skip_ws(text, m.end()):]
             if rest.startswith(CLOSE) or (final and not rest):
@@ -420,6 +420,8 @@ def scan_block(text: str, final: bool, schemas) -> _Scan:
                         return _Scan(calls, end=n)
                     return _Scan(calls)
                 key, v = got
+                if "<" in key:  # "<parameter=city</parameter>": no name; the value is dropped
+                    key = ""
                 ends = _value_end(text, v, keys, seen | {key}, final, bare=not text.startswith(OPEN))
                 if ends is None:
                     return _Scan(calls)
