@@ -42,8 +42,10 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import re
 import uuid
+import warnings
 from dataclasses import dataclass, field
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -158,9 +160,25 @@ def _fits(v, kinds: set[str]) -> bool:
         k == "number" and "integer" in kinds and float(v).is_integer())
 
 
+def _jsonable(v, depth: int = 0) -> bool:
+    """Whether a parsed value is plain JSON (no set, bytes, complex, NaN, non-string key; not absurdly deep)."""
+    if depth > 100:
+        return False
+    if v is None or isinstance(v, (bool, int, str)):
+        return True
+    if isinstance(v, float):
+        return math.isfinite(v)
+    if isinstance(v, (list, tuple)):
+        return all(_jsonable(x, depth + 1) for x in v)
+    if isinstance(v, dict):
+        return all(isinstance(k, (str, int)) and not isinstance(k, bool) and _jsonable(x, depth + 1)
+                   for k, x in v.items())
+    return False
+
+
 def _literals(text: str):
     """The values `text` may spell, most likely first: JSON, a Python literal (True / None, single quotes), and
-    each again when it is a string (double-encoded JSON)."""
+    each again when it is a string (double-encoded JSON); only plain JSON values."""
     out, seen = [], set()
 
     def parse(s):
@@ -168,9 +186,13 @@ def _literals(text: str):
             if f is ast.literal_eval and len(s) > MAX_LITERAL:
                 continue
             try:
-                yield f(s)
+                with warnings.catch_warnings():  # ("invalid escape sequence" in a string literal)
+                    warnings.simplefilter("ignore")
+                    v = f(s)
             except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-                pass
+                continue
+            if _jsonable(v):
+                yield v
     for v in parse(text.strip()):
         key = repr(v)
         if key not in seen:
@@ -390,7 +412,7 @@ def scan_block(text: str, final: bool, schemas) -> _Scan:
         gt = text.find(">", start)
         head = text[start:gt if gt >= 0 else n]
         if gt < 0:
-            if not final and len(head) <= MAX_NAME and not _BAD_NAME.search(head):
+            if not final and len(head) <= MAX_NAME and not _BAD_NAME.search(head.strip()):
                 return _Scan(calls)
             return _Scan(calls, not_call=True) if not calls else _Scan(calls, end=pos)
         name = head.strip()
