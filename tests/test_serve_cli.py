@@ -24,7 +24,7 @@ def _serve_without(mod: str, *argv: str):
                           timeout=300)
 
 
-@pytest.mark.parametrize("mod", ["fastapi", "uvicorn"])
+@pytest.mark.parametrize("mod", ["fastapi", "uvicorn", "prometheus_client"])
 def test_missing_server_extra_is_one_line(mod):
     p = _serve_without(mod, "--port", "0")
     lines = p.stderr.strip().splitlines()
@@ -108,3 +108,20 @@ def test_max_batch_argument():
     for bad in ("0", "two"):
         with pytest.raises(SystemExit):
             p.parse_args(["--max-batch", bad])
+
+
+def test_api_key_argument():
+    """--api-key (repeatable) and $JAXDDTREE_API_KEY (comma-separated) together; an empty --api-key is one line."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("serve_script", SCRIPT)
+    serve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve)
+    p = serve.build_parser()
+    assert serve.api_keys(p.parse_args([]), environ={}) == []
+    args = p.parse_args(["--api-key", "a", "--api-key", "b"])
+    assert serve.api_keys(args, environ={}) == ["a", "b"]
+    assert serve.api_keys(args, environ={serve.API_KEY_ENV: " c, ,d "}) == ["a", "b", "c", "d"]
+    assert serve.api_keys(p.parse_args([]), environ={serve.API_KEY_ENV: ""}) == []
+    with pytest.raises(SystemExit, match="--api-key: an empty key"):
+        serve.api_keys(p.parse_args(["--api-key", " "]), environ={})
