@@ -516,3 +516,37 @@ def test_older_fp8_formats_load(released, tmp_path, version):
     prompt = np.random.RandomState(6).randint(0, 96, 12).tolist()
     ga, gb = (jaxddtree.generate(t, prompt, method="ar", max_new_tokens=8).tokens for t in (a, b))
     assert ga == gb
+
+
+@pytest.mark.parametrize("method,budget", [("ar", 0), ("ddtree", 15)])
+def test_fp8_rounds_lower_for_h200_on_fp8_wgmma(method, budget):
+    """A random fp8 target (128-aligned smoke shapes, 128x128 blocks) with kernels="pallas": the AR step and the
+    DDTree round lower for an abstract H200 with every fp8 projection on the Mosaic GPU fp8-wgmma kernel (decode
+    rows and the verify's tree rows): no Triton W8A8 kernel is left in the program."""
+    import dataclasses
+    import functools
+    import sys
+    import jax
+    import jax.numpy as jnp
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import bench
+    from jaxddtree.model.config import text_config_from_dict
+    from jaxddtree.model.drafter_config import DrafterConfig
+    from jaxddtree.model.target import random_target
+    from jaxddtree.speculative import loop as loop_lib
+    from kernels_pallas._common import lower_for_h200
+    raw, dfl = dict(bench.QWEN36_27B), dict(bench.DFLASH_27B)
+    raw.update(bench.SMOKE_TARGET, hidden_size=128, intermediate_size=256)
+    dfl.update(bench.SMOKE_DFLASH, hidden_size=128)
+    target = random_target(text_config_from_dict(raw, where="smoke"), "bfloat16", weights="fp8")
+    dcfg = DrafterConfig(**dfl)
+    drafter = bench.random_drafter(dcfg, jnp.bfloat16)
+    plan = dataclasses.replace(bench.make_plan(target, dcfg, method, budget), kernels="pallas")
+    state = jax.eval_shape(lambda: bench.loop_state(target, drafter, plan, 64, 64))
+    d = dcfg if method != "ar" else None
+    f = functools.partial(loop_lib.run_rounds, graphdef=target.graphdef, treedef=target.treedef, dcfg=d, plan=plan,
+                          chunk=1)
+    txt = lower_for_h200(f, target.leaves, drafter.params if d else None, state,
+                         jax.ShapeDtypeStruct((1,), jnp.int32))
+    assert "w8a8_fp8_dot" not in txt  # the Triton W8A8 kernel
+    assert txt.count("custom_call @mosaic_gpu") >= 4  # the fp8 projection shapes (identical calls share a function)
