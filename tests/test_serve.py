@@ -869,7 +869,7 @@ def test_prefix_cache_eviction_under_pressure(cached, monkeypatch):
     does not fit at all is not kept."""
     engine, client, ids = cached
     pc = engine.prefix_cache
-    A, B = ids(CODE)[:300], ids(CODE.replace("x", "value"))[:300]
+    A, B = ids(CODE)[:300], ids("# other\n" + CODE)[:300]
     assert A[:4] != B[:4]
     step = A + ids(" # next")
     want = _fresh(engine, client, step)
@@ -899,7 +899,7 @@ def test_prefix_cache_shared_prefix_concurrent_and_joining(cached):
     steps = [P + ids("\n# one"), P + ids("\nclass Two:\n")]
     long_prompt = ids("import os\nimport sys\n")
     want = [_fresh(engine, client, s) for s in steps]
-    want_long = _fresh(engine, client, long_prompt, 120)
+    want_long = _fresh(engine, client, long_prompt, 600)
     _complete(client, P)
     snap = next(s for s in pc.snapshots() if s.p == 300)
 
@@ -911,14 +911,17 @@ def test_prefix_cache_shared_prefix_concurrent_and_joining(cached):
         got = list(ex.map(lambda s: _complete(client, s), steps))
     assert got == [(w, 300) for w in want]
     assert checksum() == before
-    with ThreadPoolExecutor(2) as ex:  # a long request decoding, then a hit joins it
-        running = ex.submit(_stream_completion, client, long_prompt, 120)
-        for _ in range(500):
-            if engine.running() and engine.busy:
-                break
-            time.sleep(0.01)
-        time.sleep(0.2)
-        joined = ex.submit(_complete, client, steps[0])
+    # a long request decoding, then a hit joins it (submitted once the long one streams)
+    stream = client.completions.create(model="demo", prompt=long_prompt, max_tokens=600, temperature=0, stream=True)
+    parts, spec = [], None
+    with ThreadPoolExecutor(1) as ex:
+        joined = None
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                parts.append(chunk.choices[0].text)
+                if joined is None:
+                    joined = ex.submit(_complete, client, steps[0])
+            if chunk.choices and chunk.choices[0].finish_reason:
+                spec = chunk.model_extra.get("speculative")
         assert joined.result() == (want[0], 300)
-        text, _, spec = running.result()
-        assert text == want_long and spec["batch"] == 2  # (the hit ran next to it)
+    assert "".join(parts) == want_long and spec["batch"] == 2  # (the hit ran next to it)
