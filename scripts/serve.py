@@ -45,6 +45,16 @@ def positive_int(text: str) -> int:
     return v
 
 
+def nonneg_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got '{text}'") from None
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got '{text}'")
+    return v
+
+
 def budget_arg(text: str):
     """--budget: 'auto' or an integer >= 1."""
     if text.strip().lower() == "auto":
@@ -91,6 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "prefilled per round while others decode (their stall per round; at least one chunk: 256 "
                    "tokens, 2048 past 8K); joining prompts of one shape prefill together in passes of up to N "
                    "rows (default: 2048)")
+    p.add_argument("--prefix-cache-gb", type=nonneg_float, default=None, metavar="GB", help="device memory "
+                   "for the prefix cache (GiB): a prompt that starts with a cached prefix (a previous prompt's end, "
+                   "or a --prefix-cache-grid point of one) resumes its prefill there; least recently used "
+                   "snapshots go first; 0: off (default: 80%% of the memory the slots leave; 1 on the CPU; off "
+                   "with --tp > 1)")
+    p.add_argument("--prefix-cache-grid", type=positive_int, default=8192, metavar="N", help="the prefix cache "
+                   "also snapshots every N tokens inside long prompts (a GDN state, ~147 MiB at 27B, per point; "
+                   "default: 8192)")
     p.add_argument("--queue", type=positive_int, default=64, metavar="N", help="requests waiting for a slot at "
                    "most; more get 503 (default: 64)")
     p.add_argument("--model-name", default=None, help="the model id clients use (default: the target "
@@ -184,13 +202,16 @@ def load_engine(args):
         engine = Engine(target, drafter, tok, name=args.model_name or name, method=method, budget=args.budget,
                         budget_costs=costs, max_context=args.max_context, queue_size=args.queue,
                         default_max_tokens=args.default_max_tokens, max_batch=args.max_batch,
-                        prefill_tokens=args.prefill_tokens)
+                        prefill_tokens=args.prefill_tokens, prefix_cache_gb=args.prefix_cache_gb,
+                        prefix_cache_grid=args.prefix_cache_grid)
     except ValueError as e:  # e.g. the slots' caches for --max-context do not fit in the device's memory
         raise SystemExit(f"serve.py: error: {e}") from None
     print(f"serve.py: {engine.max_batch} slot(s) of {engine.cache_len} cache positions" + (
         f" ({engine.memory['slot_gib']:.2f} GiB each; {engine.memory['free_gib']:.1f} GiB free, "
         f"{engine.memory['fits']} slots would fit)" if engine.memory else "")
-        + (f"; joining prompts prefill in groups of up to {engine.prefill_group}" if engine.prefill_group > 1 else ""),
+        + (f"; joining prompts prefill in groups of up to {engine.prefill_group}" if engine.prefill_group > 1 else "")
+        + (f"; prefix cache {engine.prefix_cache_budget / (1 << 30):.1f} GiB" if engine.prefix_cache else
+           "; prefix cache off"),
         file=sys.stderr, flush=True)
     if not args.no_warmup:
         t = time.perf_counter()

@@ -59,7 +59,7 @@ class FakePool:
     delay = 0.0
 
     def __init__(self, target, drafter, *, method="ddtree", max_batch=1, cache_len, tree_budget="auto",
-                 budget_costs=None, slot_rows=128, sync_every=1, max_group=1, group_rows=2048):
+                 budget_costs=None, slot_rows=128, sync_every=1, max_group=1, group_rows=2048, prefix_cache=None):
         self.target, self.drafter, self.method, self.max_batch = target, drafter, method, max_batch
         self.cache_len, self.tree_budget, self.budget_costs, self.slot_rows = cache_len, tree_budget, budget_costs, \
             slot_rows

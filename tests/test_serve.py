@@ -771,3 +771,157 @@ def test_scheduler_step_failure_fails_the_running_requests(fake, monkeypatch):
     assert all("XLA went away" in r.json()["error"]["message"] for r in rs)
     assert _stream_completion(client, "import io\n", 30)[0] == want
     assert engine.running() == 0 and not pool.slots  # their slots released
+
+
+# ------------------------------------------------------------------------------- the prefix cache (issue 39)
+PREFIX_GRID = 256  # snapshots every 256 tokens inside prompts (the default 8192 needs longer prompts)
+
+
+@pytest.fixture(scope="module")
+def cached(pair, server):
+    """(engine, client, ids) of a server with a prefix cache (2 slots, snapshots every PREFIX_GRID tokens) on the
+    real pool; `server` first: its warm-up compiled what this engine runs (one cache capacity). ids(text): the
+    completions endpoint's token ids of a text."""
+    from jaxddtree.serving import Engine
+    from jaxddtree.text import encode_text
+
+    engine = Engine(pair.target, pair.drafter, pair.tokenizer, name="demo", method="ddtree", budget=64,
+                    max_context=MAX_CONTEXT, queue_size=8, max_batch=2, prefix_cache_grid=PREFIX_GRID)
+    assert engine.prefix_cache is not None and engine.pool.prefix_cache is engine.prefix_cache
+    base, stop = _serve(engine)
+    yield engine, openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120), \
+        lambda text: encode_text(pair.tokenizer, text)
+    stop()
+
+
+CODE = "".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n\n" for i in range(40))
+
+
+def _complete(client, ids, max_tokens=20):
+    """(text, cached_tokens) of a greedy completion of token ids."""
+    r = client.completions.create(model="demo", prompt=ids, max_tokens=max_tokens, temperature=0)
+    return r.choices[0].text, r.usage.prompt_tokens_details.cached_tokens
+
+
+def _fresh(engine, client, ids, max_tokens=20):
+    """What a freshly started server returns: the text with an empty prefix cache (emptied again after)."""
+    engine.prefix_cache.clear()
+    text, got = _complete(client, ids, max_tokens)
+    engine.prefix_cache.clear()
+    assert got == 0
+    return text
+
+
+def test_prefix_cache_completions_exact(cached):
+    """A prompt's end and its grid points are snapshotted: the same prompt again hits the grid point below its end
+    (the last prompt token is always recomputed), an agent step (the prompt + the completion + new tokens) hits
+    the previous prompt's end (inside a chunk: 300 is no multiple of 64), a prompt diverging at 280 hits the grid
+    point 256 (a partial match); each text equals a fresh server's, and usage reports the cached tokens."""
+    engine, client, ids = cached
+    P = ids(CODE)[:300]
+    assert len(P) == 300
+    first = _fresh(engine, client, P, 24)
+    pc = engine.prefix_cache
+    assert _complete(client, P, 24) == (first, 0)
+    assert sorted(s.p for s in pc.snapshots()) == [256, 300] and pc.bytes > 0
+    assert engine.prefix_cache_bytes() == pc.bytes
+    assert _complete(client, P, 24) == (first, 256)  # the identical prompt: the grid point below its end
+    step = P + ids(first + "\n\ndef g(y):\n    return")
+    want = _fresh(engine, client, step, 24)
+    _complete(client, P, 24)
+    assert _complete(client, step, 24) == (want, 300)  # the previous prompt's end
+    part = P[:280] + ids("class Z:\n    pass\n")
+    want = _fresh(engine, client, part, 24)
+    _complete(client, P, 24)
+    assert _complete(client, part, 24) == (want, 256)  # matched to 280, the deepest snapshot below: 256
+
+
+def test_prefix_cache_chat_exact(cached):
+    """A chat's next turn (the first turn, the answer, a new question) hits the first request's prompt end and
+    answers as a fresh server; so does the identical conversation sent again; streamed usage reports it too."""
+    engine, client, _ = cached
+    engine.prefix_cache.clear()
+    turn1 = [{"role": "user", "content": "Write a parser for this:\n" + CODE[:400]}]
+    r1 = client.chat.completions.create(model="demo", messages=turn1, max_tokens=16, temperature=0)
+    assert r1.usage.prompt_tokens_details.cached_tokens == 0
+    turn2 = turn1 + [{"role": "assistant", "content": r1.choices[0].message.content},
+                     {"role": "user", "content": "Now add tests."}]
+
+    def ask(**kw):
+        r = client.chat.completions.create(model="demo", messages=turn2, max_tokens=16, temperature=0, **kw)
+        return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens
+
+    hit = ask()
+    assert hit[1] == r1.usage.prompt_tokens
+    engine.prefix_cache.clear()
+    fresh = ask()
+    assert fresh == (hit[0], 0)
+    stream = client.chat.completions.create(model="demo", messages=turn2, max_tokens=16, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == hit[0]
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_prefix_cache_eviction_under_pressure(cached, monkeypatch):
+    """With room for one prompt's snapshots, a second prompt evicts the first's (least recently used first, the
+    bytes within the budget): the first's agent step then misses and still answers as a fresh server; a hit that
+    does not fit at all is not kept."""
+    engine, client, ids = cached
+    pc = engine.prefix_cache
+    A, B = ids(CODE)[:300], ids("# other\n" + CODE)[:300]
+    assert A[:4] != B[:4]
+    step = A + ids(" # next")
+    want = _fresh(engine, client, step)
+    _complete(client, A)
+    one = pc.bytes
+    monkeypatch.setattr(pc, "budget", int(one * 1.5))
+    _complete(client, B)
+    assert pc.bytes <= pc.budget and pc.stats["evicted"] >= 1
+    assert all(s.ids[0] == B[0] for s in pc.snapshots())
+    assert _complete(client, step) == (want, 0)
+    pc.set_budget(0)  # nothing fits: nothing is kept, the server still answers
+    assert len(pc) == 0 and pc.bytes == 0
+    assert _complete(client, step) == (want, 0) and len(pc) == 0
+
+
+def test_prefix_cache_shared_prefix_concurrent_and_joining(cached):
+    """Two requests at once extending one cached prefix both resume from it (copy-on-write: the snapshot's
+    arrays are unchanged after), and a request with a cached prefix joining a running batch; every text equals
+    a fresh server's."""
+    import numpy as np
+
+    import jax
+
+    engine, client, ids = cached
+    pc = engine.prefix_cache
+    P = ids(CODE)[:300]
+    steps = [P + ids("\n# one"), P + ids("\nclass Two:\n")]
+    long_prompt = ids("import os\nimport sys\n")
+    want = [_fresh(engine, client, s) for s in steps]
+    want_long = _fresh(engine, client, long_prompt, 600)
+    _complete(client, P)
+    snap = next(s for s in pc.snapshots() if s.p == 300)
+
+    def checksum():
+        return [float(np.sum(np.asarray(x, np.float64))) for x in jax.tree.leaves((snap.gdn, snap.tail,
+                                                                                  [b.kv for b in snap.blocks]))]
+    before = checksum()
+    with ThreadPoolExecutor(2) as ex:
+        got = list(ex.map(lambda s: _complete(client, s), steps))
+    assert got == [(w, 300) for w in want]
+    assert checksum() == before
+    # a long request decoding, then a hit joins it (submitted once the long one streams)
+    stream = client.completions.create(model="demo", prompt=long_prompt, max_tokens=600, temperature=0, stream=True)
+    parts, spec = [], None
+    with ThreadPoolExecutor(1) as ex:
+        joined = None
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                parts.append(chunk.choices[0].text)
+                if joined is None:
+                    joined = ex.submit(_complete, client, steps[0])
+            if chunk.choices and chunk.choices[0].finish_reason:
+                spec = chunk.model_extra.get("speculative")
+        assert joined.result() == (want[0], 300)
+    assert "".join(parts) == want_long and spec["batch"] == 2  # (the hit ran next to it)

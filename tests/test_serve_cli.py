@@ -110,6 +110,36 @@ def test_max_batch_argument():
             p.parse_args(["--max-batch", bad])
 
 
+def test_prefix_cache_arguments_and_default_budget():
+    """--prefix-cache-gb: GiB >= 0 (0: off), default None: 80% of what the slots' peak and the reserve leave, 1 GiB
+    without memory statistics, off with --tp > 1; --prefix-cache-grid: tokens >= 1."""
+    import importlib.util
+
+    from jaxddtree.serving import engine as E
+
+    spec = importlib.util.spec_from_file_location("serve_script", SCRIPT)
+    serve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve)
+    p = serve.build_parser()
+    args = p.parse_args([])
+    assert args.prefix_cache_gb is None and args.prefix_cache_grid == 8192
+    assert p.parse_args(["--prefix-cache-gb", "0"]).prefix_cache_gb == 0
+    assert p.parse_args(["--prefix-cache-gb", "2.5", "--prefix-cache-grid", "2048"]).prefix_cache_grid == 2048
+    for bad in (["--prefix-cache-gb", "-1"], ["--prefix-cache-gb", "x"], ["--prefix-cache-grid", "0"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(bad)
+    one = type("T", (), {"tp": 1})()
+    mem = {"free_gib": 100.0, "peak_slots": 3, "slot_gib": 10.0, "reserve_gib": 5.0}
+    assert E.prefix_cache_budget(None, mem, one) == int(65 * 0.8 * E.GIB)
+    assert E.prefix_cache_budget(None, dict(mem, free_gib=20.0), one) == 0  # nothing left: off
+    assert E.prefix_cache_budget(None, None, one) == int(E.CPU_PREFIX_CACHE_GIB * E.GIB)
+    assert E.prefix_cache_budget(2, mem, one) == 2 * E.GIB and E.prefix_cache_budget(0, mem, one) == 0
+    tp2 = type("TP2", (), {"tp": 2})()
+    assert E.prefix_cache_budget(None, mem, tp2) == 0
+    with pytest.raises(ValueError, match="--tp 1"):
+        E.prefix_cache_budget(1, mem, tp2)
+
+
 def test_api_key_argument():
     """--api-key (repeatable) and $JAXDDTREE_API_KEY (comma-separated) together; an empty --api-key is one line."""
     import importlib.util

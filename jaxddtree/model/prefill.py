@@ -79,15 +79,30 @@ def chunk_widths(max_tokens: int) -> list[tuple[int, int]]:
     return out
 
 
-def padded_chunks(ids: np.ndarray, size: int | None = None):
-    """Yield (tokens [1, size] int32, n real) for `ids` cut into chunks of one fixed size (one compilation
-    per size): `size` as given (a `chunk_size`), default chunk_size(len(ids)); the last chunk is zero-padded."""
+def chunk_bounds(n_tokens: int, size: int, start: int = 0, grid: int = 0) -> list[tuple[int, int]]:
+    """[(a, b)] the prefill chunks of positions [start, n_tokens): they end at every multiple of `size` (counted
+    from position 0, so a prefill resumed at `start` keeps a cold prefill's chunk ends), at every multiple of
+    `grid` (> 0: forced ends, where a prefix cache snapshots the state) and at n_tokens; each at most `size`."""
+    ends = set(range(start - start % size + size, n_tokens, size)) | {n_tokens}
+    if grid > 0:
+        ends |= set(range(start - start % grid + grid, n_tokens, grid))
+    out, a = [], start
+    for b in sorted(ends):
+        if b > a:
+            out.append((a, b))
+            a = b
+    return out
+
+
+def padded_chunks(ids: np.ndarray, size: int | None = None, start: int = 0, grid: int = 0):
+    """Yield (tokens [1, size] int32, n real) for `ids[start:]` cut into chunks of one fixed size (one compilation
+    per size; `chunk_bounds`): `size` as given (a `chunk_size`), default chunk_size(len(ids)); a chunk shorter
+    than `size` is zero-padded."""
     size = size or chunk_size(len(ids))
-    for s in range(0, len(ids), size):
-        part = ids[s:s + size]
+    for a, b in chunk_bounds(len(ids), size, start, grid):
         padded = np.zeros((1, size), np.int32)
-        padded[0, :len(part)] = part
-        yield jnp.asarray(padded), len(part)
+        padded[0, :b - a] = ids[a:b]
+        yield jnp.asarray(padded), b - a
 
 
 def prefill_ids(target: Target, cache, ids: np.ndarray, feature_layers=(), logits="last",

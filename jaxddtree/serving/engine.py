@@ -39,6 +39,7 @@ import jax.numpy as jnp
 
 from jaxddtree.model.prefill import prompt_shape
 from jaxddtree.text import TextStream, default_stop_ids
+from jaxddtree.speculative import prefix_cache as prefix_lib
 from jaxddtree.speculative.batch import Request, SlotPool, buckets
 from jaxddtree.speculative.loop import capacity, resolve_budget
 
@@ -47,6 +48,8 @@ MAX_GROUP = 8  # joining prompts prefilled together at most (fewer where their c
 PREFILL_TOKENS = 2048  # default prompt rows prefilled per round while others decode (one pass at 27B ≈ 0.26 s)
 CPU_AUTO_MAX_BATCH = 4  # ... on a device without memory statistics (the CPU)
 GIB = 1 << 30
+PREFIX_CACHE_SHARE = 0.8  # default prefix cache: this share of the memory the slots leave (the rest: its transients)
+CPU_PREFIX_CACHE_GIB = 1.0  # ... on a device without memory statistics
 _NOTHING = object()  # no job waiting
 
 
@@ -174,6 +177,24 @@ def _reserve_bytes(cfg, chunk: int, slot_rows: int) -> int:
     return 2 * chunk * (2 * cfg.intermediate_size + 4 * cfg.hidden_size) * 4 + 2 * slot_rows * cfg.vocab_size * 4 + GIB
 
 
+def prefix_cache_budget(gb, memory: dict | None, target) -> int:
+    """Device bytes of the prefix cache: `gb` GiB when given (0: off); by default PREFIX_CACHE_SHARE of what the
+    slots leave (`fit_max_batch`'s figures: free - peak slots - reserve), CPU_PREFIX_CACHE_GIB without memory
+    statistics; 0 (off) with tensor parallelism (not supported yet)."""
+    if gb is not None:
+        if not float(gb) >= 0:
+            raise ValueError(f"prefix_cache_gb must be >= 0, got {gb}")
+        if float(gb) > 0 and getattr(target, "tp", 1) > 1:
+            raise ValueError("the prefix cache needs --tp 1 (use --prefix-cache-gb 0)")
+        return int(float(gb) * GIB)
+    if getattr(target, "tp", 1) > 1:
+        return 0
+    if memory is None:
+        return int(CPU_PREFIX_CACHE_GIB * GIB)
+    left = memory["free_gib"] - memory["peak_slots"] * memory["slot_gib"] - memory["reserve_gib"]
+    return int(max(0.0, left) * PREFIX_CACHE_SHARE * GIB)
+
+
 def peak_slots(max_batch: int, group: int = 1) -> int:
     """Slots' caches alive at once at the worst moment of a pool of max_batch slots: the largest bucket and the one
     below it while the batch is resized between them (the resize copies), + a joining request's caches (a prefill
@@ -262,7 +283,8 @@ class Engine:
     def __init__(self, target, drafter, tokenizer, *, name: str = "jaxddtree", method: str = "ddtree",
                  budget: int | str = "auto", max_context: int | None = None, queue_size: int = 64, stop_ids=None,
                  default_max_tokens: int = 256, budget_costs=None, max_batch: int | str = 1, slot_rows: int = 128,
-                 prefill_tokens: int = PREFILL_TOKENS, pool_factory: Callable | None = None):
+                 prefill_tokens: int = PREFILL_TOKENS, pool_factory: Callable | None = None,
+                 prefix_cache_gb: float | None = None, prefix_cache_grid: int = prefix_lib.GRID):
         cfg = target.config
         self.target, self.drafter, self.tokenizer, self.name = target, drafter, tokenizer, name
         self.method = method if drafter is not None else "ar"
@@ -288,10 +310,19 @@ class Engine:
             self.memory["prefill_group"] = self.prefill_group
             self.memory["peak_slots"] = peak_slots(self.max_batch, self.prefill_group)
         self.slot_rows = slot_rows
+        # the prefix cache: prefix_cache_gb GiB (None: PREFIX_CACHE_SHARE of the memory left after the slots'
+        # peak and the working reserve; CPU_PREFIX_CACHE_GIB on a device without memory statistics; 0: off)
+        self.prefix_cache_budget = prefix_cache_budget(prefix_cache_gb, self.memory, target)
+        self.prefix_cache = (prefix_lib.PrefixCache(target, drafter if dcfg else None, self.prefix_cache_budget,
+                                                    grid=prefix_cache_grid)
+                             if self.prefix_cache_budget > 0 else None)
+        if self.memory is not None:
+            self.memory["prefix_cache_gib"] = self.prefix_cache_budget / GIB
+        extra = {"prefix_cache": self.prefix_cache} if self.prefix_cache is not None else {}
         self.pool = (pool_factory or SlotPool)(
             target, drafter if dcfg else None, method=self.method, max_batch=self.max_batch,
             cache_len=self.cache_len, tree_budget=budget, budget_costs=self.budget_costs, slot_rows=slot_rows,
-            sync_every=1, max_group=self.prefill_group, group_rows=self.prefill_tokens)
+            sync_every=1, max_group=self.prefill_group, group_rows=self.prefill_tokens, **extra)
         self.queue_size = queue_size
         self._queue = _JobQueue(max(1, queue_size))
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0}
@@ -445,9 +476,11 @@ class Engine:
                 self._fail(r, e)
                 continue
             r.cached = int(getattr(r.pending, "cached_tokens", 0) or 0)  # set by a pool with a prefix cache
+            r.chunks = int(getattr(r.pending, "chunks", chunks))
             r.mates = [r]
             runs.append(r)
-        k = max([1] + [g for g in sizes if g <= len(runs)])
+        # a prompt resumed from the prefix cache prefills on its own (its chunks start where its hit ends)
+        k = max([1] + [g for g in sizes if g <= len(runs)]) if not any(r.cached for r in runs) else 1
         if k > 1:
             try:
                 pool.group([r.pending for r in runs[:k]])

@@ -180,8 +180,14 @@ class Pending:
     """A request being prefilled (`SlotPool.prefill`): advance() enqueues its next chunk; True once its start
     state is enqueued (then `SlotPool.admit` it)."""
 
-    def __init__(self, req: Request, pre: loop_lib.Prefill, budget, oracle):
+    def __init__(self, req: Request, pre: loop_lib.Prefill, budget, oracle, cached_tokens: int = 0):
         self.req, self._pre, self.budget, self.oracle = req, pre, budget, oracle
+        self.cached_tokens = cached_tokens  # prompt tokens taken from the pool's prefix cache (0: none)
+
+    @property
+    def chunks(self) -> int:
+        """Its prefill's chunks (a prefix-cache hit skips some)."""
+        return self._pre.n_chunks
 
     def advance(self) -> bool:
         return self._pre.advance()
@@ -211,7 +217,7 @@ class SlotPool:
 
     def __init__(self, target: Target, drafter, *, method: str = "ddtree", max_batch: int = 1, cache_len: int,
                  tree_budget="auto", budget_costs=None, slot_rows: int = 128, sync_every: int = 1,
-                 max_group: int = 1, group_rows: int = GROUP_ROWS, _oracle_len: int = 0):
+                 max_group: int = 1, group_rows: int = GROUP_ROWS, prefix_cache=None, _oracle_len: int = 0):
         if method not in loop_lib.METHODS:
             raise ValueError(f"unknown method '{method}' (choose one of {', '.join(loop_lib.METHODS)})")
         if method != "ar" and drafter is None:
@@ -257,6 +263,13 @@ class SlotPool:
         self._oracle = None  # device oracle of the current layout ([L] single, [B, L] batched)
         self._inflight = None
         self._slot_fns: dict[int, Any] = {}  # B -> the bound batched round
+        # a speculative.prefix_cache.PrefixCache (prompts resume from their longest cached prefix) or None
+        self.prefix_cache = prefix_cache
+
+    @property
+    def prefix_cache_bytes(self) -> int:
+        """Device bytes the prefix cache holds (0 without one)."""
+        return self.prefix_cache.bytes if self.prefix_cache is not None else 0
 
     # ------------------------------------------------------------------------------------------- requests
     def prefill(self, req: Request) -> Pending:
@@ -286,17 +299,27 @@ class SlotPool:
             src = np.asarray(req.oracle if req.oracle is not None else [], np.int32)[:self.oracle_len]
             o[:len(src)] = src
             oracle = o
+        start = on_chunk = hit = None
+        grid = 0
+        pc = self.prefix_cache
+        if pc is not None:  # resume from the longest cached prefix (a copy: copy-on-write); snapshot this prompt
+            hit = pc.lookup(ids)
+            if hit is not None:
+                start = pc.build(hit, self.cache_len)
+            on_chunk, grid = pc.recorder(ids, hit), pc.grid
         pre = loop_lib.Prefill(self.target, self.drafter, self.start_plan, ids, chunk, self.cache_len, self.out_len,
                                seed=int(req.seed), stop_mask=stop_mask, temperature=temperature, max_new=max_new,
-                               top_k=top_k, top_p=top_p, min_p=min_p)
+                               top_k=top_k, top_p=top_p, min_p=min_p, start=start, grid=grid, on_chunk=on_chunk)
         return Pending(dataclasses.replace(req, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p),
-                       pre, budget, oracle)
+                       pre, budget, oracle, cached_tokens=hit.p if hit is not None else 0)
 
     def group(self, pendings) -> None:
         """Prefill these prepared requests (`prefill`, none advanced yet) together: one pass per chunk for all of them
         (`loop.PrefillGroup`). Their prompts must have one shape (`model.prefill.prompt_shape`) and their number must be one of
         `group_sizes` (one compilation each); then admit them all (the first advance() / admit runs the group)."""
         pendings = list(pendings)
+        if any(p.cached_tokens for p in pendings):
+            raise ValueError("a prompt resumed from the prefix cache prefills on its own")
         n = pendings[0]._pre.shape
         sizes = self.group_sizes_of(n[0])
         if len(pendings) not in sizes:
@@ -538,6 +561,7 @@ class SlotPool:
         progress(done, total, what): called after each stage (a prefill width, a bucket), e.g. to print it."""
         ids = check_ids(prompt_ids, "prompt_ids").tolist()
         cfg = self.target.config
+        pc = self.prefix_cache
         fits = lambda n: loop_lib.capacity(self.target, self.dcfg, self.method, self.budget, n, 2)[1] <= self.cache_len
         widths = [(w, n) for w, n in chunk_widths(cfg.max_position_embeddings - 2) if fits(n)]  # (chunk, prompt)
         if lengths is not None:
@@ -575,12 +599,16 @@ class SlotPool:
                 except ValueError:
                     break
             for k in self.group_sizes(n):  # joiners prefilled together (`group`)
+                if pc is not None:  # (no hit: a hit prefills on its own)
+                    pc.clear()
                 ps = [self.prefill(Request(prompt(n), 2)) for _ in range(k)]
                 self.group(ps)
                 run_all(pending=ps)
             groups = self.group_sizes(n)
             tick(f"prefill of {w}-token chunks" + (f" (and groups of {', '.join(map(str, groups))})" if groups else "")
                  + ", with the rounds they start")
+        if pc is not None and len(pc):  # a hit's copies (one shape for all: the prompts' snapshots made the rest)
+            jax.block_until_ready(pc.build(pc.snapshots()[-1], self.cache_len))
         base = prompt(min(len(ids), 64) if lengths is None else widths[0][1])  # (a compiled width)
         # join one at a time up to B, then leave down to one: every resize and bucket, greedy then sampling
         for B, t in stages:
@@ -595,6 +623,8 @@ class SlotPool:
             self.step()
             self.drain()
             tick(f"{B} slot{'s' if B > 1 else ''}, {'sampled' if t > 0 else 'greedy'}: rounds, joins and leaves")
+        if pc is not None:  # the warm-up's prompts are nobody's prefixes
+            pc.clear()
 
 
 def generate_many(target: Target, requests, *, drafter=None, method: str = "ar", max_batch: int = 4, join_at=None,

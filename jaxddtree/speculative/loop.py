@@ -32,7 +32,7 @@ from jaxddtree.model import layout as layout_lib
 from jaxddtree.model import sharding
 from jaxddtree.speculative import budget as budget_lib
 from jaxddtree.speculative import tree as tree_lib
-from jaxddtree.model.prefill import check_ids, check_vocab, chunk_size, padded_chunks, round_up
+from jaxddtree.model.prefill import check_ids, check_vocab, chunk_bounds, chunk_size, padded_chunks, round_up
 from jaxddtree.model.cache import ModelCache, init_cache
 from jaxddtree.model.drafter import check_compatible, draft_logits, init_draft_cache
 from jaxddtree.model.target import Target
@@ -356,22 +356,32 @@ class Prefill:
     prefill of the chunk, the drafter's context prefill of its features, and after the last chunk `start_fn` (the
     first token drawn and emitted). `generate` runs it to the end at once; a slot pool (speculative/batch.py) runs
     one chunk between its batched rounds. `state` (a batch-1 DecodeState) once `advance()` returned True.
-    drafter None: AR. stop_mask: [V] bool (numpy); costs: tree_budget="auto"'s `budget_lib.padded` table or None."""
+    drafter None: AR. stop_mask: [V] bool (numpy); costs: tree_budget="auto"'s `budget_lib.padded` table or None.
+    Prefix caching (speculative/prefix_cache.py): `start` = (cache, drafter cache) holding the prompt's first p
+    tokens (their `length`: p < len(ids)), the prefill resumes there; `grid` > 0 also ends chunks at its multiples
+    (`model.prefill.chunk_bounds`); `on_chunk(end, cache, dcache)` is called after each chunk (end: the prompt
+    tokens in the caches) and may copy them (a snapshot), never keep them (they are donated to the next call)."""
 
     def __init__(self, target: Target, drafter, plan: Plan, ids, chunk: int, S: int, out_len: int, *, seed: int,
                  stop_mask, temperature: float, max_new: int, top_k: int = 0, top_p: float = 1.0,
-                 min_p: float = 0.0, costs=None):
+                 min_p: float = 0.0, costs=None, start=None, grid: int = 0, on_chunk=None):
         cfg = target.config
         self.target, self.drafter, self.plan, self.out_len = target, drafter, plan, out_len
         self.F = len(plan.feature_layers) * cfg.hidden_size
         self.P = drafter.config.block_size if drafter is not None else 1
-        self._chunks = padded_chunks(ids, chunk)
+        self.skip = int(start[0].length) if start is not None else 0  # prompt tokens already in `start`
+        self._start_caches = start
+        self._on_chunk = on_chunk
+        self.n_chunks = len(chunk_bounds(len(ids), chunk, self.skip, grid))
+        self._end = self.skip
+        self._chunks = padded_chunks(ids, chunk, self.skip, grid)
         self._start_args = (jnp.uint32(seed % (1 << 32)), jnp.asarray(stop_mask), jnp.float32(temperature),
                             jnp.int32(max_new), jnp.int32(min(top_k, cfg.vocab_size)), jnp.float32(top_p),
                             jnp.float32(min_p), costs)
         self._cache = self._dcache = self._logits = self._blank = None
         self._S = S
-        self.shape = (chunk, -(-len(ids) // chunk))  # (chunk width, chunks): one shape can prefill together
+        self.n_tokens = len(ids)
+        self.shape = (chunk, self.n_chunks)  # (chunk width, chunks): one shape can prefill together
         self._group = None  # the PrefillGroup that runs this prompt's chunks, if any
         self.state = None
 
@@ -384,9 +394,14 @@ class Prefill:
             return self._group.advance()
         target, drafter = self.target, self.drafter
         if self._cache is None:
-            self._cache = target.init_cache(self._S)
+            if self._start_caches is not None:
+                self._cache, self._dcache = self._start_caches
+                self._start_caches = None
+            else:
+                self._cache = target.init_cache(self._S)
+                if drafter is not None:
+                    self._dcache = drafter.init_cache(1, self._S)
             if drafter is not None:
-                self._dcache = drafter.init_cache(1, self._S)
                 # the drafter's block input during prefill: made once, not once per chunk
                 self._blank = jnp.zeros((1, drafter.config.block_size, target.config.hidden_size), drafter.dtype)
         nxt = next(self._chunks, None)
@@ -397,6 +412,9 @@ class Prefill:
                                                                  logits="last")
             if drafter is not None:  # the drafter's context cache takes the prompt's features
                 _, self._dcache = drafter.forward(self._dcache, feats, jnp.int32(n), self._blank)
+            self._end += n
+            if self._on_chunk is not None:
+                self._on_chunk(self._end, self._cache, self._dcache)
             return False
         self.state = start_fn(target, self.plan, self.P, max(self.F, 1), self.out_len)(
             self._logits[:, 0], self._cache, self._dcache, *self._start_args)
@@ -427,6 +445,8 @@ class PrefillGroup:
                 raise ValueError(f"prompts of different shapes cannot prefill together: {m.shape} vs {m0.shape}")
             if m._group is not None or m._cache is not None or m.state is not None:
                 raise ValueError("a prompt already prefilling cannot join a PrefillGroup")
+            if m.skip:
+                raise ValueError("a prompt resumed from a prefix cache prefills on its own")
         self.members = members
         for m in members:
             m._group = self
@@ -456,6 +476,9 @@ class PrefillGroup:
             lambda tree, i: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False), tree)))
         for i, m in enumerate(ms):
             m._logits, m._cache, m._dcache = take((self._logits, self._caches, self._dcaches), jnp.int32(i))
+            if m._on_chunk is not None:  # (a group reports only its prompts' ends)
+                m._end = m.n_tokens
+                m._on_chunk(m._end, m._cache, m._dcache)
             m._group = None  # its own start (Prefill.advance: no chunk left)
             m.advance()
             m._group = self

@@ -1,0 +1,93 @@
+"""The prefix cache's states (jaxddtree/speculative/prefix_cache.py) on the demo pair in fp32: a prefill resumed
+from a snapshot reaches the cold prefill's caches and last logits (bit for bit from a grid point, where the chunk
+ends coincide; to ~1e-6 from a prompt end inside a chunk), and the snapshot is unchanged by its use. The token-level
+exactness through the server is in tests/test_serve.py; the demo's GDN layers forget fast, so only these state
+comparisons catch a wrong GDN restore."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+S = 1024
+
+
+@pytest.fixture(scope="module")
+def pair():
+    from jaxddtree.checkpoint import builtin
+
+    if builtin.demo_dirs() is None:
+        pytest.skip("the demo pair (demo/) is absent")
+    return builtin.load("float32")
+
+
+def _prefill(pair, ids, start=None, on_chunk=None, grid=0):
+    """(start state, last chunk's logits) of loop.Prefill (chunks of 64)."""
+    from jaxddtree.speculative import loop as L
+
+    t, d = pair.target, pair.drafter
+    plan = L.make_plan(t, d.config, "ddtree", 16)
+    p = L.Prefill(t, d, plan, np.asarray(ids), 64, S, S, seed=0, stop_mask=np.zeros(t.config.vocab_size, bool),
+                  temperature=0.0, max_new=4, start=start, grid=grid, on_chunk=on_chunk)
+    logits = None
+    while not p.advance():
+        logits = p._logits
+    return p.state, logits
+
+
+def _diff(a, b, n):
+    """Max |a - b| over two states' caches (attention / drafter rows below n)."""
+    out = 0.0
+    for x, y in zip(jax.tree.leaves((a.cache, a.dcache)), jax.tree.leaves((b.cache, b.dcache))):
+        if x.ndim == 4 and x.shape[2] == S:
+            x, y = x[:, :, :n], y[:, :, :n]
+        out = max(out, float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)))))
+    return out
+
+
+@pytest.mark.parametrize("cut, want_p, exact", [(None, 300, False), (280, 256, True)],
+                         ids=["prompt-end-inside-a-chunk", "grid-point"])
+def test_resumed_prefill_reaches_the_cold_state(pair, cut, want_p, exact):
+    from jaxddtree.speculative.prefix_cache import PrefixCache
+
+    rng = np.random.default_rng(1)
+    P = rng.integers(2, pair.target.config.vocab_size, 300)
+    Q = np.concatenate([P if cut is None else P[:cut], rng.integers(2, pair.target.config.vocab_size, 50)])
+    pc = PrefixCache(pair.target, pair.drafter, 1 << 30, grid=256)
+    _prefill(pair, P, on_chunk=pc.recorder(P), grid=256)
+    assert sorted(s.p for s in pc.snapshots()) == [256, 300]
+    hit = pc.lookup(Q)
+    assert hit.p == want_p
+    before = [np.asarray(x).copy() for x in jax.tree.leaves((hit.gdn, hit.tail, [b.kv for b in hit.blocks]))]
+    warm, lw = _prefill(pair, Q, start=pc.build(hit, S), on_chunk=pc.recorder(Q, hit), grid=256)
+    cold, lc = _prefill(pair, Q, grid=256)
+    after = jax.tree.leaves((hit.gdn, hit.tail, [b.kv for b in hit.blocks]))
+    assert all(np.array_equal(x, np.asarray(y)) for x, y in zip(before, after))  # copy-on-write
+    assert int(warm.cache.length) == int(cold.cache.length) == len(Q) == int(warm.dcache.length)
+    d_state, d_logits = _diff(warm, cold, len(Q)), float(jnp.max(jnp.abs(lw - lc)))
+    if exact:
+        assert d_state == 0.0 and d_logits == 0.0
+    else:
+        assert d_state < 2e-5 and d_logits < 2e-5, (d_state, d_logits)
+    assert int(warm.root[0]) == int(cold.root[0])
+    # the resumed prefill's own snapshots share the hit's blocks
+    assert len(pc) == 3 and pc.snapshots()[-1].p == len(Q) and pc.snapshots()[-1].blocks[0] is hit.blocks[0]
+
+
+def test_lookup_never_takes_the_whole_prompt_and_evicts_lru(pair):
+    from jaxddtree.speculative.prefix_cache import PrefixCache
+
+    rng = np.random.default_rng(2)
+    P = rng.integers(2, pair.target.config.vocab_size, 100)
+    pc = PrefixCache(pair.target, pair.drafter, 1 << 30, grid=0)
+    _prefill(pair, P, on_chunk=pc.recorder(P))
+    assert pc.lookup(P) is None  # the last prompt token is always recomputed
+    assert pc.lookup(np.concatenate([P, [5]])).p == 100
+    assert pc.lookup(np.concatenate([P[:99], [P[99] + 1, 5]])) is None  # differs before the snapshot's end
+    one = pc.bytes
+    Q = rng.integers(2, pair.target.config.vocab_size, 100)
+    pc.set_budget(int(one * 1.5))
+    _prefill(pair, Q, on_chunk=pc.recorder(Q))
+    assert len(pc) == 1 and np.array_equal(pc.snapshots()[0].ids, Q) and pc.bytes == one
