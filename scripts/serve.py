@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import socket
 import sys
 import time
 
@@ -15,8 +16,11 @@ examples:
   # the demo pair in demo/ on http://127.0.0.1:8000
   python scripts/serve.py
 
+  # any free port: the line "serve.py: serving ... on http://127.0.0.1:PORT/v1" names the one it took
+  python scripts/serve.py --port 0
+
   # a real target + DFlash drafter, up to 16 requests decoded at once (continuous batching), 8K tokens each
-  python scripts/serve.py --target ~/models/Qwen3.6-27B --drafter ~/models/Qwen3.6-27B-DFlash --budget 64 \
+  python scripts/serve.py --target ~/models/Qwen3.6-27B --drafter ~/models/Qwen3.6-27B-DFlash --budget 64 \\
       --max-batch 16 --max-context 8192
 
   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
@@ -35,6 +39,16 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def port_arg(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535] (0 = any free port), got {v}")
     return v
 
 
@@ -61,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", metavar="DIR", help="DFlash drafter directory (default: none; the demo's with "
                    "the demo pair)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 = any free port)")
+    p.add_argument("--port", type=port_arg, default=8000, help="port (default: 8000; 0 = any free port, named "
+                   "in the 'serving ... on http://HOST:PORT/v1' line). The port is taken before the model loads: "
+                   "a busy one is a one-line error at once")
     p.add_argument("--method", choices=("ar", "dflash", "ddtree"), default=None, help="decoding method "
                    "(default: ddtree with a drafter, else ar)")
     p.add_argument("--budget", type=budget_arg, default="auto", metavar="N|auto", help="DDTree node budget; auto: "
@@ -183,6 +199,9 @@ def load_engine(args):
         + (f"; joining prompts prefill in groups of up to {engine.prefill_group}" if engine.prefill_group > 1 else ""),
         file=sys.stderr, flush=True)
     if not args.no_warmup:
+        print("serve.py: warm-up: compiling every prefill width and slot count before listening, one line per "
+              "stage (--no-warmup skips it" + (f"; compilation cache: {cache_dir}" if cache_dir else "") + ")",
+              file=sys.stderr, flush=True)
         t = time.perf_counter()
         from jaxddtree.serving.engine import warmup_printer
         engine.warmup(encode_text(tok, "Hello"), progress=warmup_printer("serve.py"))
@@ -192,15 +211,42 @@ def load_engine(args):
     return engine
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (not yet listening) before the model loads: a busy port or a bad address is one
+    line at once, not after the warm-up, and --port 0's free port is known. SystemExit(2) on failure."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"serve.py: error: cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def url(host: str, sock: socket.socket) -> str:
+    """The base URL clients use: the bound port (the real one for --port 0)."""
+    return f"http://{f'[{host}]' if ':' in host else host}:{sock.getsockname()[1]}/v1"
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     require_server_extra()
+    sock = bind(args.host, args.port)
     engine = load_engine(args)
     import uvicorn
     from jaxddtree.serving import create_app
-    print(f"serve.py: serving '{engine.name}' ({engine.method}) on http://{args.host}:{args.port}/v1",
-          file=sys.stderr, flush=True)
-    uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level="warning")
+    line = f"serve.py: serving '{engine.name}' ({engine.method}) on {url(args.host, sock)}"
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None):  # the line once the socket listens
+            await super().startup(sockets=sockets)
+            if not self.should_exit:
+                print(line, file=sys.stderr, flush=True)
+
+    Server(uvicorn.Config(create_app(engine), log_level="warning")).run(sockets=[sock])
     return 0
 
 

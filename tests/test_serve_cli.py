@@ -108,3 +108,52 @@ def test_max_batch_argument():
     for bad in ("0", "two"):
         with pytest.raises(SystemExit):
             p.parse_args(["--max-batch", bad])
+
+
+def _serve_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("serve_script", SCRIPT)
+    serve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve)
+    return serve
+
+
+def test_port_zero_names_the_bound_port():
+    """--port 0: the socket is bound before the model loads and the announced URL carries the port the system
+    chose (it once printed http://127.0.0.1:0/v1); a busy port is one line at once, before any model loads."""
+    import socket
+
+    serve = _serve_script()
+    sock = serve.bind("127.0.0.1", 0)
+    try:
+        port = sock.getsockname()[1]
+        assert port != 0 and serve.url("127.0.0.1", sock) == f"http://127.0.0.1:{port}/v1"
+        sock.listen()
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
+        with pytest.raises(SystemExit) as e:
+            serve.bind("127.0.0.1", port)
+        msg = str(e.value.code)
+        assert msg.startswith("serve.py: error: cannot listen on 127.0.0.1:") and "\n" not in msg, msg
+    finally:
+        sock.close()
+    with pytest.raises(SystemExit):
+        serve.build_parser().parse_args(["--port", "70000"])
+
+
+@pytest.mark.parametrize("script", ["serve.py", "generate.py"])
+def test_help_examples_keep_their_line_breaks(script):
+    """An example's continuation line stays a line of its own (a single backslash in the source once joined
+    `--budget 64` and `--max-batch 16` into one long line)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("s", os.path.join(ROOT, "scripts", script))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    lines = mod.EPILOG.splitlines()
+    for i, line in enumerate(lines):
+        assert len(line) <= 118 and "   " not in line.strip(), line
+        if line.endswith("\\"):
+            assert lines[i + 1].startswith("      "), (line, lines[i + 1])
+    assert any(line.endswith(" \\") for line in lines)
