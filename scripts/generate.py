@@ -317,7 +317,41 @@ def run(argv=None) -> int:
     max_new = args.max_new_tokens = args.max_new_tokens or (64 if args.target is None else 256)
     stops = parse_stop_ids(args.stop_ids)
 
+    # ---- configs, tokenizer and weight files first, before jax is imported: every check they allow is one line
+    # within a second or two of the start (jaxddtree's public names load lazily; the tokenizer needs no torch)
     jd = import_jaxddtree()
+    from jaxddtree.checkpoint import builtin
+    from jaxddtree.model.drafter_config import DrafterConfig
+    label, tdir, ddir = None, args.target, args.drafter
+    if tdir is None:  # the demo pair in demo/, else the random pair built in code
+        demo = builtin.demo_dirs()
+        label = builtin.DEMO_LABEL if demo else builtin.LABEL
+        tdir, ddir = demo or (None, None)
+        if args.prompt is None and args.prompt_ids is None:
+            args.prompt = builtin.DEMO_PROMPT if demo else builtin.DEFAULT_PROMPT
+    if args.method == "ar":
+        ddir = None  # plain decoding: the drafter is neither read nor loaded
+    if tdir is None:
+        cfg, tok = builtin.target_config(), builtin.ByteTokenizer()
+        dcfg = builtin.drafter_config() if args.method != "ar" else None
+    else:
+        cfg = jd.load_config(tdir)
+        dcfg = DrafterConfig.from_pretrained(ddir) if ddir else None
+        tok = load_hf_tokenizer(tdir) if has_tokenizer(tdir) else None
+        if tok is None and args.prompt is not None:
+            raise UsageError(f"--prompt needs a tokenizer, and {tdir} has none: use --prompt-ids")
+    if chat:
+        ensure_chat_template(tok, chat)
+    method = args.method or ("ddtree" if dcfg is not None else "ar")
+    _check_budget(args, cfg, method)
+    ids = _prompt_ids(args, tok)
+    _check_prompt(args, cfg, ids)
+    stops = default_stop_ids(cfg, tok) if stops is None else stops
+    _check_stops(stops, cfg)
+    for flag, path in (("--target", tdir), ("--drafter", ddir)):
+        if path is not None:
+            _check_weights(flag, path)
+
     import jax
     from jaxddtree import compile_cache
     compile_cache.enable(args.compile_cache, "generate.py")
@@ -327,36 +361,9 @@ def run(argv=None) -> int:
     if kernels == "pallas" and backend == "cpu":
         raise UsageError("--kernels pallas needs a GPU (the Pallas kernels do not run on the CPU backend); "
                          "use --kernels xla")
-
-    # ---- configs and tokenizer first: every check they allow comes before the weights load
-    from jaxddtree.checkpoint import builtin
     from jaxddtree.model.drafter import check_compatible
-    from jaxddtree.model.drafter_config import DrafterConfig
-    label, tdir, ddir = None, args.target, args.drafter
-    if tdir is None:  # the demo pair in demo/, else the random pair built in code
-        demo = builtin.demo_dirs()
-        label = builtin.DEMO_LABEL if demo else builtin.LABEL
-        tdir, ddir = demo or (None, None)
-        if args.prompt is None and args.prompt_ids is None:
-            args.prompt = builtin.DEMO_PROMPT if demo else builtin.DEFAULT_PROMPT
-    if tdir is None:
-        cfg, dcfg, tok = builtin.target_config(), builtin.drafter_config(), builtin.ByteTokenizer()
-    else:
-        cfg = jd.load_config(tdir)
-        dcfg = DrafterConfig.from_pretrained(ddir) if ddir else None
-        tok = load_hf_tokenizer(tdir) if has_tokenizer(tdir) else None
-        if tok is None and args.prompt is not None:
-            raise UsageError(f"--prompt needs a tokenizer, and {tdir} has none: use --prompt-ids")
-    if chat:
-        ensure_chat_template(tok, chat)
     if dcfg is not None:
         check_compatible(dcfg, _ConfigOnly(cfg), source=ddir or "built-in drafter")
-    method = args.method or ("ddtree" if dcfg is not None else "ar")
-    _check_budget(args, cfg, method)
-    ids = _prompt_ids(args, tok)
-    _check_prompt(args, cfg, ids)
-    stops = default_stop_ids(cfg, tok) if stops is None else stops
-    _check_stops(stops, cfg)
     from jaxddtree.model.sharding import check_tp, replicate
     try:
         check_tp(cfg, args.tp)
@@ -371,8 +378,9 @@ def run(argv=None) -> int:
     t_load = time.perf_counter()
     if tdir is None:
         pair = builtin.load_random(dtype)
-        target, drafter = pair.target.shard(args.tp, consume=True), pair.drafter
-        drafter.params = replicate(drafter.params, target.mesh)
+        target, drafter = pair.target.shard(args.tp, consume=True), pair.drafter if method != "ar" else None
+        if drafter is not None:
+            drafter.params = replicate(drafter.params, target.mesh)
     else:
         say(f"loading {tdir} ...")
         target = jd.load_target(tdir, dtype, progress=tty, tp=args.tp)
@@ -452,6 +460,24 @@ class _ConfigOnly:
 
     def __init__(self, cfg):
         self.config = cfg
+
+
+def _check_weights(flag: str, path: str):
+    """The weight files' headers, before jax is imported: a directory without weights, a truncated or corrupt
+    safetensors file is one line at once (the loaders check every tensor later)."""
+    if os.path.isfile(os.path.join(path, "jaxddtree_checkpoint.json")):  # a `python -m convert` output: its
+        return  # restore checks it
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise UsageError(f"{flag} {path}: no weights (expected *.safetensors files or a `python -m convert` "
+                         "output)")
+    from safetensors import safe_open
+    for f in files:
+        try:
+            with safe_open(os.path.join(path, f), framework="numpy"):
+                pass
+        except Exception as e:
+            raise UsageError(f"{flag} {os.path.join(path, f)}: not a readable safetensors file ({e})") from None
 
 
 def _check_budget(args, cfg, method: str):

@@ -166,22 +166,32 @@ def load_engine(args):
     cache_dir = compile_cache.enable(args.compile_cache, "serve.py")
     backend = jax.default_backend()
     dtype = args.dtype or ("float32" if backend == "cpu" else "bfloat16")
-    if args.target is None:
-        if args.drafter is not None:
-            raise SystemExit("serve.py: error: --drafter needs --target (the demo pair brings its own drafter)")
-        pair = builtin.load(dtype)
+    if args.target is None and args.drafter is not None:
+        raise SystemExit("serve.py: error: --drafter needs --target (the demo pair brings its own drafter)")
+    demo = builtin.demo_dirs() if args.target is None else None
+    if args.target is None and demo is None:  # the random pair built in code
+        pair = builtin.load_random(dtype)
         target, drafter, tok, name = pair.target, pair.drafter, pair.tokenizer, "demo"
         check(target.config)
         target = target.shard(args.tp, consume=True)
-        drafter.params = replicate(drafter.params, target.mesh)
+        if args.method == "ar":
+            drafter = None
+        else:
+            drafter.params = replicate(drafter.params, target.mesh)
     else:
-        if not has_tokenizer(args.target):
-            raise SystemExit(f"serve.py: error: {args.target} has no tokenizer")
-        tok = load_hf_tokenizer(args.target)
-        check(jd.load_config(args.target))
-        target = jd.load_target(args.target, dtype, tp=args.tp)
-        drafter = jd.load_drafter(args.drafter, target, dtype) if args.drafter else None
-        name = os.path.basename(os.path.normpath(args.target))
+        tdir, ddir = demo or (args.target, args.drafter)
+        name = "demo" if demo else os.path.basename(os.path.normpath(tdir))
+        if args.method == "ar":
+            ddir = None  # plain decoding: the drafter is not loaded
+        if not has_tokenizer(tdir):
+            raise SystemExit(f"serve.py: error: {tdir} has no tokenizer")
+        try:
+            tok = load_hf_tokenizer(tdir)
+        except ValueError as e:
+            raise SystemExit(f"serve.py: error: {e}") from None
+        check(jd.load_config(tdir))
+        target = jd.load_target(tdir, dtype, tp=args.tp)
+        drafter = jd.load_drafter(ddir, target, dtype) if ddir else None
     target.kernels = args.kernels or ("xla" if backend == "cpu" else "pallas")
     method = args.method or ("ddtree" if drafter is not None else "ar")
     if method != "ar" and drafter is None:

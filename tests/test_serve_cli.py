@@ -157,3 +157,18 @@ def test_help_examples_keep_their_line_breaks(script):
         if line.endswith("\\"):
             assert lines[i + 1].startswith("      "), (line, lines[i + 1])
     assert any(line.endswith(" \\") for line in lines)
+
+
+def test_demo_engine_loads_without_torch_and_ar_without_drafter():
+    """serve.py's load path on the demo pair (no warm-up) imports neither torch nor transformers (the tokenizer
+    is jaxddtree.tokenizer's), and --method ar loads no drafter."""
+    code = ("import sys, runpy\nserve = runpy.run_path({script!r})\n"
+            "for argv in (['--no-warmup'], ['--no-warmup', '--method', 'ar']):\n"
+            "    e = serve['load_engine'](serve['build_parser']().parse_args(argv))\n"
+            "    print(e.method, e.drafter is None, e.name)\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))").format(script=SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == ["ddtree False demo", "ar True demo", "[]"], (p.stdout, p.stderr)
