@@ -120,15 +120,17 @@ def build_parser() -> Parser:
     d = p.add_argument_group("decoding")
     d.add_argument("--method", choices=("ar", "dflash", "ddtree"), default=None, help="ar: autoregressive; "
                    "dflash: verify the drafter's block as a chain; ddtree: verify the best tree of --budget "
-                   "drafted tokens (default: ddtree when a drafter is available, else ar)")
+                   "drafted tokens (default: ddtree when a drafter is available, else ar; with --budget auto on a device "
+                   "without a round-time table, ar when the warm-up measured it faster than every candidate)")
     d.add_argument("--budget", type=budget_arg, default="auto", metavar="N|auto", help="DDTree node budget: "
                    "drafted tokens verified per round, 1 <= N < vocab size; auto: each round takes the budget "
                    "(15, 31, 63, 127: trees of 16 / 32 / 64 / 128 rows) or the chain with the most expected tokens per second, from the drafter's "
                    "probabilities and a round-time table (--budget-costs; README: '--budget auto') (default: auto)")
     d.add_argument("--budget-costs", metavar="FILE", default=None, help="--budget auto's round times: a JSON "
                    "file with 'round_ms_by_budget_context' ({'chain'|'16'|...: {'<context>': ms}}, as "
-                   "benchmarks/bench.py writes it) (default: benchmarks/results/h200.json on an H200, else a "
-                   "built-in model linear in tree rows and context)")
+                   "benchmarks/bench.py writes it) (default: benchmarks/results/h200.json on an H200; elsewhere each "
+                   "candidate and AR timed at warm-up, printed; with --no-warmup a built-in model linear in tree "
+                   "rows and context)")
     d.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N", help="tokens to generate "
                    "at most (default: 256; 64 for the demo pair)")
     d.add_argument("--temperature", type=finite_non_negative, default=0.0, metavar="T", help="sampling "
@@ -412,6 +414,25 @@ def run(argv=None) -> int:
         compile_s = time.perf_counter() - t
         if not args.json:
             log(f"compiled in {compile_s:.1f} s")
+    measured = None  # tokens/s at warm-up per candidate name, "ar" included
+    from jaxddtree.speculative import budget as budget_lib
+    if (compile_s is not None and method == "ddtree" and args.budget == "auto" and args.budget_costs is None
+            and max_new >= MEASURE_MIN and budget_lib.shipped() is None):
+        # no round-time table for this device (the CPU): time each candidate and AR instead of the H200's model
+        say("measuring the candidates ...")
+        t = time.perf_counter()
+        table, measured, ar_rate = _measure(jd, target, ids[:warmup_length(len(ids))], kw, cfg, budget_lib)
+        kw["budget_costs"] = table
+        use_ar = args.method is None and ar_rate > max(measured.values())  # the default is never slower than AR
+        if use_ar:
+            method = "ar"
+            kw.update(method="ar", drafter=None, budget_costs=None)
+        measured = {"ar": ar_rate, **{budget_lib.name(b): r for b, r in measured.items()}}
+        if not args.json:
+            log(f"--budget auto: measured at warm-up ({time.perf_counter() - t:.1f} s), tokens/s: " +
+                ", ".join(f"{k} {v:.0f}" for k, v in measured.items()) +
+                (" -> ar (no speculative candidate beat it on this device)" if use_ar else
+                 " -> ddtree with these round times"))
 
     printer = StreamPrinter(tok) if (tok is not None and not args.json) else None
     show_text = printer is not None and sys.stdout.isatty()  # the text continues the prompt: show it first, dimmed
@@ -431,6 +452,8 @@ def run(argv=None) -> int:
     wall = time.perf_counter() - t
     text = tok.decode(gen.tokens) if tok is not None else None
     stats = dict(gen.stats)
+    if measured is not None:
+        stats["warmup_tokens_per_s"] = measured
     stats.update(wall_s=wall, load_s=load_s, compile_s=compile_s, prompt_tokens=len(ids), dtype=dtype,
                  kernels=kernels, backend=backend, temperature=args.temperature, top_k=args.top_k,
                  top_p=args.top_p, min_p=args.min_p, seed=args.seed,
@@ -451,8 +474,32 @@ def run(argv=None) -> int:
     log(f"-- {n} tokens in {wall:.2f} s: {stats['tokens_per_s']:.1f} tokens/s after the first, "
         f"time to first token {stats['time_to_first_token_s'] * 1e3:.0f} ms, {stats['rounds']} rounds, "
         f"mean acceptance length tau = {stats['mean_acceptance_length']:.2f}" +
-        (f", budgets {stats['budget_counts']}" if stats.get("budget_counts") else ""))
+        (f", budgets {stats['budget_counts']}" if stats.get("budget_counts") else "") +
+        (f" (ar at warm-up: {measured['ar']:.1f} tokens/s)" if measured is not None and method != "ar" else ""))
     return 0
+
+
+MEASURE_TOKENS = 64  # tokens per timed generation when --budget auto measures its candidates at warm-up
+MEASURE_MIN = 8  # fewer new tokens: not worth measuring (the default model's table stays)
+
+
+def _measure(jd, target, probe, kw, cfg, budget_lib):
+    """--budget auto on a device without a round-time table: each candidate's auto round (forced by a table:
+    data, so the warm-up's compilation serves them all) and plain AR, timed on the warm-up prompt (the faster of
+    two runs each). -> (the measured CostTable, {candidate: tokens/s}, AR's tokens/s)."""
+    import jax
+
+    base = dict(kw, max_new_tokens=min(kw["max_new_tokens"], MEASURE_TOKENS), stop_ids=[])
+
+    def timed(**over):
+        runs = [jd.generate(target, probe, **dict(base, **over)).stats for _ in range(2)]
+        s = min(runs, key=lambda s: s["decode_s"])
+        return s["rounds"], s["new_tokens"], s["decode_s"]
+
+    cands = budget_lib.candidates_for(cfg.vocab_size)
+    table, rates = budget_lib.calibrate(lambda t: timed(budget_costs=t), cands, jax.devices()[0].device_kind)
+    _, n, secs = timed(method="ar", drafter=None, budget_costs=None)
+    return table, rates, (n - 1) / secs
 
 
 class _ConfigOnly:

@@ -133,20 +133,28 @@ def test_help_describes_the_demo_pair():
 
 def test_builtin_default(dirs):
     """No --target: the built-in (trained demo) pair; --json puts one JSON object on the last stdout line, and
-    the streamed text (no --json) is the same text."""
+    the streamed text (no --json) is the same text. --budget auto on the CPU (no round-time table for it) times
+    its candidates and AR at warm-up: the default method is AR unless a candidate beat it, and the summary names
+    AR's rate beside DDTree's."""
     pj = start("--max-new-tokens", 8, "--stop-ids", "none", "--json", fast=True)
     ps = start("--max-new-tokens", 8, "--stop-ids", "none", fast=True)
     res = last_json(*finish(pj))
     rc, out, err = finish(ps)
     assert rc == 0, err
     assert {"tokens", "text", "acceptance_lengths", "stats"} <= set(res)
-    assert len(res["tokens"]) == 8 and res["stats"]["method"] == "ddtree"
-    assert res["stats"]["rounds"] == len(res["acceptance_lengths"]) >= 1
+    st = res["stats"]
+    rates = st["warmup_tokens_per_s"]
+    assert set(rates) == {"ar", "chain", "15", "31", "63", "127"} and min(rates.values()) > 0, rates
+    assert st["method"] == ("ar" if rates["ar"] > max(v for k, v in rates.items() if k != "ar") else "ddtree"), st
+    assert len(res["tokens"]) == 8 and st["rounds"] == len(res["acceptance_lengths"]) >= 1
     for k in ("tokens_per_s", "mean_acceptance_length", "time_to_first_token_s"):
-        assert res["stats"][k] >= 0
-    assert "built-in demo pair (demo/)" in err
+        assert st[k] >= 0
+    assert "built-in demo pair (demo/)" in err and "--budget auto: measured at warm-up" in err
     assert out == res["text"] + "\n"  # streamed incrementally, then a newline
     assert "tokens/s" in err and "tau" in err and "time to first token" in err
+    chose = err.split("--budget auto: measured at warm-up")[1].splitlines()[0]
+    assert chose.endswith("-> ar (no speculative candidate beat it on this device)") or (
+        chose.endswith("-> ddtree with these round times") and "(ar at warm-up: " in err.splitlines()[-1]), err
 
 
 def test_tiny_hf_dir_matches_api(dirs):
