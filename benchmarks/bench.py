@@ -294,9 +294,10 @@ def bench_fp8(args, cfg, dcfg: DrafterConfig, res: dict, save, log):
     """--weights fp8, keys fp8.*: a random fp8 target (`random_target(weights="fp8")`, made without a bf16 copy)
     + the bf16 drafter + caches for an 8K context (`loop.capacity(8192 - 256, 256)`), then, in this order:
       fp8.ar_step_ms     greedy decode step (loop rounds, --rounds-per-call per call) at --context tokens;
+      fp8.chain_round_ms DFlash round (the drafter's argmax chain verified; same context);
       fp8.round_ms.64    DDTree round at budget 64 (same context; the decode state freed first);
-      fp8.memory_gb_in_use_peak  [in use, peak so far] after building the target, the drafter, the decode
-                         loop and the round (where the peak comes from);
+      fp8.memory_gb_in_use_peak  [in use, peak so far, live jax arrays] after building the target, the drafter,
+                         the decode loop and the rounds (where the peak comes from);
       fp8.peak_gb        jax peak_bytes_in_use after those (None where the backend keeps no memory stats);
       fp8.floor_ms       bytes streamed per decode step (every target leaf but the embedding) ÷ the best bf16
                          GEMV rate of `stream_rate` (measured last so that its 10 GB do not count in the peak)."""
@@ -304,10 +305,14 @@ def bench_fp8(args, cfg, dcfg: DrafterConfig, res: dict, save, log):
 
     mem: dict = {}
 
-    def memory(stage):  # (in use, peak so far) in GB after each stage: where the peak comes from
+    def memory(stage):  # (in use, peak so far, live arrays) in GB after each stage: where the peak comes from
+        import gc
+        gc.collect()
         st = jax.devices()[0].memory_stats() or {}
+        live = sum(a.size * a.dtype.itemsize for a in jax.live_arrays())
         if st:
-            mem[stage] = [round(st.get("bytes_in_use", 0) / 1e9, 3), round(st.get("peak_bytes_in_use", 0) / 1e9, 3)]
+            mem[stage] = [round(st.get("bytes_in_use", 0) / 1e9, 3), round(st.get("peak_bytes_in_use", 0) / 1e9, 3),
+                          round(live / 1e9, 3)]
 
     t0 = time.time()
     target = random_target(cfg, "bfloat16", seed=0, weights="fp8")
@@ -330,6 +335,12 @@ def bench_fp8(args, cfg, dcfg: DrafterConfig, res: dict, save, log):
     memory("decode loop (+ its caches)")
     del ar
     save()
+    chain = Rounds(target, drafter, make_plan(target, dcfg, "dflash"), L, n, (args.runs + 2) * n)
+    out["chain_round_ms"] = round(chain.ms_per_round(args.runs), 3)
+    log(f"fp8 chain (DFlash) round {out['chain_round_ms']} ms")
+    memory("chain round (+ its caches)")
+    del chain
+    save()
     rnd = Rounds(target, drafter, make_plan(target, dcfg, "ddtree", 64), L, n, (args.runs + 2) * n)
     out["round_ms"] = {"64": round(rnd.ms_per_round(args.runs), 3)}
     log(f"fp8 round budget 64: {out['round_ms']['64']} ms")
@@ -341,6 +352,9 @@ def bench_fp8(args, cfg, dcfg: DrafterConfig, res: dict, save, log):
     log(f"fp8 memory (GB in use, peak so far) by stage: {mem}; peak {out['peak_gb']} GB")
     del rnd
     save()
+    if args.weights == "both":  # the bf16 sections of the same run follow: free the fp8 model first
+        out["weights_streamed_gb"] = round(streamed / 1e9, 3)
+        return
     rates = stream_rate(cfg.hidden_size, cfg.vocab_size if not args.smoke else 512, args.kernels, log, args.smoke)
     out["weight_stream_tb_s"] = max(rates.values())
     out["floor_ms"] = round(streamed / (out["weight_stream_tb_s"] * 1e12) * 1e3, 3)
@@ -423,8 +437,9 @@ def main(argv=None):
     ap.add_argument("--tp", type=int, default=None, help="tensor parallelism over the first N GPUs; the results go "
                     "into the tp<N> object of --out (tp_ratios compares tp1 and tp2 when both are there)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, few runs: check the script on a CPU")
-    ap.add_argument("--weights", default="bf16", choices=["bf16", "fp8"],
-                    help="fp8: random fp8 target weights (issue 17); writes only the fp8.* keys (see bench_fp8)")
+    ap.add_argument("--weights", default="bf16", choices=["bf16", "fp8", "both"],
+                    help="fp8: random fp8 target weights; writes only the fp8.* keys (see bench_fp8); both: the fp8 keys "
+                         "first (its memory peak), then the bf16 sections in the same process")
     ap.add_argument("--allreduce", default="nccl", choices=list(sharding.ALLREDUCE_MODES),
                     help="tp > 1: how the all-reduces run (sharding.ALLREDUCE_MODES: XLA_FLAGS set before the "
                          "backend starts); results go into tp<N> (nccl) or tp<N>_<mode>")
@@ -460,6 +475,12 @@ def main(argv=None):
 
     def save():
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        f8 = res.get("fp8", {})
+        if args.weights == "both" and f8:  # issue 38's ratios, fp8 over bf16 of this run
+            f8["over_bf16"] = {k: round(a / b, 3) for k, a, b in (
+                ("ar_step", f8.get("ar_step_ms"), res.get("ar_step_ms")),
+                ("chain_round", f8.get("chain_round_ms"), res.get("chain_round_ms")),
+                ("round_64", f8.get("round_ms", {}).get("64"), res.get("round_ms", {}).get("64"))) if a and b}
         for tp2 in [k for k in top if k.startswith("tp2") and not k.endswith("_ratios")]:  # issue 18's goals
             if "tp1" in top and tp2 in top:
                 top[f"{tp2}_ratios"] = {f"{k}_tp2_over_tp1": round(v2 / v1, 3) for k, v1, v2 in (
@@ -472,10 +493,13 @@ def main(argv=None):
     def log(msg):
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
-    if args.weights == "fp8":
+    if args.weights in ("fp8", "both"):
         bench_fp8(args, cfg, DrafterConfig(**dflash), res, save, log)
-        print(json.dumps(res, indent=1, sort_keys=True))
-        return
+        if args.weights == "fp8":
+            print(json.dumps(res, indent=1, sort_keys=True))
+            return
+        import gc
+        gc.collect()
 
     res["method_note"] = (
         "device loop: N rounds (AR steps) per jitted call of loop.loop_fn, time / N; parts: N iterations of "

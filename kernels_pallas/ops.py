@@ -206,8 +206,9 @@ FORMATS = ("bf16", "fp32", "w8a8")
 
 class Choice(NamedTuple):
     """A projection's kernel (`pick`): "gemv" (the Pallas bf16 weight-streaming GEMV, kernels_pallas/dense.py),
-    "xla" (XLA's einsum), "w8a8" (the Pallas W8A8 block FP8 kernel, kernels_pallas/w8a8.py) or "w8a8_ref" (its jnp
-    reference: the same function on XLA). For "gemv": `fused`, the gate in its prologue and the residual in its
+    "xla" (XLA's einsum), "w8a8_mgpu" (the W8A8 block FP8 kernel on Hopper's fp8 wgmma, kernels_pallas/w8a8_mgpu.py),
+    "w8a8" (the Pallas-Triton W8A8 kernel, kernels_pallas/w8a8.py: other GPUs) or "w8a8_ref" (their jnp reference:
+    the same function on XLA). For "gemv": `fused`, the gate in its prologue and the residual in its
     epilogue (else the same ops as XLA kernels around it); `partials`, its split-K partials go unsummed to the
     consumer kernel of a decode step's first projection (`decode_row`). For "xla": `materialise` (the benchmark
     variant "pallas:materialised"), its output passes an optimization barrier, written once for every consumer."""
@@ -218,13 +219,15 @@ class Choice(NamedTuple):
 
 
 class Fp8(NamedTuple):
-    """The rest of an FP8 weight whose e4m3 values q [K.., N..] (contracted axes first) `dense` takes as w:
-    scale fp32 [ceil(K / block_in), ceil(N / block_out)] (compact block scales), tail None or the trailing plain
-    columns [K, n_tail] of a 2-D weight (jaxddtree/model/fp8.py's `Fp8Weight`)."""
+    """The rest of an FP8 weight whose e4m3 values q [N, K] (the checkpoint's layout) `dense` takes as w:
+    scale fp32 [ceil(N / block_out), ≥ ceil(K / block_in)] (block scales), tail None or the trailing plain columns
+    [K, n_tail] of a 2-D weight, shape the parameter's logical shape (contracted axes first, tail included;
+    jaxddtree/model/fp8.py's `Fp8Weight`)."""
     scale: jax.Array
     tail: jax.Array | None
     block_in: int
     block_out: int
+    shape: tuple
 
 
 def weight_format(x_dtype, w_dtype) -> str:
@@ -237,13 +240,17 @@ def weight_format(x_dtype, w_dtype) -> str:
     return "bf16" if jnp.dtype(x_dtype) == jnp.dtype(w_dtype) == jnp.bfloat16 else "fp32"
 
 
-def pick(fmt: str, rows: int, cols: int, kernels: str = "xla", *, block_in: int = 128, gemv_rows: int = 1,
-         gemv_cols: int = 2048) -> Choice:
+def pick(fmt: str, rows: int, cols: int, kernels: str = "xla", *, block_in: int = 128, block_out: int = 128,
+         depth: int = 0, gemv_rows: int = 1, gemv_cols: int = 2048) -> Choice:
     """The one place a projection's kernel is chosen, from the weight format `fmt` (`weight_format`), the rows and
-    output columns of the flattened [rows, K] x [K, cols] problem and `kernels` (block_in: an FP8 weight's input
-    block); the projection code runs what it returns and reads no other switch.
-      w8a8: "w8a8" with kernels="pallas" (any row count: decode, verify, prefill) where a power-of-two K chunk
-            ≥ 16 divides block_in (`w8a8.applies`), else "w8a8_ref": the same W8A8 numerics either way;
+    output columns of the flattened [rows, K] x [K, cols] problem and `kernels` (block_in / block_out: an FP8
+    weight's blocks; depth: K); the projection code runs what it returns and reads no other switch.
+      w8a8: with kernels="pallas" (any row count: decode, verify, prefill): "w8a8_mgpu" on a Hopper GPU where the
+            Mosaic GPU kernel takes the problem (`w8a8_mgpu.supports`: 128-wide input blocks, output blocks and N
+            multiples of 64, K of 16: every 27B projection), else "w8a8" (the Triton kernel; a CPU runs it in
+            interpret mode) where a power-of-two K chunk ≥ 16 divides block_in (`w8a8.applies`), else
+            "w8a8_ref": the same W8A8 numerics everywhere. H200 (2026-12-03, BENCHMARKS.md "Session 16"): the
+            Triton kernel's fp8 dots run on f16 mma.sync, the Mosaic one's on fp8 wgmma;
       bf16: "gemv" with kernels="pallas", 1..gemv_rows rows and ≥ gemv_cols outputs (the decode step's
             projections), fused / partials as the kernels' `Fusions` say; else "xla";
       fp32: "xla".
@@ -256,9 +263,12 @@ def pick(fmt: str, rows: int, cols: int, kernels: str = "xla", *, block_in: int 
     if fmt not in FORMATS:
         raise ValueError(f"unknown weight format '{fmt}' (one of {FORMATS})")
     if fmt == "w8a8":
-        from kernels_pallas import w8a8
-        ok = fusions is not None and rows > 0 and cols > 0 and w8a8.applies(block_in)
-        return Choice("w8a8" if ok else "w8a8_ref")
+        from kernels_pallas import w8a8, w8a8_mgpu
+        if fusions is None or rows <= 0 or cols <= 0:
+            return Choice("w8a8_ref")
+        if _hopper() and w8a8_mgpu.supports(rows, depth, cols, block_in, block_out) is None:
+            return Choice("w8a8_mgpu")
+        return Choice("w8a8" if w8a8.applies(block_in) else "w8a8_ref")
     if fusions is not None and fmt == "bf16" and 0 < rows <= gemv_rows and cols >= gemv_cols:
         return Choice("gemv", fused=fusions.parts, partials=fusions.parts and fusions.partials)
     return Choice("xla", materialise=fusions is not None and fusions.materialise and rows > 1)
@@ -322,9 +332,9 @@ def decode_row(x, w, kernels="xla", *, norm=None, fp8: Fp8 | None = None):
     which the consumer adds up in order (no XLA kernel between the two); else the rows [B, N] (`dense`). norm as
     in `dense` (applied before the kernel)."""
     spec = "btd,dc->btc"
-    _, rows, K, N = _problem(spec, x, w.shape)
+    _, rows, K, N = _problem(spec, x, w.shape if fp8 is None else fp8.shape)
     fmt = weight_format(x.dtype, w.dtype)
-    if not pick(fmt, rows, N, kernels, block_in=fp8.block_in if fp8 is not None else 128).partials:
+    if fp8 is not None or not pick(fmt, rows, N, kernels).partials:
         return dense(spec, x, w, kernels, norm=norm, fp8=fp8)[:, 0]
     nw, eps = norm if norm is not None else (None, 1e-6)
 
@@ -421,26 +431,27 @@ def _dense_fp8(spec: str, x, q, fp8: Fp8, kernels: str, *, norm, gate, residual,
         x = rms_norm_1p(x, *norm)
     if gate is not None:
         x = rounded(f32(x) * f32(gate), x.dtype)
-    bi, bo = fp8.block_in, fp8.block_out
     if _check(kernels) == "pallas":
-        y = fold_rows(lambda acts, ws: _w8a8(spec, acts[0], *ws, bi, bo, kernels), (x,), (q, fp8.scale, fp8.tail))
+        y = fold_rows(lambda acts, ws: _w8a8(spec, acts[0], ws[0], fp8._replace(scale=ws[1], tail=ws[2]), kernels),
+                      (x,), (q, fp8.scale, fp8.tail))
     else:
-        y = _w8a8(spec, x, q, fp8.scale, fp8.tail, bi, bo, kernels)
+        y = _w8a8(spec, x, q, fp8, kernels)
     y = rounded(y, x.dtype)
     return y if residual is None else rounded(f32(residual) + f32(y), residual.dtype)
 
 
-def _w8a8(spec: str, x, q, scale, tail, block_in: int, block_out: int, kernels: str):
-    """The W8A8 product of x and q ⊙ scale [| tail] on `pick`'s kernel -> fp32 (the fp8 columns' values already
-    rounded to x's dtype; the tail's an XLA product in fp32, concatenated)."""
-    from kernels_pallas import w8a8
-    nc, rows, K, N = _problem(spec, x, q.shape)
-    choice = pick(weight_format(x.dtype, q.dtype), rows, N, kernels, block_in=block_in)
-    x2, q2 = x.reshape(rows, K), q.reshape(K, N)
-    kernel = w8a8.w8a8 if choice.kernel == "w8a8" else w8a8.w8a8_reference
-    y = kernel(x2, q2, scale, block_in=block_in, block_out=block_out).astype(jnp.float32)
+def _w8a8(spec: str, x, q, fp8: Fp8, kernels: str):
+    """The W8A8 product of x and q [N, K] ⊙ scale [| tail] on `pick`'s kernel -> fp32 (the fp8 columns' values
+    already rounded to x's dtype; the tail's an XLA product in fp32, concatenated)."""
+    from kernels_pallas import w8a8, w8a8_mgpu
+    nc, rows, K, N = _problem(spec, x, fp8.shape)
+    Nq = q.shape[0]
+    bi, bo = fp8.block_in, fp8.block_out
+    choice = pick(weight_format(x.dtype, q.dtype), rows, Nq, kernels, block_in=bi, block_out=bo, depth=K)
+    x2 = x.reshape(rows, K)
+    kernel = {"w8a8_mgpu": w8a8_mgpu.w8a8_mgpu, "w8a8": w8a8.w8a8}.get(choice.kernel, w8a8.w8a8_reference)
+    y = kernel(x2, q, fp8.scale, block_in=bi, block_out=bo).astype(jnp.float32)
     lead = x.shape[:x.ndim - nc]
-    if tail is None:
-        return y.reshape(lead + q.shape[nc:])
-    y = jnp.concatenate([y, jnp.dot(x2, tail.astype(x.dtype), preferred_element_type=jnp.float32)], axis=-1)
-    return y.reshape(lead + y.shape[-1:])
+    if fp8.tail is not None:
+        y = jnp.concatenate([y, jnp.dot(x2, fp8.tail.astype(x.dtype), preferred_element_type=jnp.float32)], axis=-1)
+    return y.reshape(lead + tuple(fp8.shape[nc:]))

@@ -1,5 +1,9 @@
-"""W8A8 block FP8 GEMM (transformers' fine-grained FP8, `activation_scheme: "dynamic"`) as a Pallas-Triton kernel,
-beside its plain-jnp reference. y[M, N] = x[M, K] @ W, W = q[K, N] (float8_e4m3fn) ⊙ block scales.
+"""W8A8 block FP8 GEMM (transformers' fine-grained FP8, `activation_scheme: "dynamic"`): the plain-jnp reference
+and a Pallas-Triton kernel. y[M, N] = x[M, K] @ Wᵀ, W = w[N, K] (float8_e4m3fn, the checkpoint's nn.Linear layout)
+⊙ block scales. On Hopper the projections run on `kernels_pallas/w8a8_mgpu.py` (fp8 wgmma); the Triton kernel
+here runs everywhere else (other GPUs, shapes the Mosaic kernel does not take; `ops.pick`): its fp8 dots are
+emulated with f16 mma.sync on sm_90 (jax 0.11.2's Pallas-Triton lowering cannot reach fp8 wgmma, see
+../shared/docs/fp8_w8a8_hopper.md §2), 0.6-3 TB/s on the H200.
 
 The function (what transformers computes for an FP8 checkpoint; kernels-community `finegrained-fp8`,
 `w8a8_block_dynamic_fp8_matmul_kernel` + `fp8_act_quant_inline`, which transformers' `FP8Linear` dispatches to):
@@ -7,38 +11,32 @@ The function (what transformers computes for an FP8 checkpoint; kernels-communit
     input block; a partial last group covers the remaining features):
         s_x[m, b] = max_k |x[m, k]| / 448                    (fp32; x upcast from its dtype)
         x_q[m, k] = e4m3(x[m, k] / max(s_x[m, b], 1e-12))    (round to nearest even, |x/s| ≤ 448)
-  * weight: q [K, N] fp8 with a COMPACT scale grid s_w [ceil(K / block_in), ceil(N / block_out)]: column n of
-    input block b has scale s_w[b, n // block_out] (see jaxddtree/model/fp8.py for the fused-parameter rule);
-  * acc = Σ_b (dot(x_q[:, b], q[b]) · s_x[:, b]) · s_w[b, n // block_out], the dot of one input block exact
+  * weight: w [N, K] fp8 with the scale grid s_w [ceil(N / block_out), ≥ ceil(K / block_in)] (the checkpoint's
+    `weight_scale_inv` orientation; columns past the input blocks are padding, see w8a8_mgpu.scale_cols): row n
+    of input block b has scale s_w[n // block_out, b] (jaxddtree/model/fp8.py: the fused-parameter rule);
+  * acc = Σ_b (dot(x_q[:, b], w[:, b]ᵀ) · s_x[:, b]) · s_w[n // block_out, b], the dot of one input block exact
     (products of e4m3 values are exact in fp32) and accumulated in fp32, blocks added in order;
   * y = acc rounded once to x's dtype (bf16 in the release; the output dtype of transformers' FP8Linear is the
     input's).
 
-Kernel design (grid (cdiv(N, BN), S, cdiv(M, BM)))
-  * `act_quant` (jnp, one XLA fusion before the kernel: once per row, never per program) gives x_q fp8 and
-    s_x fp32, zero-padded to the row tile and to whole input blocks, so x loads need no mask.
-  * program (j, s, r) owns the BN-column stripe j, the s-th of S equal ranges of input blocks (split-K; S
-    divides the block count, so no range runs past K) and the BM-row tile r. Per input block: the fp8 x tile
-    [BM, BK] and the fp8 weight tile [BK, BN] go straight into `jnp.dot` (fp8 tensor-core MMA, fp32
-    accumulation, no per-element weight conversion), block_in / BK dots summed, then · s_x[rows, b] (a [BM, 1]
-    load) · s_w[b, column block] (one scalar when BN divides block_out, else a [BN] gather), added to the fp32
-    accumulator.
+Triton kernel (grid (cdiv(N, BN), S, cdiv(M, BM)))
+  * `act_quant` (jnp, one XLA fusion before the kernel) gives x_q fp8 and s_x fp32, zero-padded to the row tile
+    and to whole input blocks, so x loads need no mask.
+  * program (j, s, r) owns the BN-row stripe j of w, the s-th of S equal ranges of input blocks (split-K) and the
+    BM-row tile r of x. Per input block: the fp8 x tile [BM, BK] and the fp8 weight tile [BN, BK] go into
+    `jnp.dot` (fp32 accumulation), block_in / BK dots summed, then · s_x[rows, b] · s_w[row block, b] (one scalar
+    when BN divides block_out, else a [BN] gather), added to the fp32 accumulator.
   * S = 1: the result is stored in x's dtype; S > 1: fp32 partials [S·M, N], summed in order and rounded by
     one small XLA fusion after the kernel (`numerics.sum_partials`).
   * masks only where a shape needs them (N not a multiple of BN; K not a multiple of block_in: the last
-    block's rows ≥ K are zeroed through an int8 bitcast, Triton has no fp8 `other`).
-  * `transposed=True`: the weight is given as [N, K] (HF's own layout, K-major: what Hopper's fp8 wgmma reads
-    without a shared-memory transpose); the model stores [K, N]. A benchmark switch (bench_gemv_fp8.py).
-  * `default_config`: the entry of `CONFIGS` (kernels_pallas/w8a8_configs.json, written by the sweep
-    `benchmarks/bench_gemv_fp8.py --table-out`) for (row tile, K, N), else the rule below; every config is
-    checked to fit shared memory (stages · (BM·BK + BK·BN) fp8 bytes).
+    block's columns ≥ K are zeroed through an int8 bitcast, Triton has no fp8 `other`).
+  * `default_config`: BN 128 (64 from 128-row tiles), BK the whole input block (≤ 128), split-K doubling while
+    the grid is small, as many stages as fit shared memory.
 """
 
 from __future__ import annotations
 
 import functools
-import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +45,7 @@ from kernels_pallas._common import compiler_params, is_pow2, next_pow2, pl, pltr
 from kernels_pallas.numerics import rounded, sum_partials
 
 __all__ = ["act_quant", "w8a8", "w8a8_reference", "dequantize", "default_config", "applies", "FP8", "FP8_MAX",
-           "N_SM", "CONFIGS"]
+           "N_SM"]
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0
@@ -83,61 +81,45 @@ def act_quant(x, block_in: int = 128, *, rows: int | None = None):
     return xq.reshape(rows, nb * block_in), s
 
 
-def dequantize(q, scale, block_in: int, block_out: int, dtype=jnp.float32):
-    """W [K, N] = q · s_w[k // block_in, n // block_out], fp32 product cast to dtype."""
-    K, N = q.shape
-    s = jnp.repeat(jnp.repeat(scale.astype(jnp.float32), block_in, axis=0), block_out, axis=1)[:K, :N]
-    return (q.astype(jnp.float32) * s).astype(dtype)
+def dequantize(w, scale, block_in: int, block_out: int, dtype=jnp.float32):
+    """W [N, K] = w · s_w[n // block_out, k // block_in], fp32 product cast to dtype."""
+    N, K = w.shape
+    s = jnp.repeat(jnp.repeat(scale.astype(jnp.float32), block_out, axis=0), block_in, axis=1)[:N, :K]
+    return (w.astype(jnp.float32) * s).astype(dtype)
 
 
-def _column_scales(scale, block_out: int, N: int):
-    """[nb, ceil(N / block_out)] -> [nb, N]: each column's scale."""
-    return jnp.repeat(scale.astype(jnp.float32), block_out, axis=1)[:, :N]
+def _row_scales(scale, block_out: int, N: int, nb: int):
+    """[ceil(N / block_out), ≥ nb] -> [nb, N]: each output row's scale per input block."""
+    return jnp.repeat(scale[:, :nb].astype(jnp.float32), block_out, axis=0)[:N].T
 
 
-def w8a8_reference(x, q, scale, *, block_in: int = 128, block_out: int = 128):
-    """y = W8A8(x, q, scale) in x's dtype (module docstring), in plain jnp: x [..., K], q fp8 [K, N], scale
-    fp32 [ceil(K / block_in), ceil(N / block_out)]. The input blocks are a sequential loop (fp32 accumulator
+def w8a8_reference(x, w, scale, *, block_in: int = 128, block_out: int = 128):
+    """y = W8A8(x, w, scale) in x's dtype (module docstring), in plain jnp: x [..., K], w fp8 [N, K], scale
+    fp32 [ceil(N / block_out), ≥ ceil(K / block_in)]. The input blocks are a sequential loop (fp32 accumulator
     [M, N]: no [blocks, M, N] intermediate at prefill sizes); each block's dot runs on exactly converted bf16
     operands (e4m3 ⊂ bf16) with fp32 accumulation."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
-    M, N = x2.shape[0], q.shape[1]
+    M, N = x2.shape[0], w.shape[0]
     nb = _cdiv(K, block_in)
-    assert q.shape[0] == K and scale.shape == (nb, _cdiv(N, block_out)), (x.shape, q.shape, scale.shape)
+    assert w.shape[1] == K and scale.shape[0] == _cdiv(N, block_out) and scale.shape[1] >= nb, (
+        x.shape, w.shape, scale.shape)
     xq, sx = act_quant(x2, block_in)
     xb = xq.reshape(M, nb, block_in).transpose(1, 0, 2).astype(jnp.bfloat16)  # [nb, M, bi]
-    qp = q if nb * block_in == K else jnp.pad(q, ((0, nb * block_in - K), (0, 0)))
-    qb = qp.reshape(nb, block_in, N)
-    sw = _column_scales(scale, block_out, N)  # [nb, N]
+    wp = w if nb * block_in == K else jnp.pad(w, ((0, 0), (0, nb * block_in - K)))
+    wb = wp.reshape(N, nb, block_in).transpose(1, 0, 2)  # [nb, N, bi]
+    sw = _row_scales(scale, block_out, N, nb)  # [nb, N]
 
     def body(acc, blk):
-        xt, qt, sxt, swt = blk
-        part = jnp.dot(xt, qt.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+        xt, wt, sxt, swt = blk
+        part = jnp.einsum("mk,nk->mn", xt, wt.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
         return acc + (part * sxt[:, None]) * swt[None, :], None
 
-    acc, _ = jax.lax.scan(body, jnp.zeros((M, N), jnp.float32), (xb, qb, sx.T, sw))
+    acc, _ = jax.lax.scan(body, jnp.zeros((M, N), jnp.float32), (xb, wb, sx.T, sw))
     return rounded(acc, x.dtype).reshape(*lead, N)
 
 
 # ------------------------------------------------------------------------------------------------ configs
-def _load_table() -> dict:
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "w8a8_configs.json")
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        return json.load(f).get("configs", {})
-
-
-# "BM{row tile}:K{K}:N{N}" -> {block_n, block_k, split_k, num_warps, num_stages}: the sweep's winners
-CONFIGS: dict = _load_table()
-CONFIG_KEYS = ("block_n", "block_k", "split_k", "num_warps", "num_stages")
-
-
-def table_key(M: int, K: int, N: int) -> str:
-    return f"BM{row_tile(M)}:K{K}:N{N}"
-
-
 def row_tile(M: int) -> int:
     """Rows per program: the row count padded to a power of two ≥ 16 (the MMA tile), at most 256; longer
     passes (prefill) run several row tiles of 128."""
@@ -167,18 +149,11 @@ def default_config(M: int, K: int, N: int, block_in: int = 128, block_out: int =
                    target_programs: int = 2 * N_SM) -> dict:
     """Block sizes / split-K / warps / stages for a call (the caller's arguments override each).
 
-    Rule (until the H200 sweep fills CONFIGS): BN 128 (64 from 128-row tiles: the fp32 accumulator stays ≤ 64
+    Rule: BN 128 (64 from 128-row tiles: the fp32 accumulator stays ≤ 64
     registers per thread), BK the whole input block (≤ 128), split-K doubling while the grid has fewer than
     `target_programs` programs and the fp32 partials stay ≤ 1/4 of the weight bytes, 4 warps up to 32 rows
     (8 beyond), as many pipeline stages (≤ 4) as fit shared memory."""
     bm = row_tile(M)
-    key = table_key(M, K, N)
-    hit = CONFIGS.get(key)
-    # the sweep's winners (measured with 128-wide input blocks): only where their K chunk and split fit this grid
-    if hit and block_in % hit["block_k"] == 0 and _cdiv(K, block_in) % hit["split_k"] == 0:
-        cfg = {k: hit[k] for k in CONFIG_KEYS}
-        cfg["block_m"] = bm
-        return cfg
     bn = 128 if bm <= 64 else 64
     bn = min(bn, max(16, next_pow2(N)))
     bk = max_block_k(block_in)
@@ -197,8 +172,10 @@ def default_config(M: int, K: int, N: int, block_in: int = 128, block_out: int =
 
 
 # ------------------------------------------------------------------------------------------------ kernel
-def _kernel(xq_ref, sx_ref, w_ref, sw_ref, o_ref, *, M, K, N, bm, bn, bk, block_in, block_out, nb_per, split,
-            transposed):
+CONFIG_KEYS = ("block_n", "block_k", "split_k", "num_warps", "num_stages")
+
+
+def _kernel(xq_ref, sx_ref, w_ref, sw_ref, o_ref, *, M, K, N, bm, bn, bk, block_in, block_out, nb_per, split):
     f32 = jnp.float32
     j, s, r = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     n0 = pl.multiple_of(j * bn, bn)
@@ -206,32 +183,28 @@ def _kernel(xq_ref, sx_ref, w_ref, sw_ref, o_ref, *, M, K, N, bm, bn, bk, block_
     cols = n0 + jnp.arange(bn, dtype=jnp.int32)
     n_ok = cols < N
     mask_n = N % bn != 0
-    mask_k = K % block_in != 0  # only the last block has rows ≥ K
+    mask_k = K % block_in != 0  # only the last block has columns ≥ K
     sub = block_in // bk
 
-    def load_w(k0):  # [bk, bn] fp8 ([bn, bk] when transposed)
+    def load_w(k0):  # [bn, bk] fp8
         kk = k0 + jnp.arange(bk, dtype=jnp.int32)
         if not (mask_n or mask_k):
-            return w_ref[pl.ds(n0, bn), pl.ds(k0, bk)] if transposed else w_ref[pl.ds(k0, bk), pl.ds(n0, bn)]
-        if transposed:
-            msk = n_ok[:, None] & (kk < K)[None, :]
-            t = pltr.load(w_ref.at[cols[:, None], kk[None, :]], mask=msk)
-        else:
-            msk = (kk < K)[:, None] & n_ok[None, :]
-            t = pltr.load(w_ref.at[kk[:, None], cols[None, :]], mask=msk)
-        if mask_k:  # rows past K must be 0, not stale bytes (a NaN pattern would survive x_q = 0)
+            return w_ref[pl.ds(n0, bn), pl.ds(k0, bk)]
+        msk = n_ok[:, None] & (kk < K)[None, :]
+        t = pltr.load(w_ref.at[cols[:, None], kk[None, :]], mask=msk)
+        if mask_k:  # columns past K must be 0, not stale bytes (a NaN pattern would survive x_q = 0)
             t = jax.lax.bitcast_convert_type(
                 jnp.where(msk, jax.lax.bitcast_convert_type(t, jnp.int8), jnp.int8(0)), FP8)
         return t
 
     def load_sw(b):  # [1, 1] or [1, bn]
         if block_out % bn == 0:
-            return sw_ref[pl.ds(b, 1), pl.ds(n0 // block_out, 1)]
+            return sw_ref[pl.ds(n0 // block_out, 1), pl.ds(b, 1)]
         idx = cols // block_out
         bb = b + jnp.zeros((1, bn), jnp.int32)
         if mask_n:
-            return pltr.load(sw_ref.at[bb, idx[None, :]], mask=n_ok[None, :], other=0.0)
-        return pltr.load(sw_ref.at[bb, idx[None, :]])
+            return pltr.load(sw_ref.at[idx[None, :], bb], mask=n_ok[None, :], other=0.0)
+        return pltr.load(sw_ref.at[idx[None, :], bb])
 
     def body(i, acc):
         b = s * nb_per + i
@@ -239,8 +212,7 @@ def _kernel(xq_ref, sx_ref, w_ref, sw_ref, o_ref, *, M, K, N, bm, bn, bk, block_
         for t in range(sub):
             k0 = pl.multiple_of(b * block_in + t * bk, bk)
             xt = xq_ref[pl.ds(m0, bm), pl.ds(k0, bk)]
-            wt = load_w(k0)
-            d = jnp.dot(xt, wt.T if transposed else wt, preferred_element_type=f32)
+            d = jnp.dot(xt, load_w(k0).T, preferred_element_type=f32)
             part = d if part is None else part + d
         sx = sx_ref[pl.ds(m0, bm), pl.ds(b, 1)]  # [bm, 1]
         return acc + (part * sx) * load_sw(b)
@@ -256,24 +228,23 @@ def _kernel(xq_ref, sx_ref, w_ref, sw_ref, o_ref, *, M, K, N, bm, bn, bk, block_
 
 
 @functools.partial(jax.jit, static_argnames=("block_in", "block_out", "interpret", "block_n", "block_k", "split_k",
-                                             "num_warps", "num_stages", "target_programs", "transposed"))
-def w8a8(x, q, scale, *, block_in: int = 128, block_out: int = 128, interpret: bool = False,
+                                             "num_warps", "num_stages", "target_programs"))
+def w8a8(x, w, scale, *, block_in: int = 128, block_out: int = 128, interpret: bool = False,
          block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
-         num_warps: int | None = None, num_stages: int | None = None, target_programs: int = 2 * N_SM,
-         transposed: bool = False):
-    """W8A8 block FP8 y = x @ W in x's dtype (`w8a8_reference`'s function), on the Pallas kernel. x [..., K]
-    (bf16 / fp32; leading dims flattened, any row count), q fp8 [K, N] ([N, K] with transposed=True), scale
-    fp32 [ceil(K / block_in), ceil(N / block_out)]. block_n / block_k: powers of two ≥ 16, block_k dividing
-    block_in; split_k: K ranges (rounded down to a divisor of the block count)."""
+         num_warps: int | None = None, num_stages: int | None = None, target_programs: int = 2 * N_SM):
+    """W8A8 block FP8 y = x @ Wᵀ in x's dtype (`w8a8_reference`'s function), on the Pallas-Triton kernel. x [..., K]
+    (bf16 / fp32; leading dims flattened, any row count), w fp8 [N, K], scale fp32 [ceil(N / block_out),
+    ≥ ceil(K / block_in)]. block_n / block_k: powers of two ≥ 16, block_k dividing block_in; split_k: K ranges
+    (rounded down to a divisor of the block count)."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
-    N = q.shape[0] if transposed else q.shape[1]
-    assert (q.shape[1] if transposed else q.shape[0]) == K, (x.shape, q.shape, transposed)
-    assert q.dtype == FP8 and x.dtype in (jnp.bfloat16, jnp.float32), (x.dtype, q.dtype)
+    N = w.shape[0]
+    assert w.shape[1] == K, (x.shape, w.shape)
+    assert w.dtype == FP8 and x.dtype in (jnp.bfloat16, jnp.float32), (x.dtype, w.dtype)
     nkb = _cdiv(K, block_in)
-    assert scale.shape == (nkb, _cdiv(N, block_out)), (scale.shape, K, N, block_in, block_out)
-    assert M > 0 and K > 0 and N > 0 and block_out >= 1, (x.shape, q.shape, block_out)
+    assert scale.shape[0] == _cdiv(N, block_out) and scale.shape[1] >= nkb, (scale.shape, K, N, block_in, block_out)
+    assert M > 0 and K > 0 and N > 0 and block_out >= 1, (x.shape, w.shape, block_out)
     assert applies(block_in), f"no power-of-two K chunk >= 16 divides block_in={block_in}"
     cfg = default_config(M, K, N, block_in, block_out, target_programs=target_programs)
     bm = cfg["block_m"]
@@ -286,7 +257,7 @@ def w8a8(x, q, scale, *, block_in: int = 128, block_out: int = 128, interpret: b
     xq, sx = act_quant(x2, block_in, rows=nr * bm)
     out_dtype = x.dtype if split == 1 else jnp.float32
     kern = functools.partial(_kernel, M=M, K=K, N=N, bm=bm, bn=bn, bk=bk, block_in=block_in, block_out=block_out,
-                             nb_per=nkb // split, split=split, transposed=transposed)
+                             nb_per=nkb // split, split=split)
     y = pl.pallas_call(
         kern,
         grid=(_cdiv(N, bn), split, nr),
@@ -294,7 +265,7 @@ def w8a8(x, q, scale, *, block_in: int = 128, block_out: int = 128, interpret: b
         compiler_params=compiler_params(nw, ns),
         interpret=interpret,
         name="w8a8_fp8_dot",
-    )(xq, sx, q, scale.astype(jnp.float32))
+    )(xq, sx, w, scale.astype(jnp.float32))
     if split > 1:
         y = sum_partials(y.reshape(split, M, N), x.dtype)
     return y.reshape(*lead, N)
@@ -308,4 +279,3 @@ def plan(M: int, K: int, N: int, block_in: int = 128, block_out: int = 128, **ov
     cfg["smem_bytes"] = _smem(cfg["block_m"], cfg["block_n"], cfg["block_k"], cfg["num_stages"])
     cfg["programs"] = _cdiv(N, cfg["block_n"]) * cfg["split_k"] * _cdiv(M, cfg["block_m"])
     return cfg
-

@@ -26,10 +26,17 @@ examples:
   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
       -d '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32, "temperature": 0}'
 
+  # only clients with a key (also from $JAXDDTREE_API_KEY, comma-separated); /health and /metrics stay open
+  JAXDDTREE_API_KEY=k1,k2 python scripts/serve.py --host 0.0.0.0 --api-key k3
+  curl http://127.0.0.1:8000/v1/models -H 'Authorization: Bearer k3'
+
 honoured request fields: max_tokens / max_completion_tokens, temperature, top_p, top_k, min_p, seed, stop,
-n (1), stream, stream_options, chat_template_kwargs, tools / tool_choice (chat; tool calls come back as
-tool_calls). Other sampling fields (frequency_penalty, logit_bias, logprobs, ...) get a 400 unless they carry
-their default value. See README.md, "Serving"."""
+n (1), stream, stream_options, chat_template_kwargs (e.g. {"enable_thinking": false}), tools / tool_choice
+(chat; tool calls come back as tool_calls; with thinking on, the reasoning as reasoning_content). Other
+sampling fields (frequency_penalty, logit_bias, logprobs, ...) get a 400 unless they carry their default
+value. GET /metrics: Prometheus text format. See README.md, "Serving"."""
+
+API_KEY_ENV = "JAXDDTREE_API_KEY"
 
 
 def positive_int(text: str) -> int:
@@ -69,7 +76,7 @@ def max_batch_arg(text: str):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="serve.py", description="Serve a Qwen3.5/3.6 target (+ DFlash drafter) "
                                 "through the OpenAI API: /v1/completions, /v1/chat/completions (streaming "
-                                "too), /v1/models, /health. With no --target, the demo pair in demo/.",
+                                "too), /v1/models, /health, /metrics. With no --target, the demo pair in demo/.",
                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", metavar="DIR", help="target checkpoint directory (default: the demo pair)")
     p.add_argument("--drafter", metavar="DIR", help="DFlash drafter directory (default: none; the demo's with "
@@ -109,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernels", choices=("xla", "pallas"), default=None, help="default: pallas on GPU, xla on CPU")
     p.add_argument("--tp", type=positive_int, default=1, metavar="N", help="tensor parallelism: split the target "
                    "over the first N devices (see generate.py --tp; default: 1)")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY", help="every /v1 request must carry "
+                   "'Authorization: Bearer KEY' (401 otherwise; /health and /metrics stay open); repeat for several "
+                   f"keys; ${API_KEY_ENV} adds comma-separated ones (default: no key needed)")
     p.add_argument("--no-warmup", action="store_true", help="do not compile before listening")
     p.add_argument("--compile-cache", metavar="DIR|none", default=None, help="persistent XLA compilation cache "
                    "directory: a second start with the same settings loads the warm-up's programs instead of "
@@ -116,13 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-SERVER_MODULES = ("fastapi", "uvicorn")  # the `serve` extra of pyproject.toml
+SERVER_MODULES = ("fastapi", "uvicorn", "prometheus_client")  # the `serve` extra of pyproject.toml
 INSTALL_HINT = "pip install -e '.[serve]'"
 
 
 def require_server_extra() -> None:
-    """Exit 2 with one line on stderr naming the install command when the server's extra (fastapi, uvicorn) is
-    not importable; called before any model loads."""
+    """Exit 2 with one line on stderr naming the install command when the server's extra (fastapi, uvicorn,
+    prometheus-client) is not importable; called before any model loads."""
     missing, why = [], None
     for name in SERVER_MODULES:
         try:
@@ -241,14 +251,25 @@ def url(host: str, sock: socket.socket) -> str:
     return f"http://{f'[{host}]' if ':' in host else host}:{sock.getsockname()[1]}/v1"
 
 
+def api_keys(args, environ=os.environ) -> list[str]:
+    """The keys of --api-key and $JAXDDTREE_API_KEY (comma-separated), blanks dropped; exit 2 with one line when
+    a --api-key is empty."""
+    given = list(args.api_key or [])
+    if any(not k.strip() for k in given):
+        raise SystemExit("serve.py: error: argument --api-key: an empty key")
+    return [k.strip() for k in given + environ.get(API_KEY_ENV, "").split(",") if k.strip()]
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    keys = api_keys(args)
     require_server_extra()
     sock = bind(args.host, args.port)
     engine = load_engine(args)
     import uvicorn
     from jaxddtree.serving import create_app
-    line = f"serve.py: serving '{engine.name}' ({engine.method}) on {url(args.host, sock)}"
+    line = (f"serve.py: serving '{engine.name}' ({engine.method}) on {url(args.host, sock)}"
+            + (f" ({len(keys)} API key(s) accepted)" if keys else " (no API key needed: see --api-key)"))
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None):  # the line once the socket listens
@@ -256,7 +277,7 @@ def main(argv=None) -> int:
             if not self.should_exit:
                 print(line, file=sys.stderr, flush=True)
 
-    Server(uvicorn.Config(create_app(engine), log_level="warning")).run(sockets=[sock])
+    Server(uvicorn.Config(create_app(engine, api_keys=keys), log_level="warning")).run(sockets=[sock])
     return 0
 
 

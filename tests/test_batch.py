@@ -245,9 +245,9 @@ def test_dense_folds_the_slot_axis(monkeypatch):
     wk = w8a8.w8a8
     monkeypatch.setattr(w8a8, "w8a8", lambda x2, q, s, **k: wcalls.append(x2.shape) or wk(x2, q, s, **{
         **k, "interpret": True}))
-    q = (0.2 * jax.random.normal(ks[1], (64, 256))).astype(jnp.float8_e4m3fn)
-    s = jnp.ones((1, 2), jnp.float32)
-    h = lambda x: ops.dense("btd,dc->btc", x, q, "pallas", fp8=ops.Fp8(s, None, 64, 128))  # noqa: E731
+    q = (0.2 * jax.random.normal(ks[1], (256, 64))).astype(jnp.float8_e4m3fn)  # [N, K]
+    s = jnp.ones((2, 1), jnp.float32)
+    h = lambda x: ops.dense("btd,dc->btc", x, q, "pallas", fp8=ops.Fp8(s, None, 64, 128, (64, 256)))  # noqa: E731
     if ops.pick("w8a8", 1, 256, "pallas", block_in=64).kernel == "w8a8":
         wcalls.clear()
         got = jax.vmap(h)(x)

@@ -36,6 +36,7 @@ import hf_models
 import jaxddtree
 from jaxddtree.checkpoint.params import CheckpointError
 from jaxddtree.model.fp8 import Fp8Weight
+from kernels_pallas.w8a8_mgpu import scale_cols
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 
@@ -129,10 +130,12 @@ def test_layout_released(released):
     assert w_in.shape == (cfg.hidden_size, cfg.conv_dim + hv * cfg.linear_value_head_dim + 2 * hv)
     n_in = cfg.conv_dim + hv * cfg.linear_value_head_dim
     assert 32 % w_in.block_out == 0  # compact: a divisor of the 32-row output blocks
-    assert w_in.scale.shape == (-(-cfg.hidden_size // 24), -(-n_in // w_in.block_out))
+    # q in the checkpoint's layout [N, K]; scales [N blocks, K blocks padded to 128-byte rows]
+    assert w_in.q.shape == (n_in, cfg.hidden_size)
+    assert w_in.scale.shape == (-(-n_in // w_in.block_out), scale_cols(-(-cfg.hidden_size // 24)))
     gu = m.layers[0].mlp.w_gate_up[...]
     assert isinstance(gu, Fp8Weight) and 32 % gu.block_out == 0
-    assert gu.scale.shape == (-(-cfg.hidden_size // 24), -(-2 * cfg.intermediate_size // gu.block_out))
+    assert gu.scale.shape == (-(-2 * cfg.intermediate_size // gu.block_out), scale_cols(-(-cfg.hidden_size // 24)))
     wo = m.layers[3].mixer.wo[...]
     assert isinstance(wo, Fp8Weight) and wo.nc == 2 and wo.shape == (4, 16, cfg.hidden_size)
     assert not isinstance(m.layers[1].mlp.w_down[...], Fp8Weight)  # modules_to_not_convert
@@ -307,9 +310,11 @@ def test_convert_roundtrip(released, tmp_path):
     out = str(tmp_path / "conv")
     meta = convert(released[0], out, dtype="float32")
     a0 = jaxddtree.load_target(released[0], "float32").module()
-    assert meta["fp8"]["layers.0.mixer.w_in"] == {"block_in": 24, "nc": 1,
-                                                  "block_out": a0.layers[0].mixer.w_in[...].block_out}
-    assert meta["fp8"]["layers.3.mixer.wo"] == {"block_in": 24, "nc": 2, "block_out": 32}
+    w_in0 = a0.layers[0].mixer.w_in[...]
+    assert meta["fp8"]["layers.0.mixer.w_in"] == {"block_in": 24, "block_out": w_in0.block_out,
+                                                  "shape": list(w_in0.shape)}
+    assert meta["fp8"]["layers.3.mixer.wo"] == {"block_in": 24, "block_out": 32,
+                                                "shape": list(a0.layers[3].mixer.wo[...].shape)}
     assert "layers.1.mlp.w_down" not in meta["fp8"]  # modules_to_not_convert: plain
     a, b = jaxddtree.load_target(out, "float32"), jaxddtree.load_target(released[0], "float32")
     assert orbax_format.last_restore["reader"] == "direct"
@@ -436,45 +441,55 @@ def test_pallas_fp8_kernel_in_model(pow2_blocks, jx, monkeypatch):
 
 
 def test_compact_scales():
-    """The compact grid is exact: the widest divisor of the block whose column groups are constant."""
+    """The compact grid is exact: the widest divisor of the block whose row groups are constant."""
     from jaxddtree.model.fp8 import compact_scales
     rs = np.random.RandomState(0)
-    parts = [np.repeat(rs.rand(3, -(-n // 8)).astype(np.float32), 8, axis=1)[:, :n]  # 8-column blocks
+    parts = [np.repeat(rs.rand(-(-n // 8), 3).astype(np.float32), 8, axis=0)[:n]  # 8-row blocks
              for n in (24, 20, 13)]
-    cols = np.concatenate(parts, axis=1)  # part boundaries at 24 and 44: groups of 4 never straddle
-    c, g = compact_scales(cols, 8)
-    assert g == 4 and c.shape == (3, -(-57 // 4))
-    np.testing.assert_array_equal(np.repeat(c, g, axis=1)[:, :57], cols)
-    c, g = compact_scales(np.concatenate(parts[:2], axis=1), 8)
+    rows = np.concatenate(parts, axis=0)  # part boundaries at 24 and 44: groups of 4 never straddle
+    c, g = compact_scales(rows, 8)
+    assert g == 4 and c.shape == (-(-57 // 4), 3)
+    np.testing.assert_array_equal(np.repeat(c, g, axis=0)[:57], rows)
+    c, g = compact_scales(np.concatenate(parts[:2], axis=0), 8)
     assert g == 8  # one boundary (24): 8-wide groups fit; the last group past the end is padded
-    c, g = compact_scales(np.repeat(rs.rand(2, 3), 128, axis=1)[:, :300], 128)
-    assert g == 128 and c.shape == (2, 3)
-    assert compact_scales(rs.rand(2, 5), 128)[1] == 1
+    c, g = compact_scales(np.repeat(rs.rand(3, 2), 128, axis=0)[:300], 128)
+    assert g == 128 and c.shape == (3, 2)
+    assert compact_scales(rs.rand(5, 2), 128)[1] == 1
 
 
-def test_format_version_3_fp8_is_compacted_on_load(released, tmp_path):
-    """A target converted before the compact scales (format_version 3: one scale per output column, marker
-    entries without block_out) loads: its scales are compacted on load, exactly (same dequantized weights,
-    same greedy tokens as the FP8 directory)."""
+@pytest.mark.parametrize("version", [3, 4])
+def test_older_fp8_formats_load(released, tmp_path, version):
+    """A target converted before format_version 5 loads, exactly (same dequantized weights, same greedy tokens as
+    the FP8 directory): version 4 stored q in the model's layout [K.., N..] and the compact scales as [K blocks,
+    N blocks]; version 3 one scale per output column [K blocks, *output axes] (no block_out). Both are
+    transposed (and compacted) on load."""
     import shutil as sh
     import orbax.checkpoint.experimental.v1 as ocp
     from jaxddtree.checkpoint import orbax_format
     from jaxddtree.checkpoint.convert import convert
-    new = str(tmp_path / "v4")
+    new = str(tmp_path / "v5")
     meta = convert(released[0], new, dtype="float32")
-    old = tmp_path / "v3"
+    old = tmp_path / f"v{version}"
     old.mkdir()
     flat = orbax_format.from_tree(ocp.load(os.path.join(new, "params")))
-    t4 = jaxddtree.load_target(new, "float32").module()
+    t5 = jaxddtree.load_target(new, "float32").module()
     n = 0
     for p, info in meta["fp8"].items():
         path = tuple(int(k) if k.isdigit() else k for k in p.split("."))
-        w = t4
+        w = t5
         for k in path:
             w = w[k] if isinstance(k, int) else getattr(w, k)
         w = w[...]
-        cols = np.repeat(np.asarray(flat[path + ("scale",)]), info["block_out"], axis=1)
-        flat[path + ("scale",)] = cols[:, :int(np.prod(w.q.shape[w.nc:]))].reshape((-1,) + w.q.shape[w.nc:])
+        N, K = w.q.shape
+        qshape = w.shape if w.tail is None else w.shape[:-1] + (w.shape[-1] - w.tail.shape[-1],)
+        flat[path + ("q",)] = np.asarray(w.q).T.reshape(qshape)
+        nb = -(-K // w.block_in)
+        sc = np.asarray(w.scale)[:, :nb].T  # [K blocks, N blocks]
+        if version == 3:
+            sc = np.repeat(sc, w.block_out, axis=1)[:, :N].reshape((nb,) + qshape[w.nc:])
+        flat[path + ("scale",)] = sc
+        info.clear()
+        info.update({"block_in": w.block_in, "nc": w.nc} | ({"block_out": w.block_out} if version == 4 else {}))
         n += 1
     assert n > 10
     writer = orbax_format.PartialWriter(str(old / "params"), 1 << 30)
@@ -484,11 +499,10 @@ def test_format_version_3_fp8_is_compacted_on_load(released, tmp_path):
     sh.copy(os.path.join(new, "config.json"), old / "config.json")
     extra = {k: v for k, v in meta.items() if k not in ("format", "format_version", "kind", "dtype", "params",
                                                           "orbax_checkpoint", "dst", "seconds")}
-    extra["fp8"] = {p: {"block_in": v["block_in"], "nc": v["nc"]} for p, v in meta["fp8"].items()}
-    m3 = orbax_format.write_marker(str(old), "target", "float32", **extra)
-    m3["format_version"] = 3
+    m = orbax_format.write_marker(str(old), "target", "float32", **extra)
+    m["format_version"] = version
     with open(old / orbax_format.MARKER, "w") as f:
-        json.dump(m3, f)
+        json.dump(m, f)
     a, b = jaxddtree.load_target(str(old), "float32"), jaxddtree.load_target(released[0], "float32")
     import jax
     from flax import nnx
@@ -496,9 +510,43 @@ def test_format_version_3_fp8_is_compacted_on_load(released, tmp_path):
               for t in (a, b))
     for x, y in zip(fa, fb):
         if isinstance(x, Fp8Weight):
-            assert x.scale.ndim == 2 and x.block_out % y.block_out == 0
+            assert x.q.shape == y.q.shape and x.scale.shape == y.scale.shape and x.shape == y.shape
             x, y = x.dequantize(), y.dequantize()
         np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
     prompt = np.random.RandomState(6).randint(0, 96, 12).tolist()
     ga, gb = (jaxddtree.generate(t, prompt, method="ar", max_new_tokens=8).tokens for t in (a, b))
     assert ga == gb
+
+
+@pytest.mark.parametrize("method,budget", [("ar", 0), ("ddtree", 15)])
+def test_fp8_rounds_lower_for_h200_on_fp8_wgmma(method, budget):
+    """A random fp8 target (128-aligned smoke shapes, 128x128 blocks) with kernels="pallas": the AR step and the
+    DDTree round lower for an abstract H200 with every fp8 projection on the Mosaic GPU fp8-wgmma kernel (decode
+    rows and the verify's tree rows): no Triton W8A8 kernel is left in the program."""
+    import dataclasses
+    import functools
+    import sys
+    import jax
+    import jax.numpy as jnp
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import bench
+    from jaxddtree.model.config import text_config_from_dict
+    from jaxddtree.model.drafter_config import DrafterConfig
+    from jaxddtree.model.target import random_target
+    from jaxddtree.speculative import loop as loop_lib
+    from kernels_pallas._common import lower_for_h200
+    raw, dfl = dict(bench.QWEN36_27B), dict(bench.DFLASH_27B)
+    raw.update(bench.SMOKE_TARGET, hidden_size=128, intermediate_size=256)
+    dfl.update(bench.SMOKE_DFLASH, hidden_size=128)
+    target = random_target(text_config_from_dict(raw, where="smoke"), "bfloat16", weights="fp8")
+    dcfg = DrafterConfig(**dfl)
+    drafter = bench.random_drafter(dcfg, jnp.bfloat16)
+    plan = dataclasses.replace(bench.make_plan(target, dcfg, method, budget), kernels="pallas")
+    state = jax.eval_shape(lambda: bench.loop_state(target, drafter, plan, 64, 64))
+    d = dcfg if method != "ar" else None
+    f = functools.partial(loop_lib.run_rounds, graphdef=target.graphdef, treedef=target.treedef, dcfg=d, plan=plan,
+                          chunk=1)
+    txt = lower_for_h200(f, target.leaves, drafter.params if d else None, state,
+                         jax.ShapeDtypeStruct((1,), jnp.int32))
+    assert "w8a8_fp8_dot" not in txt  # the Triton W8A8 kernel
+    assert txt.count("custom_call @mosaic_gpu") >= 4  # the fp8 projection shapes (identical calls share a function)

@@ -24,7 +24,7 @@ def _serve_without(mod: str, *argv: str):
                           timeout=300)
 
 
-@pytest.mark.parametrize("mod", ["fastapi", "uvicorn"])
+@pytest.mark.parametrize("mod", ["fastapi", "uvicorn", "prometheus_client"])
 def test_missing_server_extra_is_one_line(mod):
     p = _serve_without(mod, "--port", "0")
     lines = p.stderr.strip().splitlines()
@@ -172,3 +172,16 @@ def test_demo_engine_loads_without_torch_and_ar_without_drafter():
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     assert p.stdout.splitlines() == ["ddtree False demo", "ar True demo", "[]"], (p.stdout, p.stderr)
+
+
+def test_api_key_argument():
+    """--api-key (repeatable) and $JAXDDTREE_API_KEY (comma-separated) together; an empty --api-key is one line."""
+    serve = _serve_script()
+    p = serve.build_parser()
+    assert serve.api_keys(p.parse_args([]), environ={}) == []
+    args = p.parse_args(["--api-key", "a", "--api-key", "b"])
+    assert serve.api_keys(args, environ={}) == ["a", "b"]
+    assert serve.api_keys(args, environ={serve.API_KEY_ENV: " c, ,d "}) == ["a", "b", "c", "d"]
+    assert serve.api_keys(p.parse_args([]), environ={serve.API_KEY_ENV: ""}) == []
+    with pytest.raises(SystemExit, match="--api-key: an empty key"):
+        serve.api_keys(p.parse_args(["--api-key", " "]), environ={})

@@ -324,7 +324,7 @@ def convert(src: str, dst: str, *, dtype: str = "bfloat16", kind: str | None = N
     out_dtype = orbax_format.np_dtype(dname)
     stop = should_stop or (lambda: False)
     fp8 = None  # (Fp8Format, headers) for an FP8 target
-    fp8_params = {}  # marker "fp8": {dotted param path: {"block_in", "nc"}}
+    fp8_params = {}  # marker "fp8": {dotted param path: {"block_in", "block_out", "shape"}}
 
     try:
         if kind == "target":
@@ -425,7 +425,7 @@ def convert(src: str, dst: str, *, dtype: str = "bfloat16", kind: str | None = N
 
 def _add_fp8(writer, e, fp8, out_dtype: np.dtype, fp8_params: dict) -> int:
     """An FP8 target parameter through the loader's `_load_fp8` (on the host CPU): an `Fp8Weight` is written as
-    its leaves `<path>.q` (float8_e4m3fn), `<path>.scale` (float32, the compact grid) and `<path>.tail` (out_dtype, if any) and
+    its leaves `<path>.q` (float8_e4m3fn [N, K]), `<path>.scale` (float32 [N blocks, padded K blocks]) and `<path>.tail` (out_dtype, if any) and
     recorded in the marker's "fp8" map; any other mix of fp8 and plain parts comes back dequantized and is
     written as a plain parameter. Returns the bytes written."""
     from jaxddtree.checkpoint.hf_target import _load_fp8
@@ -440,7 +440,8 @@ def _add_fp8(writer, e, fp8, out_dtype: np.dtype, fp8_params: dict) -> int:
         y = np.asarray(w)
         writer.add(e.path, y)
         return y.nbytes
-    fp8_params[".".join(map(str, e.path))] = {"block_in": w.block_in, "nc": w.nc, "block_out": w.block_out}
+    fp8_params[".".join(map(str, e.path))] = {"block_in": w.block_in, "block_out": w.block_out,
+                                             "shape": list(w.shape)}
     n = 0
     for leaf in ("q", "scale", "tail"):
         if getattr(w, leaf) is not None:

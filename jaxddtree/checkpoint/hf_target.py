@@ -414,8 +414,7 @@ def _load_fp8(plan: ParamPlan, fmt: Fp8Format, headers: _Headers, dtype):
     """One parameter with fp8 parts -> Fp8Weight (its quantized parts are a prefix of the fused parameter,
     and the rest, if any, are the trailing columns of a 2-D one), or, for any other mix of fp8 and plain
     parts, the array dequantized in fp32 and cast to `dtype`."""
-    import jax.numpy as jnp
-    from jaxddtree.model.fp8 import Fp8Weight, compact_scales
+    from jaxddtree.model import fp8 as fp8_weight
 
     bo, bi = fmt.block
     K = int(plan.parts[0].shape[1])
@@ -445,16 +444,14 @@ def _load_fp8(plan: ParamPlan, fmt: Fp8Format, headers: _Headers, dtype):
     nq = len(qs)
     prefix = all(flags[:nq]) and not any(flags[nq:])
     if prefix and (nq == len(flags) or (len(model_shape) == 2 and nc == 1)):
-        q = jax.device_put(np.concatenate(qs, axis=0) if nq > 1 else qs[0])  # [Rq, K] fp8
-        # [nbi, Rq] per output column -> the compact grid [nbi, ceil(Rq / g)] (g = bo for 128-aligned parts)
-        scale, g = compact_scales(np.concatenate(rows_scale, axis=0).T, bo)
-        scale = jax.device_put(scale)
-        if nq == len(flags):
-            q = plan.fn(q) if plan.fn is not None else q
-            return Fp8Weight(q=q, scale=scale, tail=None, block_in=bi, nc=nc, block_out=g)
-        assert model_shape == (K, plan.shape[0]), (plan.path, model_shape)  # a transposed [K, R] projection
-        tail = jax.device_put(np.concatenate([p.astype(np.float32) for p in plain], axis=0)).T.astype(dtype)
-        return Fp8Weight(q=q.T, scale=scale, tail=tail, block_in=bi, nc=1, block_out=g)
+        # q: the parts' rows stacked [Rq, K] (the checkpoint's layout, kept); scales: the compact row grid
+        q = jax.device_put(np.concatenate(qs, axis=0) if nq > 1 else qs[0])
+        scale, g = fp8_weight.compact_scales(np.concatenate(rows_scale, axis=0), bo)
+        tail = None
+        if nq < len(flags):
+            assert model_shape == (K, plan.shape[0]), (plan.path, model_shape)  # a transposed [K, R] projection
+            tail = jax.device_put(np.concatenate([p.astype(np.float32) for p in plain], axis=0)).T.astype(dtype)
+        return fp8_weight.make(q, jax.device_put(scale), block_in=bi, block_out=g, shape=model_shape, tail=tail)
     # any other mix: dequantize (fp32 product, as the reference) and store in `dtype`
     full, it_q, it_p = [], iter(zip(qs, rows_scale)), iter(plain)
     for f in flags:

@@ -45,7 +45,11 @@ FORMAT = "jaxddtree-orbax"
 # 4: FP8 targets' block scales in the compact grid [ceil(K / block_in), ceil(N / block_out)] (marker "fp8"
 #    entries gain "block_out"); version-3 FP8 targets (per-column scales [K / block_in, *output axes]) are
 #    compacted on load (`_fp8_params` / `restore_target`: exact), nothing else changed.
-FORMAT_VERSION = 4
+# 5: FP8 targets in the checkpoint's layout: `q` [N, K] (the nn.Linear rows, K-major: what fp8 wgmma reads) and
+#    `scale` [ceil(N / block_out), C] (C: the input blocks padded to 128-byte rows, `w8a8_mgpu.scale_cols`);
+#    marker "fp8" entries {block_in, block_out, shape} (the parameter's logical shape). Version-3/4 FP8 targets
+#    (q in the model's layout [K.., N..], scales [K blocks, N blocks]) are transposed on load (exact).
+FORMAT_VERSION = 5
 # The oldest version each kind can be read from: version-1 targets hold the unfused projections (w_qkv, w_z,
 # w_b, w_a; w_gate, w_up; wq, wk, wv), version-1/2 drafters theirs (wq, wk, wv; w_gate, w_up); both must be
 # reconverted.
@@ -634,31 +638,40 @@ def restore_target(path: str, dtype):
     fp8_leaves = {p: flat.pop(p) for p in quantized}
     flat = _cast(flat, stored, dtype, path)
     if fp8:
-        from jaxddtree.model.fp8 import Fp8Weight
+        import jax
+        from jaxddtree.model import fp8 as fp8_weight
         for p, info in fp8.items():
-            scale = fp8_leaves[p + ("scale",)]
-            block_out = info.get("block_out")
-            if block_out is None:  # format_version 3: one scale per output column -> the compact grid (exact)
-                import jax
-                from jaxddtree.model.fp8 import compact_scales
-                scale, block_out = compact_scales(np.asarray(scale).reshape(scale.shape[0], -1))
-                scale = jax.device_put(scale)
-            flat[p] = Fp8Weight(q=fp8_leaves[p + ("q",)], scale=scale, tail=flat.pop(p + ("tail",), None),
-                                block_in=info["block_in"], nc=info["nc"], block_out=block_out)
+            q, scale, tail = fp8_leaves[p + ("q",)], fp8_leaves[p + ("scale",)], flat.pop(p + ("tail",), None)
+            if meta["format_version"] >= 5:
+                flat[p] = fp8_weight.Fp8Weight(q=q, scale=scale, tail=tail, block_in=info["block_in"],
+                                               block_out=info["block_out"], shape=tuple(info["shape"]))
+                continue
+            # format_version 3 / 4: q in the model's layout, scales [K blocks, N blocks] (3: one per output column)
+            nc, block_out = info["nc"], info.get("block_out")
+            K = int(np.prod(q.shape[:nc]))
+            q_nk = jax.device_put(np.asarray(q).reshape(K, -1).T)
+            rows = np.asarray(scale, np.float32).reshape(scale.shape[0], -1).T  # [N or N blocks, K blocks]
+            if block_out is None:
+                rows, block_out = fp8_weight.compact_scales(rows)
+            shape = tuple(q.shape) if tail is None else tuple(q.shape[:-1]) + (q.shape[-1] + tail.shape[-1],)
+            flat[p] = fp8_weight.make(q_nk, jax.device_put(rows), block_in=info["block_in"], block_out=block_out,
+                                      shape=shape, tail=tail)
     return target_from_params(cfg, flat, as_dtype(dtype), source=path)
 
 
 # the leaves of an FP8 parameter (`jaxddtree.model.fp8.Fp8Weight`) in a converted target: name -> stored dtype
-# (None: the marker's dtype). The marker's "fp8" map lists those parameters: {dotted path: {block_in, nc,
-# block_out}} (block_out since format_version 4).
+# (None: the marker's dtype). The marker's "fp8" map lists those parameters: {dotted path: {block_in, block_out,
+# shape}} (format_version 5; 3 / 4: {block_in, nc[, block_out]}).
 FP8_LEAVES = {"q": "float8_e4m3fn", "scale": "float32", "tail": None}
 
 
 def _fp8_params(path: str, meta: dict) -> dict[tuple, dict]:
     fp8 = meta.get("fp8", {})
+    new = meta.get("format_version", 0) >= 5
     ok = isinstance(fp8, dict) and all(
-        isinstance(v, dict) and isinstance(v.get("block_in"), int) and isinstance(v.get("nc"), int)
-        and isinstance(v.get("block_out", 1), int) for v in fp8.values())
+        isinstance(v, dict) and isinstance(v.get("block_in"), int) and isinstance(v.get("block_out", 1), int)
+        and (isinstance(v.get("block_out"), int) and isinstance(v.get("shape"), list) if new
+             else isinstance(v.get("nc"), int)) for v in fp8.values())
     if not ok:
         raise CheckpointError(f"{os.path.join(path, MARKER)}: malformed \"fp8\" entry")
     return {tuple(int(k) if k.isdigit() else k for k in name.split(".")): v for name, v in fp8.items()}

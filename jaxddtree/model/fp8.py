@@ -5,21 +5,25 @@ as `weight` float8_e4m3fn and `weight_scale_inv` [ceil(out/bo), ceil(in/bi)] (fp
 dequantized weight is `fp8 value * scale of its block`, element (r, c) using scale[r // bo, c // bi]
 (partial edge blocks have their own scale), computed in fp32.
 
-`Fp8Weight` holds one model parameter in the model's layout, its contracted (input) axes leading:
-  q          float8_e4m3fn, the parameter's shape (or its first columns, see `tail`);
-  scale      float32 [ceil(K / block_in), ceil(N / block_out)], COMPACT: K = prod of the nc contracted axes (HF's
-             input order), N = prod of q's output axes; output column n of input block b has scale
-             scale[b, n // block_out];
-  block_out  the column-block width of that grid: the checkpoint's output block bo when every part of a fused
+`Fp8Weight` holds one model parameter (logical shape `shape`, the model's layout: contracted (input) axes first)
+in the checkpoint's own layout:
+  q          float8_e4m3fn [N, K]: the nn.Linear rows (output features, the fused parameter's parts stacked in
+             column order) by the input features in HF order; K-major, what Hopper's fp8 wgmma reads
+             (kernels_pallas/w8a8_mgpu.py) with no transpose anywhere;
+  scale      float32 [ceil(N / block_out), C], C = `w8a8_mgpu.scale_cols(ceil(K / block_in))` ≥ the input blocks
+             (zero columns pad each row to 128 bytes, one TMA copy): row n of input block b has scale
+             scale[n // block_out, b];
+  block_out  the row-block width of that grid: the checkpoint's output block bo when every part of a fused
              parameter (GDN `w_in`, attention `w_qkv`, MLP `w_gate_up`) starts at a multiple of bo — true for
-             all Qwen3.6-27B shapes (bo = 128) — else the largest width whose column groups never straddle two
-             scale blocks (`compact_scales`: a divisor of bo; 1 at worst, one scale per column). Exact either way;
-             tiny test models with odd part sizes get narrow groups, the kernel gathers their scales per column;
+             all Qwen3.6-27B shapes (bo = 128) — else the largest width whose row groups never straddle two
+             scale blocks (`compact_scales`: a divisor of bo; 1 at worst, one scale per row). Exact either way;
   tail       None, or the trailing output columns of a 2-D fused parameter whose last parts are not quantized
-             (GDN `w_in`'s in_proj_b | in_proj_a in the Qwen3.6 FP8 checkpoints), in the compute dtype.
+             (GDN `w_in`'s in_proj_b | in_proj_a in the Qwen3.6 FP8 checkpoints), [K, n_tail] in the compute
+             dtype (the model's layout).
 `dequantize(dtype)` gives exactly the array the plain loader would produce from the same checkpoint
-dequantized to fp32 (fp32 product, one cast to `dtype`). The model's numerics for an Fp8Weight are W8A8
-(`kernels_pallas/w8a8.py`: transformers' dynamic per-token activation quantization + the block-scaled product).
+dequantized to fp32 (fp32 product, one cast to `dtype`), in the model's layout. The model's numerics for an
+Fp8Weight are W8A8 (`kernels_pallas/w8a8.py`: transformers' dynamic per-token activation quantization + the
+block-scaled product).
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from kernels_pallas.w8a8_mgpu import scale_cols
+
 FP8 = jnp.float8_e4m3fn
 
 
@@ -39,21 +45,22 @@ class Fp8Weight:
     scale: jax.Array
     tail: jax.Array | None = None
     block_in: int = struct.field(pytree_node=False, default=128)
-    nc: int = struct.field(pytree_node=False, default=1)  # leading contracted axes
     block_out: int = struct.field(pytree_node=False, default=128)
-
-    @property
-    def shape(self) -> tuple:
-        s = tuple(self.q.shape)
-        return s if self.tail is None else s[:-1] + (s[-1] + self.tail.shape[-1],)
+    shape: tuple = struct.field(pytree_node=False, default=())  # the parameter's logical shape (tail included)
 
     @property
     def ndim(self) -> int:
-        return self.q.ndim
+        return len(self.shape)
 
     @property
     def dtype(self):
         return jnp.dtype(FP8)
+
+    @property
+    def nc(self) -> int:
+        """The number of leading contracted axes of `shape` (their product is K)."""
+        K = self.q.shape[1]
+        return next(n for n in range(1, len(self.shape) + 1) if math.prod(self.shape[:n]) == K)
 
     def __getitem__(self, key):  # `param[...]` in the modules
         if key is Ellipsis:
@@ -61,10 +68,13 @@ class Fp8Weight:
         raise TypeError("Fp8Weight supports only [...]; dequantize() it first")
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        K = math.prod(self.q.shape[:self.nc])
-        s = jnp.repeat(jnp.repeat(self.scale.astype(jnp.float32), self.block_in, axis=0), self.block_out, axis=1)
-        q2 = self.q.astype(jnp.float32).reshape(K, -1)
-        w = (q2 * s[:K, :q2.shape[1]]).reshape(self.q.shape).astype(dtype)
+        N, K = self.q.shape
+        nb = -(-K // self.block_in)
+        s = jnp.repeat(jnp.repeat(self.scale[:, :nb].astype(jnp.float32), self.block_out, axis=0), self.block_in,
+                       axis=1)[:N, :K]
+        w = (self.q.astype(jnp.float32) * s).T  # [K, N]
+        qshape = self.shape if self.tail is None else self.shape[:-1] + (self.shape[-1] - self.tail.shape[-1],)
+        w = w.reshape(qshape).astype(dtype)
         if self.tail is not None:
             w = jnp.concatenate([w, self.tail.astype(dtype)], axis=-1)
         return w
@@ -73,18 +83,30 @@ class Fp8Weight:
         return self.dequantize(dtype)
 
 
-def compact_scales(cols, max_block: int = 128):
-    """A per-column scale grid cols [nb, N] (numpy) -> (compact [nb, ceil(N / g)], g): g the widest column
-    group, among the divisors of `max_block` (descending), over which every row of `cols` is constant — so
-    compact[b, n // g] == cols[b, n] exactly. The checkpoint's output block when the parts of a fused
-    parameter start at its multiples (every 27B projection: g = 128), narrower otherwise (1: per column)."""
+def make(q, row_scales_compact, *, block_in: int, block_out: int, shape: tuple, tail=None) -> Fp8Weight:
+    """An Fp8Weight from q [N, K] and the compact scale grid [ceil(N / block_out), ceil(K / block_in)] (padded here
+    to the kernel's columns)."""
+    nb = -(-q.shape[1] // block_in)
+    s = jnp.asarray(row_scales_compact, jnp.float32)
+    assert s.shape == (-(-q.shape[0] // block_out), nb), (s.shape, q.shape, block_in, block_out)
+    cols = scale_cols(nb)
+    if cols != nb:
+        s = jnp.pad(s, ((0, 0), (0, cols - nb)))
+    return Fp8Weight(q=q, scale=s, tail=tail, block_in=block_in, block_out=block_out, shape=tuple(shape))
+
+
+def compact_scales(rows, max_block: int = 128):
+    """A per-row scale grid rows [N, nb] (numpy) -> (compact [ceil(N / g), nb], g): g the widest row group,
+    among the divisors of `max_block` (descending), over which every column of `rows` is constant — so
+    compact[n // g, b] == rows[n, b] exactly. The checkpoint's output block when the parts of a fused
+    parameter start at its multiples (every 27B projection: g = 128), narrower otherwise (1: per row)."""
     import numpy as np
-    cols = np.asarray(cols, np.float32)
-    nb, N = cols.shape
+    rows = np.asarray(rows, np.float32)
+    N, nb = rows.shape
     for g in [d for d in range(max_block, 0, -1) if max_block % d == 0]:
         ng = -(-N // g)
-        padded = np.concatenate([cols, np.repeat(cols[:, -1:], ng * g - N, axis=1)], axis=1)
-        grp = padded.reshape(nb, ng, g)
-        if (grp == grp[:, :, :1]).all():
-            return np.ascontiguousarray(grp[:, :, 0]), g
+        padded = np.concatenate([rows, np.repeat(rows[-1:], ng * g - N, axis=0)], axis=0)
+        grp = padded.reshape(ng, g, nb)
+        if (grp == grp[:, :1]).all():
+            return np.ascontiguousarray(grp[:, 0]), g
     raise AssertionError("unreachable: g = 1 always holds")

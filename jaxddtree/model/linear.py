@@ -45,7 +45,7 @@ def decode_row(x: jax.Array, w, kernels: str = "xla", *, norm=None) -> jax.Array
 def _operands(w) -> tuple[jax.Array, ops.Fp8 | None]:
     """A weight as `ops.dense` takes it: the array, or an FP8 weight's e4m3 values and the rest (`ops.Fp8`)."""
     if isinstance(w, Fp8Weight):
-        return w.q, ops.Fp8(w.scale, w.tail, w.block_in, w.block_out)
+        return w.q, ops.Fp8(w.scale, w.tail, w.block_in, w.block_out, w.shape)
     return w, None
 
 

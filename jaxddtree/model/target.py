@@ -165,7 +165,7 @@ def random_target(cfg: TextConfig, dtype="float32", seed: int = 0, weights: str 
         raise ValueError("tensor parallelism of FP8 weights is not supported yet (use tp=1)")
     if weights != "fp8":
         raise ValueError(f"unknown weights '{weights}' (bf16 or fp8)")
-    from jaxddtree.model.fp8 import FP8, Fp8Weight
+    from jaxddtree.model import fp8 as fp8_weight
 
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Qwen35(cfg, dtype=dt, rngs=nnx.Rngs(seed))))
     pure = nnx.to_pure_dict(state)
@@ -183,12 +183,11 @@ def random_target(cfg: TextConfig, dtype="float32", seed: int = 0, weights: str 
             nc = 2 if name in ("wo", "w_out") else 1
             K = math.prod(shape[:nc])
             n_tail = 2 * cfg.linear_num_value_heads if name == "w_in" else 0
-            qshape = shape[:-1] + (shape[-1] - n_tail,)
-            q = jnp.clip(normal(qshape) * 64, -448, 448).astype(FP8)
-            N = math.prod(qshape[nc:])
-            scale = jax.random.uniform(k2, (-(-K // 128), -(-N // 128)), jnp.float32, 0.5, 1.5) / (64 * K ** 0.5)
+            N = math.prod(shape[nc:]) - n_tail
+            q = jnp.clip(normal((N, K)) * 64, -448, 448).astype(fp8_weight.FP8)  # [N, K]: the checkpoint's layout
+            scale = jax.random.uniform(k2, (-(-N // 128), -(-K // 128)), jnp.float32, 0.5, 1.5) / (64 * K ** 0.5)
             tail = (jax.random.normal(k2, (K, n_tail), dt) * K ** -0.5).astype(dt) if n_tail else None
-            node[name] = Fp8Weight(q=q, scale=scale, tail=tail, block_in=128, nc=nc, block_out=128)
+            node[name] = fp8_weight.make(q, scale, block_in=128, block_out=128, shape=tuple(shape), tail=tail)
         elif name == "dt_bias":
             node[name] = jax.random.uniform(k1, shape, dt, -1, 1)
         elif name == "A_log":

@@ -1,9 +1,12 @@
 """The FastAPI app: /v1/completions, /v1/chat/completions (both with `stream: true` as server-sent events),
-/v1/models, /health. Requests are validated here (OpenAI-style 4xx errors) and run by the `Engine`.
+/v1/models, /health, /metrics (Prometheus, serving/metrics.py). Requests are validated here (OpenAI-style 4xx
+errors) and run by the `Engine`; with `api_keys`, every /v1 request needs `Authorization: Bearer KEY` (401
+otherwise; /health and /metrics stay open).
 
 Sampling: temperature, top_p, top_k, min_p (vLLM's extra fields), seed, stop, max_tokens are honoured; a sampling
 field it does not honour with a non-default value is a 400 naming it (protocol.UNHONOURED). Chat `tools` go
-through the chat template, the model's tool-call blocks come back as `tool_calls` (serving/tools.py)."""
+through the chat template, the model's tool-call blocks come back as `tool_calls` (serving/tools.py); with thinking
+on, the reasoning comes back as `reasoning_content` (serving/reasoning.py)."""
 
 from __future__ import annotations
 
@@ -16,22 +19,29 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from jaxddtree.serving.auth import APIKeys
+from jaxddtree.serving.chat_output import ChatOutput
 from jaxddtree.serving.engine import Engine, Job, QueueFull
+from jaxddtree.serving.metrics import ServerMetrics
 from jaxddtree.serving.protocol import APIError, ChatRequest, CompletionRequest, parse, unhonoured
-from jaxddtree.serving.tools import ToolCallParser, prompt_in_think
+from jaxddtree.serving.tools import prompt_in_think
 from jaxddtree.speculative.tree import check_truncation
 from jaxddtree.text import encode_rendered, encode_text, ensure_chat_template, render_chat
 
 MAX_STOPS = 4
 
 
-def create_app(engine: Engine) -> FastAPI:
+def create_app(engine: Engine, api_keys=None) -> FastAPI:
+    """The app over `engine`; api_keys: the keys a /v1 request may carry (None or empty: no key needed)."""
     app = FastAPI(title="jaxddtree", docs_url=None, redoc_url=None)
     app.state.engine = engine
+    app.state.metrics = metrics = ServerMetrics(engine)
     created = int(time.time())
+    if api_keys:
+        app.add_middleware(APIKeys, keys=list(api_keys))
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
@@ -55,6 +65,10 @@ def create_app(engine: Engine) -> FastAPI:
     async def health():
         return {"status": "ok", "model": engine.name, "busy": engine.busy, "running": engine.running(),
                 "waiting": engine.waiting(), "max_batch": engine.max_batch, **engine.counts}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.text(), media_type=metrics.content_type)
 
     @app.get("/v1/models")
     async def models():
@@ -88,7 +102,8 @@ def create_app(engine: Engine) -> FastAPI:
         if not req.messages:
             raise APIError(400, "'messages' must contain at least one message", param="messages")
         tok = engine.tokenizer
-        tools = _tools(req)
+        tools = _tools(req)  # rendered
+        known = [t.model_dump(exclude_none=True) for t in req.tools] if tools else None  # parsed: every tool
         turns = [_turn(m, i) for i, m in enumerate(req.messages)]
         try:
             ensure_chat_template(tok)
@@ -99,7 +114,8 @@ def create_app(engine: Engine) -> FastAPI:
         max_tokens, param = ((req.max_completion_tokens, "max_completion_tokens")
                              if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens"))
         job = _job(req, ids, max_tokens, param, default_max=engine.default_max_tokens)
-        parser = (lambda: ToolCallParser(tools, in_think=prompt_in_think(text))) if tools else None
+        in_think = prompt_in_think(text)
+        parser = (lambda: ChatOutput(known, in_think)) if (known or in_think) else None
         return await _respond(request, req, job, chat=True, parser=parser)
 
     def _checked(req):
@@ -150,6 +166,9 @@ def create_app(engine: Engine) -> FastAPI:
             turn["tool_calls"] = calls
         if m.tool_call_id is not None:
             turn["tool_call_id"] = m.tool_call_id
+        reasoning = (m.model_extra or {}).get("reasoning_content")
+        if m.role == "assistant" and isinstance(reasoning, str):  # Qwen3.6's template renders it back
+            turn["reasoning_content"] = reasoning
         return turn
 
     def _job(req, ids, max_tokens, param, default_max) -> Job:
@@ -228,11 +247,10 @@ def create_app(engine: Engine) -> FastAPI:
             message, finish = {"role": "assistant", "content": text}, info["finish_reason"]
             if parser is not None:
                 p = parser()
-                (content, calls), (rest, more) = p.feed(text), p.finish()
-                content, calls = content + rest, calls + more
-                message["content"] = content if (content or not calls) else None
-                if calls:
-                    message["tool_calls"] = [c.openai() for c in calls]
+                p.feed(text)
+                p.finish()
+                message = p.message()
+                if p.calls:
                     finish = "tool_calls" if finish == "stop" else finish
             choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
         else:
@@ -244,11 +262,13 @@ def create_app(engine: Engine) -> FastAPI:
         def event(obj) -> str:
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-        def chunk(delta: str | None, finish=None, role=False, tool_calls=None):
+        def chunk(delta: str | None, finish=None, role=False, tool_calls=None, reasoning=None):
             if chat:
                 d = {} if delta is None else {"content": delta}
                 if role:
                     d["role"] = "assistant"
+                if reasoning is not None:
+                    d["reasoning_content"] = reasoning
                 if tool_calls:
                     d["tool_calls"] = tool_calls
                 c = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
@@ -259,14 +279,16 @@ def create_app(engine: Engine) -> FastAPI:
         p = parser() if parser is not None else None
         n_calls = 0
 
-        def parsed(text: str, final: bool):  # content and tool-call chunks of a text delta
+        def parsed(text: str, final: bool):  # reasoning, content and tool-call chunks of a text delta, in order
             nonlocal n_calls
-            content, calls = p.finish() if final else p.feed(text)
-            if content:
-                yield event(chunk(content))
-            for c in calls:
-                yield event(chunk(None, tool_calls=[c.openai(n_calls)]))
-                n_calls += 1
+            for kind, value in (p.finish() if final else p.feed(text)):
+                if kind == "content":
+                    yield event(chunk(value))
+                elif kind == "reasoning":
+                    yield event(chunk(None, reasoning=value))
+                else:
+                    n_calls = max(n_calls, value.index + 1)
+                    yield event(chunk(None, tool_calls=[value.openai()]))
 
         try:
             if chat:

@@ -155,6 +155,8 @@ class _Run:
     budget_rounds: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     budget: Any = None
     peers: int = 1  # most requests running at once while it ran (itself included)
+    cached: int = 0  # prompt tokens whose caches were reused (a prefix cache's hit; 0 without one)
+    last: float | None = None  # time of its latest tokens
 
 
 def _slot_bytes(target, drafter, cache_len: int) -> int:
@@ -293,6 +295,9 @@ class Engine:
         self.queue_size = queue_size
         self._queue = _JobQueue(max(1, queue_size))
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0}
+        # observer: None or an object with first_token(s), tokens(n, s_per_token), finished(reason, info) called
+        # from the scheduler thread (serving/metrics.py's ServerMetrics)
+        self.observer = None
         self.busy = False
         self._running = 0  # requests in slots or joining
         self._thread = threading.Thread(target=self._work, name="jaxddtree-scheduler", daemon=True)
@@ -318,6 +323,17 @@ class Engine:
 
     def close(self):
         self._queue.put_nowait(None)
+
+    def prefix_cache_bytes(self) -> int:
+        """Device bytes the pool's prefix cache holds (0: the pool has none)."""
+        return int(getattr(self.pool, "prefix_cache_bytes", 0) or 0)
+
+    def _observe(self, what: str, *args):
+        if self.observer is not None:
+            try:
+                getattr(self.observer, what)(*args)
+            except Exception as e:  # metrics never fail a request
+                print(f"jaxddtree.serving: metrics: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
     def warmup(self, prompt_ids, sampling: bool = True, progress=None, lengths=None):
         """Compile everything a request can run (`pool.warmup`: every prefill width, the single-slot rounds
@@ -356,6 +372,7 @@ class Engine:
                     except Exception as e:  # fails the request (a 500 / an error event), never the scheduler
                         self.counts["failed"] += 1
                         job.push("error", f"generation failed: {type(e).__name__}: {e}")
+                        self._observe("finished", "error", {})
                         joining = []
             if closing and not runs and not joining:
                 return
@@ -416,6 +433,7 @@ class Engine:
         for j in jobs:
             if j.cancelled.is_set():
                 self.counts["cancelled"] += 1
+                self._observe("finished", "cancelled", {})  # (never prefilled: no tokens)
                 continue
             n = len(j.prompt_ids)
             w, chunks = prompt_shape(n)
@@ -426,6 +444,7 @@ class Engine:
             except Exception as e:  # ValueError: the request does not fit the pool (one line)
                 self._fail(r, e)
                 continue
+            r.cached = int(getattr(r.pending, "cached_tokens", 0) or 0)  # set by a pool with a prefix cache
             r.mates = [r]
             runs.append(r)
         k = max([1] + [g for g in sizes if g <= len(runs)])
@@ -490,9 +509,15 @@ class Engine:
         new = list(u.tokens)[:r.job.max_tokens - len(r.kept)]
         r.kept.extend(new)
         delta, hit = r.stream.feed(new)
+        now = time.perf_counter()
+        if new:
+            if r.last is not None:
+                self._observe("tokens", len(new), (now - r.last) / len(new))
+            r.last = now
         if delta:
             if r.ttft is None:
-                r.ttft = time.perf_counter() - r.t0
+                r.ttft = now - r.t0
+                self._observe("first_token", now - r.job.submitted)
             r.job.push("delta", delta)
         if hit:
             return "stop"
@@ -513,11 +538,23 @@ class Engine:
     def _cancelled(self, r: _Run):
         self.counts["cancelled"] += 1
         r.job.push("done", {"finish_reason": "cancelled"})
+        self._observe("finished", "cancelled", self._info(r))
 
     def _fail(self, r: _Run, e: Exception):
         self.counts["failed"] += 1
         msg = str(e) if isinstance(e, ValueError) else f"generation failed: {type(e).__name__}: {e}"
         r.job.push("error", msg)
+        self._observe("finished", "error", self._info(r))
+
+    def _info(self, r: _Run) -> dict:
+        """A request's figures for the observer: usage, rounds, accepted tokens, rounds per budget."""
+        return {"usage": self._usage(r), "rounds": r.rounds, "accepted": r.accepted,
+                "budget_rounds": {k: v for k, v in r.budget_rounds.items() if v} if self.method == "ddtree" else {}}
+
+    def _usage(self, r: _Run) -> dict:
+        n = len(r.job.prompt_ids)
+        return {"prompt_tokens": n, "completion_tokens": len(r.kept), "total_tokens": n + len(r.kept),
+                "prompt_tokens_details": {"cached_tokens": r.cached}}
 
     def _finish(self, r: _Run, finish: str):
         rest = r.stream.finish()
@@ -534,10 +571,10 @@ class Engine:
         else:
             budget = None
         self.counts["completed"] += 1
+        self._observe("finished", finish, self._info(r))
         job.push("done", {
             "finish_reason": finish,
-            "usage": {"prompt_tokens": len(job.prompt_ids), "completion_tokens": len(r.kept),
-                      "total_tokens": len(job.prompt_ids) + len(r.kept)},
+            "usage": self._usage(r),
             "speculative": {"method": self.method, "tree_budget": budget,
                             "tree_budget_rounds": budgets if self.method == "ddtree" else None,
                             "rounds": r.rounds, "mean_acceptance_length": r.accepted / r.rounds if r.rounds else 0.0,

@@ -71,3 +71,19 @@ def test_unknown_names():
         ops.pick("int4", 1, 4096, "pallas")
     with pytest.raises(ValueError, match="must contract x's trailing axes"):
         ops.dense("btd,cd->btc", jnp.ones((1, 1, 8)), jnp.ones((4, 8)))
+
+
+def test_w8a8_on_hopper_takes_the_fp8_wgmma_kernel():
+    """On a Hopper GPU (here: lowering for an abstract H200) kernels="pallas" runs W8A8 on the Mosaic GPU kernel
+    wherever it takes the problem (every 27B projection, at any row count); the Triton kernel where it does not
+    (output blocks not a multiple of 64, input blocks other than 128); the reference with kernels="xla"."""
+    from kernels_pallas._common import abstract_h200
+    with abstract_h200():
+        for rows in (1, 16, 65, 129, 2048):
+            assert ops.pick("w8a8", rows, 34816, "pallas", block_in=128, block_out=128, depth=5120).kernel \
+                == "w8a8_mgpu"
+        assert ops.pick("w8a8", 1, 5120, "pallas", block_in=128, block_out=24, depth=5120).kernel == "w8a8"
+        assert ops.pick("w8a8", 1, 5120, "pallas", block_in=64, block_out=128, depth=5120).kernel == "w8a8"
+        assert ops.pick("w8a8", 1, 5120, "pallas", block_in=128, block_out=128, depth=5000).kernel == "w8a8"
+        assert ops.pick("w8a8", 1, 5120, "xla", block_in=128, block_out=128, depth=5120).kernel == "w8a8_ref"
+    assert ops.pick("w8a8", 1, 34816, "pallas", block_in=128, block_out=128, depth=5120).kernel == "w8a8"  # CPU

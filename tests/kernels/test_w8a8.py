@@ -1,6 +1,7 @@
 """W8A8 block FP8 (kernels_pallas.w8a8): the jnp reference vs a torch emulation of transformers' FP8 forward,
-the Pallas kernel vs the reference (interpret mode, fresh random inputs), the ops dispatch (`ops.pick`), the
-configs, and the CUDA lowering for an abstract H200 at the 27B shapes."""
+the Pallas-Triton kernel vs the reference (interpret mode, fresh random inputs), the ops dispatch (`ops.pick`),
+the configs, and the CUDA lowering for an abstract H200 at the 27B shapes. Weights [N, K] (the checkpoint's
+layout), scales [N blocks, K blocks]. The Mosaic GPU kernel: tests/kernels/mgpu/test_w8a8_mgpu.py."""
 
 import functools
 import importlib.util
@@ -22,12 +23,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _inputs(M, K, N, block_in, block_out, dtype=jnp.bfloat16, seed=0):
-    """x (a few outlier features, never zeros), fp8 q over the whole e4m3 range, positive compact scales."""
+    """x (a few outlier features, never zeros), fp8 q [N, K] over the whole e4m3 range, positive block scales
+    [N blocks, K blocks]."""
     kx, kq, ks, ko = jax.random.split(jax.random.PRNGKey(seed * 1000 + M * 7 + K + N), 4)
     x = jax.random.normal(kx, (M, K), jnp.float32) + 0.1
     x = x * jnp.where(jax.random.uniform(ko, (1, K)) < 0.02, 30.0, 1.0)
-    q = jnp.clip(jax.random.normal(kq, (K, N), jnp.float32) * 120, -448, 448).astype(k.FP8)
-    scale = jax.random.uniform(ks, (-(-K // block_in), -(-N // block_out)), jnp.float32, 0.5, 2.0) / (120 * K ** 0.5)
+    q = jnp.clip(jax.random.normal(kq, (N, K), jnp.float32) * 120, -448, 448).astype(k.FP8)
+    scale = jax.random.uniform(ks, (-(-N // block_out), -(-K // block_in)), jnp.float32, 0.5, 2.0) / (120 * K ** 0.5)
     return x.astype(dtype), q, scale
 
 
@@ -39,9 +41,9 @@ def _t(a):
 
 
 def _torch_w8a8(x, q, scale, block_in, block_out):
-    """The emulation on jax arrays: q [K, N] -> HF's [N, K]; the compact grid is its scale_inv transposed."""
+    """The emulation on jax arrays (q and scale in HF's layout already)."""
     y = fp8_torch.w8a8_linear(_t(x).to(torch.bfloat16 if x.dtype == jnp.bfloat16 else torch.float32),
-                              _t(q).T.contiguous(), _t(scale).T.contiguous(), (block_out, block_in))
+                              _t(q).contiguous(), _t(scale).contiguous(), (block_out, block_in))
     return y.float().numpy()
 
 
@@ -85,7 +87,7 @@ def test_reference_is_transformers(M, K, N, bi, bo, dtype):
     ref = np.asarray(k.w8a8_reference(x, q, scale, block_in=bi, block_out=bo), np.float32)
     emu = _torch_w8a8(x, q, scale, bi, bo)
     assert ref.shape == emu.shape == (M, N)
-    weight_only = np.asarray(x, np.float64) @ np.asarray(k.dequantize(q, scale, bi, bo), np.float64)
+    weight_only = np.asarray(x, np.float64) @ np.asarray(k.dequantize(q, scale, bi, bo), np.float64).T
     if dtype == jnp.float32:
         assert _rel(ref, emu) < 1e-6
     else:  # bf16: equal except where the fp32 sums straddle a rounding boundary (1 ulp)
@@ -114,12 +116,16 @@ def test_kernel_matches_reference(M, K, N, bi, bo, kw):
     assert _rel(out, ref) < 1e-3
 
 
-def test_kernel_transposed_weight_and_fp32():
-    """The [N, K] weight layout (benchmark switch) and fp32 activations give the same values."""
+def test_kernel_padded_scales_and_fp32():
+    """Scale rows padded past the input blocks (as the model stores them) and fp32 activations give the same
+    values."""
     x, q, scale = _inputs(9, 320, 160, 64, 64, seed=2)
     ref = k.w8a8_reference(x, q, scale, block_in=64, block_out=64)
-    out = k.w8a8(x, q.T, scale, block_in=64, block_out=64, transposed=True, interpret=True, split_k=2)
+    padded = jnp.pad(scale, ((0, 0), (0, 27)), constant_values=jnp.nan)
+    out = k.w8a8(x, q, padded, block_in=64, block_out=64, interpret=True, split_k=2)
     assert _rel(out, ref) < 1e-3
+    np.testing.assert_array_equal(np.asarray(k.w8a8_reference(x, q, padded, block_in=64, block_out=64)),
+                                  np.asarray(ref))
     x32 = x.astype(jnp.float32)
     out32 = k.w8a8(x32.reshape(3, 3, 320), q, scale, block_in=64, block_out=64, interpret=True)
     assert out32.shape == (3, 3, 160) and out32.dtype == jnp.float32
@@ -135,15 +141,6 @@ def test_default_config_fits():
                 assert c["smem_bytes"] <= k.SMEM_BYTES and (-(-K // bi)) % c["split_k"] == 0
                 assert c["block_m"] >= min(M, 128) and c["block_m"] <= 256
     assert not k.applies(24) and k.applies(48) and k.applies(16) and not k.applies(8)
-
-
-def test_config_table_overrides(monkeypatch):
-    key = k.table_key(1, 5120, 5120)
-    assert key == "BM16:K5120:N5120"
-    monkeypatch.setitem(k.CONFIGS, key, dict(block_n=64, block_k=64, split_k=5, num_warps=8, num_stages=3))
-    c = k.default_config(1, 5120, 5120)
-    assert (c["block_n"], c["block_k"], c["split_k"], c["num_warps"], c["num_stages"]) == (64, 64, 5, 8, 3)
-    assert k.default_config(65, 5120, 5120)["split_k"] != 5  # other row tiles keep the rule
 
 
 @pytest.mark.parametrize("spec,xs,qs,tail", [
@@ -164,8 +161,8 @@ def test_ops_dense_w8a8(monkeypatch, spec, xs, qs, tail):
     K, N = int(np.prod(qs[:nc])), int(np.prod(qs[nc:]))
     kx, kq, ks, kt = jax.random.split(jax.random.PRNGKey(len(spec)), 4)
     x = (jax.random.normal(kx, xs) + 0.1).astype(jnp.bfloat16)
-    q = (jax.random.normal(kq, qs) * 100).astype(k.FP8)
-    scale = jax.random.uniform(ks, (K // bi, -(-N // bo)), jnp.float32, 0.5, 2.0) / 100
+    q = (jax.random.normal(kq, (N, K)) * 100).astype(k.FP8)  # [N, K]: the logical weight is qs
+    scale = jax.random.uniform(ks, (-(-N // bo), K // bi), jnp.float32, 0.5, 2.0) / 100
     t = (jax.random.normal(kt, (K, tail)) * 0.2).astype(jnp.bfloat16) if tail else None
     rows = int(np.prod(xs[:len(xs) - nc]))
     fmt = ops.weight_format(x.dtype, q.dtype)
@@ -173,38 +170,38 @@ def test_ops_dense_w8a8(monkeypatch, spec, xs, qs, tail):
     assert ops.pick(fmt, rows, N, "pallas", block_in=bi).kernel == "w8a8"
     assert ops.pick(fmt, rows, N, "xla", block_in=bi).kernel == "w8a8_ref"
     assert ops.pick(fmt, rows, N, "pallas", block_in=24).kernel == "w8a8_ref"
-    ref = k.w8a8_reference(x.reshape(rows, K), q.reshape(K, N), scale, block_in=bi, block_out=bo)
+    ref = k.w8a8_reference(x.reshape(rows, K), q, scale, block_in=bi, block_out=bo)
     if t is not None:
         ref = jnp.concatenate([ref.astype(jnp.float32), jnp.dot(x.reshape(rows, K), t,
                                                                 preferred_element_type=jnp.float32)], -1)
     ref = ref.astype(jnp.bfloat16)  # `dense` rounds once to x's dtype (the tail's fp32 product too)
     for kernels in ("pallas", "xla"):
-        got = ops.dense(spec, x, q, kernels, fp8=ops.Fp8(scale, t, bi, bo))
+        shape = qs[:-1] + (qs[-1] + tail,)
+        got = ops.dense(spec, x, q, kernels, fp8=ops.Fp8(scale, t, bi, bo, shape))
         assert got.dtype == jnp.bfloat16 and got.shape == xs[:len(xs) - nc] + qs[nc:-1] + (qs[-1] + tail,)
         assert _rel(got.reshape(rows, -1), ref) < 1e-3
     assert calls == [(rows, K)]
 
 
-# 27B fp8 projections [K, N] (fp8 columns; GDN w_in's plain b|a tail runs beside the kernel)
+# 27B fp8 projections as (K, N) (fp8 rows; GDN w_in's plain b|a tail runs beside the kernel)
 SHAPES_27B = {"w_in": (5120, 16384), "w_out|wo": (6144, 5120), "w_gate_up": (5120, 34816),
               "w_down": (17408, 5120), "attn_w_qkv": (5120, 14336)}
 
 
 def test_lowers_for_h200_at_27b_shapes():
+    """The Triton kernel (the fallback off Hopper) lowers at the 27B shapes, masked loads and gathered scales too."""
     S = jax.ShapeDtypeStruct
     n = 0
-    for M in (1, 16, 65, 129, 256, 600):
+    for M in (1, 16, 65, 129, 600):
         for name, (K, N) in SHAPES_27B.items():
             f = functools.partial(k.w8a8, block_in=128, block_out=128)
-            txt = lower_for_h200(f, S((M, K), jnp.bfloat16), S((K, N), k.FP8), S((K // 128, N // 128), jnp.float32))
+            txt = lower_for_h200(f, S((M, K), jnp.bfloat16), S((N, K), k.FP8), S((N // 128, K // 128), jnp.float32))
             assert "__gpu$xla.gpu.triton" in txt, (name, M)
             n += 1
-    # masked fp8 loads (K and N not multiples of the blocks), gathered scales, the [N, K] layout
+    # masked fp8 loads (K and N not multiples of the blocks), gathered scales
     txt = lower_for_h200(functools.partial(k.w8a8, block_in=128, block_out=32, block_n=64),
-                         S((3, 5000), jnp.bfloat16), S((5000, 5100), k.FP8), S((40, 160), jnp.float32))
-    txt2 = lower_for_h200(functools.partial(k.w8a8, block_in=128, block_out=128, transposed=True),
-                          S((16, 5120), jnp.bfloat16), S((5120, 5120), k.FP8), S((40, 40), jnp.float32))
-    assert "__gpu$xla.gpu.triton" in txt and "__gpu$xla.gpu.triton" in txt2 and n == 30
+                         S((3, 5000), jnp.bfloat16), S((5100, 5000), k.FP8), S((160, 40), jnp.float32))
+    assert "__gpu$xla.gpu.triton" in txt and n == 25
 
 
 def _bench():
@@ -215,17 +212,5 @@ def _bench():
     return mod
 
 
-def test_sweep_variants_lower_for_h200():
-    """Every variant of benchmarks/bench_gemv_fp8.py lowers (w_down: the longest K; w_gate_up: the widest)."""
-    bench = _bench()
-    assert bench.SHAPES_27B == SHAPES_27B
-    S = jax.ShapeDtypeStruct
-    for name in ("w_down", "w_gate_up"):
-        K, N = SHAPES_27B[name]
-        for M in bench.ROWS:
-            for vname, kw in bench.variants_for(M, K, N).items():
-                tr = kw.get("transposed", False)
-                f = functools.partial(k.w8a8, block_in=128, block_out=128, **kw)
-                txt = lower_for_h200(f, S((M, K), jnp.bfloat16), S((N, K) if tr else (K, N), k.FP8),
-                                     S((K // 128, N // 128), jnp.float32))
-                assert "__gpu$xla.gpu.triton" in txt, (M, vname)
+def test_bench_shapes_are_the_models():
+    assert _bench().SHAPES_27B == SHAPES_27B

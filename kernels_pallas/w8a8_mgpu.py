@@ -1,0 +1,328 @@
+"""W8A8 block FP8 projection on Hopper's fp8 tensor cores (wgmma e4m3 × e4m3 → fp32), a Pallas Mosaic GPU kernel.
+
+The same function as `kernels_pallas.w8a8.w8a8_reference` (transformers' fine-grained FP8 with dynamic per-token
+activation quantization): y[M, N] = Σ_b (x_q[:, b] · w_q[:, b]ᵀ · s_x[:, b]) · s_w[n // block_out, b], one fp32
+sum per 128-wide input block b, blocks added in order, rounded once to x's dtype. Arguments as the reference:
+x [..., K] (bf16 / fp32), w [N, K] float8_e4m3fn (the checkpoint's nn.Linear layout: K-major, what fp8 wgmma
+reads), scale fp32 [ceil(N / block_out), ceil(K / block_in)] (the checkpoint's `weight_scale_inv` grid).
+
+Design ("swap AB": the weight fills wgmma's 64-row M slot, the tokens its N slot, so 1..136 rows cost n = 8..136,
+not a 64-row tile)
+  * yᵀ[N, Mc] = W[N, K] · x_qᵀ: a CTA owns `block_n` weight rows (a multiple of 64, dividing block_out so that
+    one weight scale covers its rows in a block) and a contiguous range of input blocks (split-K: `split_k`
+    ranges of whole blocks), and Mc ≤ 256 token rows (a multiple of 8; longer passes run row tiles, the row tiles
+    of one weight tile next to each other in the grid so that they share it through L2).
+  * One warpgroup runs `plgpu.emit_pipeline` over its blocks: TMA copies of the weight tile [block_n, 128] and
+    the token tile [Mc, 128] (both fp8, 128-byte swizzle: one swizzle atom = one scale block) and of the block's
+    activation scales s_x [1, Mc] into a `num_stages`-deep shared-memory ring. Per block: the wgmmas of its
+    128-deep K into a fresh fp32 accumulator (`pl.run_scoped` ACC), then on the CUDA cores the promotion
+    run += (part · s_x[b, cols]) · s_w[b] (the reference's product order) into the running fp32 sum (the
+    pipeline's carry, in registers). The weight scales of the CTA's row block are copied into shared memory
+    once, before the pipeline (one TMA of the whole scale row).
+  * Epilogue: the running sum, cast (x's dtype; fp32 partials [S, M, N] when split_k > 1, summed in order and
+    rounded by one XLA fusion after the kernel, `numerics.sum_partials`), is stored transposed into a shared
+    tile [Mc, block_n] and written to y by TMA stores of the real rows only (M split into powers of two), so no
+    padding row reaches global memory and no slice follows the kernel.
+  * Activation quantization (`w8a8.act_quant`, one XLA fusion) writes x_q [Mp, Kp] (rows padded to the row tile,
+    features to whole blocks) and s_xᵀ [nb, Mp]. The K tail of w (K not a multiple of 128) is zero-filled by
+    the TMA.
+
+Interpret mode (CPU, `interpret=True`): the Mosaic GPU interpreter runs the same code (its wgmma is an exact fp32
+dot; on the GPU the fp8 tensor cores accumulate one block's products with reduced precision, as transformers'
+own Triton kernel does on Hopper — so the GPU agrees with the reference to the last bits of the fp32 sums).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kernels_pallas import mgpu_kernel_hash
+from kernels_pallas.numerics import sum_partials
+
+mgpu_kernel_hash.install()
+
+__all__ = ["Config", "w8a8_mgpu", "supports", "default_config", "smem_bytes", "plan", "table_key", "pad_scale",
+           "scale_cols", "BLOCK_IN", "MAX_ROW_TILE", "CONFIGS"]
+
+FP8 = jnp.float8_e4m3fn
+BLOCK_IN = 128  # the kernel's input block: one 128-byte swizzle atom of fp8 (the checkpoints' block)
+MAX_ROW_TILE = 256  # wgmma n ≤ 256
+SMEM_LIMIT = 232448  # the H200's opt-in shared memory per block (227 KiB)
+N_SM = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """block_n: weight rows per CTA (64 / 128 / 256, dividing block_out and N); split_k: input-block ranges
+    (fp32 partials summed after the kernel when > 1; rounded to a divisor of the block count); num_stages: the
+    shared-memory ring's depth; row_tile: token rows per CTA (a multiple of 8, ≤ 256; None: all rows, padded
+    to 8, in one tile up to 256)."""
+    block_n: int = 128
+    split_k: int = 1
+    num_stages: int = 6
+    row_tile: int | None = None
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _round_up(a, b):
+    return _cdiv(a, b) * b
+
+
+def _split_for(nkb: int, want: int) -> int:
+    """The largest divisor of nkb that is ≤ want."""
+    return max(d for d in range(1, min(nkb, max(1, want)) + 1) if nkb % d == 0)
+
+
+def rows_plan(M: int, row_tile: int | None = None) -> tuple[int, int]:
+    """(Mc, number of row tiles): Mc token rows per CTA (a multiple of 8)."""
+    if row_tile is None:
+        if M <= MAX_ROW_TILE:
+            return _round_up(M, 8), 1
+        row_tile = 128
+    assert row_tile % 8 == 0 and 8 <= row_tile <= MAX_ROW_TILE, row_tile
+    return row_tile, _cdiv(M, row_tile)
+
+
+def supports(M: int, K: int, N: int, block_in: int, block_out: int) -> str | None:
+    """None when the kernel takes the problem, else why not (one line)."""
+    if block_in != BLOCK_IN:
+        return f"input block {block_in} (the kernel's is {BLOCK_IN})"
+    if block_out % 64:
+        return f"output block {block_out} not a multiple of 64"
+    if N % 64:
+        return f"N = {N} not a multiple of 64"
+    if K % 16:
+        return f"K = {K} not a multiple of 16 (TMA row stride)"
+    if M < 1:
+        return "no rows"
+    return None
+
+
+def smem_bytes(Mc: int, cfg: Config, nbp: int, out_bytes: int) -> int:
+    """Shared memory of one CTA: the ring (weight tile, token tile, activation-scale row per stage), the
+    weight-scale row, the epilogue tile, barriers."""
+    ring = cfg.num_stages * (cfg.block_n * BLOCK_IN + Mc * BLOCK_IN + 4 * sx_width(Mc))
+    return ring + _round_up(nbp * 4, 128) + Mc * cfg.block_n * out_bytes + 1024 + 16 * cfg.num_stages
+
+
+def _load_table() -> dict:
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "w8a8_mgpu_configs.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return {key: Config(**c) for key, c in json.load(f).get("configs", {}).items()}
+
+
+# "Mc{row tile}:K{K}:N{N}" -> Config: the H200 sweep's winners (benchmarks/bench_gemv_fp8.py --table-out)
+CONFIGS: dict = _load_table()
+
+
+def table_key(M: int, K: int, N: int) -> str:
+    return f"Mc{rows_plan(M)[0]}:K{K}:N{N}"
+
+
+def default_config(M: int, K: int, N: int, block_out: int = 128) -> Config:
+    """The sweep's winner for (row tile, K, N) (`CONFIGS`) where it fits this call, else a rule: block_n 128 up
+    to 64 token rows (64 beyond: two fp32 [block_n, Mc] register tiles per thread), split-K until the grid has
+    ≥ 1.5 waves of 132 CTAs, a ring as deep as fits 2 CTAs per SM (at most 8 stages)."""
+    if isinstance(c := CONFIGS.get(table_key(M, K, N)) if isinstance(CONFIGS, dict) else None, dict):
+        c = Config(**c)
+    if c is not None and block_out % c.block_n == 0 and N % c.block_n == 0:
+        return c
+    Mc, nr = rows_plan(M)
+    bn = 128 if Mc <= 64 else 64
+    while bn > 64 and (block_out % bn or N % bn):
+        bn //= 2
+    nkb = _cdiv(K, BLOCK_IN)
+    tiles = (N // bn) * nr
+    want = 1
+    while tiles * want < 1.5 * N_SM and want * 2 <= nkb // 4:
+        want *= 2
+    split = _split_for(nkb, want)
+    out_bytes = 4
+    nbp = scale_cols(nkb)
+    st = 8
+    while st > 2 and 2 * smem_bytes(Mc, Config(bn, split, st), nbp, out_bytes) > SMEM_LIMIT:
+        st -= 1
+    return Config(block_n=bn, split_k=split, num_stages=st)
+
+
+def plan(M: int, K: int, N: int, block_out: int = 128, config: Config | None = None) -> dict:
+    """The resolved launch of a call (for benchmarks / logs)."""
+    cfg = config or default_config(M, K, N, block_out)
+    Mc, nr = rows_plan(M, cfg.row_tile)
+    nkb = _cdiv(K, BLOCK_IN)
+    split = _split_for(nkb, cfg.split_k)
+    return dict(block_n=cfg.block_n, split_k=split, num_stages=cfg.num_stages, Mc=Mc, row_tiles=nr,
+                ctas=(N // cfg.block_n) * split * nr,
+                smem=smem_bytes(Mc, cfg, scale_cols(nkb), 4 if split > 1 else 2))
+
+
+def _pow2_chunks(n: int) -> list[tuple[int, int]]:
+    """[(offset, size)] covering [0, n) with decreasing powers of two (the TMA stores of n real rows)."""
+    out, off = [], 0
+    for b in reversed(range(n.bit_length())):
+        if n >> b & 1:
+            out.append((off, 1 << b))
+            off += 1 << b
+    return out
+
+
+def _w8a8_fp8_wgmma(xq_ref, sxt_ref, w_ref, sw_ref, o_ref, sw_smem, sw_bar, *, M: int, Mc: int, nr: int, bn: int,
+            nb_per: int, split: int, stages: int, block_out: int, out_dtype):
+    f32 = jnp.float32
+    j = lax.axis_index("n")  # weight row tile
+    s = lax.axis_index("s")  # split
+    r = lax.axis_index("r")  # token row tile
+    k0 = s * nb_per
+    tr = (plgpu.TilingTransform((8, BLOCK_IN)), plgpu.SwizzleTransform(128))
+
+    # this CTA's weight scales (one row of the scale grid) into SMEM, once
+    plgpu.copy_gmem_to_smem(sw_ref.at[pl.ds(lax.div(j * bn, jnp.int32(block_out)), 1)], sw_smem, sw_bar)
+    plgpu.barrier_wait(sw_bar)
+
+    in_specs = [
+        plgpu.BlockSpec((bn, BLOCK_IN), lambda k: (j, k0 + k), transforms=tr),
+        plgpu.BlockSpec((Mc, BLOCK_IN), lambda k: (r, k0 + k), transforms=tr),
+        plgpu.BlockSpec((1, sx_width(Mc)), lambda k: (k0 + k, r)),
+    ]
+    col_l = plgpu.Layout.WGMMA.reduce(0)
+
+    def step(idx, w_s, x_s, sx_s, run):
+        (k,) = idx
+
+        def mm(acc):
+            plgpu.wgmma(acc, w_s, x_s.T)
+            return acc[...]
+
+        part = pl.run_scoped(mm, plgpu.ACC((bn, Mc), f32))
+        sx = plgpu.load(sx_s.at[0, pl.ds(0, Mc)], layout=col_l)
+        sw = sw_smem[0, k0 + k]
+        sx = plgpu.layout_cast(lax.broadcast_in_dim(sx, (bn, Mc), (1,)), plgpu.Layout.WGMMA)
+        return run + (part * sx) * sw
+
+    run0 = plgpu.layout_cast(jnp.zeros((bn, Mc), f32), plgpu.Layout.WGMMA)
+    run = plgpu.emit_pipeline(step, grid=(nb_per,), in_specs=in_specs, max_concurrent_steps=stages,
+                              init_carry=run0)(w_ref, xq_ref, sxt_ref)
+
+    dst = o_ref if split == 1 else o_ref.at[s]
+    y = run.astype(out_dtype)
+
+    def epilogue(o_smem):
+        o_smem.T[...] = plgpu.layout_cast(y, plgpu.Layout.WGMMA_TRANSPOSED)
+        plgpu.commit_smem()
+        cols = pl.ds(j * bn, bn)
+        if nr == 1:
+            for off, size in _pow2_chunks(M):
+                plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(off, size)], dst.at[pl.ds(off, size), cols])
+        else:
+            # row tiles: whole tiles except the last, whose real rows are M - (nr - 1)·Mc
+            last = M - (nr - 1) * Mc
+
+            @pl.when(r < nr - 1)
+            def _full():
+                plgpu.copy_smem_to_gmem(o_smem, dst.at[pl.ds(r * Mc, Mc), cols])
+
+            @pl.when(r == nr - 1)
+            def _last():
+                for off, size in _pow2_chunks(last):
+                    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(off, size)],
+                                            dst.at[pl.ds((nr - 1) * Mc + off, size), cols])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(epilogue, plgpu.SMEM((Mc, bn), out_dtype))
+
+
+SCALE_ALIGN = 32  # scale-row floats per 128 bytes: a TMA copy into shared memory moves a multiple of 128 bytes
+
+
+def scale_cols(nkb: int) -> int:
+    """Columns of a weight-scale grid as the kernel reads it: the input blocks, padded to 128-byte rows."""
+    return _round_up(nkb, SCALE_ALIGN)
+
+
+def pad_scale(scale):
+    """scale [Nb, ≥ nb] fp32 -> [Nb, scale_cols(...)] (zero columns appended; none when already padded, as the
+    model stores its FP8 weights)."""
+    sw = scale.astype(jnp.float32)
+    cols = _round_up(sw.shape[1], SCALE_ALIGN)
+    return sw if cols == sw.shape[1] else jnp.pad(sw, ((0, 0), (0, cols - sw.shape[1])))
+
+
+def sx_width(Mc: int) -> int:
+    """Floats per row tile in the transposed activation scales: Mc padded to 128 bytes (a TMA copy's unit)."""
+    return _round_up(Mc, SCALE_ALIGN)
+
+
+def act_quant_t(x, Mc: int, nr: int):
+    """x [M, K] -> (x_q fp8 [nr·Mc, nb·128], s_xᵀ fp32 [nb, nr·W]): `w8a8.act_quant` (rows zero-padded to nr
+    tiles of Mc), its scales transposed, row tile r's at columns [r·W, r·W + Mc) (W = `sx_width(Mc)`); one XLA
+    fusion."""
+    from kernels_pallas.w8a8 import act_quant
+    xq, sx = act_quant(x, BLOCK_IN, rows=nr * Mc)
+    nb = sx.shape[1]
+    W = sx_width(Mc)
+    sx = jnp.pad(sx.reshape(nr, Mc, nb), ((0, 0), (0, W - Mc), (0, 0)))
+    return xq, sx.transpose(2, 0, 1).reshape(nb, nr * W)
+
+
+@functools.partial(jax.jit, static_argnames=("block_in", "block_out", "interpret", "config"))
+def w8a8_mgpu(x, w, scale, *, block_in: int = 128, block_out: int = 128, interpret=False,
+              config: Config | None = None):
+    """W8A8 block FP8 y = x @ Wᵀ in x's dtype on fp8 wgmma (module docstring). x [..., K] bf16 / fp32,
+    w [N, K] float8_e4m3fn, scale fp32 [ceil(N / block_out), ceil(K / block_in)]."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    N = w.shape[0]
+    assert w.shape[1] == K and w.dtype == FP8, (x.shape, w.shape, w.dtype)
+    assert x.dtype in (jnp.bfloat16, jnp.float32), x.dtype
+    nkb = _cdiv(K, block_in)
+    assert scale.shape[0] == _cdiv(N, block_out) and scale.shape[1] >= nkb, (scale.shape, N, K, block_in, block_out)
+    why = supports(M, K, N, block_in, block_out)
+    if why:
+        raise ValueError(f"w8a8_mgpu: {why}")
+    cfg = config or default_config(M, K, N, block_out)
+    bn = cfg.block_n
+    if bn % 64 or bn > 256 or block_out % bn or N % bn:
+        raise ValueError(f"w8a8_mgpu: block_n {bn} must be a multiple of 64 (≤ 256) dividing block_out "
+                         f"{block_out} and N {N}")
+    Mc, nr = rows_plan(M, cfg.row_tile)
+    split = _split_for(nkb, cfg.split_k)
+    nb_per = nkb // split
+    stages = max(1, min(cfg.num_stages, nb_per))
+    out_dtype = x.dtype if split == 1 else jnp.float32
+    sw = pad_scale(scale)
+    nbp = sw.shape[1]
+    xq, sxt = act_quant_t(x2, Mc, nr)
+    need = smem_bytes(Mc, dataclasses.replace(cfg, num_stages=stages), nbp, jnp.dtype(out_dtype).itemsize)
+    if need > SMEM_LIMIT:
+        raise ValueError(f"w8a8_mgpu: {cfg} needs {need} bytes of shared memory > {SMEM_LIMIT}")
+    kern = functools.partial(_w8a8_fp8_wgmma, M=M, Mc=Mc, nr=nr, bn=bn, nb_per=nb_per, split=split, stages=stages,
+                             block_out=block_out, out_dtype=out_dtype)
+    out_shape = (M, N) if split == 1 else (split, M, N)
+    y = plgpu.kernel(
+        kern,
+        out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+        scratch_types=[plgpu.SMEM((1, nbp), jnp.float32), plgpu.Barrier()],
+        grid=(nr, N // bn, split),
+        grid_names=("r", "n", "s"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams)
+                   else plgpu.InterpretGPUParams() if interpret else None),
+    )(xq, sxt, w, sw)
+    if split > 1:
+        y = sum_partials(y, x.dtype)
+    return y.reshape(*lead, N)
