@@ -8,6 +8,7 @@ import signal
 import sys
 
 EXIT_ERROR = 1
+EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
 DESCRIPTION = """\
@@ -29,12 +30,24 @@ examples:
   python -m convert /models/Qwen3.6-27B /models/Qwen3.6-27B-jax
   python -m convert /models/drafter /models/drafter-jax --dtype bfloat16 --kind drafter
 
-exit status: 0 success, 1 conversion error, 2 bad arguments, 130 interrupted.
+exit status: 0 success, 1 conversion error, 2 bad arguments (a missing or unusable SRC or DST too; one line,
+before anything is read), 130 interrupted.
 JAXDDTREE_CONVERT_DEBUG=1 shows the traceback of an unexpected error instead of one line."""
 
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage block
+        usage_error(message)
+
+
+def usage_error(message: str):
+    """A bad argument: one line on stderr, exit status 2."""
+    print(f"convert: error: {message} (python -m convert --help)", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_USAGE)
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m convert", description=DESCRIPTION, epilog=EPILOG,
+    p = Parser(prog="python -m convert", description=DESCRIPTION, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", metavar="SRC", help="HF model directory to read (config.json + *.safetensors).")
     p.add_argument("dst", metavar="DST",
@@ -73,6 +86,11 @@ def _quiet_libraries() -> None:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     _quiet_libraries()
+    from jaxddtree.checkpoint.convert import ConvertError, Interrupted, check_paths, convert, one_line
+    try:  # SRC / DST themselves (missing, not a directory, DST in the way): bad arguments, before any reading
+        check_paths(os.path.abspath(args.src), os.path.abspath(args.dst.rstrip(os.sep) or args.dst), args.overwrite)
+    except ConvertError as e:
+        usage_error(one_line(e))
 
     stop = {"signal": None}
 
@@ -83,7 +101,6 @@ def main(argv=None) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     err = sys.stderr
-    from jaxddtree.checkpoint.convert import ConvertError, Interrupted, convert, one_line
     try:
         summary = convert(args.src, args.dst, dtype=args.dtype, kind=args.kind, overwrite=args.overwrite,
                           progress=not args.quiet, should_stop=lambda: stop["signal"] is not None)

@@ -1,12 +1,35 @@
-"""jaxddtree: exact DDTree tree speculative decoding with a DFlash drafter for Qwen3.5/3.6 in JAX."""
+"""jaxddtree: exact DDTree tree speculative decoding with a DFlash drafter for Qwen3.5/3.6 in JAX.
 
-from jaxddtree.api import score, score_tree
-from jaxddtree.model.config import ConfigError, TextConfig, load_config
-from jaxddtree.checkpoint.params import CheckpointError
-from jaxddtree.checkpoint.load import load_drafter, load_target
-from jaxddtree.model.target import Target, random_target
-from jaxddtree.speculative.loop import Generation, generate
-from jaxddtree.model.drafter import Drafter
+The public names load on first use (PEP 562), so `import jaxddtree.text` or `jaxddtree.model.config` (a command
+line's argument and config checks) does not import jax first."""
 
-__all__ = ["CheckpointError", "ConfigError", "Drafter", "Generation", "Target", "generate", "load_drafter", "TextConfig", "load_config", "load_target",
-           "random_target", "score", "score_tree"]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {  # public name -> the module that defines it
+    "score": "jaxddtree.api", "score_tree": "jaxddtree.api",
+    "ConfigError": "jaxddtree.model.config", "TextConfig": "jaxddtree.model.config",
+    "load_config": "jaxddtree.model.config",
+    "CheckpointError": "jaxddtree.checkpoint.params",
+    "load_drafter": "jaxddtree.checkpoint.load", "load_target": "jaxddtree.checkpoint.load",
+    "Target": "jaxddtree.model.target", "random_target": "jaxddtree.model.target",
+    "Generation": "jaxddtree.speculative.loop", "generate": "jaxddtree.speculative.loop",
+    "Drafter": "jaxddtree.model.drafter",
+}
+
+__all__ = ["CheckpointError", "ConfigError", "Drafter", "Generation", "Target", "generate", "load_drafter",
+           "TextConfig", "load_config", "load_target", "random_target", "score", "score_tree"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jaxddtree' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -44,16 +44,22 @@ def has_tokenizer(path: str) -> bool:
 
 
 def load_hf_tokenizer(path: str):
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from transformers import AutoTokenizer
+    """The directory's tokenizer: a `jaxddtree.tokenizer.HfTokenizer` when it has tokenizer.json (no transformers,
+    so no torch import), else transformers' AutoTokenizer (a slow tokenizer: tokenizer.model / vocab.json)."""
+    from jaxddtree import tokenizer
     try:
+        if tokenizer.readable(path):
+            return tokenizer.HfTokenizer(path)
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:  # a broken/unsupported tokenizer is an unusable input, not a crash
-        raise ValueError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
+        msg = " ".join(str(e).split())
+        raise ValueError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {msg})") from None
 
 
 def ensure_chat_template(tok) -> None:
-    """Give a transformers tokenizer without a chat template the minimal ChatML one; ValueError for a
+    """Give a tokenizer (transformers' or `HfTokenizer`) without a chat template the minimal ChatML one; ValueError for a
     tokenizer that cannot apply templates at all (the random pair's byte tokenizer)."""
     if getattr(tok, "chat_template", None):
         return

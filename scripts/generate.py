@@ -120,15 +120,17 @@ def build_parser() -> Parser:
     d = p.add_argument_group("decoding")
     d.add_argument("--method", choices=("ar", "dflash", "ddtree"), default=None, help="ar: autoregressive; "
                    "dflash: verify the drafter's block as a chain; ddtree: verify the best tree of --budget "
-                   "drafted tokens (default: ddtree when a drafter is available, else ar)")
+                   "drafted tokens (default: ddtree when a drafter is available, else ar; with --budget auto on a device "
+                   "without a round-time table, ar when the warm-up measured it faster than every candidate)")
     d.add_argument("--budget", type=budget_arg, default="auto", metavar="N|auto", help="DDTree node budget: "
                    "drafted tokens verified per round, 1 <= N < vocab size; auto: each round takes the budget "
                    "(15, 31, 63, 127: trees of 16 / 32 / 64 / 128 rows) or the chain with the most expected tokens per second, from the drafter's "
                    "probabilities and a round-time table (--budget-costs; README: '--budget auto') (default: auto)")
     d.add_argument("--budget-costs", metavar="FILE", default=None, help="--budget auto's round times: a JSON "
                    "file with 'round_ms_by_budget_context' ({'chain'|'16'|...: {'<context>': ms}}, as "
-                   "benchmarks/bench.py writes it) (default: benchmarks/results/h200.json on an H200, else a "
-                   "built-in model linear in tree rows and context)")
+                   "benchmarks/bench.py writes it) (default: benchmarks/results/h200.json on an H200; elsewhere each "
+                   "candidate and AR timed at warm-up, printed; with --no-warmup a built-in model linear in tree "
+                   "rows and context)")
     d.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N", help="tokens to generate "
                    "at most (default: 256; 64 for the demo pair)")
     d.add_argument("--temperature", type=finite_non_negative, default=0.0, metavar="T", help="sampling "
@@ -317,7 +319,41 @@ def run(argv=None) -> int:
     max_new = args.max_new_tokens = args.max_new_tokens or (64 if args.target is None else 256)
     stops = parse_stop_ids(args.stop_ids)
 
+    # ---- configs, tokenizer and weight files first, before jax is imported: every check they allow is one line
+    # within a second or two of the start (jaxddtree's public names load lazily; the tokenizer needs no torch)
     jd = import_jaxddtree()
+    from jaxddtree.checkpoint import builtin
+    from jaxddtree.model.drafter_config import DrafterConfig
+    label, tdir, ddir = None, args.target, args.drafter
+    if tdir is None:  # the demo pair in demo/, else the random pair built in code
+        demo = builtin.demo_dirs()
+        label = builtin.DEMO_LABEL if demo else builtin.LABEL
+        tdir, ddir = demo or (None, None)
+        if args.prompt is None and args.prompt_ids is None:
+            args.prompt = builtin.DEMO_PROMPT if demo else builtin.DEFAULT_PROMPT
+    if args.method == "ar":
+        ddir = None  # plain decoding: the drafter is neither read nor loaded
+    if tdir is None:
+        cfg, tok = builtin.target_config(), builtin.ByteTokenizer()
+        dcfg = builtin.drafter_config() if args.method != "ar" else None
+    else:
+        cfg = jd.load_config(tdir)
+        dcfg = DrafterConfig.from_pretrained(ddir) if ddir else None
+        tok = load_hf_tokenizer(tdir) if has_tokenizer(tdir) else None
+        if tok is None and args.prompt is not None:
+            raise UsageError(f"--prompt needs a tokenizer, and {tdir} has none: use --prompt-ids")
+    if chat:
+        ensure_chat_template(tok, chat)
+    method = args.method or ("ddtree" if dcfg is not None else "ar")
+    _check_budget(args, cfg, method)
+    ids = _prompt_ids(args, tok)
+    _check_prompt(args, cfg, ids)
+    stops = default_stop_ids(cfg, tok) if stops is None else stops
+    _check_stops(stops, cfg)
+    for flag, path in (("--target", tdir), ("--drafter", ddir)):
+        if path is not None:
+            _check_weights(flag, path)
+
     import jax
     from jaxddtree import compile_cache
     compile_cache.enable(args.compile_cache, "generate.py")
@@ -327,36 +363,9 @@ def run(argv=None) -> int:
     if kernels == "pallas" and backend == "cpu":
         raise UsageError("--kernels pallas needs a GPU (the Pallas kernels do not run on the CPU backend); "
                          "use --kernels xla")
-
-    # ---- configs and tokenizer first: every check they allow comes before the weights load
-    from jaxddtree.checkpoint import builtin
     from jaxddtree.model.drafter import check_compatible
-    from jaxddtree.model.drafter_config import DrafterConfig
-    label, tdir, ddir = None, args.target, args.drafter
-    if tdir is None:  # the demo pair in demo/, else the random pair built in code
-        demo = builtin.demo_dirs()
-        label = builtin.DEMO_LABEL if demo else builtin.LABEL
-        tdir, ddir = demo or (None, None)
-        if args.prompt is None and args.prompt_ids is None:
-            args.prompt = builtin.DEMO_PROMPT if demo else builtin.DEFAULT_PROMPT
-    if tdir is None:
-        cfg, dcfg, tok = builtin.target_config(), builtin.drafter_config(), builtin.ByteTokenizer()
-    else:
-        cfg = jd.load_config(tdir)
-        dcfg = DrafterConfig.from_pretrained(ddir) if ddir else None
-        tok = load_hf_tokenizer(tdir) if has_tokenizer(tdir) else None
-        if tok is None and args.prompt is not None:
-            raise UsageError(f"--prompt needs a tokenizer, and {tdir} has none: use --prompt-ids")
-    if chat:
-        ensure_chat_template(tok, chat)
     if dcfg is not None:
         check_compatible(dcfg, _ConfigOnly(cfg), source=ddir or "built-in drafter")
-    method = args.method or ("ddtree" if dcfg is not None else "ar")
-    _check_budget(args, cfg, method)
-    ids = _prompt_ids(args, tok)
-    _check_prompt(args, cfg, ids)
-    stops = default_stop_ids(cfg, tok) if stops is None else stops
-    _check_stops(stops, cfg)
     from jaxddtree.model.sharding import check_tp, replicate
     try:
         check_tp(cfg, args.tp)
@@ -371,8 +380,9 @@ def run(argv=None) -> int:
     t_load = time.perf_counter()
     if tdir is None:
         pair = builtin.load_random(dtype)
-        target, drafter = pair.target.shard(args.tp, consume=True), pair.drafter
-        drafter.params = replicate(drafter.params, target.mesh)
+        target, drafter = pair.target.shard(args.tp, consume=True), pair.drafter if method != "ar" else None
+        if drafter is not None:
+            drafter.params = replicate(drafter.params, target.mesh)
     else:
         say(f"loading {tdir} ...")
         target = jd.load_target(tdir, dtype, progress=tty, tp=args.tp)
@@ -404,6 +414,25 @@ def run(argv=None) -> int:
         compile_s = time.perf_counter() - t
         if not args.json:
             log(f"compiled in {compile_s:.1f} s")
+    measured = None  # tokens/s at warm-up per candidate name, "ar" included
+    from jaxddtree.speculative import budget as budget_lib
+    if (compile_s is not None and method == "ddtree" and args.budget == "auto" and args.budget_costs is None
+            and max_new >= MEASURE_MIN and budget_lib.shipped() is None):
+        # no round-time table for this device (the CPU): time each candidate and AR instead of the H200's model
+        say("measuring the candidates ...")
+        t = time.perf_counter()
+        table, measured, ar_rate = _measure(jd, target, ids[:warmup_length(len(ids))], kw, cfg, budget_lib)
+        kw["budget_costs"] = table
+        use_ar = args.method is None and ar_rate > max(measured.values())  # the default is never slower than AR
+        if use_ar:
+            method = "ar"
+            kw.update(method="ar", drafter=None, budget_costs=None)
+        measured = {"ar": ar_rate, **{budget_lib.name(b): r for b, r in measured.items()}}
+        if not args.json:
+            log(f"--budget auto: measured at warm-up ({time.perf_counter() - t:.1f} s), tokens/s: " +
+                ", ".join(f"{k} {v:.0f}" for k, v in measured.items()) +
+                (" -> ar (no speculative candidate beat it on this device)" if use_ar else
+                 " -> ddtree with these round times"))
 
     printer = StreamPrinter(tok) if (tok is not None and not args.json) else None
     show_text = printer is not None and sys.stdout.isatty()  # the text continues the prompt: show it first, dimmed
@@ -423,6 +452,8 @@ def run(argv=None) -> int:
     wall = time.perf_counter() - t
     text = tok.decode(gen.tokens) if tok is not None else None
     stats = dict(gen.stats)
+    if measured is not None:
+        stats["warmup_tokens_per_s"] = measured
     stats.update(wall_s=wall, load_s=load_s, compile_s=compile_s, prompt_tokens=len(ids), dtype=dtype,
                  kernels=kernels, backend=backend, temperature=args.temperature, top_k=args.top_k,
                  top_p=args.top_p, min_p=args.min_p, seed=args.seed,
@@ -443,8 +474,39 @@ def run(argv=None) -> int:
     log(f"-- {n} tokens in {wall:.2f} s: {stats['tokens_per_s']:.1f} tokens/s after the first, "
         f"time to first token {stats['time_to_first_token_s'] * 1e3:.0f} ms, {stats['rounds']} rounds, "
         f"mean acceptance length tau = {stats['mean_acceptance_length']:.2f}" +
-        (f", budgets {stats['budget_counts']}" if stats.get("budget_counts") else ""))
+        (f", budgets {stats['budget_counts']}" if stats.get("budget_counts") else "") +
+        (f" (ar at warm-up: {measured['ar']:.1f} tokens/s)" if measured is not None and method != "ar" else ""))
     return 0
+
+
+MEASURE_TOKENS = 32  # tokens per timed generation when --budget auto measures its candidates at warm-up
+MEASURE_MIN = 8  # fewer new tokens: not worth measuring (the default model's table stays)
+
+
+def _measure(jd, target, probe, kw, cfg, budget_lib):
+    """--budget auto on a device without a round-time table: plain AR, then each candidate's auto round (forced by
+    a table: data, so the warm-up's compilation serves them all), timed on the warm-up prompt (the faster of two
+    runs; one when the first is under half the best rate so far). -> (the measured CostTable, {candidate:
+    tokens/s}, AR's tokens/s)."""
+    import jax
+
+    base = dict(kw, max_new_tokens=min(kw["max_new_tokens"], MEASURE_TOKENS), stop_ids=[])
+    best = [0.0]
+
+    def timed(**over):
+        runs = []
+        for _ in range(2):
+            runs.append(jd.generate(target, probe, **dict(base, **over)).stats)
+            if (runs[-1]["new_tokens"] - 1) / runs[-1]["decode_s"] < best[0] / 2:
+                break
+        s = min(runs, key=lambda s: s["decode_s"])
+        best[0] = max(best[0], (s["new_tokens"] - 1) / s["decode_s"])
+        return s["rounds"], s["new_tokens"], s["decode_s"]
+
+    _, n, secs = timed(method="ar", drafter=None, budget_costs=None)
+    cands = budget_lib.candidates_for(cfg.vocab_size)
+    table, rates = budget_lib.calibrate(lambda t: timed(budget_costs=t), cands, jax.devices()[0].device_kind)
+    return table, rates, (n - 1) / secs
 
 
 class _ConfigOnly:
@@ -452,6 +514,24 @@ class _ConfigOnly:
 
     def __init__(self, cfg):
         self.config = cfg
+
+
+def _check_weights(flag: str, path: str):
+    """The weight files' headers, before jax is imported: a directory without weights, a truncated or corrupt
+    safetensors file is one line at once (the loaders check every tensor later)."""
+    if os.path.isfile(os.path.join(path, "jaxddtree_checkpoint.json")):  # a `python -m convert` output: its
+        return  # restore checks it
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise UsageError(f"{flag} {path}: no weights (expected *.safetensors files or a `python -m convert` "
+                         "output)")
+    from safetensors import safe_open
+    for f in files:
+        try:
+            with safe_open(os.path.join(path, f), framework="numpy"):
+                pass
+        except Exception as e:
+            raise UsageError(f"{flag} {os.path.join(path, f)}: not a readable safetensors file ({e})") from None
 
 
 def _check_budget(args, cfg, method: str):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import socket
 import sys
 import time
 
@@ -14,6 +15,9 @@ EPILOG = """\
 examples:
   # the demo pair in demo/ on http://127.0.0.1:8000
   python scripts/serve.py
+
+  # any free port: the line "serve.py: serving ... on http://127.0.0.1:PORT/v1" names the one it took
+  python scripts/serve.py --port 0
 
   # a real target + DFlash drafter, up to 16 requests decoded at once (continuous batching), 8K tokens each
   python scripts/serve.py --target ~/models/Qwen3.6-27B --drafter ~/models/Qwen3.6-27B-DFlash --budget 64 \\
@@ -55,6 +59,16 @@ def nonneg_float(text: str) -> float:
     return v
 
 
+def port_arg(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535] (0 = any free port), got {v}")
+    return v
+
+
 def budget_arg(text: str):
     """--budget: 'auto' or an integer >= 1."""
     if text.strip().lower() == "auto":
@@ -78,7 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", metavar="DIR", help="DFlash drafter directory (default: none; the demo's with "
                    "the demo pair)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 = any free port)")
+    p.add_argument("--port", type=port_arg, default=8000, help="port (default: 8000; 0 = any free port, named "
+                   "in the 'serving ... on http://HOST:PORT/v1' line). The port is taken before the model loads: "
+                   "a busy one is a one-line error at once")
     p.add_argument("--method", choices=("ar", "dflash", "ddtree"), default=None, help="decoding method "
                    "(default: ddtree with a drafter, else ar)")
     p.add_argument("--budget", type=budget_arg, default="auto", metavar="N|auto", help="DDTree node budget; auto: "
@@ -178,22 +194,32 @@ def load_engine(args):
     cache_dir = compile_cache.enable(args.compile_cache, "serve.py")
     backend = jax.default_backend()
     dtype = args.dtype or ("float32" if backend == "cpu" else "bfloat16")
-    if args.target is None:
-        if args.drafter is not None:
-            raise SystemExit("serve.py: error: --drafter needs --target (the demo pair brings its own drafter)")
-        pair = builtin.load(dtype)
+    if args.target is None and args.drafter is not None:
+        raise SystemExit("serve.py: error: --drafter needs --target (the demo pair brings its own drafter)")
+    demo = builtin.demo_dirs() if args.target is None else None
+    if args.target is None and demo is None:  # the random pair built in code
+        pair = builtin.load_random(dtype)
         target, drafter, tok, name = pair.target, pair.drafter, pair.tokenizer, "demo"
         check(target.config)
         target = target.shard(args.tp, consume=True)
-        drafter.params = replicate(drafter.params, target.mesh)
+        if args.method == "ar":
+            drafter = None
+        else:
+            drafter.params = replicate(drafter.params, target.mesh)
     else:
-        if not has_tokenizer(args.target):
-            raise SystemExit(f"serve.py: error: {args.target} has no tokenizer")
-        tok = load_hf_tokenizer(args.target)
-        check(jd.load_config(args.target))
-        target = jd.load_target(args.target, dtype, tp=args.tp)
-        drafter = jd.load_drafter(args.drafter, target, dtype) if args.drafter else None
-        name = os.path.basename(os.path.normpath(args.target))
+        tdir, ddir = demo or (args.target, args.drafter)
+        name = "demo" if demo else os.path.basename(os.path.normpath(tdir))
+        if args.method == "ar":
+            ddir = None  # plain decoding: the drafter is not loaded
+        if not has_tokenizer(tdir):
+            raise SystemExit(f"serve.py: error: {tdir} has no tokenizer")
+        try:
+            tok = load_hf_tokenizer(tdir)
+        except ValueError as e:
+            raise SystemExit(f"serve.py: error: {e}") from None
+        check(jd.load_config(tdir))
+        target = jd.load_target(tdir, dtype, tp=args.tp)
+        drafter = jd.load_drafter(ddir, target, dtype) if ddir else None
     target.kernels = args.kernels or ("xla" if backend == "cpu" else "pallas")
     method = args.method or ("ddtree" if drafter is not None else "ar")
     if method != "ar" and drafter is None:
@@ -214,6 +240,9 @@ def load_engine(args):
            "; prefix cache off"),
         file=sys.stderr, flush=True)
     if not args.no_warmup:
+        print("serve.py: warm-up: compiling every prefill width and slot count before listening, one line per "
+              "stage (--no-warmup skips it" + (f"; compilation cache: {cache_dir}" if cache_dir else "") + ")",
+              file=sys.stderr, flush=True)
         t = time.perf_counter()
         from jaxddtree.serving.engine import warmup_printer
         engine.warmup(encode_text(tok, "Hello"), progress=warmup_printer("serve.py"))
@@ -221,6 +250,26 @@ def load_engine(args):
               f"{time.perf_counter() - t:.1f} s" + (f" (compilation cache: {cache_dir})" if cache_dir else ""),
               file=sys.stderr, flush=True)
     return engine
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (not yet listening) before the model loads: a busy port or a bad address is one
+    line at once, not after the warm-up, and --port 0's free port is known. SystemExit(2) on failure."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"serve.py: error: cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def url(host: str, sock: socket.socket) -> str:
+    """The base URL clients use: the bound port (the real one for --port 0)."""
+    return f"http://{f'[{host}]' if ':' in host else host}:{sock.getsockname()[1]}/v1"
 
 
 def api_keys(args, environ=os.environ) -> list[str]:
@@ -236,13 +285,20 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     keys = api_keys(args)
     require_server_extra()
+    sock = bind(args.host, args.port)
     engine = load_engine(args)
     import uvicorn
     from jaxddtree.serving import create_app
-    print(f"serve.py: serving '{engine.name}' ({engine.method}) on http://{args.host}:{args.port}/v1"
-          + (f" ({len(keys)} API key(s) accepted)" if keys else " (no API key needed: see --api-key)"),
-          file=sys.stderr, flush=True)
-    uvicorn.run(create_app(engine, api_keys=keys), host=args.host, port=args.port, log_level="warning")
+    line = (f"serve.py: serving '{engine.name}' ({engine.method}) on {url(args.host, sock)}"
+            + (f" ({len(keys)} API key(s) accepted)" if keys else " (no API key needed: see --api-key)"))
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None):  # the line once the socket listens
+            await super().startup(sockets=sockets)
+            if not self.should_exit:
+                print(line, file=sys.stderr, flush=True)
+
+    Server(uvicorn.Config(create_app(engine, api_keys=keys), log_level="warning")).run(sockets=[sock])
     return 0
 
 

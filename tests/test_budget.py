@@ -148,6 +148,25 @@ def test_default_model_on_cpu():
     assert B.resolve_costs(None, 97, 8).candidates == (0, 15, 31, 63)  # budgets < vocab only
 
 
+def test_calibrate():
+    """Measured round times per candidate, each timed under a table that forces it; a flat table auto accepts."""
+    seen = []
+
+    def run(table):  # a fake device: chain 5 ms per round, each tree row 0.1 ms more; 4 tokens per round
+        b = min(table.candidates, key=lambda c: table.ms[table.candidates.index(c)][0])
+        seen.append(b)
+        ms = 5.0 if b == B.CHAIN else 5.0 + 0.1 * (b + 1)
+        return 10, 41, 10 * ms / 1e3
+
+    table, rates = B.calibrate(run, (0, 15, 63), "cpu")
+    assert seen == [0, 15, 63] and table.candidates == (0, 15, 63) and table.source == "measured at warm-up (cpu)"
+    np.testing.assert_allclose(table.at(10 ** 5), [5.0, 6.6, 11.4], rtol=1e-6)  # flat in the context
+    assert rates[0] == pytest.approx(40 / 0.05) and rates[63] == pytest.approx(40 / 0.114)
+    assert B.resolve_costs(table, 97, 8) == table
+    with pytest.raises(ValueError, match="budget 15: no round"):
+        B.calibrate(lambda t: (0, 1, 0.0), (15,), "cpu")
+
+
 # ----------------------------------------------------------------------------------------- end to end
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):

@@ -133,20 +133,28 @@ def test_help_describes_the_demo_pair():
 
 def test_builtin_default(dirs):
     """No --target: the built-in (trained demo) pair; --json puts one JSON object on the last stdout line, and
-    the streamed text (no --json) is the same text."""
+    the streamed text (no --json) is the same text. --budget auto on the CPU (no round-time table for it) times
+    its candidates and AR at warm-up: the default method is AR unless a candidate beat it, and the summary names
+    AR's rate beside DDTree's."""
     pj = start("--max-new-tokens", 8, "--stop-ids", "none", "--json", fast=True)
     ps = start("--max-new-tokens", 8, "--stop-ids", "none", fast=True)
     res = last_json(*finish(pj))
     rc, out, err = finish(ps)
     assert rc == 0, err
     assert {"tokens", "text", "acceptance_lengths", "stats"} <= set(res)
-    assert len(res["tokens"]) == 8 and res["stats"]["method"] == "ddtree"
-    assert res["stats"]["rounds"] == len(res["acceptance_lengths"]) >= 1
+    st = res["stats"]
+    rates = st["warmup_tokens_per_s"]
+    assert set(rates) == {"ar", "chain", "15", "31", "63", "127"} and min(rates.values()) > 0, rates
+    assert st["method"] == ("ar" if rates["ar"] > max(v for k, v in rates.items() if k != "ar") else "ddtree"), st
+    assert len(res["tokens"]) == 8 and st["rounds"] == len(res["acceptance_lengths"]) >= 1
     for k in ("tokens_per_s", "mean_acceptance_length", "time_to_first_token_s"):
-        assert res["stats"][k] >= 0
-    assert "built-in demo pair (demo/)" in err
+        assert st[k] >= 0
+    assert "built-in demo pair (demo/)" in err and "--budget auto: measured at warm-up" in err
     assert out == res["text"] + "\n"  # streamed incrementally, then a newline
     assert "tokens/s" in err and "tau" in err and "time to first token" in err
+    chose = err.split("--budget auto: measured at warm-up")[1].splitlines()[0]
+    assert chose.endswith("-> ar (no speculative candidate beat it on this device)") or (
+        chose.endswith("-> ddtree with these round times") and "(ar at warm-up: " in err.splitlines()[-1]), err
 
 
 def test_tiny_hf_dir_matches_api(dirs):
@@ -304,7 +312,7 @@ def test_errors_before_loading(dirs, tmp_path, capsys):
         (["--no-think", "--enable-thinking"], "not allowed with"),
         (["--target", hf, "--prompt-ids", "1,2", "--system", "S"], "--system applies to --prompt text"),
         (["--budget", "100000"], "vocabulary size 2048"),  # the demo pair (its weights exist)
-        (["--target", hf, "--prompt-ids", "1,2", "--tp", "3"], "--tp: tp=3 must divide"),
+        (["--target", os.path.join(DEMO, "target"), "--prompt-ids", "1,2", "--tp", "3"], "--tp: tp=3 must divide"),
         (["--target", hf, "--drafter", demo_drafter, "--prompt", "x", "--budget", "5000"], "vocabulary size 2048"),
         (["--target", conv, "--drafter", demo_drafter, "--prompt", "x", "--budget", "5000"], "vocabulary size 2048"),
         (["--target", conv, "--prompt", "x", "--max-new-tokens", "5000"], "maximum length"),
@@ -360,3 +368,86 @@ def test_bad_arguments(dirs):
         assert len(lines) == 1, f"{shown}: expected one stderr line, got:\n{err}"
         assert lines[0].startswith("generate.py: error: "), f"{shown}: {lines[0]}"
         assert needle in lines[0], f"{shown}: '{needle}' not in: {lines[0]}"
+
+
+# ------------------------------------------------------------------------------ start-up: what the user path imports
+PROBE = """import json, runpy, sys
+sys.argv = [{script!r}] + {argv!r}
+rc = 0
+try:
+    runpy.run_path({script!r}, run_name="__main__")
+except SystemExit as e:
+    rc = e.code
+sys.stderr.write("PROBE " + json.dumps({{"rc": rc, "modules": sorted(m for m in ("torch", "transformers", "jax")
+                                                                   if m in sys.modules)}}) + "\\n")
+"""
+
+
+def start_probe(*args) -> subprocess.Popen:
+    """generate.py in a process that reports, after it exits, which heavy packages it imported."""
+    code = PROBE.format(script=SCRIPT, argv=[str(a) for a in args])
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=dict(ENV, XLA_FLAGS=FAST_COMPILE),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def finish_probe(proc) -> tuple[int, str, list[str], list[str]]:
+    """-> (exit code, stdout, stderr lines other than the report, the heavy modules imported)."""
+    rc, out, err = finish(proc)
+    assert rc == 0, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    report = json.loads(lines[-1][len("PROBE "):])
+    return report["rc"], out, lines[:-1], report["modules"]
+
+
+def test_user_path_imports_no_torch(tmp_path):
+    """torch is a test dependency only: generate.py on the demo pair (tokenizer, chat template, the run itself)
+    imports neither torch nor transformers (transformers' configuration_utils imports torch: seconds of start-up),
+    and `--method ar` neither reads nor loads a drafter (here one whose config.json is broken)."""
+    bad = tmp_path / "bad_drafter"
+    bad.mkdir()
+    (bad / "config.json").write_text("{broken")
+    target = os.path.join(DEMO, "target")
+    procs = {"demo": start_probe("--max-new-tokens", 2, "--no-warmup", "--json"),
+             "chat_ar": start_probe("--target", target, "--drafter", bad, "--method", "ar", "--chat", "--prompt",
+                                    "def f(x):", "--max-new-tokens", 2, "--no-warmup", "--json")}
+    for name, p in procs.items():
+        rc, out, err, modules = finish_probe(p)
+        assert rc == 0, (name, err)
+        assert modules == ["jax"], (name, modules)
+        res = json.loads(out.strip().splitlines()[-1])
+        assert len(res["tokens"]) == 2 and res["stats"]["method"] == ("ar" if name == "chat_ar" else "ddtree")
+        if name == "chat_ar":
+            assert res["stats"]["drafter"] is None and res["prompt_ids"][0] != res["prompt_ids"][1], res
+    code = ("import sys\nfrom convert.cli import main\ntry:\n    main([sys.argv[1], sys.argv[2]])\n"
+            "except SystemExit as e:\n    print(e.code, sorted(m for m in ('torch', 'transformers', 'jax') "
+            "if m in sys.modules))")
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "nowhere"), str(tmp_path / "dst")], cwd=ROOT,
+                       env=ENV, capture_output=True, text=True, timeout=120)
+    assert p.stdout.strip() == "2 []", (p.stdout, p.stderr)  # `python -m convert`'s argument errors: no jax either
+
+
+def test_errors_come_before_jax(tmp_path):
+    """Errors that need no model are one line before jax is imported: a truncated safetensors file, a directory
+    without weights, a broken config.json, a prompt longer than the config's max_position_embeddings."""
+    cut, empty, broken = tmp_path / "cut", tmp_path / "empty", tmp_path / "broken"
+    shutil.copytree(os.path.join(DEMO, "target"), cut)
+    f = cut / "model.safetensors"
+    with open(f, "r+b") as fh:
+        fh.truncate(os.path.getsize(f) // 2)
+    shutil.copytree(os.path.join(DEMO, "target"), empty, ignore=shutil.ignore_patterns("*.safetensors"))
+    shutil.copytree(empty, broken)
+    (broken / "config.json").write_text('{"model_type": ')
+    ids = ["--prompt-ids", "1,2,3"]
+    cases = {"truncated": (["--target", cut, *ids], str(f)),
+             "no_weights": (["--target", empty, *ids], "no weights"),
+             "config": (["--target", broken, *ids], "config.json"),
+             "long_prompt": (["--target", os.path.join(DEMO, "target"), "--prompt-ids", ",".join(["1"] * 4095)],
+                             "maximum length (4096 positions)"),
+             "ar_drafter": (["--target", empty, "--drafter", os.path.join(DEMO, "drafter"), "--method", "ar", *ids],
+                            "no weights")}
+    procs = {k: start_probe(*args) for k, (args, _) in cases.items()}
+    for name, p in procs.items():
+        rc, out, err, modules = finish_probe(p)
+        assert rc == 2 and len(err) == 1 and err[0].startswith("generate.py: error: "), (name, rc, err)
+        assert cases[name][1] in err[0], (name, err[0])
+        assert "jax" not in modules and "torch" not in modules, (name, modules)

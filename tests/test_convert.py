@@ -477,9 +477,25 @@ def test_errors(hf, tmp_path):
     for name, r in res.items():
         line = assert_one_line_error(r, *expect[name])
         assert line.startswith("convert: error:"), line
+        assert r.rc == (2 if name in ("src_missing", "dst_exists") else 1), (name, r.rc)  # bad argument vs failure
         parent = tmp_path / "out" / name
         assert sorted(os.listdir(parent)) == (["dst"] if name == "dst_exists" else []), (name, os.listdir(parent))
     assert (tmp_path / "out" / "dst_exists" / "dst" / "mine.txt").read_text() == "keep"
+
+
+def test_bad_arguments_exit_2(tmp_path):
+    """Missing or unusable arguments (a missing SRC, SRC a file, a missing DST, a bad --dtype): exit status 2, as
+    the help says, with one line; a conversion that fails is 1 (test_errors)."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    res = run_all({"missing": (tmp_path / "nowhere", tmp_path / "dst"), "file": (afile, tmp_path / "dst"),
+                   "no_dst": (tmp_path,), "dtype": (tmp_path, tmp_path / "dst", "--dtype", "int4")})
+    needles = {"missing": [str(tmp_path / "nowhere"), "not found"], "file": [str(afile)], "no_dst": ["DST"],
+               "dtype": ["--dtype", "int4"]}
+    for name, r in res.items():
+        line = assert_one_line_error(r, *needles[name])
+        assert r.rc == 2 and line.startswith("convert: error:"), (name, r.rc, line)
+    assert sorted(os.listdir(tmp_path)) == ["afile"]
 
 
 # --------------------------------------------------------------------------------------------- big: RSS, Ctrl-C

@@ -17,11 +17,13 @@ ALLOWED = {
     "jaxddtree.api": {"kernels_pallas", "jaxddtree.model", "jaxddtree.speculative"},
     "jaxddtree.checkpoint": {"kernels_pallas", "jaxddtree.model"},
     "jaxddtree.training": {"kernels_pallas", "jaxddtree.model", "jaxddtree.speculative", "jaxddtree.checkpoint"},
-    "jaxddtree.text": set(),  # tokenizers and chat templates: no model code
+    "jaxddtree.tokenizer": set(),  # HF tokenizer directories without transformers
+    "jaxddtree.text": {"jaxddtree.tokenizer"},  # tokenizers and chat templates: no model code
     "jaxddtree.serving": {"kernels_pallas", "jaxddtree.model", "jaxddtree.speculative", "jaxddtree.checkpoint",
                           "jaxddtree.text"},
     "jaxddtree": {"kernels_pallas", "jaxddtree.model", "jaxddtree.speculative", "jaxddtree.api",
-                  "jaxddtree.checkpoint", "jaxddtree.training", "jaxddtree.text", "jaxddtree.serving"},
+                  "jaxddtree.checkpoint", "jaxddtree.training", "jaxddtree.tokenizer", "jaxddtree.text",
+                  "jaxddtree.serving"},
     "convert": {"jaxddtree.checkpoint"},
 }
 

@@ -140,13 +140,73 @@ def test_prefix_cache_arguments_and_default_budget():
         E.prefix_cache_budget(1, mem, tp2)
 
 
-def test_api_key_argument():
-    """--api-key (repeatable) and $JAXDDTREE_API_KEY (comma-separated) together; an empty --api-key is one line."""
+def _serve_script():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("serve_script", SCRIPT)
     serve = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(serve)
+    return serve
+
+
+def test_port_zero_names_the_bound_port():
+    """--port 0: the socket is bound before the model loads and the announced URL carries the port the system
+    chose (it once printed http://127.0.0.1:0/v1); a busy port is one line at once, before any model loads."""
+    import socket
+
+    serve = _serve_script()
+    sock = serve.bind("127.0.0.1", 0)
+    try:
+        port = sock.getsockname()[1]
+        assert port != 0 and serve.url("127.0.0.1", sock) == f"http://127.0.0.1:{port}/v1"
+        sock.listen()
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
+        with pytest.raises(SystemExit) as e:
+            serve.bind("127.0.0.1", port)
+        msg = str(e.value.code)
+        assert msg.startswith("serve.py: error: cannot listen on 127.0.0.1:") and "\n" not in msg, msg
+    finally:
+        sock.close()
+    with pytest.raises(SystemExit):
+        serve.build_parser().parse_args(["--port", "70000"])
+
+
+@pytest.mark.parametrize("script", ["serve.py", "generate.py"])
+def test_help_examples_keep_their_line_breaks(script):
+    """An example's continuation line stays a line of its own (a single backslash in the source once joined
+    `--budget 64` and `--max-batch 16` into one long line)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("s", os.path.join(ROOT, "scripts", script))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    lines = mod.EPILOG.splitlines()
+    for i, line in enumerate(lines):
+        assert len(line) <= 118 and "   " not in line.strip(), line
+        if line.endswith("\\"):
+            assert lines[i + 1].startswith("      "), (line, lines[i + 1])
+    assert any(line.endswith(" \\") for line in lines)
+
+
+def test_demo_engine_loads_without_torch_and_ar_without_drafter():
+    """serve.py's load path on the demo pair (no warm-up) imports neither torch nor transformers (the tokenizer
+    is jaxddtree.tokenizer's), and --method ar loads no drafter."""
+    code = ("import sys, runpy\nserve = runpy.run_path({script!r})\n"
+            "for argv in (['--no-warmup'], ['--no-warmup', '--method', 'ar']):\n"
+            "    e = serve['load_engine'](serve['build_parser']().parse_args(argv))\n"
+            "    print(e.method, e.drafter is None, e.name)\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))").format(script=SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == ["ddtree False demo", "ar True demo", "[]"], (p.stdout, p.stderr)
+
+
+def test_api_key_argument():
+    """--api-key (repeatable) and $JAXDDTREE_API_KEY (comma-separated) together; an empty --api-key is one line."""
+    serve = _serve_script()
     p = serve.build_parser()
     assert serve.api_keys(p.parse_args([]), environ={}) == []
     args = p.parse_args(["--api-key", "a", "--api-key", "b"])

@@ -30,6 +30,8 @@ Cost tables (`resolve_costs`): an explicit table (a `CostTable`, a dict, or a JS
 `round_ms_by_budget_context` key: {"chain" | "16" | ...: {"<context>": ms}}, as `benchmarks/bench.py` writes
 into benchmarks/results/h200.json); else, on an H200, that shipped file if it holds the key; else the
 documented default `model_costs` (linear in tree rows and in L, fitted to the 27B H200 round times of issue 27).
+Where no table fits the device (the CPU), scripts/generate.py's warm-up times each candidate (`calibrate`) and
+plain AR, passes the measured table, and decodes with AR when no candidate beat it.
 """
 
 from __future__ import annotations
@@ -183,6 +185,22 @@ def shipped(device=None) -> CostTable | None:
     except ValueError:
         return None
     return table.subset(CANDIDATES) if set(CANDIDATES) <= set(table.candidates) else None
+
+
+def calibrate(run, candidates, device_kind: str) -> tuple[CostTable, dict[int, float]]:
+    """Round times measured on this device, for one without a table (`shipped`: the H200 only; on others the
+    default model is the H200's shape, which made auto slower than plain decoding on the CPU). `run(table)` ->
+    (rounds, new tokens, decode seconds) of a short generation whose auto rounds `table` forces to one candidate
+    (`forcing`: the table is data, so every candidate shares the compiled round). -> (the measured table, flat
+    in the context; tokens/s per candidate on that generation)."""
+    ms, rates = {}, {}
+    for b in candidates:
+        rounds, new, secs = run(forcing(candidates, b))
+        if rounds < 1 or secs <= 0:
+            raise ValueError(f"budget {name(b)}: no round to time ({rounds} rounds in {secs:.3g} s)")
+        ms[b], rates[b] = 1e3 * secs / rounds, max(new - 1, 0) / secs
+    cands = tuple(sorted(ms))
+    return CostTable(cands, (0,), tuple((ms[b],) for b in cands), f"measured at warm-up ({device_kind})"), rates
 
 
 def candidates_for(vocab_size: int, candidates=CANDIDATES) -> tuple[int, ...]:
