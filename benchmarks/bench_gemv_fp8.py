@@ -77,24 +77,31 @@ def weights(K, N, R, key):
 
 
 def variants_for(M: int, K: int, N: int) -> dict:
-    """Config variants around `default_config` (the likeliest first) + the Pallas-Triton kernel."""
+    """Config variants around `default_config`, the likeliest first (the sweep's time budget cuts the tail), + the
+    Pallas-Triton kernel."""
     d = km.default_config(M, K, N)
     Mc, _ = km.rows_plan(M)
     nkb = -(-K // BLOCK)
+    cols = km.scale_cols(nkb)
     out = {"default": d}
-    bns = (128, 64) if Mc <= 72 else (64,)
-    for bn in bns:
-        for split in (1, 2, 4, 8):
-            if split > 1 and nkb // split < 4:
-                continue
-            for st in (4, 6, 8):
-                c = km.Config(block_n=bn, split_k=split, num_stages=st)
-                if km.smem_bytes(Mc, c, km.scale_cols(nkb), 4) > km.SMEM_LIMIT or c == d:
-                    continue
-                tiles = N // bn
-                if tiles * split > 8 * km.N_SM or tiles * split < km.N_SM // 2:
-                    continue
-                out[f"bn{bn}_s{split}_st{st}"] = c
+
+    def add(name, **kw):
+        c = dataclasses.replace(d, **kw)
+        if c.split_k > 1 and nkb // c.split_k < 2:
+            return
+        st = c.num_stages
+        while st > 2 and km.smem_bytes(Mc, dataclasses.replace(c, num_stages=st), cols, 4) > km.SMEM_LIMIT:
+            st -= 1
+        c = dataclasses.replace(c, num_stages=st)
+        if c not in out.values() and N % c.block_n == 0:
+            out[name] = c
+    add("split_x2", split_k=2 * d.split_k)
+    add("split_half", split_k=max(1, d.split_k // 2))
+    add("bn_alt", block_n=64 if d.block_n == 128 else 128, split_k=max(1, d.split_k // 2) if d.block_n == 64
+        else 2 * d.split_k)
+    add("stages_max", num_stages=12)
+    add("stages_4", num_stages=4)
+    add("split_x4", split_k=4 * d.split_k)
     out["triton"] = None
     return out
 
@@ -133,7 +140,7 @@ def sweep(shapes, rows, smoke, deadline_total):
             log(f"== {name} M={M} K={K} N={N}: {nbytes / 1e6:.1f} MB fp8, {R} copies per timed call")
             vs = variants_for(M, K, N)
             if smoke:
-                vs = {a: vs[a] for a in list(vs)[:2]}
+                vs = {a: vs[a] for a in ("default", "triton")}
             for vname, cfg in vs.items():
                 r = rec["variants"][vname] = {"config": None if cfg is None else dataclasses.asdict(cfg)}
                 if time.perf_counter() > deadline and vname != "default":
@@ -233,6 +240,7 @@ def main():
     ap.add_argument("--time-budget-s", type=float, default=200.0, help="for the sweep")
     ap.add_argument("--shapes", default="", help="comma list of shape names (default: all)")
     ap.add_argument("--rows", type=int, nargs="+", default=None, help="M values (default 1 16 65 129)")
+    ap.add_argument("--sweep-rows", type=int, nargs="+", default=None, help="M values of the sweep (default: --rows)")
     args = ap.parse_args()
     shapes = SHAPES_SMOKE if args.smoke else SHAPES_27B
     if args.shapes:
@@ -258,7 +266,7 @@ def main():
         check(shapes, (1, 7) if args.smoke else CHECK_ROWS, args.smoke)
         save()
     if "sweep" in sections:
-        sweep(shapes, rows, args.smoke, time.perf_counter() + args.time_budget_s)
+        sweep(shapes, tuple(args.sweep_rows or rows), args.smoke, time.perf_counter() + args.time_budget_s)
         km.CONFIGS.update(table(args.smoke)["configs"])  # the step below runs this run's winners
         save()
     if "step" in sections:
