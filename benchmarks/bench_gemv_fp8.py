@@ -93,15 +93,20 @@ def variants_for(M: int, K: int, N: int) -> dict:
         while st > 2 and km.smem_bytes(Mc, dataclasses.replace(c, num_stages=st), cols, 4) > km.SMEM_LIMIT:
             st -= 1
         c = dataclasses.replace(c, num_stages=st)
+        if km.smem_bytes(Mc, c, cols, 4) > km.SMEM_LIMIT:
+            return
         if c not in out.values() and N % c.block_n == 0:
             out[name] = c
+    add("kb2", k_per_step=2)
+    add("kb2_st3", k_per_step=2, num_stages=3)
+    add("kb4_st2", k_per_step=4, num_stages=2)
+    add("kb2_split_x2", k_per_step=2, split_k=2 * d.split_k)
+    add("kb2_split_half", k_per_step=2, split_k=max(1, d.split_k // 2))
+    add("st3", num_stages=3)
     add("split_x2", split_k=2 * d.split_k)
     add("split_half", split_k=max(1, d.split_k // 2))
     add("bn_alt", block_n=64 if d.block_n == 128 else 128, split_k=max(1, d.split_k // 2) if d.block_n == 64
         else 2 * d.split_k)
-    add("stages_max", num_stages=12)
-    add("stages_4", num_stages=4)
-    add("split_x4", split_k=4 * d.split_k)
     out["triton"] = None
     return out
 

@@ -65,11 +65,14 @@ class Config:
     """block_n: weight rows per CTA (64 / 128 / 256, dividing block_out and N); split_k: input-block ranges
     (fp32 partials summed after the kernel when > 1; rounded to a divisor of the block count); num_stages: the
     shared-memory ring's depth; row_tile: token rows per CTA (a multiple of 8, ≤ 256; None: all rows, padded
-    to 8, in one tile up to 256)."""
+    to 8, in one tile up to 256); k_per_step: input blocks per pipeline step (one TMA copy of each operand and
+    one barrier per step carry k_per_step · 128 of K; their wgmmas run into separate accumulators, promoted in
+    block order; rounded down to a divisor of the CTA's block count)."""
     block_n: int = 128
     split_k: int = 1
     num_stages: int = 6
     row_tile: int | None = None
+    k_per_step: int = 1
 
 
 def _cdiv(a, b):
@@ -113,7 +116,7 @@ def supports(M: int, K: int, N: int, block_in: int, block_out: int) -> str | Non
 def smem_bytes(Mc: int, cfg: Config, nbp: int, out_bytes: int) -> int:
     """Shared memory of one CTA: the ring (weight tile, token tile, activation-scale row per stage), the
     weight-scale row, the epilogue tile, barriers."""
-    ring = cfg.num_stages * (cfg.block_n * BLOCK_IN + Mc * BLOCK_IN + 4 * sx_width(Mc))
+    ring = cfg.num_stages * cfg.k_per_step * (cfg.block_n * BLOCK_IN + Mc * BLOCK_IN + 4 * sx_width(Mc))
     return ring + _round_up(nbp * 4, 128) + Mc * cfg.block_n * out_bytes + 1024 + 16 * cfg.num_stages
 
 
@@ -136,7 +139,7 @@ def table_key(M: int, K: int, N: int) -> str:
 def default_config(M: int, K: int, N: int, block_out: int = 128) -> Config:
     """The sweep's winner for (row tile, K, N) (`CONFIGS`) where it fits this call, else a rule: block_n 128 up
     to 64 token rows (64 beyond: two fp32 [block_n, Mc] register tiles per thread), split-K until the grid has
-    ≥ 1.5 waves of 132 CTAs, a ring as deep as fits 2 CTAs per SM (at most 8 stages)."""
+    ≥ 1.5 waves of 132 CTAs, 4 stages (fewer where 2 CTAs per SM would not fit)."""
     if isinstance(c := CONFIGS.get(table_key(M, K, N)) if isinstance(CONFIGS, dict) else None, dict):
         c = Config(**c)
     if c is not None and block_out % c.block_n == 0 and N % c.block_n == 0:
@@ -153,7 +156,7 @@ def default_config(M: int, K: int, N: int, block_out: int = 128) -> Config:
     split = _split_for(nkb, want)
     out_bytes = 4
     nbp = scale_cols(nkb)
-    st = 8
+    st = 4  # the H200 sweep (2026-12-03): 4 stages beat 5-12 at 65 rows (more CTAs per SM), tied at 1
     while st > 2 and 2 * smem_bytes(Mc, Config(bn, split, st), nbp, out_bytes) > SMEM_LIMIT:
         st -= 1
     return Config(block_n=bn, split_k=split, num_stages=st)
@@ -166,6 +169,7 @@ def plan(M: int, K: int, N: int, block_out: int = 128, config: Config | None = N
     nkb = _cdiv(K, BLOCK_IN)
     split = _split_for(nkb, cfg.split_k)
     return dict(block_n=cfg.block_n, split_k=split, num_stages=cfg.num_stages, Mc=Mc, row_tiles=nr,
+                k_per_step=_split_for(nkb // split, cfg.k_per_step),
                 ctas=(N // cfg.block_n) * split * nr,
                 smem=smem_bytes(Mc, cfg, scale_cols(nkb), 4 if split > 1 else 2))
 
@@ -181,7 +185,7 @@ def _pow2_chunks(n: int) -> list[tuple[int, int]]:
 
 
 def _w8a8_fp8_wgmma(xq_ref, sxt_ref, w_ref, sw_ref, o_ref, sw_smem, sw_bar, *, M: int, Mc: int, nr: int, bn: int,
-            nb_per: int, split: int, stages: int, block_out: int, out_dtype):
+                    nb_per: int, kb: int, split: int, stages: int, block_out: int, out_dtype):
     f32 = jnp.float32
     j = lax.axis_index("n")  # weight row tile
     s = lax.axis_index("s")  # split
@@ -302,15 +306,18 @@ def w8a8_mgpu(x, w, scale, *, block_in: int = 128, block_out: int = 128, interpr
     Mc, nr = rows_plan(M, cfg.row_tile)
     split = _split_for(nkb, cfg.split_k)
     nb_per = nkb // split
-    stages = max(1, min(cfg.num_stages, nb_per))
+    kb = _split_for(nb_per, cfg.k_per_step)
+    stages = max(1, min(cfg.num_stages, nb_per // kb))
     out_dtype = x.dtype if split == 1 else jnp.float32
     sw = pad_scale(scale)
     nbp = sw.shape[1]
     xq, sxt = act_quant_t(x2, Mc, nr)
-    need = smem_bytes(Mc, dataclasses.replace(cfg, num_stages=stages), nbp, jnp.dtype(out_dtype).itemsize)
+    need = smem_bytes(Mc, dataclasses.replace(cfg, num_stages=stages, k_per_step=kb), nbp,
+                      jnp.dtype(out_dtype).itemsize)
     if need > SMEM_LIMIT:
         raise ValueError(f"w8a8_mgpu: {cfg} needs {need} bytes of shared memory > {SMEM_LIMIT}")
-    kern = functools.partial(_w8a8_fp8_wgmma, M=M, Mc=Mc, nr=nr, bn=bn, nb_per=nb_per, split=split, stages=stages,
+    kern = functools.partial(_w8a8_fp8_wgmma, M=M, Mc=Mc, nr=nr, bn=bn, nb_per=nb_per, kb=kb, split=split,
+                             stages=stages,
                              block_out=block_out, out_dtype=out_dtype)
     out_shape = (M, N) if split == 1 else (split, M, N)
     y = plgpu.kernel(

@@ -40,6 +40,8 @@ CASES = [  # M, K, N, block_out, config
     (65, 256, 128, 128, km.Config(block_n=64, split_k=1, num_stages=3)),  # verify: 65 rows -> n = 72
     (129, 256, 64, 64, km.Config(block_n=64, split_k=2, num_stages=2)),  # 129 rows -> n = 136, split-K
     (300, 256, 64, 128, km.Config(block_n=64, split_k=1, num_stages=2, row_tile=128)),  # 3 row tiles, last partial
+    (5, 784, 128, 128, km.Config(block_n=128, num_stages=2, k_per_step=3)),  # 3 blocks per step, a K tail, ring wraps
+    (65, 1024, 128, 64, km.Config(block_n=64, split_k=2, num_stages=2, k_per_step=2)),  # 2 per step, split-K
 ]
 
 
