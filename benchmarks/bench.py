@@ -183,6 +183,15 @@ class Rounds:
             ts.append(dt * 1e3 / ran)
         return statistics.median(ts)
 
+    def temp_gb(self) -> float | None:
+        """XLA's temporary buffer of the compiled rounds (GB; `memory_analysis`), None where it is not reported.
+        Lowers and compiles again: run with JAX_COMPILATION_CACHE_DIR set so that this is a cache load."""
+        try:
+            c = self.fn.lower(*self.args, self.state, self.oracle, self.n).compile()
+            return round(c.memory_analysis().temp_size_in_bytes / 1e9, 3)
+        except Exception:  # noqa: BLE001  (a diagnostic: never fail the benchmark for it)
+            return None
+
     def call1(self):
         self.state, prog = self.fn1(*self.args, self.state, self.oracle)
         return prog
@@ -332,18 +341,22 @@ def bench_fp8(args, cfg, dcfg: DrafterConfig, res: dict, save, log):
     t = time.time()
     out["ar_step_ms"] = round(ar.ms_per_round(args.runs), 3)
     log(f"fp8 AR step {out['ar_step_ms']} ms ({time.time() - t:.1f}s with compilation)")
+    temp = out.setdefault("xla_temp_gb", {})
+    temp["ar"] = ar.temp_gb()
     memory("decode loop (+ its caches)")
     del ar
     save()
     chain = Rounds(target, drafter, make_plan(target, dcfg, "dflash"), L, n, (args.runs + 2) * n)
     out["chain_round_ms"] = round(chain.ms_per_round(args.runs), 3)
-    log(f"fp8 chain (DFlash) round {out['chain_round_ms']} ms")
+    temp["chain"] = chain.temp_gb()
+    log(f"fp8 chain (DFlash) round {out['chain_round_ms']} ms; XLA temp buffers (GB) {temp}")
     memory("chain round (+ its caches)")
     del chain
     save()
     rnd = Rounds(target, drafter, make_plan(target, dcfg, "ddtree", 64), L, n, (args.runs + 2) * n)
     out["round_ms"] = {"64": round(rnd.ms_per_round(args.runs), 3)}
-    log(f"fp8 round budget 64: {out['round_ms']['64']} ms")
+    temp["64"] = rnd.temp_gb()
+    log(f"fp8 round budget 64: {out['round_ms']['64']} ms; XLA temp buffers (GB) {temp}")
     memory("round (+ its caches)")
     stats = jax.devices()[0].memory_stats() or {}
     peak = stats.get("peak_bytes_in_use")

@@ -175,6 +175,12 @@ def random_target(cfg: TextConfig, dtype="float32", seed: int = 0, weights: str 
         for k, v in d.items():
             yield from leaves(v, prefix + (k,)) if isinstance(v, dict) else [(prefix + (k,), d, v.shape)]
 
+    # each large leaf is made by one jitted (fused) program: no full-size temporaries, whose holes would fragment
+    # the device allocator (the benchmarks read its peak)
+    fp8_q = jax.jit(lambda k, shp: jnp.clip(jax.random.normal(k, shp, dt) * 64, -448, 448).astype(fp8_weight.FP8),
+                    static_argnums=1)
+    scaled_normal = jax.jit(lambda k, shp, std: (jax.random.normal(k, shp, jnp.float32) * std).astype(dt),
+                            static_argnums=(1, 2))
     for i, (path, node, shape) in enumerate(list(leaves(pure))):  # node[name]: the parameter's slot in `pure`
         k1, k2 = jax.random.split(jax.random.fold_in(key, i))
         name = path[-1]
@@ -184,7 +190,7 @@ def random_target(cfg: TextConfig, dtype="float32", seed: int = 0, weights: str 
             K = math.prod(shape[:nc])
             n_tail = 2 * cfg.linear_num_value_heads if name == "w_in" else 0
             N = math.prod(shape[nc:]) - n_tail
-            q = jnp.clip(normal((N, K)) * 64, -448, 448).astype(fp8_weight.FP8)  # [N, K]: the checkpoint's layout
+            q = fp8_q(k1, (N, K))  # [N, K]: the checkpoint's layout
             scale = jax.random.uniform(k2, (-(-N // 128), -(-K // 128)), jnp.float32, 0.5, 1.5) / (64 * K ** 0.5)
             tail = (jax.random.normal(k2, (K, n_tail), dt) * K ** -0.5).astype(dt) if n_tail else None
             node[name] = fp8_weight.make(q, scale, block_in=128, block_out=128, shape=tuple(shape), tail=tail)
@@ -197,6 +203,6 @@ def random_target(cfg: TextConfig, dtype="float32", seed: int = 0, weights: str 
         elif "norm" in name:  # (1 + w) RMSNorms, q/k norms
             node[name] = (0.1 * normal()).astype(dt)
         else:  # embed (std 1), lm_head, conv: std 1/sqrt(fan_in)
-            node[name] = normal() if name == "embed" else (normal() * shape[0] ** -0.5).astype(dt)
+            node[name] = scaled_normal(k1, tuple(shape), 1.0 if name == "embed" else float(shape[0] ** -0.5))
     nnx.replace_by_pure_dict(state, pure)
     return Target.from_module(nnx.merge(graphdef, state), dt)
