@@ -374,6 +374,7 @@ class Prefill:
         self._on_chunk = on_chunk
         self.n_chunks = len(chunk_bounds(len(ids), chunk, self.skip, grid))
         self._end = self.skip
+        self.chunks_done = 0  # chunks enqueued so far (a group's too)
         self._chunks = padded_chunks(ids, chunk, self.skip, grid)
         self._start_args = (jnp.uint32(seed % (1 << 32)), jnp.asarray(stop_mask), jnp.float32(temperature),
                             jnp.int32(max_new), jnp.int32(min(top_k, cfg.vocab_size)), jnp.float32(top_p),
@@ -413,6 +414,7 @@ class Prefill:
             if drafter is not None:  # the drafter's context cache takes the prompt's features
                 _, self._dcache = drafter.forward(self._dcache, feats, jnp.int32(n), self._blank)
             self._end += n
+            self.chunks_done += 1
             if self._on_chunk is not None:
                 self._on_chunk(self._end, self._cache, self._dcache)
             return False
@@ -420,6 +422,11 @@ class Prefill:
             self._logits[:, 0], self._cache, self._dcache, *self._start_args)
         self._cache = self._dcache = self._logits = None
         return True
+
+    @property
+    def prefilled(self) -> bool:
+        """Every chunk enqueued (the next advance() would run the start)."""
+        return self.state is not None or self.chunks_done >= self.n_chunks
 
     def wait(self) -> None:
         """Block until the chunks enqueued so far have run (for progress reports; `advance` never blocks)."""
@@ -471,6 +478,8 @@ class PrefillGroup:
                                                                        logits="last")
             if drafter is not None:
                 _, self._dcaches = drafter.forward_many(self._dcaches, feats, n, m0._blank)
+            for m in ms:
+                m.chunks_done += 1
             return False
         take = target.bind(("take_member",), lambda: jax.jit(
             lambda tree, i: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False), tree)))
