@@ -148,3 +148,27 @@ def test_remembered_request_end_reaches_the_cold_state(pair):
     bad = dataclasses.replace(end, gdn=next(s for s in pc.snapshots() if s.p == len(P)).gdn)
     wrong, _ = _prefill(pair, Q, start=pc.build(bad, S))
     assert _diff(wrong, cold, len(Q)) > 1e-3
+
+
+def test_generate_with_a_prefix_cache(pair):
+    """`generate(..., prefix_cache=)`: a second call whose prompt extends the first's (prompt + its tokens + new
+    ones) resumes at the first prompt's end, reports it in stats["cached_tokens"], and returns the tokens of a
+    call without the cache; a cache made for another drafter is refused."""
+    import jaxddtree
+    from jaxddtree.speculative.prefix_cache import PrefixCache
+
+    t, d = pair.target, pair.drafter
+    rng = np.random.default_rng(4)
+    P = rng.integers(2, t.config.vocab_size, 120).tolist()
+    kw = dict(drafter=d, method="ddtree", tree_budget=8, max_new_tokens=12, cache_len=S)
+    pc = PrefixCache(t, d, 1 << 30, grid=0)
+    g1 = jaxddtree.generate(t, P, prefix_cache=pc, **kw)
+    assert g1.stats["cached_tokens"] == 0 and [s.p for s in pc.snapshots()] == [len(P)]
+    Q = P + g1.tokens + rng.integers(2, t.config.vocab_size, 20).tolist()
+    g2 = jaxddtree.generate(t, Q, prefix_cache=pc, **kw)
+    cold = jaxddtree.generate(t, Q, **kw)
+    assert g2.stats["cached_tokens"] == len(P) and cold.stats["cached_tokens"] == 0
+    assert g2.tokens == cold.tokens
+    assert sorted(s.p for s in pc.snapshots()) == [len(P), len(Q)]
+    with pytest.raises(ValueError, match="another model"):
+        jaxddtree.generate(t, Q, prefix_cache=PrefixCache(t, None, 1 << 30), **kw)
