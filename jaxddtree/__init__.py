@@ -15,11 +15,11 @@ _EXPORTS = {  # public name -> the module that defines it
     "load_drafter": "jaxddtree.checkpoint.load", "load_target": "jaxddtree.checkpoint.load",
     "Target": "jaxddtree.model.target", "random_target": "jaxddtree.model.target",
     "Generation": "jaxddtree.speculative.loop", "generate": "jaxddtree.speculative.loop",
-    "Drafter": "jaxddtree.model.drafter",
+    "Drafter": "jaxddtree.model.drafter", "PrefixCache": "jaxddtree.speculative.prefix_cache",
 }
 
-__all__ = ["CheckpointError", "ConfigError", "Drafter", "Generation", "Target", "generate", "load_drafter",
-           "TextConfig", "load_config", "load_target", "random_target", "score", "score_tree"]
+__all__ = ["CheckpointError", "ConfigError", "Drafter", "Generation", "PrefixCache", "Target", "generate",
+           "load_drafter", "TextConfig", "load_config", "load_target", "random_target", "score", "score_tree"]
 
 
 def __getattr__(name: str):

@@ -6,6 +6,8 @@ comparisons catch a wrong GDN restore."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -91,3 +93,82 @@ def test_lookup_never_takes_the_whole_prompt_and_evicts_lru(pair):
     pc.set_budget(int(one * 1.5))
     _prefill(pair, Q, on_chunk=pc.recorder(Q))
     assert len(pc) == 1 and np.array_equal(pc.snapshots()[0].ids, Q) and pc.bytes == one
+
+
+def _gdn(cache):
+    from jaxddtree.model.cache import GDNState
+
+    return [x for c in cache.layers if isinstance(c, GDNState) for x in (c.conv, c.recurrent)]
+
+
+def test_remembered_request_end_reaches_the_cold_state(pair):
+    """The end of a finished request (`SlotPool.remember`: its prompt + completion prefilled from the prompt's
+    snapshot, never admitted) is snapshotted with the GDN states and KV a cold prefill of prompt + completion
+    reaches; the agent's next step resumes there and reaches the cold state of its own prompt. Nothing is done
+    without the prompt's snapshot (min_hit) or when the end is already kept."""
+    from jaxddtree.speculative.batch import SlotPool
+    from jaxddtree.speculative.prefix_cache import PrefixCache
+
+    t, d = pair.target, pair.drafter
+    V = t.config.vocab_size
+    rng = np.random.default_rng(3)
+    P, C, new = (rng.integers(2, V, n) for n in (300, 45, 30))
+    PC, Q = np.concatenate([P, C]), np.concatenate([P, C, new])
+    pc = PrefixCache(t, d, 1 << 30, grid=256)
+    pool = SlotPool(t, d, method="ddtree", max_batch=1, cache_len=S, tree_budget=16, prefix_cache=pc)
+    assert pool.remember(PC, min_hit=len(P)) is None  # no snapshot of the prompt: the cost would be all of it
+    _prefill(pair, P, on_chunk=pc.recorder(P), grid=256)
+    lookups = pc.stats["lookups"]
+    rem = pool.remember(PC, min_hit=len(P))
+    assert rem.cached_tokens == len(P) and pc.stats["lookups"] == lookups  # (not counted as a request's)
+    while not rem.prefilled:
+        assert not rem.advance()
+    assert rem._pre.state is None  # its start never ran
+    assert sorted(s.p for s in pc.snapshots()) == [256, 300, 345]
+    end = pc.snapshots()[-1]
+    assert end.p == len(PC) and np.array_equal(end.ids, PC) and end.blocks[0] is pc.snapshots()[0].blocks[0]
+    assert pool.remember(PC, min_hit=len(P)) is None  # kept already
+    # the snapshot holds what a cold prefill of prompt + completion computes (GDN states, attention + drafter KV)
+    cold_pc, _ = _prefill(pair, PC)
+    d_gdn = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip([x for g in end.gdn for x in g], _gdn(cold_pc.cache)))
+    assert d_gdn < 2e-5, d_gdn
+    built = pc.build(end, S)
+    rows = [(x[:, :, :len(PC)], y[:, :, :len(PC)])
+            for x, y in zip(jax.tree.leaves(built), jax.tree.leaves((cold_pc.cache, cold_pc.dcache)))
+            if x.ndim == 4 and x.shape[2] == S]
+    assert len(rows) > 2 and max(float(jnp.max(jnp.abs(x - y))) for x, y in rows) < 2e-5
+    # the next step hits the completion's end and reaches the cold state
+    hit = pc.lookup(Q)
+    assert hit is end
+    warm, lw = _prefill(pair, Q, start=pc.build(hit, S))
+    cold, lc = _prefill(pair, Q)
+    assert _diff(warm, cold, len(Q)) < 2e-5 and float(jnp.max(jnp.abs(lw - lc))) < 2e-5
+    assert int(warm.root[0]) == int(cold.root[0])
+    # (the comparison catches a wrong GDN restore: the prompt end's states in place of the completion end's)
+    bad = dataclasses.replace(end, gdn=next(s for s in pc.snapshots() if s.p == len(P)).gdn)
+    wrong, _ = _prefill(pair, Q, start=pc.build(bad, S))
+    assert _diff(wrong, cold, len(Q)) > 1e-3
+
+
+def test_generate_with_a_prefix_cache(pair):
+    """`generate(..., prefix_cache=)`: a second call whose prompt extends the first's (prompt + its tokens + new
+    ones) resumes at the first prompt's end, reports it in stats["cached_tokens"], and returns the tokens of a
+    call without the cache; a cache made for another drafter is refused."""
+    import jaxddtree
+    from jaxddtree.speculative.prefix_cache import PrefixCache
+
+    t, d = pair.target, pair.drafter
+    rng = np.random.default_rng(4)
+    P = rng.integers(2, t.config.vocab_size, 120).tolist()
+    kw = dict(drafter=d, method="ddtree", tree_budget=8, max_new_tokens=12, cache_len=S)
+    pc = PrefixCache(t, d, 1 << 30, grid=0)
+    g1 = jaxddtree.generate(t, P, prefix_cache=pc, **kw)
+    assert g1.stats["cached_tokens"] == 0 and [s.p for s in pc.snapshots()] == [len(P)]
+    Q = P + g1.tokens + rng.integers(2, t.config.vocab_size, 20).tolist()
+    g2 = jaxddtree.generate(t, Q, prefix_cache=pc, **kw)
+    cold = jaxddtree.generate(t, Q, **kw)
+    assert g2.stats["cached_tokens"] == len(P) and cold.stats["cached_tokens"] == 0
+    assert g2.tokens == cold.tokens
+    assert sorted(s.p for s in pc.snapshots()) == [len(P), len(Q)]
+    with pytest.raises(ValueError, match="another model"):
+        jaxddtree.generate(t, Q, prefix_cache=PrefixCache(t, None, 1 << 30), **kw)

@@ -797,62 +797,89 @@ def cached(pair, server):
 CODE = "".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n\n" for i in range(40))
 
 
-def _complete(client, ids, max_tokens=20):
-    """(text, cached_tokens) of a greedy completion of token ids."""
+def _settle(engine):
+    """Wait until the engine has snapshotted the finished requests' ends (`Engine.remembering`)."""
+    for _ in range(1200):
+        if not engine.remembering():
+            return
+        time.sleep(0.05)
+    raise AssertionError("the finished requests' ends were not snapshotted within 60 s")
+
+
+def _complete(engine, client, ids, max_tokens=20):
+    """(text, cached_tokens) of a greedy completion of token ids (its end snapshotted before it returns)."""
     r = client.completions.create(model="demo", prompt=ids, max_tokens=max_tokens, temperature=0)
+    _settle(engine)
     return r.choices[0].text, r.usage.prompt_tokens_details.cached_tokens
 
 
 def _fresh(engine, client, ids, max_tokens=20):
     """What a freshly started server returns: the text with an empty prefix cache (emptied again after)."""
+    _settle(engine)
     engine.prefix_cache.clear()
-    text, got = _complete(client, ids, max_tokens)
+    text, got = _complete(engine, client, ids, max_tokens)
     engine.prefix_cache.clear()
     assert got == 0
     return text
 
 
 def test_prefix_cache_completions_exact(cached):
-    """A prompt's end and its grid points are snapshotted: the same prompt again hits the grid point below its end
-    (the last prompt token is always recomputed), an agent step (the prompt + the completion + new tokens) hits
-    the previous prompt's end (inside a chunk: 300 is no multiple of 64), a prompt diverging at 280 hits the grid
-    point 256 (a partial match); each text equals a fresh server's, and usage reports the cached tokens."""
+    """A prompt's end and its grid points are snapshotted, and after the request the end of its completion
+    (prompt + completion, `SlotPool.remember`): the same prompt again hits the grid point below its end (the last
+    prompt token is always recomputed), an agent step (the prompt + the completion + new tokens) hits the
+    completion's end, new tokens right after the prompt hit the prompt's end (inside a chunk: 300 is no multiple
+    of 64), a prompt diverging at 280 hits the grid point 256 (a partial match); each text equals a fresh
+    server's, and usage reports the cached tokens."""
     engine, client, ids = cached
     P = ids(CODE)[:300]
     assert len(P) == 300
     first = _fresh(engine, client, P, 24)
     pc = engine.prefix_cache
-    assert _complete(client, P, 24) == (first, 0)
-    assert sorted(s.p for s in pc.snapshots()) == [256, 300] and pc.bytes > 0
+    done = engine.remembered
+    assert _complete(engine, client, P, 24) == (first, 0)
+    assert engine.remembered == done + 1
+    end = pc.snapshots()[-1]
+    assert sorted(s.p for s in pc.snapshots()) == [256, 300, end.p] and end.p > 300 and pc.bytes > 0
+    assert list(end.ids[:300]) == P and engine.tokenizer.decode(list(end.ids[300:])) == first
     assert engine.prefix_cache_bytes() == pc.bytes
-    assert _complete(client, P, 24) == (first, 256)  # the identical prompt: the grid point below its end
-    step = P + ids(first + "\n\ndef g(y):\n    return")
+    assert _complete(engine, client, P, 24) == (first, 256)  # the identical prompt: the grid point below its end
+    assert engine.remembered == done + 1  # (its end is kept already)
+    step = [int(x) for x in end.ids] + ids("\n\ndef g(y):\n    return")
     want = _fresh(engine, client, step, 24)
-    _complete(client, P, 24)
-    assert _complete(client, step, 24) == (want, 300)  # the previous prompt's end
+    _complete(engine, client, P, 24)
+    assert _complete(engine, client, step, 24) == (want, end.p)  # the completion's end
+    other = P + ids("\n\ndef g(y):\n    return")
+    want = _fresh(engine, client, other, 24)
+    _complete(engine, client, P, 24)
+    assert _complete(engine, client, other, 24) == (want, 300)  # the previous prompt's end
     part = P[:280] + ids("class Z:\n    pass\n")
     want = _fresh(engine, client, part, 24)
-    _complete(client, P, 24)
-    assert _complete(client, part, 24) == (want, 256)  # matched to 280, the deepest snapshot below: 256
+    _complete(engine, client, P, 24)
+    assert _complete(engine, client, part, 24) == (want, 256)  # matched to 280, the deepest snapshot below: 256
 
 
 def test_prefix_cache_chat_exact(cached):
-    """A chat's next turn (the first turn, the answer, a new question) hits the first request's prompt end and
-    answers as a fresh server; so does the identical conversation sent again; streamed usage reports it too."""
+    """A chat's next turn (the first turn, the answer, a new question) hits the first request's completion end (a
+    template that renders the answer otherwise than it was generated, e.g. without its reasoning, hits the prompt's
+    end instead) and answers as a fresh server; so does the identical conversation sent again; streamed usage
+    reports it too."""
     engine, client, _ = cached
+    _settle(engine)
     engine.prefix_cache.clear()
     turn1 = [{"role": "user", "content": "Write a parser for this:\n" + CODE[:400]}]
     r1 = client.chat.completions.create(model="demo", messages=turn1, max_tokens=16, temperature=0)
+    _settle(engine)
     assert r1.usage.prompt_tokens_details.cached_tokens == 0
     turn2 = turn1 + [{"role": "assistant", "content": r1.choices[0].message.content},
                      {"role": "user", "content": "Now add tests."}]
 
     def ask(**kw):
         r = client.chat.completions.create(model="demo", messages=turn2, max_tokens=16, temperature=0, **kw)
+        _settle(engine)
         return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens
 
     hit = ask()
-    assert hit[1] == r1.usage.prompt_tokens
+    assert hit[1] == r1.usage.prompt_tokens + r1.usage.completion_tokens  # (the demo's template: as generated)
     engine.prefix_cache.clear()
     fresh = ask()
     assert fresh == (hit[0], 0)
@@ -873,16 +900,16 @@ def test_prefix_cache_eviction_under_pressure(cached, monkeypatch):
     assert A[:4] != B[:4]
     step = A + ids(" # next")
     want = _fresh(engine, client, step)
-    _complete(client, A)
+    _complete(engine, client, A)
     one = pc.bytes
     monkeypatch.setattr(pc, "budget", int(one * 1.5))
-    _complete(client, B)
+    _complete(engine, client, B)
     assert pc.bytes <= pc.budget and pc.stats["evicted"] >= 1
     assert all(s.ids[0] == B[0] for s in pc.snapshots())
-    assert _complete(client, step) == (want, 0)
+    assert _complete(engine, client, step) == (want, 0)
     pc.set_budget(0)  # nothing fits: nothing is kept, the server still answers
     assert len(pc) == 0 and pc.bytes == 0
-    assert _complete(client, step) == (want, 0) and len(pc) == 0
+    assert _complete(engine, client, step) == (want, 0) and len(pc) == 0
 
 
 def test_prefix_cache_shared_prefix_concurrent_and_joining(cached):
@@ -900,7 +927,7 @@ def test_prefix_cache_shared_prefix_concurrent_and_joining(cached):
     long_prompt = ids("import os\nimport sys\n")
     want = [_fresh(engine, client, s) for s in steps]
     want_long = _fresh(engine, client, long_prompt, 600)
-    _complete(client, P)
+    _complete(engine, client, P)
     snap = next(s for s in pc.snapshots() if s.p == 300)
 
     def checksum():
@@ -908,7 +935,7 @@ def test_prefix_cache_shared_prefix_concurrent_and_joining(cached):
                                                                                   [b.kv for b in snap.blocks]))]
     before = checksum()
     with ThreadPoolExecutor(2) as ex:
-        got = list(ex.map(lambda s: _complete(client, s), steps))
+        got = list(ex.map(lambda s: _complete(engine, client, s), steps))
     assert got == [(w, 300) for w in want]
     assert checksum() == before
     # a long request decoding, then a hit joins it (submitted once the long one streams)
@@ -920,7 +947,7 @@ def test_prefix_cache_shared_prefix_concurrent_and_joining(cached):
             if chunk.choices and chunk.choices[0].text:
                 parts.append(chunk.choices[0].text)
                 if joined is None:
-                    joined = ex.submit(_complete, client, steps[0])
+                    joined = ex.submit(_complete, engine, client, steps[0])
             if chunk.choices and chunk.choices[0].finish_reason:
                 spec = chunk.model_extra.get("speculative")
         assert joined.result() == (want[0], 300)

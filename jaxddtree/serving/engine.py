@@ -50,7 +50,21 @@ CPU_AUTO_MAX_BATCH = 4  # ... on a device without memory statistics (the CPU)
 GIB = 1 << 30
 PREFIX_CACHE_SHARE = 0.8  # default prefix cache: this share of the memory the slots leave (the rest: its transients)
 CPU_PREFIX_CACHE_GIB = 1.0  # ... on a device without memory statistics
+REMEMBER = 8  # finished requests waiting for their prompt + completion to be snapshotted, at most (the newest kept)
 _NOTHING = object()  # no job waiting
+
+
+@dataclasses.dataclass
+class _Remember:
+    """A finished request's prompt + completion being prefilled for the prefix cache only (`SlotPool.remember`)."""
+    ids: list[int]
+    pending: Any
+    width: int
+
+
+def _extends(prompt, ids) -> bool:
+    """Whether the token ids `prompt` start with `ids` (and go on)."""
+    return len(prompt) > len(ids) and list(prompt[:len(ids)]) == list(ids)
 
 
 def warmup_printer(prog: str):
@@ -109,6 +123,11 @@ class _JobQueue:
                 n += 1
             return n
 
+    def peek(self):
+        """The job at the head (None: the close sentinel), or _NOTHING when nothing waits."""
+        with self._cv:
+            return self._items[0] if self._items else _NOTHING
+
     def qsize(self) -> int:
         with self._cv:
             return sum(j is not None for j in self._items)
@@ -159,6 +178,7 @@ class _Run:
     budget: Any = None
     peers: int = 1  # most requests running at once while it ran (itself included)
     cached: int = 0  # prompt tokens whose caches were reused (a prefix cache's hit; 0 without one)
+    cut: bool = False  # ended by a stop string (its kept tokens run past the text the client got)
     last: float | None = None  # time of its latest tokens
 
 
@@ -331,6 +351,13 @@ class Engine:
         self.observer = None
         self.busy = False
         self._running = 0  # requests in slots or joining
+        # the end of a finished request (issue 39): its prompt + completion, prefilled from the prompt's end in idle
+        # time and snapshotted (`_remember_step`): (ids, prompt length) of the finished ones, newest last; the one
+        # under way; how many of both (read by `remembering`, from any thread); snapshots made so far
+        self._to_remember: collections.deque = collections.deque()
+        self._remembering: _Remember | None = None
+        self._remember_left = 0
+        self.remembered = 0
         self._thread = threading.Thread(target=self._work, name="jaxddtree-scheduler", daemon=True)
         self._thread.start()
 
@@ -354,6 +381,10 @@ class Engine:
 
     def close(self):
         self._queue.put_nowait(None)
+
+    def remembering(self) -> bool:
+        """Whether finished requests' ends are still to be snapshotted (tests wait for it to settle)."""
+        return self._remember_left > 0
 
     def prefix_cache_bytes(self) -> int:
         """Device bytes the pool's prefix cache holds (0: the pool has none)."""
@@ -388,8 +419,11 @@ class Engine:
         while True:
             self.busy, self._running = bool(runs or joining), len(runs) + len(joining)
             pool = self.pool
+            # 0. a finished request's end into the prefix cache, while no other job waits (`_remember_step`)
+            if not joining and (self._remembering is not None or self._to_remember):
+                self._remember_pick(pool, closing)
             # 1. the next waiting job(s), when a slot is free (blocking when there is nothing else to do)
-            if not joining and not closing and pool.free() > 0:
+            if not joining and self._remembering is None and not closing and pool.free() > 0:
                 try:
                     job = self._queue.get(block=not runs)
                 except queue.Empty:
@@ -410,6 +444,8 @@ class Engine:
             # 2. prefill passes of the joining job(s) (up to prefill_tokens rows; all when no slot decodes), admits
             if joining:
                 joining = self._advance(pool, joining, runs)
+            elif self._remembering is not None:
+                self._remember_step(bool(runs))
             # 3. clients gone
             for h, r in list(runs.items()):
                 if r.job.cancelled.is_set():
@@ -533,6 +569,64 @@ class Engine:
                 runs[m.handle] = m
         return joining
 
+    def _remember_pick(self, pool, closing: bool):
+        """Start snapshotting a finished request's prompt + completion (`SlotPool.remember`: a prefill resumed from
+        its prompt's end, never admitted; its cost is the completion's length) when no job waits, or when the job at
+        the head of the queue extends it (an agent's next step: it waits the few passes and then hits deep); drop
+        the one under way when another job waits (that job goes first) or the server closes."""
+        if closing:
+            if self._remembering is not None:
+                self._remember_done()
+            self._remember_left -= len(self._to_remember)
+            self._to_remember.clear()
+            return
+        head = self._queue.peek()
+        cur = self._remembering
+        if cur is not None:
+            if head is not _NOTHING and (head is None or not _extends(head.prompt_ids, cur.ids)):
+                self._remember_done()
+            return
+        while self._to_remember:
+            if head is _NOTHING:
+                ids, n = self._to_remember[-1]
+            else:
+                ids, n = next(((i, n) for i, n in reversed(self._to_remember)
+                               if head is not None and _extends(head.prompt_ids, i)), (None, 0))
+                if ids is None:
+                    return
+            try:
+                pending = pool.remember(ids, min_hit=n)
+            except Exception as e:  # never fails the server; the next request just hits less deep
+                print(f"jaxddtree.serving: prefix cache: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                pending = None
+            if pending is not None:  # (set before the entry leaves the list: `remembering` stays true)
+                self._remembering = _Remember(ids, pending, int(getattr(pending, "width", 1)))
+            self._to_remember.remove((ids, n))
+            if pending is not None:
+                return
+            self._remember_left -= 1
+
+    def _remember_step(self, decoding: bool):
+        """Prefill passes of the snapshot under way: at most `prefill_tokens` rows while others decode (at least
+        one pass), all of them otherwise; dropped once every chunk is enqueued (the snapshot recorded)."""
+        cur, spent = self._remembering, 0
+        while not cur.pending.prefilled:
+            if decoding and spent and spent + cur.width > self.prefill_tokens:
+                return
+            try:
+                cur.pending.advance()
+            except Exception as e:
+                print(f"jaxddtree.serving: prefix cache: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                self._remember_done()
+                return
+            spent += cur.width
+        self.remembered += 1
+        self._remember_done()
+
+    def _remember_done(self):
+        self._remembering = None
+        self._remember_left -= 1
+
     def _feed(self, r: _Run, u) -> str | None:
         """A slot's update into its job -> the finish reason when the job ends, else None."""
         if r.job.cancelled.is_set():
@@ -553,6 +647,7 @@ class Engine:
                 self._observe("first_token", now - r.job.submitted)
             r.job.push("delta", delta)
         if hit:
+            r.cut = True
             return "stop"
         if new and new[-1] in self.stop_ids:
             return "stop"
@@ -605,6 +700,13 @@ class Engine:
             budget = None
         self.counts["completed"] += 1
         self._observe("finished", finish, self._info(r))
+        if self.prefix_cache is not None and r.kept and not r.cut and hasattr(self.pool, "remember"):
+            # (before the client hears of it: `remembering` is then already true)
+            self._to_remember.append((list(job.prompt_ids) + list(r.kept), len(job.prompt_ids)))
+            self._remember_left += 1
+            if len(self._to_remember) > REMEMBER:
+                self._to_remember.popleft()
+                self._remember_left -= 1
         job.push("done", {
             "finish_reason": finish,
             "usage": self._usage(r),

@@ -193,6 +193,16 @@ class Pending:
         return self._pre.advance()
 
     @property
+    def prefilled(self) -> bool:
+        """Every prefill chunk enqueued (the next advance() would draw the first token)."""
+        return self._pre.prefilled
+
+    @property
+    def width(self) -> int:
+        """Its prefill chunks' rows."""
+        return self._pre.shape[0]
+
+    @property
     def state(self):
         while not self._pre.advance():
             pass
@@ -312,6 +322,31 @@ class SlotPool:
                                top_k=top_k, top_p=top_p, min_p=min_p, start=start, grid=grid, on_chunk=on_chunk)
         return Pending(dataclasses.replace(req, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p),
                        pre, budget, oracle, cached_tokens=hit.p if hit is not None else 0)
+
+    def remember(self, ids, min_hit: int = 0) -> Pending | None:
+        """A prefill of `ids` that is never admitted, only snapshotted by the prefix cache (issue 39: a finished
+        request's prompt + completion, so that the agent's next step, which resends both, resumes at their end; the
+        committed caches of the request itself cannot be used: they hold tokens past a stop id or max_new, and the
+        rounds run after its end overwrite the GDN states). It resumes from the deepest cached prefix and records a
+        snapshot at the end of `ids` (and at the grid's multiples): advance() it until `Pending.prefilled`, then
+        drop it (its start is never run; its caches are one joiner's). None when there is nothing to do: no prefix
+        cache, `ids` already snapshotted, no cached prefix of at least `min_hit` tokens (the prompt's end: the cost
+        stays the completion's length), or `ids` does not fit the pool's caches."""
+        pc = self.prefix_cache
+        ids = check_ids(ids, "ids")
+        if pc is None or pc.budget <= 0 or len(ids) < 2 or pc.contains(ids):
+            return None
+        hit = pc.lookup(ids, count=False)
+        if (hit.p if hit is not None else 0) < int(min_hit):
+            return None
+        chunk, need = loop_lib.capacity(self.target, self.dcfg, self.method, self.budget, len(ids), 1)
+        if need > self.cache_len:
+            return None
+        pre = loop_lib.Prefill(self.target, self.drafter, self.start_plan, ids, chunk, self.cache_len, self.out_len,
+                               seed=0, stop_mask=np.zeros((self.target.config.vocab_size,), bool), temperature=0.0,
+                               max_new=1, start=pc.build(hit, self.cache_len) if hit is not None else None,
+                               grid=pc.grid, on_chunk=pc.recorder(ids, hit))
+        return Pending(Request(ids.tolist(), 1), pre, None, None, cached_tokens=hit.p if hit is not None else 0)
 
     def group(self, pendings) -> None:
         """Prefill these prepared requests (`prefill`, none advanced yet) together: one pass per chunk for all of them

@@ -374,6 +374,7 @@ class Prefill:
         self._on_chunk = on_chunk
         self.n_chunks = len(chunk_bounds(len(ids), chunk, self.skip, grid))
         self._end = self.skip
+        self.chunks_done = 0  # chunks enqueued so far (a group's too)
         self._chunks = padded_chunks(ids, chunk, self.skip, grid)
         self._start_args = (jnp.uint32(seed % (1 << 32)), jnp.asarray(stop_mask), jnp.float32(temperature),
                             jnp.int32(max_new), jnp.int32(min(top_k, cfg.vocab_size)), jnp.float32(top_p),
@@ -413,6 +414,7 @@ class Prefill:
             if drafter is not None:  # the drafter's context cache takes the prompt's features
                 _, self._dcache = drafter.forward(self._dcache, feats, jnp.int32(n), self._blank)
             self._end += n
+            self.chunks_done += 1
             if self._on_chunk is not None:
                 self._on_chunk(self._end, self._cache, self._dcache)
             return False
@@ -420,6 +422,11 @@ class Prefill:
             self._logits[:, 0], self._cache, self._dcache, *self._start_args)
         self._cache = self._dcache = self._logits = None
         return True
+
+    @property
+    def prefilled(self) -> bool:
+        """Every chunk enqueued (the next advance() would run the start)."""
+        return self.state is not None or self.chunks_done >= self.n_chunks
 
     def wait(self) -> None:
         """Block until the chunks enqueued so far have run (for progress reports; `advance` never blocks)."""
@@ -471,6 +478,8 @@ class PrefillGroup:
                                                                        logits="last")
             if drafter is not None:
                 _, self._dcaches = drafter.forward_many(self._dcaches, feats, n, m0._blank)
+            for m in ms:
+                m.chunks_done += 1
             return False
         take = target.bind(("take_member",), lambda: jax.jit(
             lambda tree, i: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False), tree)))
@@ -603,7 +612,8 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
              min_p: float = 0.0, seed: int = 0, stop_ids=None,
              loop: str = "host", sync_every: int = 1, on_tokens: Callable[[list[int]], None] | None = None,
              cache_len: int | None = None, budget_costs=None,
-             on_prefill: Callable[[int, int], None] | None = None, _oracle_tokens=None) -> Generation:
+             on_prefill: Callable[[int, int], None] | None = None, prefix_cache=None,
+             _oracle_tokens=None) -> Generation:
     """Generate up to `max_new_tokens` new tokens after `prompt_ids`.
 
     method: "ar" (autoregressive), "dflash" (chain of the drafter's block) or "ddtree" (best tree of `tree_budget`
@@ -621,6 +631,11 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     passes one capacity for all its requests so that every request reuses one compiled round.
     `on_prefill(done, total)`: called after each prefill chunk has run (prompt tokens in the cache, prompt length),
     for progress on long prompts; each chunk is then waited for (without it the chunks are enqueued back to back).
+    `prefix_cache`: a `speculative.prefix_cache.PrefixCache(target, drafter or None for "ar")` shared by calls: the
+    prompt resumes its prefill from the deepest cached prefix (a copy; the last prompt token is always recomputed)
+    and its end (and grid points) are snapshotted for later calls; `stats["cached_tokens"]`: the prompt tokens
+    taken from it (0 without one). A call whose prompt extends an earlier call's prompt (e.g. prompt + its tokens +
+    new ones) skips that prefix's prefill; at temperature 0 in fp32 it returns what a call without the cache does.
     """
     if method not in METHODS:
         raise ValueError(f"unknown method '{method}' (choose one of {', '.join(METHODS)})")
@@ -654,18 +669,31 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     truncate = sampling and tree_lib.truncates(top_k, top_p, min_p)  # greedy: truncation keeps the argmax
     plan = make_plan(target, dcfg, method, budget, sampling=sampling, truncate=truncate,
                      inject=_oracle_tokens is not None, budgets=table.candidates if auto else ())
+    pc = prefix_cache
+    if pc is not None:
+        if pc.target is not target or pc.drafter is not (drafter if dcfg else None):
+            raise ValueError("prefix_cache holds another model's caches: make it as PrefixCache(target, drafter) "
+                             "(drafter None for method 'ar') with this call's target and drafter")
+        if target.mesh is not None:
+            raise ValueError("prefix_cache needs a target on one device (tp=1)")
+        if S % pc.block:
+            raise ValueError(f"with a prefix_cache, cache_len must be a multiple of {pc.block}, got {S}")
 
     t0 = time.perf_counter()
     dparams = drafter.params if dcfg else None
+    start = on_chunk = hit = None
+    if pc is not None:  # resume from the deepest cached prefix (a copy); snapshot this prompt's end and grid points
+        hit = pc.lookup(ids)
+        start = pc.build(hit, S) if hit is not None else None
+        on_chunk = pc.recorder(ids, hit)
     pre = Prefill(target, drafter if dcfg else None, plan, ids, chunk, S, out_len, seed=seed, stop_mask=stop_mask,
                   temperature=temperature, max_new=max_new, top_k=top_k, top_p=top_p, min_p=min_p,
-                  costs=budget_lib.padded(table) if auto else None)
-    done = 0
+                  costs=budget_lib.padded(table) if auto else None, start=start,
+                  grid=pc.grid if pc is not None else 0, on_chunk=on_chunk)
     while not pre.advance():  # enqueued back to back: nothing is read until the first token
         if on_prefill is not None:
-            done = min(done + chunk, len(ids))
             pre.wait()
-            on_prefill(done, len(ids))
+            on_prefill(pre._end, len(ids))
     state = pre.state
     state = sharding.place(state, target.mesh)
     first_np = int(np.asarray(state.root)[0])
@@ -694,6 +722,7 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
         "tokens_per_s": (n_out - 1) / decode_s if decode_s > 0 and n_out > 1 else 0.0,
         "mean_acceptance_length": float(np.mean(acc)) if acc else 0.0,
         "tree_budget": ("auto" if auto else budget) if method == "ddtree" else None,
+        "cached_tokens": hit.p if hit is not None else 0,
     }
     if auto:  # the candidate chosen per round (budget_lib.CHAIN = 0: chain DFlash) and the cost table used
         chosen = np.asarray(state.auto.chosen)[:n_rounds].tolist()

@@ -150,19 +150,25 @@ class PrefixCache:
                                   digest_size=16).digest()
 
     # ------------------------------------------------------------------------------------ lookup and build
-    def lookup(self, ids) -> Snapshot | None:
-        """The deepest snapshot whose ids are ids[:p] with p <= len(ids) - 1 (marked most recently used), or None."""
+    def lookup(self, ids, count: bool = True) -> Snapshot | None:
+        """The deepest snapshot whose ids are ids[:p] with p <= len(ids) - 1 (marked most recently used), or None.
+        count=False: not counted in `stats` (a lookup that serves no request: `SlotPool.remember`)."""
         ids = np.asarray(ids, np.int64)
-        self.stats["lookups"] += 1
+        self.stats["lookups"] += count
         best = None
         for s in self._snaps.values():
             if s.p < len(ids) and (best is None or s.p > best.p) and np.array_equal(s.ids, ids[:s.p]):
                 best = s
         if best is not None:
             self._snaps.move_to_end(best.key)  # (only the snapshot used: SGLang #31643)
-            self.stats["hits"] += 1
-            self.stats["hit_tokens"] += best.p
+            self.stats["hits"] += count
+            self.stats["hit_tokens"] += best.p * count
         return best
+
+    def contains(self, ids) -> bool:
+        """Whether a snapshot of exactly these token ids (all of them) is kept."""
+        ids = np.asarray(ids, np.int64)
+        return self._key(ids, len(ids), self.digests(ids)) in self._snaps
 
     def build(self, snap: Snapshot, S: int):
         """Fresh caches of S positions holding the snapshot (copies: the snapshot stays as it is) -> (cache,

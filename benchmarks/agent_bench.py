@@ -1,0 +1,305 @@
+#!/usr/bin/env python
+"""Agent benchmark (issue 39): time to first token of an agent step — the previous request's whole prompt + its
+completion + N new tokens — with the prefix cache (the step resumes where the previous request ended) and without
+(a conversation the server has never seen), at 32K and 128K tokens of history, through the OpenAI-compatible
+server (scripts/serve.py's engine and app, on a free 127.0.0.1 port in this process, as benchmarks/serve_bench.py).
+
+    python benchmarks/agent_bench.py --random-27b            # GPU: 27B shapes, writes results/agent_27b_h200.json
+    python benchmarks/agent_bench.py --target DIR --drafter DDIR --histories 32768 --out FILE
+    python benchmarks/agent_bench.py --smoke --out FILE      # CPU: tiny random shapes (checks the script)
+
+Per history H: "fresh" sends a step prompt of H + new tokens that shares nothing with what the server has seen
+(its whole prefill); "cached" first sends the previous request (H - --max-tokens prompt tokens, --max-tokens of
+completion, untimed), then, --pause seconds after its last token, the step: that prompt + the completion's token
+ids + new tokens (the server snapshots the end of the finished request while nothing else waits, so the step
+resumes at its end). TTFT is measured by the client, from sending the request to the first streamed text, queue
+and prefill included; `cached_tokens` is the server's `usage.prompt_tokens_details.cached_tokens`. Every prompt
+is token ids (/v1/completions), random and distinct per conversation; with --random-27b (and --smoke) the
+tokenizer maps each id to one code point and back, so the completion's ids are exact. An untimed cycle at the
+shortest history runs first (anything left to compile or allocate). The client is the `openai` package when it
+is importable, else plain HTTP (urllib); --client picks one.
+
+With --random-27b the pair has random weights (the figures measure prefill / restore time at 27B shapes, not
+DDTree's speed-up). The results JSON: ttft_s {"32768": {"fresh", "cached"}, "131072": {...}} (the median of
+--repeats runs), every run's figures, cached_tokens, the settings, date and device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results", "agent_27b_h200.json")
+CODE_BASE = 0x10000  # IdTokenizer: token id i <-> the code point CODE_BASE + i (no surrogates below 248320 ids)
+
+
+def serve_module():
+    spec = importlib.util.spec_from_file_location("serve_script", os.path.join(ROOT, "scripts", "serve.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class IdTokenizer:
+    """One code point per token id, both ways (so the client recovers the completion's exact ids from its text)."""
+
+    eos_token_id = None
+    chat_template = None
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = int(vocab_size)
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) - CODE_BASE for c in text]
+
+    def decode(self, ids, **_) -> str:
+        return "".join(chr(CODE_BASE + int(i)) for i in ids if 0 <= int(i) < self.vocab_size)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = serve_module().build_parser()
+    p.prog = "agent_bench.py"
+    p.set_defaults(max_batch=1)  # one agent
+    p.add_argument("--random-27b", action="store_true", help="random weights of the Qwen3.6-27B + DFlash shapes")
+    p.add_argument("--histories", type=int, nargs="+", default=[32768, 131072], metavar="H",
+                   help="tokens of history (previous prompt + its completion) (default: 32768 131072)")
+    p.add_argument("--new-tokens", type=int, default=1024, help="tokens the step adds (default: 1024)")
+    p.add_argument("--max-tokens", type=int, default=256, help="the previous request's completion (default: 256)")
+    p.add_argument("--step-max-tokens", type=int, default=8, help="the step's completion (default: 8)")
+    p.add_argument("--pause", type=float, default=0.0, metavar="S", help="seconds between the previous request's "
+                   "end and the step (the agent's tool time; default 0: the snapshot's prefill may be in the TTFT)")
+    p.add_argument("--repeats", type=int, default=1, help="runs per history and kind (the median is reported)")
+    p.add_argument("--client", choices=("auto", "openai", "urllib"), default="auto")
+    p.add_argument("--smoke", action="store_true", help="CPU check of the script: tiny random shapes, histories "
+                   "192 320, 48 new tokens, 8-token completions")
+    p.add_argument("--out", default=None, help=f"results JSON (default with --random-27b: {DEFAULT_OUT}; none with "
+                   "--smoke)")
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.random_27b = True
+        args.histories, args.new_tokens, args.max_tokens, args.step_max_tokens = [192, 320], 48, 8, 4
+    if min(args.histories) <= args.max_tokens + 1 or args.new_tokens < 1 or args.max_tokens < 1 \
+            or args.step_max_tokens < 1 or args.repeats < 1:
+        p.error("every history must exceed --max-tokens + 1; --new-tokens, --max-tokens, --step-max-tokens and "
+                "--repeats must be >= 1")
+    if args.out is None and args.random_27b and not args.smoke:
+        args.out = DEFAULT_OUT
+    need = max(args.histories) + args.new_tokens + max(args.max_tokens, args.step_max_tokens)
+    args.max_context = max(args.max_context or 0, need)
+    args.lengths = sorted({n for h in args.histories for n in (h - args.max_tokens, h, h + args.new_tokens)})
+    return args
+
+
+def build_engine(args):
+    """The Engine: random 27B-shaped bf16 weights (bench.py's shapes; --smoke: its tiny ones in fp32) with an
+    IdTokenizer, or scripts/serve.py's (a checkpoint, the demo pair); warmed up for this run's prompt lengths."""
+    from jaxddtree.serving.engine import warmup_printer
+
+    if not args.random_27b:
+        engine = serve_module().load_engine(args)  # (its own warm-up)
+        return engine
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import jax
+    import jax.numpy as jnp
+    import bench
+    from jaxddtree import compile_cache
+    from jaxddtree.model.config import text_config_from_dict
+    from jaxddtree.model.drafter_config import DrafterConfig
+    from jaxddtree.model.target import random_target
+    from jaxddtree.serving import Engine
+
+    compile_cache.enable(args.compile_cache, "agent_bench.py")
+    raw, dflash, dtype = dict(bench.QWEN36_27B), dict(bench.DFLASH_27B), "bfloat16"
+    if args.smoke:
+        raw.update(bench.SMOKE_TARGET)
+        dflash.update(bench.SMOKE_DFLASH)
+        dtype = "float32"
+    target = random_target(text_config_from_dict(raw, where="Qwen3.6-27B shapes"), dtype)
+    target.kernels = args.kernels or ("xla" if jax.default_backend() == "cpu" else "pallas")
+    drafter = bench.random_drafter(DrafterConfig(**dflash), jnp.dtype(dtype))
+    tok = IdTokenizer(target.config.vocab_size)
+    engine = Engine(target, drafter, tok, name="random-27b", method=args.method or "ddtree", budget=args.budget,
+                    max_context=args.max_context, queue_size=args.queue, default_max_tokens=args.default_max_tokens,
+                    max_batch=args.max_batch, prefill_tokens=args.prefill_tokens,
+                    prefix_cache_gb=args.prefix_cache_gb, prefix_cache_grid=args.prefix_cache_grid)
+    t = time.perf_counter()
+    engine.warmup([1, 2, 3], sampling=False, progress=warmup_printer("agent_bench.py"), lengths=args.lengths)
+    print(f"agent_bench.py: compiled in {time.perf_counter() - t:.1f} s; max_batch {engine.max_batch}, prefix cache "
+          f"{engine.prefix_cache_budget / (1 << 30):.1f} GiB, memory {engine.memory}", flush=True)
+    return engine
+
+
+def start_server(engine):
+    """uvicorn over the engine's app on a free 127.0.0.1 port, in a thread -> (base url, stop())."""
+    import uvicorn
+    from jaxddtree.serving import create_app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.05)
+
+    def stop():
+        srv.should_exit = True
+        thread.join(30)
+        engine.close()
+    return f"http://127.0.0.1:{port}/v1", stop
+
+
+def _fields(usage) -> tuple[int, int]:
+    """(cached_tokens, completion_tokens) of a usage object or dict."""
+    if usage is None:
+        return 0, 0
+    if not isinstance(usage, dict):
+        usage = usage.model_dump() if hasattr(usage, "model_dump") else dict(usage)
+    details = usage.get("prompt_tokens_details") or {}
+    return int(details.get("cached_tokens") or 0), int(usage.get("completion_tokens") or 0)
+
+
+def complete_openai(base: str, model: str, ids, max_tokens: int) -> dict:
+    import openai
+    client = openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=3600)
+    t0 = time.perf_counter()
+    ttft, parts, usage = None, [], None
+    stream = client.completions.create(model=model, prompt=list(ids), max_tokens=max_tokens, temperature=0,
+                                       stream=True, stream_options={"include_usage": True})
+    for chunk in stream:
+        text = chunk.choices[0].text if chunk.choices else None
+        if text:
+            ttft = ttft if ttft is not None else time.perf_counter() - t0
+            parts.append(text)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    return {"ttft_s": ttft, "wall_s": time.perf_counter() - t0, "text": "".join(parts), "usage": usage}
+
+
+def complete_urllib(base: str, model: str, ids, max_tokens: int) -> dict:
+    import urllib.request
+    body = {"model": model, "prompt": [int(i) for i in ids], "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(base + "/completions", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", "Authorization": "Bearer none"})
+    t0 = time.perf_counter()
+    ttft, parts, usage = None, [], None
+    with urllib.request.urlopen(req, timeout=3600) as resp:
+        for raw in resp:
+            line = raw.decode("utf-8").strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            obj = json.loads(data)
+            if "error" in obj:
+                raise RuntimeError(f"the server failed the request: {obj['error']}")
+            text = obj["choices"][0].get("text") if obj.get("choices") else None
+            if text:
+                ttft = ttft if ttft is not None else time.perf_counter() - t0
+                parts.append(text)
+            if obj.get("usage"):
+                usage = obj["usage"]
+    return {"ttft_s": ttft, "wall_s": time.perf_counter() - t0, "text": "".join(parts), "usage": usage}
+
+
+def pick_client(name: str):
+    if name == "openai" or (name == "auto" and importlib.util.find_spec("openai") is not None):
+        return "openai", complete_openai
+    return "urllib", complete_urllib
+
+
+def agent_runs(complete, base, model, tok, H: int, args, seed: int) -> dict:
+    """One history H: fresh (a never-seen step prompt) and cached (the previous request, then its step)."""
+    import numpy as np
+    vocab = tok.vocab_size if hasattr(tok, "vocab_size") else 32000
+    rng = np.random.default_rng(seed)
+    lo = min(1000, vocab // 4)  # (away from the lowest ids: special tokens of a real tokenizer)
+
+    def rand(n):
+        return rng.integers(lo, vocab, n).tolist()
+
+    from jaxddtree.text import encode_text
+    fresh = complete(base, model, rand(H + args.new_tokens), args.step_max_tokens)
+    prev = rand(H - args.max_tokens)
+    first = complete(base, model, prev, args.max_tokens)
+    completion = encode_text(tok, first["text"])
+    time.sleep(args.pause)
+    step = prev + completion + rand(args.new_tokens)
+    cached = complete(base, model, step, args.step_max_tokens)
+    out = {"history": len(prev) + len(completion), "step_prompt_tokens": len(step)}
+    for k, r in (("fresh", fresh), ("previous", first), ("cached", cached)):
+        c, n = _fields(r["usage"])
+        out[k] = {"ttft_s": r["ttft_s"], "wall_s": r["wall_s"], "cached_tokens": c, "completion_tokens": n}
+    return out
+
+
+def main(argv=None) -> int:
+    if ROOT not in sys.path:  # this checkout's jaxddtree, installed or not
+        sys.path.insert(0, ROOT)
+    args = parse_args(argv)
+    missing = [m for m in ("uvicorn", "fastapi") if importlib.util.find_spec(m) is None]
+    if missing:  # before the model is built and compiled (minutes at 27B)
+        print(f"agent_bench.py: needs {', '.join(missing)} (pip install -e '.[serve]')", file=sys.stderr)
+        return 2
+    client_name, complete = pick_client(args.client)
+    engine = build_engine(args)
+    if engine.prefix_cache is None:
+        print("agent_bench.py: warning: the server has no prefix cache (--prefix-cache-gb 0 or --tp > 1)",
+              file=sys.stderr, flush=True)
+    base, stop = start_server(engine)
+    import jax
+    try:
+        agent_runs(complete, base, engine.name, engine.tokenizer, min(args.histories), args, seed=0)  # untimed
+        runs = {str(h): [] for h in args.histories}
+        for rep in range(args.repeats):
+            for i, h in enumerate(args.histories):
+                r = agent_runs(complete, base, engine.name, engine.tokenizer, h, args, seed=1 + rep * 100 + i)
+                runs[str(h)].append(r)
+                print(f"history {h:7d}: TTFT fresh {r['fresh']['ttft_s']:.3f} s, cached {r['cached']['ttft_s']:.3f} "
+                      f"s ({r['cached']['cached_tokens']} of {r['step_prompt_tokens']} prompt tokens cached)",
+                      flush=True)
+    finally:
+        stop()
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    dev = jax.devices()[0]
+    record = {
+        "ttft_s": {h: {k: med([r[k]["ttft_s"] for r in rs]) for k in ("fresh", "cached")} for h, rs in runs.items()},
+        "cached_tokens": {h: med([r["cached"]["cached_tokens"] for r in rs]) for h, rs in runs.items()},
+        "runs": runs,
+        "settings": {"model": engine.name, "method": engine.method, "budget": engine.budget,
+                     "new_tokens": args.new_tokens, "previous_max_tokens": args.max_tokens,
+                     "step_max_tokens": args.step_max_tokens, "pause_s": args.pause, "repeats": args.repeats,
+                     "max_context": engine.max_context, "max_batch": engine.max_batch,
+                     "prefill_tokens": engine.prefill_tokens, "prefix_cache_gib":
+                     engine.prefix_cache_budget / (1 << 30), "prefix_cache_grid": args.prefix_cache_grid,
+                     "client": client_name, "smoke": args.smoke},
+        "date": time.strftime("%Y-%m-%d"), "device": getattr(dev, "device_kind", str(dev)),
+        "backend": jax.default_backend(),
+    }
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+        print(f"agent_bench.py: wrote {args.out}", flush=True)
+    print(json.dumps({k: record[k] for k in ("ttft_s", "cached_tokens", "date", "device")}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
