@@ -112,24 +112,12 @@ def build_engine(args):
         engine = serve_module().load_engine(args)  # (its own warm-up)
         return engine
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    import jax
-    import jax.numpy as jnp
     import bench
     from jaxddtree import compile_cache
-    from jaxddtree.model.config import text_config_from_dict
-    from jaxddtree.model.drafter_config import DrafterConfig
-    from jaxddtree.model.target import random_target
     from jaxddtree.serving import Engine
 
     compile_cache.enable(args.compile_cache, "agent_bench.py")
-    raw, dflash, dtype = dict(bench.QWEN36_27B), dict(bench.DFLASH_27B), "bfloat16"
-    if args.smoke:
-        raw.update(bench.SMOKE_TARGET)
-        dflash.update(bench.SMOKE_DFLASH)
-        dtype = "float32"
-    target = random_target(text_config_from_dict(raw, where="Qwen3.6-27B shapes"), dtype)
-    target.kernels = args.kernels or ("xla" if jax.default_backend() == "cpu" else "pallas")
-    drafter = bench.random_drafter(DrafterConfig(**dflash), jnp.dtype(dtype))
+    target, drafter = bench.random_pair(args.smoke, args.kernels)
     tok = IdTokenizer(target.config.vocab_size)
     engine = Engine(target, drafter, tok, name="random-27b", method=args.method or "ddtree", budget=args.budget,
                     max_context=args.max_context, queue_size=args.queue, default_max_tokens=args.default_max_tokens,

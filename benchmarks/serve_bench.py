@@ -115,13 +115,8 @@ def random_27b_engine(args):
     """An Engine over random Qwen3.6-27B / DFlash-shaped bf16 weights (benchmarks/bench.py's shapes)."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     sys.path.insert(0, ROOT)
-    import jax
-    import jax.numpy as jnp
     import bench
     from jaxddtree.checkpoint.builtin import ByteTokenizer
-    from jaxddtree.model.config import text_config_from_dict
-    from jaxddtree.model.drafter_config import DrafterConfig
-    from jaxddtree.model.target import random_target
     from jaxddtree.serving import Engine
     from jaxddtree.text import encode_text
 
@@ -131,14 +126,7 @@ def random_27b_engine(args):
 
     from jaxddtree import compile_cache  # as serve.py: reuse compilations across runs
     compile_cache.enable(args.compile_cache, "serve_bench.py")
-    raw, dflash, dtype = dict(bench.QWEN36_27B), dict(bench.DFLASH_27B), "bfloat16"
-    if args.smoke:  # bench.py's tiny shapes (the code path on the CPU)
-        raw.update(bench.SMOKE_TARGET)
-        dflash.update(bench.SMOKE_DFLASH)
-        dtype = "float32"
-    target = random_target(text_config_from_dict(raw, where="Qwen3.6-27B shapes"), dtype)
-    target.kernels = args.kernels or ("xla" if jax.default_backend() == "cpu" else "pallas")
-    drafter = bench.random_drafter(DrafterConfig(**dflash), jnp.dtype(dtype))
+    target, drafter = bench.random_pair(args.smoke, args.kernels)
     tok = PrintableTokenizer()
     engine = Engine(target, drafter, tok, name="random-27b", method=args.method or "ddtree", budget=args.budget,
                     max_context=args.max_context or 8192, queue_size=args.queue,

@@ -39,34 +39,25 @@ value. GET /metrics: Prometheus text format. See README.md, "Serving"."""
 API_KEY_ENV = "JAXDDTREE_API_KEY"
 
 
-def positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
+def checked(cast, ok, rule: str):
+    """An argparse type: `cast(text)` ("expected an integer/a number" otherwise) for which `ok` holds ("must be
+    <rule>" otherwise), each error one line (as generate.py's)."""
+    noun = "an integer" if cast is int else "a number"
+
+    def parse(text: str):
+        try:
+            v = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {noun}, got '{text}'") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return v
+    return parse
 
 
-def nonneg_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got '{text}'") from None
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got '{text}'")
-    return v
-
-
-def port_arg(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
-    if not 0 <= v <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in [0, 65535] (0 = any free port), got {v}")
-    return v
+positive_int = checked(int, lambda v: v >= 1, ">= 1")
+nonneg_float = checked(float, lambda v: v >= 0, ">= 0")
+port_arg = checked(int, lambda v: 0 <= v <= 65535, "in [0, 65535] (0 = any free port)")
 
 
 def budget_arg(text: str):
