@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
+
+try:
+    from jaxddtree import cli_args  # argparse types; light (no jax)
+except ImportError:  # run from a checkout without installing
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from jaxddtree import cli_args
 
 PROG = "generate.py"
 
@@ -50,34 +55,13 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def checked(cast, ok, rule: str):
-    """An argparse type: `cast(text)` ("expected an integer/a number" otherwise) for which `ok` holds ("must be
-    <rule>" otherwise), each error one line."""
-    noun = "an integer" if cast is int else "a number"
-
-    def parse(text: str):
-        try:
-            v = cast(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {noun}, got '{text}'") from None
-        if not ok(v):
-            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
-        return v
-    return parse
+positive_int, non_negative_int, finite_non_negative = (
+    cli_args.positive_int, cli_args.non_negative_int, cli_args.finite_non_negative)
+top_p_value = cli_args.checked(float, lambda v: 0 < v <= 1, "in (0, 1] (1 = off)")
+min_p_value = cli_args.checked(float, lambda v: 0 <= v < 1, "in [0, 1) (0 = off)")
 
 
-positive_int = checked(int, lambda v: v >= 1, ">= 1")
-non_negative_int = checked(int, lambda v: v >= 0, ">= 0 (0 = off)")
-finite_non_negative = checked(float, lambda v: 0 <= v < math.inf, "a finite number >= 0")
-top_p_value = checked(float, lambda v: 0 < v <= 1, "in (0, 1] (1 = off)")
-min_p_value = checked(float, lambda v: 0 <= v < 1, "in [0, 1) (0 = off)")
-
-
-def budget_arg(text: str):
-    """--budget: 'auto' or an integer >= 1."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    return positive_int(text)
+budget_arg = cli_args.auto_or_positive_int
 
 
 def id_list(text: str) -> list[int]:

@@ -11,6 +11,12 @@ import socket
 import sys
 import time
 
+try:
+    from jaxddtree import cli_args  # argparse types; light (no jax)
+except ImportError:  # run from a checkout without installing
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from jaxddtree import cli_args
+
 EPILOG = """\
 examples:
   # the demo pair in demo/ on http://127.0.0.1:8000
@@ -39,39 +45,8 @@ value. GET /metrics: Prometheus text format. See README.md, "Serving"."""
 API_KEY_ENV = "JAXDDTREE_API_KEY"
 
 
-def checked(cast, ok, rule: str):
-    """An argparse type: `cast(text)` ("expected an integer/a number" otherwise) for which `ok` holds ("must be
-    <rule>" otherwise), each error one line (as generate.py's)."""
-    noun = "an integer" if cast is int else "a number"
-
-    def parse(text: str):
-        try:
-            v = cast(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {noun}, got '{text}'") from None
-        if not ok(v):
-            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
-        return v
-    return parse
-
-
-positive_int = checked(int, lambda v: v >= 1, ">= 1")
-nonneg_float = checked(float, lambda v: v >= 0, ">= 0")
-port_arg = checked(int, lambda v: 0 <= v <= 65535, "in [0, 65535] (0 = any free port)")
-
-
-def budget_arg(text: str):
-    """--budget: 'auto' or an integer >= 1."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    return positive_int(text)
-
-
-def max_batch_arg(text: str):
-    """--max-batch: 'auto' or an integer >= 1."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    return positive_int(text)
+positive_int, nonneg_float, port_arg = cli_args.positive_int, cli_args.non_negative_float, cli_args.port
+budget_arg = max_batch_arg = cli_args.auto_or_positive_int
 
 
 def build_parser() -> argparse.ArgumentParser:
