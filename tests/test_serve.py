@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import queue
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,33 +20,12 @@ MAX_CONTEXT = 1024
 MAX_BATCH = 4  # the real server's slots: the concurrent tests run batched rounds of 2 and 4 slots
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(engine):
     """A uvicorn server over `engine` on a free port in a thread -> (base url, stop())."""
-    import uvicorn
-
+    from helpers_serve import serve_app
     from jaxddtree.serving import create_app
 
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    for _ in range(200):
-        if srv.started:
-            break
-        time.sleep(0.05)
-    assert srv.started, "the server did not start"
-
-    def stop():
-        srv.should_exit = True
-        thread.join(10)
-        engine.close()
-    return f"http://127.0.0.1:{port}", stop
+    return serve_app(create_app(engine), on_stop=engine.close)
 
 
 def _pool_factory():

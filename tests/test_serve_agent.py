@@ -6,8 +6,6 @@ usage.prompt_tokens_details.cached_tokens, and /metrics in Prometheus' text form
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 
 import pytest
@@ -41,9 +39,8 @@ ARGS = {"path": "a.py", "line": 12, "dry_run": True, "text": "x = '</parameter>'
 def served():
     """(base url, engine, script): a server with API keys over a scripted pool; script["text"] is what it
     'generates' for every request (4 tokens a round)."""
-    import uvicorn
-
     from helpers_pool import FakePool, ScriptedPool
+    from helpers_serve import serve_app
     from jaxddtree.checkpoint import builtin
     from jaxddtree.serving import Engine, create_app
 
@@ -54,22 +51,9 @@ def served():
                     max_context=1024, queue_size=8, max_batch=2, pool_factory=FakePool)
     script = {"text": "Hello."}
     engine.pool = ScriptedPool(engine, lambda prompt: script["text"], per_round=4)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(create_app(engine, api_keys=KEYS), host="127.0.0.1", port=port,
-                                        log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    for _ in range(200):
-        if srv.started:
-            break
-        time.sleep(0.05)
-    assert srv.started
-    yield f"http://127.0.0.1:{port}", engine, script
-    srv.should_exit = True
-    thread.join(10)
-    engine.close()
+    base, stop = serve_app(create_app(engine, api_keys=KEYS), on_stop=engine.close)
+    yield base, engine, script
+    stop()
 
 
 @pytest.fixture
