@@ -272,7 +272,8 @@ def main():
         save()
     if "sweep" in sections:
         sweep(shapes, tuple(args.sweep_rows or rows), args.smoke, time.perf_counter() + args.time_budget_s)
-        km.CONFIGS.update(table(args.smoke)["configs"])  # the step below runs this run's winners
+        # the step below runs this run's winners
+        km.CONFIGS.update({key: km.Config(**c) for key, c in table(args.smoke)["configs"].items()})
         save()
     if "step" in sections:
         log("== step: the decode step's fp8 matrices in a device loop")

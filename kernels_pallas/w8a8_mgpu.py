@@ -140,8 +140,7 @@ def default_config(M: int, K: int, N: int, block_out: int = 128) -> Config:
     """The sweep's winner for (row tile, K, N) (`CONFIGS`) where it fits this call, else a rule: block_n 128 up
     to 64 token rows (64 beyond: two fp32 [block_n, Mc] register tiles per thread), split-K until the grid has
     ≥ 1.5 waves of 132 CTAs, 4 stages (fewer where 2 CTAs per SM would not fit)."""
-    if isinstance(c := CONFIGS.get(table_key(M, K, N)) if isinstance(CONFIGS, dict) else None, dict):
-        c = Config(**c)
+    c = CONFIGS.get(table_key(M, K, N))
     if c is not None and block_out % c.block_n == 0 and N % c.block_n == 0:
         return c
     Mc, nr = rows_plan(M)
