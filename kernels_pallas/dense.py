@@ -45,10 +45,13 @@ __all__ = ["dense", "dense_reference", "default_config", "fit_config", "smem_byt
 N_SM = 132  # H200
 
 
-def dense_reference(x, w, gate=None, residual=None):
-    """y = x @ w with fp32 accumulation, in x.dtype. x [M, K], w [K, N].
+def dense_reference(x, w, gate=None, residual=None, *, layer=None):
+    """y = x @ w with fp32 accumulation, in x.dtype. x [M, K], w [K, N] (or, with `layer`, one layer's weight of
+    the stacked w [L, K, N]: w[layer], an int32 scalar; the kernel reads it in place, no slice copied).
 
     gate [M, K]: x -> rounded(x · gate) first; residual [M, N]: y -> rounded(residual + y) (residual's dtype)."""
+    if layer is not None:
+        w = w[layer]
     if gate is not None:
         x = rounded(f32(x) * f32(gate), x.dtype)
     y = rounded(jnp.dot(x, w, preferred_element_type=jnp.float32), x.dtype)
@@ -169,9 +172,11 @@ def store_tile(o_ref, acc, t: Tile, M: int, Mp: int, bn: int, split: int):
                    mask=t.m_ok[:, None] & t.n_ok[None, :])
 
 
-def _kernel(*refs, M, K, N, Mp, bn, bk, nk, split, has_gate, has_res, act, interpret):
+def _kernel(*refs, M, K, N, Mp, bn, bk, nk, split, has_layer, has_gate, has_res, act, interpret):
     it = iter(refs)
+    l_ref = next(it) if has_layer else None
     x_ref, w_ref = next(it), next(it)
+    lw = (l_ref[0],) if has_layer else ()  # one layer of the stacked weight, addressed in place
     g_ref = next(it) if has_gate else None
     r_ref = next(it) if has_res else None
     o_ref = next(it)
@@ -186,10 +191,10 @@ def _kernel(*refs, M, K, N, Mp, bn, bk, nk, split, has_gate, has_res, act, inter
 
     def load_w(k0):
         if not (mask_n or mask_k):
-            return w_ref[pl.ds(k0, bk), pl.ds(n0, bn)]
+            return w_ref[(*lw, pl.ds(k0, bk), pl.ds(n0, bn))]
         kk = k0 + jnp.arange(bk, dtype=jnp.int32)
         msk = (kk < K)[:, None] & n_ok[None, :]
-        return pltr.load(w_ref.at[kk[:, None], cols[None, :]], mask=msk, other=0)
+        return pltr.load(w_ref.at[(*lw, kk[:, None], cols[None, :])], mask=msk, other=0)
 
     def load_rows(ref, k0, kmask):  # [Mp, bk] of an [M, K] operand; rows >= M (and k >= K) read as 0
         kk = k0 + jnp.arange(bk, dtype=jnp.int32)
@@ -228,12 +233,14 @@ def _kernel(*refs, M, K, N, Mp, bn, bk, nk, split, has_gate, has_res, act, inter
 
 @functools.partial(jax.jit, static_argnames=("reduce", "interpret", "block_n", "block_k", "split_k", "num_warps",
                                              "num_stages", "target_programs", "smem_limit"))
-def dense(x, w, gate=None, residual=None, *,
+def dense(x, w, gate=None, residual=None, *, layer=None,
           reduce: bool = True, interpret: bool = False, block_n: int | None = None, block_k: int | None = None,
           split_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
           target_programs: int = 4 * N_SM, smem_limit: int | None = None):
     """y[M, N] = x[M, K] @ w[K, N], fp32 accumulation, in x.dtype. Any leading dims of x (and of gate /
-    residual, which have x's / y's shape) are flattened. gate / residual: see `dense_reference`.
+    residual, which have x's / y's shape) are flattened. gate / residual / layer: see `dense_reference` (layer:
+    the kernel reads layer `layer` of the stacked w [L, K, N] in place, so that a `lax.scan` over layers passes
+    the whole stack and no weight slice is copied).
 
     reduce=False: return the split-K partials [S, M, N] unsummed (fp32; S = 1: [1, M, N] in x's dtype, already
     rounded) for a consumer kernel that sums them (`ops.decode_row`): no XLA kernel after this one.
@@ -246,15 +253,15 @@ def dense(x, w, gate=None, residual=None, *,
     M = x.shape[0]
     act = x.dtype
     assert reduce or residual is None
-    K2, N = w.shape
-    assert K2 == K, (x.shape, w.shape)
+    K2, N = w.shape[-2:]
+    assert K2 == K and w.ndim == (2 if layer is None else 3), (x.shape, w.shape, layer)
     cfg = default_config(M, K, N, block_n=block_n, block_k=block_k, target_programs=target_programs)
     cfg = fit_config(cfg, M, K, x.dtype, w.dtype, num_stages, has_gate=gate is not None, limit=smem_limit)
     bn, bk = cfg["block_n"], cfg["block_k"]
     assert is_pow2(bn) and is_pow2(bk) and bn >= 16 and bk >= 16, (bn, bk)
     nk, split, nw, ns, Mp = resolve(cfg, M, K, split_k, num_warps, None)
     out_dtype = act if split == 1 else jnp.float32
-    args = [x, w]
+    args = [x, w] if layer is None else [jnp.asarray(layer, jnp.int32).reshape(1), x, w]
     if gate is not None:
         args.append(gate.reshape(M, K))
     if residual is not None:
@@ -263,7 +270,7 @@ def dense(x, w, gate=None, residual=None, *,
         if split == 1:
             args.append(residual)
     kern = functools.partial(_kernel, M=M, K=K, N=N, Mp=Mp, bn=bn, bk=bk, nk=nk, split=split,
-                             has_gate=gate is not None, has_res=residual is not None and split == 1, act=act,
+                             has_layer=layer is not None, has_gate=gate is not None, has_res=residual is not None and split == 1, act=act,
                              interpret=interpret)
     y = launch(kern, args, M=M, N=N, bn=bn, split=split, out_dtype=out_dtype, num_warps=nw, num_stages=ns,
                interpret=interpret, name="dense_dot")
