@@ -256,13 +256,13 @@ def _perturbed(target, key: str, fn):
     return dataclasses.replace(target, leaves=leaves)
 
 
-PERTURB = {
+PERTURB = {  # (the base model's 4 layers are one group: layer i is groups[i] at stacked index 0)
     # one conv tap of one channel of the first GDN layer, +2%
-    "gdn_conv_tap": ("['layers'][0]['mixer']['conv']", lambda w: w.at[1, 5].multiply(1.02)),
+    "gdn_conv_tap": ("['groups'][0]['mixer']['conv']", lambda w: w.at[0, 1, 5].multiply(1.02)),
     # the decay of one GDN value head, A_log + 0.01
-    "gdn_A_log": ("['layers'][1]['mixer']['A_log']", lambda w: w.at[2].add(0.01)),
+    "gdn_A_log": ("['groups'][1]['mixer']['A_log']", lambda w: w.at[0, 2].add(0.01)),
     # one element of the attention key norm, +0.05
-    "attn_k_norm": ("['layers'][3]['mixer']['k_norm']", lambda w: w.at[0].add(0.05)),
+    "attn_k_norm": ("['groups'][3]['mixer']['k_norm']", lambda w: w.at[0, 0].add(0.05)),
     # one element of the final norm, +0.01
     "final_norm": ("['final_norm']['weight']", lambda w: w.at[7].add(0.01)),
 }

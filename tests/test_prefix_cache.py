@@ -43,8 +43,8 @@ def _diff(a, b, n):
     """Max |a - b| over two states' caches (attention / drafter rows below n)."""
     out = 0.0
     for x, y in zip(jax.tree.leaves((a.cache, a.dcache)), jax.tree.leaves((b.cache, b.dcache))):
-        if x.ndim == 4 and x.shape[2] == S:
-            x, y = x[:, :, :n], y[:, :, :n]
+        if x.ndim >= 4 and x.shape[-2] == S:  # KV [(G,) B, Hkv, S, hd]
+            x, y = x[..., :n, :], y[..., :n, :]
         out = max(out, float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)))))
     return out
 
@@ -133,9 +133,9 @@ def test_remembered_request_end_reaches_the_cold_state(pair):
     d_gdn = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip([x for g in end.gdn for x in g], _gdn(cold_pc.cache)))
     assert d_gdn < 2e-5, d_gdn
     built = pc.build(end, S)
-    rows = [(x[:, :, :len(PC)], y[:, :, :len(PC)])
+    rows = [(x[..., :len(PC), :], y[..., :len(PC), :])
             for x, y in zip(jax.tree.leaves(built), jax.tree.leaves((cold_pc.cache, cold_pc.dcache)))
-            if x.ndim == 4 and x.shape[2] == S]
+            if x.ndim >= 4 and x.shape[-2] == S]
     assert len(rows) > 2 and max(float(jnp.max(jnp.abs(x - y))) for x, y in rows) < 2e-5
     # the next step hits the completion's end and reaches the cold state
     hit = pc.lookup(Q)

@@ -166,8 +166,8 @@ def linear_path_logits(target, jx, cache, parents, tokens) -> np.ndarray:
     rows = np.zeros((BUDGET, P), np.int32)
     for i, pth in enumerate(paths):
         rows[i, :len(pth)] = np.asarray(tokens)[pth]
-    big = jax.tree.map(lambda x: jnp.broadcast_to(x, (BUDGET,) + x.shape[1:]) if x.ndim else jnp.copy(x),
-                       cache)  # fresh buffers: prefill donates its cache
+    big = jax.tree.map(lambda x: jnp.broadcast_to(x, x.shape[:1] + (BUDGET,) + x.shape[2:]) if x.ndim else jnp.copy(x),
+                       cache)  # the batch axis (after the group axis), fresh buffers: prefill donates its cache
     out, _, _, _ = target.prefill(big, jnp.asarray(rows), logits="all")
     out = np.asarray(out)
     return np.stack([out[i, len(paths[i]) - 1] for i in range(n)])

@@ -70,6 +70,25 @@ class TextConfig:
     def gdn_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == GDN)
 
+    @property
+    def group_size(self) -> int:
+        """Layers per layer group: the shortest period of `layer_types` that divides the layer count (Qwen3.6-27B:
+        4, three GDN layers and one attention layer, 16 groups). The model stacks each group position's
+        parameters and caches over the groups and runs one `lax.scan` over them (qwen35.py); a pattern that does
+        not repeat is one group of every layer (a scan of length 1: unrolled)."""
+        return layer_period(self.layer_types)
+
+    @property
+    def num_groups(self) -> int:
+        return self.num_hidden_layers // self.group_size
+
+
+def layer_period(layer_types) -> int:
+    """The shortest p dividing len(layer_types) with layer_types[i] == layer_types[i % p] for every i."""
+    n = len(layer_types)
+    return next(p for p in range(1, n + 1) if n % p == 0 and all(layer_types[i] == layer_types[i % p]
+                                                                 for i in range(n)))
+
 
 def _req(d: dict, key: str, where: str) -> Any:
     if key not in d or d[key] is None:

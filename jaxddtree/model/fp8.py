@@ -59,7 +59,7 @@ class Fp8Weight:
     @property
     def nc(self) -> int:
         """The number of leading contracted axes of `shape` (their product is K)."""
-        K = self.q.shape[1]
+        K = self.q.shape[-1]
         return next(n for n in range(1, len(self.shape) + 1) if math.prod(self.shape[:n]) == K)
 
     def __getitem__(self, key):  # `param[...]` in the modules
@@ -68,6 +68,8 @@ class Fp8Weight:
         raise TypeError("Fp8Weight supports only [...]; dequantize() it first")
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        if self.q.ndim > 2:  # stacked over the layer groups (qwen35.Qwen35): each layer's
+            return jax.vmap(lambda w: w.dequantize(dtype))(self)
         N, K = self.q.shape
         nb = -(-K // self.block_in)
         s = jnp.repeat(jnp.repeat(self.scale[:, :nb].astype(jnp.float32), self.block_out, axis=0), self.block_in,

@@ -2,7 +2,8 @@
 
 Modules are built once (randomly for built-in models, abstractly then filled for checkpoints) and split
 into a graph definition and parameter leaves (`target.Target`); hot paths are `jax.jit` pure functions
-over the leaves and the cache pytree. Every mixer call is `(x, cache_entry, layout) -> (y, cache_entry,
+over the leaves and the cache pytree. The layers are stacked per layer-group position and scanned
+(`Qwen35`). Every mixer call is `(x, cache_entry, layout) -> (y, cache_entry,
 stash)`; `stash` is None except on a tree pass.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxddtree.model.attention import Attention
@@ -40,37 +42,79 @@ class DecoderLayer(nnx.Module):
 
 
 class Qwen35(nnx.Module):
+    """The decoder. Its layers are held as one stacked `DecoderLayer` per position of the layer group
+    (`config.group_size` p; Qwen3.6-27B: 3 GDN + 1 attention): `groups[j]`'s parameters carry a leading [G] axis,
+    layer g·p + j at index g. A forward pass is one `lax.scan` over the G groups (XLA compiles one group, not
+    every layer); the caches are stacked the same way (cache.py)."""
+
     def __init__(self, cfg: TextConfig, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.cfg = cfg
         self.embed = nnx.Param(init_weight(rngs, (cfg.vocab_size, cfg.hidden_size), 1, dtype))  # [V, D]
-        self.layers = nnx.List([DecoderLayer(cfg, t, dtype, rngs) for t in cfg.layer_types])
+        layers = [DecoderLayer(cfg, t, dtype, rngs) for t in cfg.layer_types]  # the random init's order
+        p, groups = cfg.group_size, []
+        for j in range(p):
+            groups.append(stack_modules(layers[j::p]))
+            layers[j::p] = [None] * len(layers[j::p])  # each layer's arrays freed once stacked
+        self.groups = nnx.List(groups)
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
         self.lm_head = nnx.Param(init_weight(rngs, (cfg.hidden_size, cfg.vocab_size), cfg.hidden_size,
                                              dtype))  # [D, V]
 
+    @property
+    def layers(self) -> list[DecoderLayer]:
+        """Each decoder layer as its own module (slices of the stacked parameters: copies; for tests and tools)."""
+        p = len(self.groups)
+        out = []
+        for i in range(self.cfg.num_hidden_layers):
+            graphdef, state = nnx.split(self.groups[i % p])
+            out.append(nnx.merge(graphdef, jax.tree.map(lambda a: a[i // p], state)))
+        return out
+
     def __call__(self, tokens: jax.Array, cache: ModelCache, layout: TokenLayout,
                  feature_layers: tuple[int, ...] = (), logits: str = "all"):
         """tokens [B, T] -> (logits [B, T|1, V] fp32 or None, cache, features [B, T, nF*D] or None,
-        stashes (per-layer tuple, tree pass only)).
+        stashes (tree pass only: per group position, stacked over the groups [G, ...])).
 
-        `logits`: "all" positions, "last" (position num_valid - 1 only) or "none".
-        """
+        `logits`: "all" positions, "last" (position num_valid - 1 only) or "none"."""
         x = self.embed[...][tokens]  # [B, T, D]
-        entries, stashes, feats = [], [], {}
-        for i, layer in enumerate(self.layers):
-            x, c, s = layer(x, cache.layers[i], layout)
-            entries.append(c)
-            stashes.append(s)
-            if i in feature_layers:
-                feats[i] = x
-        features = jnp.concatenate([feats[i] for i in feature_layers], axis=-1) if feature_layers else None
+        p, G = len(self.groups), self.cfg.num_groups
+        parts = [nnx.split(grp) for grp in self.groups]
+        # feature taps: after layer l = g·p + j, x goes to slot f of a buffer (slot nF: the discard slot)
+        nF = len(feature_layers)
+        slots = {}
+        for f, l in enumerate(feature_layers):
+            slots.setdefault(l % p, np.full(G, nF, np.int32))[l // p] = f
+        feats0 = jnp.zeros((nF + 1,) + x.shape, x.dtype) if nF else None
+
+        def body(carry, g):
+            x, caches, feats = carry
+            out, stashes = [], []
+            for j, (graphdef, state) in enumerate(parts):
+                layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[g], state))
+                entry = jax.tree.map(lambda a: a[g], caches[j])
+                x, c, s = layer(x, entry, layout)
+                out.append(caches[j] if c is entry else
+                           jax.tree.map(lambda a, n: jax.lax.dynamic_update_index_in_dim(a, n, g, 0), caches[j], c))
+                stashes.append(s)
+                if j in slots:
+                    feats = jax.lax.dynamic_update_index_in_dim(feats, x, jnp.asarray(slots[j])[g], 0)
+            return (x, tuple(out), feats), (tuple(stashes) if layout.is_tree else None)
+
+        (x, groups, feats), stashes = jax.lax.scan(body, (x, cache.groups, feats0), jnp.arange(G, dtype=jnp.int32))
+        features = jnp.concatenate(list(feats[:nF]), axis=-1) if nF else None
         length = cache.length if layout.is_tree else layout.start + layout.num_valid
-        new_cache = ModelCache(layers=tuple(entries), length=length)
+        new_cache = ModelCache(groups=groups, length=length)
         out = None
         if logits != "none":
             if logits == "last":
                 x = jax.lax.dynamic_slice_in_dim(x, layout.num_valid - 1, 1, axis=1)
             out = dense("btd,dv->btv", x, self.lm_head[...], layout.kernels,
                         norm=self.final_norm.spec).astype(jnp.float32)
-        return out, new_cache, features, (tuple(stashes) if layout.is_tree else None)
+        return out, new_cache, features, stashes
+
+
+def stack_modules(modules: list) -> nnx.Module:
+    """Modules of one structure as one whose parameters are stacked on a new leading axis (in list order)."""
+    graphdef, _ = nnx.split(modules[0])
+    return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(m) for m in modules]))

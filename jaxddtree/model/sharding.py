@@ -142,6 +142,13 @@ def _name(path) -> str:
     return str(keys[-1])
 
 
+def _axis(path) -> int | None:
+    """The split axis of a leaf: its name's, one later under "groups" (stacked over the layer groups)."""
+    axis = _SPLIT[_name(path)]
+    stacked = any(getattr(k, "key", None) == "groups" for k in path)
+    return None if axis is None else axis + stacked
+
+
 def leaf_specs(state) -> list[P]:
     """PartitionSpecs of a Qwen35 state's leaves (flatten order)."""
     out = []
@@ -149,20 +156,21 @@ def leaf_specs(state) -> list[P]:
         name = _name(path)
         if name not in _SPLIT:
             raise ValueError(f"tensor parallelism: no placement rule for parameter '{name}'")
-        out.append(_spec(_SPLIT[name]))
+        out.append(_spec(_axis(path)))
     return out
 
 
 def cache_specs(cache: ModelCache) -> ModelCache:
-    """KV cache [B, Hkv, S, hd] and GDN state [B, Hv, dk, dv] by heads, conv state [B, K-1, C] by channels."""
-    layers = tuple(KVCache(k=P(None, AXIS), v=P(None, AXIS)) if isinstance(c, KVCache)
-                   else GDNState(conv=P(None, None, AXIS), recurrent=P(None, AXIS)) for c in cache.layers)
-    return ModelCache(layers=layers, length=P())
+    """KV cache [G, B, Hkv, S, hd] and GDN state [G, B, Hv, dk, dv] by heads, conv state [G, B, K-1, C] by
+    channels (G: the layer groups, cache.py)."""
+    groups = tuple(KVCache(k=P(None, None, AXIS), v=P(None, None, AXIS)) if isinstance(c, KVCache)
+                   else GDNState(conv=P(None, None, None, AXIS), recurrent=P(None, None, AXIS)) for c in cache.groups)
+    return ModelCache(groups=groups, length=P())
 
 
 def _stash_spec(attention: bool):
-    """A tree-pass stash [B, N, heads|channels, ...]: split on axis 2."""
-    s = P(None, None, AXIS)
+    """A tree-pass stash [G, B, N, heads|channels, ...] (stacked over the layer groups): split on axis 3."""
+    s = P(None, None, None, AXIS)
     return AttentionStash(k=s, v=s) if attention else GDNStash(k=s, W=s, g=s, x=s)
 
 
@@ -240,7 +248,8 @@ class TensorParallel(nnx.Module):
 
         out_specs = (None if logits == "none" else P(None, None, AXIS), cache_specs(cache),
                      P() if feature_layers else None,
-                     tuple(_stash_spec(t == ATTENTION) for t in self.cfg.layer_types) if layout.is_tree else None)
+                     tuple(_stash_spec(t == ATTENTION) for t in self.cfg.layer_types[:self.cfg.group_size])
+                     if layout.is_tree else None)
         # check_vma=False: the Pallas kernels' out_shape carries no varying-axes type (jax 0.11.2 refuses a
         # pallas_call under check_vma=True); the features are replicated because every psum result is
         return jax.shard_map(local, mesh=self.mesh, in_specs=(leaf_specs(state), P(), cache_specs(cache), P()),
@@ -269,7 +278,7 @@ def shard_leaves(cfg: TextConfig, dtype, treedef, leaves: list, tp: int, consume
         order = column_order(cfg, name, tp)
         x = leaves[i]
         if order is not None:
-            x = jnp.take(x, jnp.asarray(order), axis=_SPLIT[name])
+            x = jnp.take(x, jnp.asarray(order), axis=_axis(path))
         placed.append(jax.device_put(x, NamedSharding(mesh, spec)))
         if consume:
             leaves[i] = None

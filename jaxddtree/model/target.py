@@ -154,7 +154,7 @@ FP8_PROJECTIONS = ("w_in", "w_out", "w_qkv", "wo", "w_gate_up", "w_down")
 
 def random_target(cfg: TextConfig, dtype="float32", seed: int = 0, weights: str = "bf16", tp: int = 1) -> Target:
     """A target with random weights. weights="fp8": the FP8_PROJECTIONS are `Fp8Weight`s (random e4m3 values,
-    compact 128x128 block scales, GDN w_in's b | a as the plain tail), made leaf by leaf on the device without
+    compact 128x128 block scales, GDN w_in's b | a as the plain tail; stacked over the layer groups), made leaf by leaf on the device without
     ever materialising the model in `dtype` (benchmarks: device memory of the fp8 model). `tp` > 1 splits the
     (bf16) weights over the first tp devices (model/sharding.py)."""
     sharding.check_tp(cfg, tp)
@@ -166,6 +166,7 @@ def random_target(cfg: TextConfig, dtype="float32", seed: int = 0, weights: str 
     if weights != "fp8":
         raise ValueError(f"unknown weights '{weights}' (bf16 or fp8)")
     from jaxddtree.model import fp8 as fp8_weight
+    from kernels_pallas.w8a8_mgpu import scale_cols
 
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Qwen35(cfg, dtype=dt, rngs=nnx.Rngs(seed))))
     pure = nnx.to_pure_dict(state)
@@ -185,15 +186,19 @@ def random_target(cfg: TextConfig, dtype="float32", seed: int = 0, weights: str 
         k1, k2 = jax.random.split(jax.random.fold_in(key, i))
         name = path[-1]
         normal = lambda shp=shape: jax.random.normal(k1, shp, dt)
-        if path[0] == "layers" and name in FP8_PROJECTIONS:
+        if path[0] == "groups" and name in FP8_PROJECTIONS:  # stacked over the layer groups: [G, ...]
+            G, shape = shape[0], shape[1:]
             nc = 2 if name in ("wo", "w_out") else 1
             K = math.prod(shape[:nc])
             n_tail = 2 * cfg.linear_num_value_heads if name == "w_in" else 0
             N = math.prod(shape[nc:]) - n_tail
-            q = fp8_q(k1, (N, K))  # [N, K]: the checkpoint's layout
-            scale = jax.random.uniform(k2, (-(-N // 128), -(-K // 128)), jnp.float32, 0.5, 1.5) / (64 * K ** 0.5)
-            tail = (jax.random.normal(k2, (K, n_tail), dt) * K ** -0.5).astype(dt) if n_tail else None
-            node[name] = fp8_weight.make(q, scale, block_in=128, block_out=128, shape=tuple(shape), tail=tail)
+            q = fp8_q(k1, (G, N, K))  # [G, N, K]: the checkpoint's layout per layer
+            nb = -(-K // 128)
+            scale = jax.random.uniform(k2, (G, -(-N // 128), nb), jnp.float32, 0.5, 1.5) / (64 * K ** 0.5)
+            scale = jnp.pad(scale, ((0, 0), (0, 0), (0, scale_cols(nb) - nb)))
+            tail = (jax.random.normal(k2, (G, K, n_tail), dt) * K ** -0.5).astype(dt) if n_tail else None
+            node[name] = fp8_weight.Fp8Weight(q=q, scale=scale, tail=tail, block_in=128, block_out=128,
+                                              shape=tuple(shape))
         elif name == "dt_bias":
             node[name] = jax.random.uniform(k1, shape, dt, -1, 1)
         elif name == "A_log":
@@ -202,7 +207,8 @@ def random_target(cfg: TextConfig, dtype="float32", seed: int = 0, weights: str 
             node[name] = (1 + 0.1 * normal()).astype(dt)
         elif "norm" in name:  # (1 + w) RMSNorms, q/k norms
             node[name] = (0.1 * normal()).astype(dt)
-        else:  # embed (std 1), lm_head, conv: std 1/sqrt(fan_in)
-            node[name] = scaled_normal(k1, tuple(shape), 1.0 if name == "embed" else float(shape[0] ** -0.5))
+        else:  # embed (std 1), lm_head, conv: std 1/sqrt(fan_in) (a stacked leaf's fan-in: its axis 1)
+            fan_in = shape[1] if path[0] == "groups" else shape[0]
+            node[name] = scaled_normal(k1, tuple(shape), 1.0 if name == "embed" else float(fan_in ** -0.5))
     nnx.replace_by_pure_dict(state, pure)
     return Target.from_module(nnx.merge(graphdef, state), dt)

@@ -66,30 +66,35 @@ def _nbytes(tree) -> int:
 
 
 def _take(cache, dcache, start, *, block: int):
-    """KV rows [start, start + block) of every attention layer (and drafter layer): new buffers."""
+    """KV rows [start, start + block) of every attention layer (stacked per group position, `cache.ModelCache`)
+    and drafter layer: new buffers."""
+    t = tuple((jax.lax.dynamic_slice_in_dim(c.k, start, block, axis=3),
+               jax.lax.dynamic_slice_in_dim(c.v, start, block, axis=3))
+              for c in cache.groups if isinstance(c, KVCache))
     sl = lambda x: jax.lax.dynamic_slice_in_dim(x, start, block, axis=2)
-    t = tuple((sl(c.k), sl(c.v)) for c in cache.layers if isinstance(c, KVCache))
     d = tuple((sl(k), sl(v)) for k, v in zip(dcache.k, dcache.v)) if dcache is not None else ()
     return t, d
 
 
 def _states(cache):
-    """Every GDN layer's (conv, recurrent) state (jit outputs: copies, the cache may be donated after)."""
-    return tuple((c.conv, c.recurrent) for c in cache.layers if isinstance(c, GDNState))
+    """Every GDN layer's (conv, recurrent) state, stacked per group position (jit outputs: copies, the cache may
+    be donated after)."""
+    return tuple((c.conv, c.recurrent) for c in cache.groups if isinstance(c, GDNState))
 
 
 def _put(cache, dcache, kv, start):
     """`_take`'s rows written back at `start` (cache and dcache donated)."""
     t, d = iter(kv[0]), kv[1]
-    up = lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, start, axis=2)
-    layers = []
-    for c in cache.layers:
+    groups = []
+    for c in cache.groups:
         if isinstance(c, KVCache):
             k, v = next(t)
-            c = KVCache(k=up(c.k, k), v=up(c.v, v))
-        layers.append(c)
-    cache = cache.replace(layers=tuple(layers))
+            c = KVCache(k=jax.lax.dynamic_update_slice_in_dim(c.k, k, start, axis=3),
+                        v=jax.lax.dynamic_update_slice_in_dim(c.v, v, start, axis=3))
+        groups.append(c)
+    cache = cache.replace(groups=tuple(groups))
     if dcache is not None:
+        up = lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, start, axis=2)
         dcache = dataclasses.replace(dcache, k=tuple(up(x, y) for x, (y, _) in zip(dcache.k, d)),
                                      v=tuple(up(x, y) for x, (_, y) in zip(dcache.v, d)))
     return cache, dcache
@@ -98,13 +103,13 @@ def _put(cache, dcache, kv, start):
 def _set_states(cache, dcache, gdn, p):
     """The GDN states and the committed lengths (p) of a snapshot (cache and dcache donated)."""
     g = iter(gdn)
-    layers = []
-    for c in cache.layers:
+    groups = []
+    for c in cache.groups:
         if isinstance(c, GDNState):
             conv, rec = next(g)
             c = GDNState(conv=conv, recurrent=rec)
-        layers.append(c)
-    cache = cache.replace(layers=tuple(layers), length=p)
+        groups.append(c)
+    cache = cache.replace(groups=tuple(groups), length=p)
     if dcache is not None:
         dcache = dataclasses.replace(dcache, length=p)
     return cache, dcache

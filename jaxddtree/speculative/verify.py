@@ -34,27 +34,29 @@ def verify(model, cache: ModelCache, tokens: jax.Array, layout: TokenLayout, fea
 def commit(cache: ModelCache, stashes, path: jax.Array, path_len: jax.Array, kernels: str = "xla",
            mesh=None) -> ModelCache:
     """Commit the accepted root->leaf path (path [B, P] node indices in depth order, padded; path_len [B]
-    tokens, root included; the same for every batch row today) into the cache. Fixed shapes. A GDN layer's
-    state and conv rows take one `ops.gdn_commit` (kernels="pallas": one kernel per layer, in place).
+    tokens, root included; the same for every batch row today) into the cache. Fixed shapes. `stashes`: per
+    layer-group position, stacked over the groups (`Qwen35`); each position's layers commit at once (the KV rows
+    of every group in one write; the GDN states by `ops.gdn_commit` vmapped over the groups).
     `mesh`: a tensor-parallel target's (model/sharding.py): each device commits its own heads."""
     if mesh is not None:
         return sharding.commit_per_shard(functools.partial(commit, kernels=kernels), mesh, cache, stashes, path,
                                          path_len)
     start = cache.length
     n_acc = path_len[0]
-    # the path's rows of a stash [B, N, ...] -> [B, P, ...], in depth order (a later row is deeper)
-    take = lambda x: jnp.take_along_axis(x, path.reshape(path.shape + (1,) * (x.ndim - 2)), axis=1)
+    # the path's rows of a stash [G, B, N, ...] -> [G, B, P, ...], in depth order (a later row is deeper)
+    take = lambda x: jnp.take_along_axis(x, path.reshape((1,) + path.shape + (1,) * (x.ndim - 3)), axis=2)
     entries = []
-    for entry, stash in zip(cache.layers, stashes):
+    for entry, stash in zip(cache.groups, stashes):  # per group position, every group at once
         if isinstance(entry, KVCache):
             assert isinstance(stash, AttentionStash)
-            k = jnp.swapaxes(take(stash.k), 1, 2).astype(entry.k.dtype)  # [B, Hkv, P, hd]
-            v = jnp.swapaxes(take(stash.v), 1, 2).astype(entry.v.dtype)
-            entries.append(KVCache(k=jax.lax.dynamic_update_slice(entry.k, k, (0, 0, start, 0)),
-                                   v=jax.lax.dynamic_update_slice(entry.v, v, (0, 0, start, 0))))
+            k = jnp.swapaxes(take(stash.k), 2, 3).astype(entry.k.dtype)  # [G, B, Hkv, P, hd]
+            v = jnp.swapaxes(take(stash.v), 2, 3).astype(entry.v.dtype)
+            entries.append(KVCache(k=jax.lax.dynamic_update_slice(entry.k, k, (0, 0, 0, start, 0)),
+                                   v=jax.lax.dynamic_update_slice(entry.v, v, (0, 0, 0, start, 0))))
         else:
             assert isinstance(stash, GDNStash)
-            state, conv = ops.gdn_commit(entry.recurrent, entry.conv, stash.k, stash.W, stash.g, stash.x, path,
-                                         path_len, kernels=kernels)
+            state, conv = jax.vmap(lambda r, c, k, W, g, x: ops.gdn_commit(r, c, k, W, g, x, path, path_len,
+                                                                            kernels=kernels))(
+                entry.recurrent, entry.conv, stash.k, stash.W, stash.g, stash.x)
             entries.append(GDNState(conv=conv, recurrent=state))
-    return ModelCache(layers=tuple(entries), length=start + n_acc)
+    return ModelCache(groups=tuple(entries), length=start + n_acc)
