@@ -37,6 +37,7 @@ import jax.numpy as jnp
 
 from kernels_pallas.attention_reference import decode_attention_prep as decode_attention_prep_reference
 from kernels_pallas.numerics import rounded
+from kernels_pallas.tree_attention import pos_operand
 from kernels_pallas._common import SharedMemoryError, compiler_params, is_pow2, pl, pltr
 from kernels_pallas._common import smem_limit as _limit
 
@@ -133,8 +134,6 @@ def decode_attention_prep(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, start
     act = k_cache.dtype if nparts else qkv.dtype
     kern = functools.partial(_kernel, h=h, hkv=hkv, hd=hd, rd=rd, eps=float(eps), nparts=nparts,
                              has_layer=layer is not None, act=act, interpret=interpret)
-    pos = [start] if layer is None else [start, layer]
-    pos_arr = jnp.stack([jnp.asarray(x, jnp.int32).reshape(()) for x in pos])
     return pl.pallas_call(
         kern,
         grid=(B, h + hkv),
@@ -150,4 +149,4 @@ def decode_attention_prep(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, start
         compiler_params=compiler_params(num_warps, 1),
         interpret=interpret,
         name="decode_attention_prep",
-    )(pos_arr, qkv, q_norm, k_norm, cos, sin, k_cache, v_cache)
+    )(pos_operand(start, layer), qkv, q_norm, k_norm, cos, sin, k_cache, v_cache)
