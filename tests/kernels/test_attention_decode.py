@@ -195,3 +195,18 @@ def test_layer_lowers_for_h200_at_27b_shapes():
                          Sd((L, 1, hkv, Lc, hd), bf), Sd((), jnp.int32), Sd((), jnp.int32))
     assert "__gpu$xla.gpu.triton" in txt
     assert "output_operand_aliases" in txt
+
+
+def test_ops_passes_the_layer():
+    """ops.attention_decode_prep(layer=l): the reference's stacked-cache write on the xla path; on the pallas path
+    the kernel, lowered for an H200 with the caches of 3 layers."""
+    L, B, h, hkv, hd, rd, S = 3, 1, 2, 1, 16, 8, 8
+    row, kc, vc = _stacked_inputs(jax.random.PRNGKey(43), L, B, h, hkv, hd, rd, S)
+    d = dict(num_heads=h, num_kv_heads=hkv, head_dim=hd, eps=EPS)
+    st, l = jnp.int32(5), jnp.int32(1)
+    _assert_same(ops.attention_decode_prep(*row, kc, vc, st, "xla", layer=l, **d),
+                 A.decode_attention_prep_reference(*row, kc, vc, st, layer=l, **d))
+    Sd = jax.ShapeDtypeStruct
+    structs = [Sd(x.shape, x.dtype) for x in (*row, kc, vc)] + [Sd((), jnp.int32)] * 2
+    txt = lower_for_h200(lambda *a: ops.attention_decode_prep(*a[:8], "pallas", layer=a[8], **d), *structs)
+    assert "__gpu$xla.gpu.triton" in txt

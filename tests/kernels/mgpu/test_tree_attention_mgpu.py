@@ -146,6 +146,36 @@ def test_dispatch(monkeypatch, hopper):
     assert calls == mg + mg + tri + tri * 3
 
 
+def test_dispatch_with_layer(monkeypatch):
+    """ops with stacked caches [L, B, Hkv, S, hd] and layer=: the routing reads the per-layer cache size S (not L's
+    shape), and the layer reaches the kernel; the xla path reads the layer."""
+    from kernels_pallas import ops, prefill_attention as pa, prefill_attention_mgpu as pm, tree_attention as ta
+    calls = []
+    monkeypatch.setattr(ops, "_hopper", lambda: True)
+
+    def rec(name):
+        return lambda *a, **k: calls.append((name, k["layer"])) or jnp.zeros_like(a[0])
+    for mod, name in ((tm, "mgpu"), (ta, "triton")):
+        monkeypatch.setattr(mod, "tree_attention", rec(name))
+    monkeypatch.setattr(pm, "prefill_attention", rec("mgpu_prefill"))
+    monkeypatch.setattr(pa, "prefill_attention", rec("triton_prefill"))
+    T, L = ops.MGPU_MIN_ROWS - 1, 3
+    q = jnp.ones((1, T, 4, 64), jnp.bfloat16)
+    kn = jnp.ones((1, T, 2, 64), jnp.bfloat16)
+    mask = jnp.ones((1, T, T), bool)
+    for S in (ops.MGPU_MIN_CACHE, ops.MGPU_MIN_CACHE - 1):
+        kc = jax.ShapeDtypeStruct((L, 1, 2, S, 64), jnp.bfloat16)
+        ops.tree_attention(q, kc, kc, jnp.int32(4), kn, kn, mask, "pallas", layer=2)
+        ops.prefill_attention(q, kc, kc, jnp.int32(4), kn, kn, "pallas", layer=2)
+    assert calls == [("mgpu", 2), ("mgpu_prefill", 2), ("triton", 2), ("triton_prefill", 2)]
+    args = attention_inputs(jax.random.PRNGKey(4), np.random.default_rng(4), 1, 3, 2, 1, 64, 16, 9, n_pad=1)
+    kcs, vcs = (stack_layers(jax.random.PRNGKey(5 + i), args[1 + i], L, 1) for i in range(2))
+    np.testing.assert_array_equal(ops.tree_attention(args[0], kcs, vcs, *args[3:], layer=1),
+                                  tm.tree_attention_reference(*args))
+    np.testing.assert_array_equal(ops.prefill_attention(args[0], kcs, vcs, *args[3:6], layer=1),
+                                  pa.prefill_attention_reference(*args[:6]))
+
+
 def test_hopper_is_the_lowering_target():
     from kernels_pallas import ops
     from kernels_pallas._common import abstract_h200
