@@ -153,9 +153,8 @@ def _mask_words(mask, G: int, Rp: int, Np: int):
 def _kernel(*refs, hkv: int, S: int, R: int, G: int, bk: int, nst: int, ns: int, ns_tail: int, n_main_rb: int,
             BH: int, nbt: int, scale: float, pingpong: bool, causal: bool, interpret: bool):
     """One CTA: rows [rb·128, rb·128 + 128) of kv head bh % Hkv (batch row bh // Hkv, cache row row_ref[b]) over
-    split s. causal: the
-    new rows are the queries' own tokens (query row t·G + i sees new rows j <= t: the prefill mode, no mask
-    words; only the new-row blocks up to the CTA's last token are visited)."""
+    split s. causal: the new rows are the queries' own tokens (query row t·G + i sees new rows j <= t: the prefill
+    mode, no mask words; only the new-row blocks up to the CTA's last token are visited)."""
     if causal:
         (start_ref, row_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, o_ref, lse_ref,
          q_smem, k_smem, v_smem, lse_smem, q_bar, k_bar, v_bar, k_used, v_used, sched) = refs
