@@ -83,6 +83,12 @@ def attention_inputs(key, rng, B, T, H, Hkv, hd, S, start, *, dtype=jnp.bfloat16
     return q, kc, vc, jnp.int32(start), kn, vn, mask
 
 
+def stack_layers(key, x, L: int, layer: int):
+    """x stacked over L layers [L, *x.shape] as a `lax.scan` over layers holds a cache: layer `layer` is x, the
+    others random (x's dtype)."""
+    return jax.random.normal(key, (L,) + x.shape).astype(x.dtype).at[layer].set(x)
+
+
 def assert_kernel_signature(kernel, reference) -> list[str]:
     """The Pallas kernel takes its jnp reference's parameters first, in order, and `interpret=False`; returns the
     reference's parameter names."""

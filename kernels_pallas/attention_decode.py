@@ -15,7 +15,9 @@ values, no register shuffle. Then, as the reference: x·rsqrt(mean(x²) + eps)·
 dims rounded(rounded(x·cos) + rounded(rot·sin)); sgate = rounded(1 / (1 + exp(-gate))). A kv program writes
 k / v to its outputs and to row `start` of the caches, which alias the cache inputs (`input_output_aliases`:
 in place under a jit that donates the cache; the attention kernel then reads rows [0, start) of the same
-buffers). cos / sin come from outside (one XLA fusion per step, shared by every attention layer).
+buffers). With `layer` the caches are the stacked [L, B, Hkv, S, hd] of every layer (a `lax.scan` over layers
+passes the whole stack: a slice fed to a kernel is copied) and the row is written into layer `layer`, the
+stacks aliased whole. cos / sin come from outside (one XLA fusion per step, shared by every attention layer).
 
 The projection row may come as its GEMV's unsummed split-K partials [S, B, C] (`dense(..., reduce=False)`):
 the kernel then sums each value's S partials in order and rounds (`numerics.sum_partials`), so no XLA
@@ -35,6 +37,7 @@ import jax.numpy as jnp
 
 from kernels_pallas.attention_reference import decode_attention_prep as decode_attention_prep_reference
 from kernels_pallas.numerics import rounded
+from kernels_pallas.tree_attention import pos_operand
 from kernels_pallas._common import SharedMemoryError, compiler_params, is_pow2, pl, pltr
 from kernels_pallas._common import smem_limit as _limit
 
@@ -47,10 +50,11 @@ def smem_bytes(num_warps: int) -> int:
     return 2 * 4 * num_warps
 
 
-def _kernel(start_ref, qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, kc_ref, vc_ref,
+def _kernel(pos_ref, qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, kc_ref, vc_ref,
             q_ref, sg_ref, k_ref, v_ref, kco_ref, vco_ref, *, h: int, hkv: int, hd: int, rd: int, eps: float,
-            nparts: int, act, interpret: bool):
-    del kc_ref, vc_ref  # aliased by kco_ref / vco_ref: only row `start` is written
+            nparts: int, has_layer: bool, act, interpret: bool):
+    """pos_ref: (start,), or (start, layer) with stacked caches."""
+    del kc_ref, vc_ref  # aliased by kco_ref / vco_ref: only row `start` (of layer `layer`) is written
     f32 = jnp.float32
     b, p = pl.program_id(0), pl.program_id(1)
     half = rd // 2
@@ -96,21 +100,24 @@ def _kernel(start_ref, qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, kc_ref, vc_ref
     @pl.when(p >= h)
     def _():
         j = p - h
-        start = start_ref[0]
+        start = pos_ref[0]
+        lw = (pos_ref[1],) if has_layer else ()  # one layer of the stacked caches, written in place
         k = norm_rope(h * 2 * hd + j * hd, kn_ref)
         v = ldq((2 * h + hkv) * hd + j * hd + idx)
         pltr.store(k_ref.at[b, j, idx], k.astype(k_ref.dtype))
         pltr.store(v_ref.at[b, j, idx], v.astype(v_ref.dtype))
-        pltr.store(kco_ref.at[b, j, start, idx], k.astype(kco_ref.dtype))
-        pltr.store(vco_ref.at[b, j, start, idx], v.astype(vco_ref.dtype))
+        pltr.store(kco_ref.at[(*lw, b, j, start, idx)], k.astype(kco_ref.dtype))
+        pltr.store(vco_ref.at[(*lw, b, j, start, idx)], v.astype(vco_ref.dtype))
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "head_dim", "eps", "interpret",
                                              "num_warps", "smem_limit"))
 def decode_attention_prep(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, start, *, num_heads: int,
-                          num_kv_heads: int, head_dim: int, eps: float, interpret: bool = False,
+                          num_kv_heads: int, head_dim: int, eps: float, layer=None, interpret: bool = False,
                           num_warps: int = 4, smem_limit: int | None = None):
-    """One token's attention prologue (see `decode_attention_prep_reference` for the arguments and results)."""
+    """One token's attention prologue (see `decode_attention_prep_reference` for the arguments and results; layer:
+    the caches are the stacked [L, B, Hkv, S, hd], row `start` of layer `layer` written in place, the stacks
+    returned whole)."""
     h, hkv, hd = num_heads, num_kv_heads, head_dim
     nparts = qkv.shape[0] if qkv.ndim == 3 else 0  # split-K partials of the projection: summed in here
     B, C = qkv.shape[-2:]
@@ -118,15 +125,15 @@ def decode_attention_prep(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, start
     assert C == (2 * h + 2 * hkv) * hd, (qkv.shape, h, hkv, hd)
     assert is_pow2(hd) and hd >= 16 and rd % 2 == 0 and 0 < rd <= hd, (hd, rd)
     assert cos.shape == sin.shape == (B, rd) and q_norm.shape == k_norm.shape == (hd,)
-    S = k_cache.shape[2]
-    assert k_cache.shape == v_cache.shape == (B, hkv, S, hd), (k_cache.shape, v_cache.shape)
+    lead = () if layer is None else k_cache.shape[:1]  # (L,) of stacked caches
+    S = k_cache.shape[-2]
+    assert k_cache.shape == v_cache.shape == (*lead, B, hkv, S, hd), (k_cache.shape, v_cache.shape, layer)
     if smem_bytes(num_warps) > _limit(smem_limit):
         raise SharedMemoryError(f"decode_attention_prep: {smem_bytes(num_warps)} bytes of shared memory needed, "
                                 f"{_limit(smem_limit)} available")
     act = k_cache.dtype if nparts else qkv.dtype
-    kern = functools.partial(_kernel, h=h, hkv=hkv, hd=hd, rd=rd, eps=float(eps), nparts=nparts, act=act,
-                             interpret=interpret)
-    start_arr = jnp.asarray(start, jnp.int32).reshape(1)
+    kern = functools.partial(_kernel, h=h, hkv=hkv, hd=hd, rd=rd, eps=float(eps), nparts=nparts,
+                             has_layer=layer is not None, act=act, interpret=interpret)
     return pl.pallas_call(
         kern,
         grid=(B, h + hkv),
@@ -142,4 +149,4 @@ def decode_attention_prep(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, start
         compiler_params=compiler_params(num_warps, 1),
         interpret=interpret,
         name="decode_attention_prep",
-    )(start_arr, qkv, q_norm, k_norm, cos, sin, k_cache, v_cache)
+    )(pos_operand(start, layer), qkv, q_norm, k_norm, cos, sin, k_cache, v_cache)

@@ -13,13 +13,17 @@ from kernels_pallas.numerics import f32, rms_norm_1p, rounded, sigmoid32, sum_pa
 NEG_INF = -1e30
 
 
-def tree_attention_reference(q, k_cache, v_cache, start, k_new, v_new, mask):
+def tree_attention_reference(q, k_cache, v_cache, start, k_new, v_new, mask, *, layer=None):
     """Queries attend to the committed cache rows [0, start) and to the new rows their mask allows.
 
     q [B,T,H,hd]; k/v_cache [B,Hkv,S,hd]; start int32 scalar; k/v_new [B,N,Hkv,hd]; mask [B,T,N] bool
     -> [B,T,H,hd]. GQA: query head h reads kv head h // (H/Hkv). Logits in the activations' dtype,
     softmax in fp32 (transformers' eager attention). A sequence pass is the same call with a causal mask.
+    layer (an int32 scalar): the caches are the stacked [L,B,Hkv,S,hd] of every layer and the queries attend to
+    layer `layer`'s (the kernels read it in place: a `lax.scan` over layers passes the whole stack, no slice).
     """
+    if layer is not None:
+        k_cache, v_cache = k_cache[layer], v_cache[layer]
     S = k_cache.shape[2]
     visible = jnp.broadcast_to(jnp.arange(S) < start, q.shape[:2] + (S,))
     return attend(q, k_cache, v_cache, visible, k_new, v_new, mask)
@@ -74,7 +78,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def decode_attention_prep(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, start, *, num_heads: int,
-                          num_kv_heads: int, head_dim: int, eps: float):
+                          num_kv_heads: int, head_dim: int, eps: float, layer=None):
     """The attention layer's work between its fused projection and the attention itself, for one token.
 
     qkv [B, H·2hd + 2·Hkv·hd] = [per head (query | gate), h-major | k | v] (the rounded projection row);
@@ -84,7 +88,9 @@ def decode_attention_prep(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, start
        rounded(o · sgate)), k [B, Hkv, hd] (normed, rotated), v [B, Hkv, hd], and both caches with row
        `start` set to k / v.
     qkv may also be [S, B, C]: the S split-K partial sums of the projection (`dense(..., reduce=False)`),
-    summed in order and rounded to the activations' dtype, k_cache's (`numerics.sum_partials`)."""
+    summed in order and rounded to the activations' dtype, k_cache's (`numerics.sum_partials`).
+    layer (an int32 scalar): the caches are the stacked [L, B, Hkv, S, hd] of every layer; row `start` of layer
+    `layer` is set (`k_cache.at[layer].set(...)`: the other layers untouched) and the whole stacks returned."""
     if qkv.ndim == 3:
         qkv = sum_partials(qkv, k_cache.dtype)
     B = qkv.shape[0]
@@ -95,7 +101,9 @@ def decode_attention_prep(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, start
     sgate = rounded(sigmoid32(qg[..., hd:]), qkv.dtype)
     k = apply_rope(rms_norm_1p(k.reshape(B, hkv, hd), k_norm, eps), cos, sin)
     v = v.reshape(B, hkv, hd)
-    idx = (0, 0, start, 0)
-    kc = jax.lax.dynamic_update_slice(k_cache, k[:, :, None].astype(k_cache.dtype), idx)
-    vc = jax.lax.dynamic_update_slice(v_cache, v[:, :, None].astype(v_cache.dtype), idx)
+    k_row, v_row, idx = k[:, :, None], v[:, :, None], (0, 0, start, 0)  # [B, Hkv, 1, hd] at row start
+    if layer is not None:  # into layer `layer` of the stacks
+        k_row, v_row, idx = k_row[None], v_row[None], (layer,) + idx
+    kc = jax.lax.dynamic_update_slice(k_cache, k_row.astype(k_cache.dtype), idx)
+    vc = jax.lax.dynamic_update_slice(v_cache, v_row.astype(v_cache.dtype), idx)
     return q, sgate, k, v, kc, vc

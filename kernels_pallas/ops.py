@@ -84,7 +84,7 @@ MGPU_MIN_ROWS = 32  # tree / prefill rows from which the Mosaic GPU attention ru
 MGPU_MIN_CACHE = 16384  # ... and the cache capacity from which it runs fewer rows too
 
 
-def _mgpu_attention(kernels: str, q, k_cache, k_new) -> bool:
+def _mgpu_attention(kernels: str, q, k_cache, k_new, layer=None) -> bool:
     """Tree and prefill attention run on the Mosaic GPU kernels (tree_attention_mgpu.py, prefill_attention_mgpu.py)
     on the Pallas path of a Hopper GPU where they take the inputs (bf16 / fp16, head dim a multiple of 64) and the
     shape is one they won, on the Triton kernels otherwise (fp32; interpret mode on a CPU). H200 A/B (2026-12-01,
@@ -93,41 +93,44 @@ def _mgpu_attention(kernels: str, q, k_cache, k_new) -> bool:
     (0.87 / 2.32 vs 1.02 / 3.19) but lost at 4K (0.40 vs 0.35: the jnp fold / merge around the kernel), so below
     MGPU_MIN_ROWS rows (the decode step's 1, a chain's 16, 16 slots' 8) it takes caches of MGPU_MIN_CACHE rows and
     more only. Causal prefill, a 2048-row chunk per layer at start 0 / 32K / 120K: 0.136 / 2.47 / 9.45 vs 0.150 /
-    3.74 / 13.56 ms."""
+    3.74 / 13.56 ms. layer: k_cache is the stacked [L, B, Hkv, S, hd] of every layer (its per-layer S decides)."""
     if not is_pallas(kernels) or not _hopper():
         return False
-    if q.shape[1] < MGPU_MIN_ROWS and k_cache.shape[2] < MGPU_MIN_CACHE:
+    if q.shape[1] < MGPU_MIN_ROWS and k_cache.shape[2 if layer is None else 3] < MGPU_MIN_CACHE:
         return False
     from kernels_pallas import tree_attention_mgpu
     return tree_attention_mgpu.supports(q, k_cache) and k_new.dtype == q.dtype
 
 
-def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, kernels="xla"):
-    """q [B,T,H,hd] attends to cache rows [0, start) and to new rows j with mask[b,i,j] -> [B,T,H,hd]."""
+def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, kernels="xla", *, layer=None):
+    """q [B,T,H,hd] attends to cache rows [0, start) and to new rows j with mask[b,i,j] -> [B,T,H,hd]. layer (an
+    int32 scalar): the caches are the stacked [L,B,Hkv,S,hd] of every layer, layer `layer`'s read (in place by the
+    kernels: a `lax.scan` over layers passes the whole stack)."""
+    args = (q, k_cache, v_cache, start, k_new, v_new, mask)
+    from kernels_pallas.attention_reference import tree_attention_reference
     if _check(kernels) == "pallas":
         from kernels_pallas import tree_attention as ta
-        from kernels_pallas.attention_reference import tree_attention_reference
-        if _mgpu_attention(kernels, q, k_cache, k_new):
+        if _mgpu_attention(kernels, q, k_cache, k_new, layer):
             from kernels_pallas import tree_attention_mgpu
-            return tree_attention_mgpu.tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask)
-        return _pallas_or(lambda: tree_attention_reference(q, k_cache, v_cache, start, k_new, v_new, mask),
-                          lambda: ta.tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask))
-    from kernels_pallas.attention_reference import tree_attention_reference
-    return tree_attention_reference(q, k_cache, v_cache, start, k_new, v_new, mask)
+            return tree_attention_mgpu.tree_attention(*args, layer=layer)
+        return _pallas_or(lambda: tree_attention_reference(*args, layer=layer),
+                          lambda: ta.tree_attention(*args, layer=layer))
+    return tree_attention_reference(*args, layer=layer)
 
 
-def prefill_attention(q, k_cache, v_cache, start, k_new, v_new, kernels="xla"):
+def prefill_attention(q, k_cache, v_cache, start, k_new, v_new, kernels="xla", *, layer=None):
     """Causal sequence pass: q [B,T,H,hd] at positions [start, start+T) attends to cache rows [0, start) and
-    to new rows j <= t -> [B,T,H,hd] (= tree_attention with the causal mask; no mask is built or read)."""
+    to new rows j <= t -> [B,T,H,hd] (= tree_attention with the causal mask; no mask is built or read). layer:
+    as in `tree_attention`."""
+    args = (q, k_cache, v_cache, start, k_new, v_new)
+    from kernels_pallas import prefill_attention as pa
     if _check(kernels) == "pallas":
-        from kernels_pallas import prefill_attention as pa
-        if _mgpu_attention(kernels, q, k_cache, k_new):
+        if _mgpu_attention(kernels, q, k_cache, k_new, layer):
             from kernels_pallas import prefill_attention_mgpu
-            return prefill_attention_mgpu.prefill_attention(q, k_cache, v_cache, start, k_new, v_new)
-        return _pallas_or(lambda: pa.prefill_attention_reference(q, k_cache, v_cache, start, k_new, v_new),
-                          lambda: pa.prefill_attention(q, k_cache, v_cache, start, k_new, v_new))
-    from kernels_pallas.prefill_attention import prefill_attention_reference
-    return prefill_attention_reference(q, k_cache, v_cache, start, k_new, v_new)
+            return prefill_attention_mgpu.prefill_attention(*args, layer=layer)
+        return _pallas_or(lambda: pa.prefill_attention_reference(*args, layer=layer),
+                          lambda: pa.prefill_attention(*args, layer=layer))
+    return pa.prefill_attention_reference(*args, layer=layer)
 
 
 def gdn_chunked(q, k, v, g, beta, state, kernels="xla"):
@@ -182,14 +185,16 @@ def tree_select(top_lp, top_id, budget: int, kernels="xla"):
 
 
 def attention_decode_prep(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, start, kernels="xla", *,
-                          num_heads: int, num_kv_heads: int, head_dim: int, eps: float):
+                          num_heads: int, num_kv_heads: int, head_dim: int, eps: float, layer=None):
     """An attention layer's decode step (T = 1) from its projection row (or its unsummed split-K partials
     [S, B, C], `decode_row`) to the attention's inputs: q/k norm, RoPE, the output gate's sigmoid, the KV-cache
     write at row `start`; -> (q [B,H,hd], sgate [B,H,hd], k [B,Hkv,hd], v [B,Hkv,hd], k_cache, v_cache). See
     `attention_reference.decode_attention_prep`. One Pallas kernel with kernels="pallas" (`Fusions.parts`), a
-    bf16 cache and a power-of-two head_dim ≥ 16; the jnp reference otherwise."""
+    bf16 cache and a power-of-two head_dim ≥ 16; the jnp reference otherwise. layer (an int32 scalar): the caches
+    are the stacked [L, B, Hkv, S, hd] of every layer, the row written into layer `layer` (in place), the stacks
+    returned whole."""
     fusions = _fusions(kernels)
-    dims = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, eps=eps)
+    dims = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, eps=eps, layer=layer)
     args = (qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, start)
     from kernels_pallas.attention_reference import decode_attention_prep
     if (fusions is not None and fusions.parts and k_cache.dtype == jnp.bfloat16 and head_dim >= 16

@@ -16,7 +16,8 @@ blocks are split over `n_split` programs and the partials merged by log-sum-exp 
 
 The cache is read in place (no copy, no padding: partial blocks are gathered with clamped row indices),
 so the cache capacity need not be a multiple of the block. bf16 (or fp32) in, fp32 accumulation and
-softmax; fp32 inputs use exact fp32 products.
+softmax; fp32 inputs use exact fp32 products. With `layer` the caches are the stacked [L, B, Hkv, S, hd] of
+every layer, layer `layer` read in place (as in `tree_attention`: no slice copied in a scan over layers).
 
 Work: 4·hd·G·Hkv·T·(start + (T+1)/2) flops per layer (QKᵀ + PV); at 27B shapes (24 q heads, hd 256) a
 128K-token prefill is 3.4 PFLOP over 16 layers, i.e. ≥ 3.4 s at the H200's 989 TFLOP/s dense bf16.
@@ -30,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.attention_reference import tree_attention_reference
-from kernels_pallas.tree_attention import flash_blocks, flash_smem_bytes, flash_step, kv_head_specs
+from kernels_pallas.tree_attention import flash_blocks, flash_smem_bytes, flash_step, kv_head_specs, pos_operand
 from kernels_pallas._common import HIGHEST, compiler_params, feature_pad, next_pow2, pad_axis, pl, pltr
 
 __all__ = ["prefill_attention", "prefill_attention_reference", "prefill_flops", "plan"]
@@ -39,13 +40,14 @@ _LOG2E = 1.4426950408889634  # the softmax runs in base 2 (exp2 is one MUFU op; 
 _NEG = -1e30  # running-max init: finite, so fully masked blocks give exp2(-inf - _NEG) = 0
 
 
-def prefill_attention_reference(q, k_cache, v_cache, start, k_new, v_new):
+def prefill_attention_reference(q, k_cache, v_cache, start, k_new, v_new, *, layer=None):
     """q [B,T,H,hd]; k/v_cache [B,Hkv,S,hd]; start int32 scalar; k/v_new [B,T,Hkv,hd] -> [B,T,H,hd]:
     query t attends to cache rows [0, start) and to new rows j ≤ t (the spec: the tree reference with the
-    causal mask)."""
+    causal mask). layer (an int32 scalar): the caches are the stacked [L,B,Hkv,S,hd] of every layer, layer
+    `layer`'s attended to."""
     B, T = q.shape[:2]
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
-    return tree_attention_reference(q, k_cache, v_cache, start, k_new, v_new, mask)
+    return tree_attention_reference(q, k_cache, v_cache, start, k_new, v_new, mask, layer=layer)
 
 
 def prefill_flops(T: int, start: int, H: int, hd: int) -> float:
@@ -53,9 +55,10 @@ def prefill_flops(T: int, start: int, H: int, hd: int) -> float:
     return 4.0 * hd * H * T * (start + (T + 1) / 2)
 
 
-def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, o_ref, lse_ref, *,
-            T: int, H: int, G: int, S: int, bm: int, bk: int, n_rb: int, n_split: int, scale: float,
-            exact: bool):
+def _kernel(pos_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, o_ref, lse_ref, *,
+            T: int, H: int, G: int, S: int, bm: int, bk: int, n_rb: int, n_split: int, has_layer: bool,
+            scale: float, exact: bool):
+    """pos_ref: (start,), or (start, layer) with stacked caches (kc_ref / vc_ref then [L, S, hd])."""
     f32 = jnp.float32
     i_bh, s = pl.program_id(0), pl.program_id(2)
     rb = n_rb - 1 - pl.program_id(1)  # late (heavy) row blocks first
@@ -79,18 +82,21 @@ def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, o_ref, lse_ref, *,
     def step(kb, vb, valid, carry):  # [bm, bk] logits × log2(e)
         return flash_step(q, kb, vb, valid, carry, scale=scale, precision=prec)
 
-    def full_blocks(k_ref, v_ref, lo, hi, carry):  # whole blocks [lo, hi), every key visible
+    lw = (pos_ref[1],) if has_layer else ()  # the cache blocks' leading index: the layer of stacked caches
+
+    def full_blocks(k_ref, v_ref, lo, hi, carry, pre=()):  # whole blocks [lo, hi), every key visible
         def body(j, carry):
-            k0 = pl.multiple_of(j * bk, bk)
-            return step(k_ref[pl.ds(k0, bk), :], v_ref[pl.ds(k0, bk), :], None, carry)
+            keys = (*pre, pl.ds(pl.multiple_of(j * bk, bk), bk), slice(None))
+            return step(k_ref[keys], v_ref[keys], None, carry)
 
         return jax.lax.fori_loop(lo, jnp.maximum(hi, lo), body, carry)
 
-    def gathered(k_ref, v_ref, j, n_rows):  # block j, rows clamped to the array (the mask drops the extra)
+    def gathered(k_ref, v_ref, j, n_rows, pre=()):  # block j, rows clamped to the array (the mask drops the extra)
         c = jnp.minimum(j * bk + jnp.arange(bk), n_rows - 1)
-        return pltr.load(k_ref.at[c[:, None], cols[None, :]]), pltr.load(v_ref.at[c[:, None], cols[None, :]])
+        at = (*pre, c[:, None], cols[None, :])
+        return pltr.load(k_ref.at[at]), pltr.load(v_ref.at[at])
 
-    start = start_ref[0]
+    start = pos_ref[0]
     # the key-block sequence of this row block: nfp full prefix blocks, one partial prefix block when
     # start % bk, nfn new-row blocks visible to every row, then the diagonal blocks up to t_hi
     nfp = start // bk
@@ -103,7 +109,7 @@ def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, o_ref, lse_ref, *,
     hi = jnp.minimum(lo + per, total)
 
     def partial_prefix(carry):
-        kb, vb = gathered(kc_ref, vc_ref, nfp, S)
+        kb, vb = gathered(kc_ref, vc_ref, nfp, S, lw)
         valid = (nfp * bk + jnp.arange(bk) < start)[None, :]
         return step(kb, vb, valid, carry)
 
@@ -116,7 +122,7 @@ def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, o_ref, lse_ref, *,
         return jax.lax.fori_loop(lo_d, jnp.maximum(hi_d, lo_d), body, carry)
 
     carry = (jnp.zeros((bm, hd), f32), jnp.full((bm,), _NEG, f32), jnp.zeros((bm,), f32))
-    carry = full_blocks(kc_ref, vc_ref, lo, jnp.minimum(hi, nfp), carry)
+    carry = full_blocks(kc_ref, vc_ref, lo, jnp.minimum(hi, nfp), carry, lw)
     in_part = (npart > 0) & (lo <= nfp) & (nfp < hi)
     carry = jax.lax.cond(in_part, partial_prefix, lambda c: c, carry)
     b0 = nfp + npart  # first new-row block in the sequence
@@ -162,22 +168,24 @@ def plan(T: int, H: int, hkv: int, hd: int, S: int, dtype, *, block_m: int = 128
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_m", "block_k", "n_split", "num_warps",
                                              "num_stages", "num_cores", "smem_limit"))
-def prefill_attention(q, k_cache, v_cache, start, k_new, v_new, *, interpret: bool = False,
+def prefill_attention(q, k_cache, v_cache, start, k_new, v_new, *, layer=None, interpret: bool = False,
                       block_m: int = 128, block_k: int = 64, n_split: int | None = None,
                       num_warps: int | None = None, num_stages: int = 2, num_cores: int = 132,
                       smem_limit: int | None = None):
     """q [B,T,H,hd]; k/v_cache [B,Hkv,S,hd]; start int32 scalar; k/v_new [B,T,Hkv,hd] -> [B,T,H,hd]
-    (q.dtype). Same as `prefill_attention_reference`. Grid (B·Hkv, row blocks, n_split); n_split > 1
+    (q.dtype). Same as `prefill_attention_reference` (layer: the caches are the stacked [L,B,Hkv,S,hd] of every
+    layer, layer `layer` read in place). Grid (B·Hkv, row blocks, n_split); n_split > 1
     (by default only when the row blocks leave the last wave of `num_cores` programs under 90 % full)
     adds a jnp log-sum-exp merge of fp32 partials. The blocks are `plan`'s (shrunk to fit `smem_limit`, default
     `_common.SMEM_LIMIT`, for q's dtype; SharedMemoryError when none fits)."""
     B, T, H, hd = q.shape
-    hkv, S = k_cache.shape[1], k_cache.shape[2]
+    L = None if layer is None else k_cache.shape[0]
+    hkv, S = k_cache.shape[-3:-1]
     G = H // hkv
     R = T * G
     hdp = feature_pad(hd)
     if hdp != hd:  # tiny test shapes only: zero features change no logit
-        q, k_cache, v_cache, k_new, v_new = (pad_axis(x, 3, hdp) for x in (q, k_cache, v_cache, k_new, v_new))
+        q, k_cache, v_cache, k_new, v_new = (pad_axis(x, -1, hdp) for x in (q, k_cache, v_cache, k_new, v_new))
     cfg = plan(T, H, hkv, hd, S, q.dtype, block_m=block_m, block_k=block_k, num_stages=num_stages,
                limit=smem_limit)
     bm, bk = cfg["block_m"], cfg["block_k"]
@@ -188,9 +196,8 @@ def prefill_attention(q, k_cache, v_cache, start, k_new, v_new, *, interpret: bo
     odt = q.dtype if ns == 1 else jnp.float32
 
     q2 = q.reshape(B, T * H, hdp)  # free
-    start_arr = jnp.asarray(start, jnp.int32).reshape(1)
     kern = functools.partial(_kernel, T=T, H=H, G=G, S=S, bm=bm, bk=bk, n_rb=n_rb, n_split=ns,
-                             scale=hd ** -0.5 * _LOG2E, exact=exact)
+                             has_layer=layer is not None, scale=hd ** -0.5 * _LOG2E, exact=exact)
     out_specs = [pl.BlockSpec((None, None, T * H + bm, hdp), lambda i, rb, s: (s, i // hkv, 0, 0))]
     out_shape = [jax.ShapeDtypeStruct((ns, B, T * H + bm, hdp), odt)]
     if ns > 1:
@@ -201,13 +208,13 @@ def prefill_attention(q, k_cache, v_cache, start, k_new, v_new, *, interpret: bo
     outs = pl.pallas_call(
         kern,
         grid=(B * hkv, n_rb, ns),
-        in_specs=kv_head_specs(T * H, S, T, hdp, hkv),
+        in_specs=kv_head_specs(T * H, S, T, hdp, hkv, L),
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=compiler_params(nw, num_stages),
         interpret=interpret,
         name="prefill_attention",
-    )(start_arr, q2, k_cache, v_cache, k_new, v_new)
+    )(pos_operand(start, layer), q2, k_cache, v_cache, k_new, v_new)
     if ns == 1:
         o = outs[0][0, :, :T * H]
     else:  # merge the split partials by log-sum-exp (base 2): o = Σ_p w_p o_p with w_p = 2^(lse_p − lse)

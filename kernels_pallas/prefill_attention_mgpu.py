@@ -25,13 +25,14 @@ supports = _tm.supports
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_k", "num_stages", "n_split", "pingpong",
                                              "target_ctas"))
-def prefill_attention(q, k_cache, v_cache, start, k_new, v_new, *, interpret: bool = False, block_k: int = 64,
-                      num_stages: int = 2, n_split: int | None = None, pingpong: bool = True,
+def prefill_attention(q, k_cache, v_cache, start, k_new, v_new, *, layer=None, interpret: bool = False,
+                      block_k: int = 64, num_stages: int = 2, n_split: int | None = None, pingpong: bool = True,
                       target_ctas: int = 132):
     """q [B,T,H,hd]; k/v_cache [B,Hkv,S,hd]; start int32 scalar or [B]; k/v_new [B,T,Hkv,hd] -> [B,T,H,hd]
-    (q.dtype). Same as `prefill_attention_reference`. n_split: splits of each row block's keys (default: as many
-    as fit one wave of target_ctas CTAs; 1 once the row blocks fill the GPU); the other options as
+    (q.dtype). Same as `prefill_attention_reference` (layer: the caches are the stacked [L,B,Hkv,S,hd] of every
+    layer, layer `layer` read in place). n_split: splits of each row block's keys (default: as many as fit one
+    wave of target_ctas CTAs; 1 once the row blocks fill the GPU); the other options as
     `tree_attention_mgpu.tree_attention`."""
-    return _tm.attention(q, k_cache, v_cache, start, k_new, v_new, None, causal=True, interpret=interpret,
-                         block_k=block_k, num_stages=num_stages, n_split=n_split, pingpong=pingpong,
-                         target_ctas=target_ctas)
+    return _tm.attention(q, k_cache, v_cache, start, k_new, v_new, None, causal=True, layer=layer,
+                         interpret=interpret, block_k=block_k, num_stages=num_stages, n_split=n_split,
+                         pingpong=pingpong, target_ctas=target_ctas)

@@ -16,6 +16,11 @@ rows instead of 4 × 128; at long context the kernel is bound by tensor-core flo
 Each program writes its partial output (normalised) and its log-sum-exp (base 2: the softmax uses exp2
 on logits × log2 e); a jnp merge combines them. bf16 (or fp32) in, fp32 accumulation, fp32 softmax.
 
+With `layer` the caches are the stacked [L, B, Hkv, S, hd] of every layer (a `lax.scan` over layers passes
+the whole stack: XLA copies a slice that feeds a kernel) and a program's cache block holds its kv head's rows
+of all L layers, of which it reads layer `layer` in place (an index map sees only the grid: the layer comes
+as an operand, next to `start`).
+
 H200, T=65, 4K prefix, GPU µs per layer (kernel + merge): 128x64 tiles, 8 warps, 2 stages, 8 splits 35
 (34.4 in round 5); 1 stage 39; 6 / 10 / 16 splits 40 / 50 / 50; 64-row tiles 38-46. Removed: the round-3
 layout (n_split prefix splits + one split for the tree rows, 40) and the merge of the split partials as
@@ -39,15 +44,16 @@ _LOG2E = 1.4426950408889634  # the softmax runs in base 2 (exp2 is one MUFU op; 
 _NEG = -1e30  # running-max init: finite, so fully masked blocks give exp2(-inf - _NEG) = 0
 
 
-def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, m_ref, o_ref, lse_ref, *,
+def _kernel(pos_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, m_ref, o_ref, lse_ref, *,
             T: int, H: int, G: int, N: int, bm: int, bm_tail: int, bk: int, n_split: int, rows_last: bool,
-            scale: float, exact: bool):
+            has_layer: bool, scale: float, exact: bool):
+    """pos_ref: (start,), or (start, layer) with stacked caches (kc_ref / vc_ref then [L, S, hd])."""
     i_bh = pl.program_id(0)
     rb, s = (pl.program_id(2), pl.program_id(1)) if rows_last else (pl.program_id(1), pl.program_id(2))
     n_rb = -(-(T * G) // bm)
-    args = (start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, m_ref, o_ref, lse_ref)
+    args = (pos_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, m_ref, o_ref, lse_ref)
     kw = dict(T=T, H=H, G=G, N=N, bk=bk, n_split=n_split, scale=scale, exact=exact, i_bh=i_bh, s=s,
-              row0=rb * bm, spare=bm)
+              row0=rb * bm, spare=bm, lw=(pos_ref[1],) if has_layer else ())
     if bm_tail == bm:
         _rows(*args, rows=bm, **kw)
     else:  # the last row block holds only R mod bm rows: a smaller tile for it
@@ -55,10 +61,11 @@ def _kernel(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, m_ref, o_ref, lse_
         pl.when(rb == n_rb - 1)(lambda: _rows(*args, rows=bm_tail, **kw))
 
 
-def _rows(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, m_ref, o_ref, lse_ref, *,
+def _rows(pos_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, m_ref, o_ref, lse_ref, *,
           T: int, H: int, G: int, N: int, bk: int, n_split: int, scale: float, exact: bool, i_bh, s, row0,
-          rows: int, spare: int):
-    """Rows [row0, row0 + rows) of kv head i_bh % Hkv over key split s."""
+          rows: int, spare: int, lw: tuple):
+    """Rows [row0, row0 + rows) of kv head i_bh % Hkv over key split s; lw: () or (layer,), the cache blocks'
+    leading index."""
     f32 = jnp.float32
     hkv_idx = i_bh % (H // G)
     R = T * G
@@ -80,8 +87,8 @@ def _rows(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, m_ref, o_ref, lse_re
 
     init = (jnp.zeros((rows, hd), f32), jnp.full((rows,), _NEG, f32), jnp.zeros((rows,), f32))
 
-    start = start_ref[0]
-    S = kc_ref.shape[0]
+    start = pos_ref[0]
+    S = kc_ref.shape[-2]
     nfp = start // bk  # whole prefix blocks
     nbp = pl.cdiv(start, bk)  # prefix blocks, the last one partial when start % bk
     nbt = pl.cdiv(N, bk)  # tree blocks
@@ -89,15 +96,16 @@ def _rows(start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, m_ref, o_ref, lse_re
     def prefix_loop(jlo, jhi, carry):  # whole prefix blocks [jlo, jhi): every key visible
         def body(j, carry):
             k0 = pl.multiple_of(j * bk, bk)
-            return step(kc_ref[pl.ds(k0, bk), :], vc_ref[pl.ds(k0, bk), :], None, carry)
+            keys = (*lw, pl.ds(k0, bk), slice(None))
+            return step(kc_ref[keys], vc_ref[keys], None, carry)
 
         return jax.lax.fori_loop(jlo, jnp.maximum(jhi, jlo), body, carry)
 
     def partial_prefix(carry):  # block nfp, rows clamped to the cache (no padded copy), keys < start
         c = nfp * bk + jnp.arange(bk)
         cc = jnp.minimum(c, S - 1)
-        kb = pltr.load(kc_ref.at[cc[:, None], cols[None, :]])
-        vb = pltr.load(vc_ref.at[cc[:, None], cols[None, :]])
+        kb = pltr.load(kc_ref.at[(*lw, cc[:, None], cols[None, :])])
+        vb = pltr.load(vc_ref.at[(*lw, cc[:, None], cols[None, :])])
         return step(kb, vb, (c < start)[None, :], carry)
 
     def tree_loop(tlo, thi, carry):  # tree blocks [tlo, thi) of bk new rows, dense mask
@@ -189,17 +197,30 @@ def plan(T: int, H: int, hkv: int, hd: int, S: int, dtype, *, block_m: int | Non
     return dict(block_m=bm, block_k=bk, num_stages=nst, smem=flash_smem_bytes(bm, bk, hdp, dtype, nst, True))
 
 
-def kv_head_specs(q_rows: int, S: int, N: int, hdp: int, hkv: int) -> list:
-    """BlockSpecs of (start, q [B, q_rows, hdp], k/v cache [B, Hkv, S, hdp], k/v new [B, N, Hkv, hdp]) for a grid
-    whose first axis is b·Hkv + kv head: each program sees its batch row's q rows and its kv head's keys."""
+def kv_head_specs(q_rows: int, S: int, N: int, hdp: int, hkv: int, layers: int | None = None) -> list:
+    """BlockSpecs of (pos, q [B, q_rows, hdp], k/v cache [B, Hkv, S, hdp], k/v new [B, N, Hkv, hdp]) for a grid
+    whose first axis is b·Hkv + kv head: each program sees its batch row's q rows and its kv head's keys. pos:
+    (start,); layers (L, stacked caches [L, B, Hkv, S, hdp]): pos (start, layer) and the cache blocks [L, S, hdp]
+    (the kernel indexes the layer: an index map sees only the grid)."""
+    if layers is None:
+        pos, cache = (1,), pl.BlockSpec((None, None, S, hdp), lambda i, a, b: (i // hkv, i % hkv, 0, 0))
+    else:
+        pos, cache = (2,), pl.BlockSpec((layers, None, None, S, hdp), lambda i, a, b: (0, i // hkv, i % hkv, 0, 0))
     return [
-        pl.BlockSpec((1,), lambda i, a, b: (0,)),  # start
+        pl.BlockSpec(pos, lambda i, a, b: (0,)),  # pos
         pl.BlockSpec((None, q_rows, hdp), lambda i, a, b: (i // hkv, 0, 0)),  # q rows
-        pl.BlockSpec((None, None, S, hdp), lambda i, a, b: (i // hkv, i % hkv, 0, 0)),  # k_cache
-        pl.BlockSpec((None, None, S, hdp), lambda i, a, b: (i // hkv, i % hkv, 0, 0)),  # v_cache
+        cache,  # k_cache
+        cache,  # v_cache
         pl.BlockSpec((None, N, None, hdp), lambda i, a, b: (i // hkv, 0, i % hkv, 0)),  # k_new
         pl.BlockSpec((None, N, None, hdp), lambda i, a, b: (i // hkv, 0, i % hkv, 0)),  # v_new
     ]
+
+
+def pos_operand(start, layer=None):
+    """The int32 operand [1] = (start,) or, with a layer of stacked caches, [2] = (start, layer) (under vmap the
+    batched start and shared layer make one batched operand)."""
+    vals = (start,) if layer is None else (start, layer)
+    return jnp.stack([jnp.asarray(x, jnp.int32).reshape(()) for x in vals])
 
 
 def default_split(B: int, hkv: int, n_rb: int, S: int, bk: int, target_programs: int) -> int:
@@ -211,13 +232,14 @@ def default_split(B: int, hkv: int, n_rb: int, S: int, bk: int, target_programs:
 @functools.partial(jax.jit, static_argnames=("interpret", "block_m", "block_k", "n_split", "num_warps",
                                              "num_stages", "partial_dtype", "target_programs", "rows_last",
                                              "tail", "smem_limit"))
-def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret: bool = False,
+def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, layer=None, interpret: bool = False,
                    block_m: int | None = None, block_k: int = 64, n_split: int | None = None,
                    num_warps: int | None = None, num_stages: int | None = None, partial_dtype=None,
                    target_programs: int | None = None, rows_last: bool | None = None, tail: bool = False,
                    smem_limit: int | None = None):
     """q [B,T,H,hd]; k/v_cache [B,Hkv,S,hd]; start int32 scalar; k/v_new [B,N,Hkv,hd]; mask [B,T,N] bool
-    -> [B,T,H,hd] (q.dtype). Same as `tree_attention_reference`.
+    -> [B,T,H,hd] (q.dtype). Same as `tree_attention_reference`; layer: the caches are the stacked
+    [L,B,Hkv,S,hd] of every layer, layer `layer` read in place.
 
     The grid is (B·Hkv, row blocks, n_split) and split s takes an equal share of the (prefix blocks +
     tree blocks) sequence; the split partials are combined by jnp (a few small XLA kernels). Programs
@@ -233,14 +255,15 @@ def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret:
     The blocks are `plan`'s: the defaults (or block_m / block_k) shrunk to fit `smem_limit` (default
     `_common.SMEM_LIMIT`, the H200's) for q's dtype; SharedMemoryError when no block fits."""
     B, T, H, hd = q.shape
-    hkv, S = k_cache.shape[1], k_cache.shape[2]
+    L = None if layer is None else k_cache.shape[0]
+    hkv, S = k_cache.shape[-3:-1]
     N = k_new.shape[1]
     G = H // hkv
     R = T * G
     scale = hd ** -0.5 * _LOG2E  # logits in base 2
     hdp = feature_pad(hd)
     if hdp != hd:  # tiny test shapes only: zero features change no logit
-        q, k_cache, v_cache, k_new, v_new = (pad_axis(x, 3, hdp) for x in (q, k_cache, v_cache, k_new, v_new))
+        q, k_cache, v_cache, k_new, v_new = (pad_axis(x, -1, hdp) for x in (q, k_cache, v_cache, k_new, v_new))
     # defaults measured on the H200 at 27B shapes (hd 256, see benchmarks/results/kernels_h200.json)
     cfg = plan(T, H, hkv, hd, S, q.dtype, block_m=block_m, block_k=block_k, num_stages=num_stages,
                limit=smem_limit)
@@ -258,15 +281,15 @@ def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret:
     pdt = jnp.float32 if exact else (partial_dtype or q.dtype)  # bf16 partials halve the merge traffic
 
     q2 = q.reshape(B, T * H, hdp)  # free
-    start_arr = jnp.asarray(start, jnp.int32).reshape(1)
+    pos = pos_operand(start, layer)
     mask_i8 = mask.astype(jnp.int8)
     kern = functools.partial(_kernel, T=T, H=H, G=G, N=N, bm=bm, bm_tail=bm_tail, bk=bk, n_split=ns,
-                             rows_last=rows_last, scale=scale, exact=exact)
+                             rows_last=rows_last, has_layer=layer is not None, scale=scale, exact=exact)
     # index maps take (i, a, b) = (kv head, row block, split), or (kv head, split, row block) if rows_last
     o_p, lse_p = pl.pallas_call(
         kern,
         grid=(B * hkv, ns, n_rb) if rows_last else (B * hkv, n_rb, ns),
-        in_specs=kv_head_specs(T * H, S, N, hdp, hkv) + [
+        in_specs=kv_head_specs(T * H, S, N, hdp, hkv, L) + [
             pl.BlockSpec((None, T, N), lambda i, a, b: (i // hkv, 0, 0)),  # mask
         ],
         out_specs=[
@@ -281,7 +304,7 @@ def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret:
         compiler_params=compiler_params(nw, nst),
         interpret=interpret,
         name="tree_attention",
-    )(start_arr, q2, k_cache, v_cache, k_new, v_new, mask_i8)
+    )(pos, q2, k_cache, v_cache, k_new, v_new, mask_i8)
     # merge the split partials by log-sum-exp (base 2): o = Σ_p w_p o_p with w_p = 2^(lse_p − lse)
     o_p, lse_p = o_p[:, :, :T * H], lse_p[:, :, :T * H]
     mx = jnp.max(lse_p, axis=0)

@@ -24,6 +24,12 @@ kernel: a masked key's V row still enters the PV product with weight 0). The tre
 to a multiple of bk) ride on the last split; their mask arrives as one 32-bit word per (query row, 32 new keys),
 loaded into SMEM once per CTA and expanded in registers (no per-step mask traffic).
 
+Cache rows. The kernel takes the caches as [C, Hkv, S, hd] and one int32 per batch row, the cache row it reads
+(read from GMEM, as `start`; its TMA windows address that row in place): b itself for plain caches [B, ...]; with
+`layer` the stacked caches [L, B, Hkv, S, hd] of every layer (a `lax.scan` over layers passes the whole stack:
+XLA copies a slice that feeds a kernel) are viewed as [L·B, ...] (free) and batch row b reads row layer·B + b;
+under vmap each slot's rows are offset into the folded caches (`_fold_vmap`).
+
 Causal mode (`attention(..., causal=True)`, behind `prefill_attention_mgpu`): the new rows are the queries' own
 tokens; a CTA visits the new-row blocks up to its last token only, masks from iotas only the blocks that reach
 past a warpgroup's first token, and the late (heavy) row blocks launch first.
@@ -146,15 +152,15 @@ def _mask_words(mask, G: int, Rp: int, Np: int):
 
 def _kernel(*refs, hkv: int, S: int, R: int, G: int, bk: int, nst: int, ns: int, ns_tail: int, n_main_rb: int,
             BH: int, nbt: int, scale: float, pingpong: bool, causal: bool, interpret: bool):
-    """One CTA: rows [rb·128, rb·128 + 128) of kv head bh % Hkv (batch row bh // Hkv) over split s. causal: the
-    new rows are the queries' own tokens (query row t·G + i sees new rows j <= t: the prefill mode, no mask
-    words; only the new-row blocks up to the CTA's last token are visited)."""
+    """One CTA: rows [rb·128, rb·128 + 128) of kv head bh % Hkv (batch row bh // Hkv, cache row row_ref[b]) over
+    split s. causal: the new rows are the queries' own tokens (query row t·G + i sees new rows j <= t: the prefill
+    mode, no mask words; only the new-row blocks up to the CTA's last token are visited)."""
     if causal:
-        (start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, o_ref, lse_ref,
+        (start_ref, row_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, o_ref, lse_ref,
          q_smem, k_smem, v_smem, lse_smem, q_bar, k_bar, v_bar, k_used, v_used, sched) = refs
         w_ref = w_smem = w_bar = None
     else:
-        (start_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, w_ref, o_ref, lse_ref,
+        (start_ref, row_ref, q_ref, kc_ref, vc_ref, kn_ref, vn_ref, w_ref, o_ref, lse_ref,
          q_smem, k_smem, v_smem, w_smem, lse_smem, q_bar, w_bar, k_bar, v_bar, k_used, v_used, sched) = refs
     f32 = jnp.float32
     # 1-D grid: the main CTAs (row blocks fastest, so the row blocks of one (kv head, split) run side by side
@@ -332,13 +338,14 @@ def _kernel(*refs, hkv: int, S: int, R: int, G: int, bk: int, nst: int, ns: int,
     @pl.when(wg == _WGS)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
+        crow = row_ref[b]  # the cache row of batch row b
 
         def issue(i, src_c, src_n, smem, bar):
             slot = lax.rem(i, jnp.int32(nst))
 
             @pl.when(i < n_pre)
             def _():
-                plgpu.copy_gmem_to_smem(src_c.at[b, h, pl.ds(block_start(i), bk)], smem.at[slot], bar.at[slot])
+                plgpu.copy_gmem_to_smem(src_c.at[crow, h, pl.ds(block_start(i), bk)], smem.at[slot], bar.at[slot])
 
             @pl.when(i >= n_pre)
             def _():
@@ -372,63 +379,77 @@ def _kernel(*refs, hkv: int, S: int, R: int, G: int, bk: int, nst: int, ns: int,
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_k", "num_stages", "n_split", "tail_split",
                                              "pingpong", "target_ctas"))
-def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, interpret: bool = False,
+def tree_attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, layer=None, interpret: bool = False,
                    block_k: int = 64, num_stages: int = 2, n_split: int | None = None, tail_split: int | None = None,
                    pingpong: bool = True, target_ctas: int = 132):
     """q [B,T,H,hd]; k/v_cache [B,Hkv,S,hd]; start int32 scalar or [B]; k/v_new [B,N,Hkv,hd]; mask [B,T,N] bool
-    -> [B,T,H,hd] (q.dtype). Same as `tree_attention_reference`; bf16 / fp16 only (`check_supported`).
+    -> [B,T,H,hd] (q.dtype). Same as `tree_attention_reference`; bf16 / fp16 only (`check_supported`). layer: the
+    caches are the stacked [L,B,Hkv,S,hd] of every layer, layer `layer` read in place.
 
     block_k: keys per step (64; the SMEM ring holds num_stages K and V tiles [block_k, hd]); n_split: prefix
     splits (default: as many as fit one wave of target_ctas CTAs); tail_split: the splits of a light last row
     block (`plan`); pingpong: the FA3 barrier that alternates the two compute warpgroups between softmax and
     matmuls. interpret: run on the Mosaic GPU interpreter (CPU); True, or a `plgpu.InterpretGPUParams` (e.g.
     detect_races=True)."""
-    return attention(q, k_cache, v_cache, start, k_new, v_new, mask, causal=False, interpret=interpret,
+    return attention(q, k_cache, v_cache, start, k_new, v_new, mask, causal=False, layer=layer, interpret=interpret,
                      block_k=block_k, num_stages=num_stages, n_split=n_split, tail_split=tail_split,
                      pingpong=pingpong, target_ctas=target_ctas)
 
 
-def attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, causal: bool, **kw):
+def attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, causal: bool, layer=None, **kw):
     """The kernel call behind `tree_attention` (mask [B, T, N]) and, with causal=True (mask None, N = T: query t
-    sees new rows j <= t), `prefill_attention_mgpu.prefill_attention`. Under `jax.vmap` (the pool's batched
-    round, grouped prefill) each vmapped axis is folded into the batch axis B — one launch over V·B batch rows,
-    each with its own start — by `_fold_vmap`."""
+    sees new rows j <= t), `prefill_attention_mgpu.prefill_attention`. layer: the caches are the stacked
+    [L, B, Hkv, S, hd], viewed as [L·B, Hkv, S, hd] (free), batch row b reading cache row layer·B + b in place.
+    Under `jax.vmap` (the pool's batched round, grouped prefill) each vmapped axis is folded into the batch axis
+    B — one launch over V·B batch rows, each with its own start and cache row — by `_fold_vmap`."""
+    B = q.shape[0]
+    rows = jnp.arange(B, dtype=jnp.int32)  # the cache row of each batch row
+    if layer is not None:
+        k_cache, v_cache = (x.reshape((-1,) + x.shape[2:]) for x in (k_cache, v_cache))
+        rows = rows + jnp.asarray(layer, jnp.int32) * B
     call = functools.partial(_attention, causal=causal, **kw)
     if causal:
-        return _fold_vmap(lambda q, kc, vc, st, kn, vn: call(q, kc, vc, st, kn, vn, None))(
-            q, k_cache, v_cache, start, k_new, v_new)
-    return _fold_vmap(call)(q, k_cache, v_cache, start, k_new, v_new, mask)
+        return _fold_vmap(lambda q, kc, vc, st, r, kn, vn: call(q, kc, vc, st, r, kn, vn, None))(
+            q, k_cache, v_cache, start, rows, k_new, v_new)
+    return _fold_vmap(call)(q, k_cache, v_cache, start, rows, k_new, v_new, mask)
 
 
 def _fold_vmap(call):
-    """call(q, k_cache, v_cache, start, k_new, v_new[, mask]) -> [B, T, H, hd], made vmappable by folding the
-    vmapped axis V into the batch axis (operands [V, B, ...] -> [V·B, ...]; unbatched ones broadcast; start ->
-    one per folded row) instead of leaving it to the Mosaic GPU kernel's own batching rule."""
+    """call(q, k_cache, v_cache, start, rows, k_new, v_new[, mask]) -> [B, T, H, hd] (caches [C, Hkv, S, hd], batch
+    row b reading cache row rows[b]), made vmappable by folding the vmapped axis V into the batch axis instead of
+    leaving it to the Mosaic GPU kernel's own batching rule: q and the new rows [V, B, ...] -> [V·B, ...]
+    (unbatched ones broadcast); start -> one per folded row; batched caches [V, C, ...] -> [V·C, ...] (free),
+    slot v's rows offset by v·C; unbatched caches are shared as they are (no copy), their rows too."""
     f = jax.custom_batching.custom_vmap(call)
 
     @f.def_vmap
-    def _rule(axis_size, in_batched, q, k_cache, v_cache, start, *rest):
+    def _rule(axis_size, in_batched, q, k_cache, v_cache, start, rows, *rest):
         V = axis_size
         B = q.shape[1] if in_batched[0] else q.shape[0]
 
         def fold(x, batched):
             x = x if batched else jnp.broadcast_to(x, (V,) + x.shape)
-            return x.reshape((V * B,) + x.shape[2:])
+            return x.reshape((V * x.shape[1],) + x.shape[2:])
 
-        s = jnp.asarray(start, jnp.int32)
-        s = jnp.broadcast_to(s.reshape((V, -1) if in_batched[3] else (1, -1)), (V, B)).reshape(V * B)
-        arrays = (q, k_cache, v_cache) + tuple(rest)
-        flags = tuple(in_batched[:3]) + tuple(in_batched[4:])
-        folded = [fold(x, b) for x, b in zip(arrays, flags)]
-        out = f(*folded[:3], s, *folded[3:])
+        def per_row(x, batched):  # [B] or [V, B] (a scalar start: [] or [V]) -> [V·B]
+            x = jnp.asarray(x, jnp.int32)
+            return jnp.broadcast_to(x.reshape((V, -1) if batched else (1, -1)), (V, B)).reshape(V * B)
+
+        r = per_row(rows, in_batched[4])
+        if in_batched[1] or in_batched[2]:
+            k_cache, v_cache = fold(k_cache, in_batched[1]), fold(v_cache, in_batched[2])
+            r = r + jnp.repeat(jnp.arange(V, dtype=jnp.int32) * (k_cache.shape[0] // V), B)
+        folded = [fold(x, b) for x, b in zip(rest, in_batched[5:])]
+        out = f(fold(q, in_batched[0]), k_cache, v_cache, per_row(start, in_batched[3]), r, *folded)
         return out.reshape((V, B) + out.shape[1:]), True
 
     return f
 
 
-def _attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, causal: bool, interpret=False, block_k: int = 64,
-               num_stages: int = 2, n_split: int | None = None, tail_split: int | None = None, pingpong: bool = True,
-               target_ctas: int = 132):
+def _attention(q, k_cache, v_cache, start, rows, k_new, v_new, mask, *, causal: bool, interpret=False,
+               block_k: int = 64, num_stages: int = 2, n_split: int | None = None, tail_split: int | None = None,
+               pingpong: bool = True, target_ctas: int = 132):
+    """One launch: q [B, T, H, hd]; caches [C, Hkv, S, hd], batch row b reading cache row rows[b] ([B] int32)."""
     check_supported(q, k_cache, v_cache, k_new, v_new)
     B, T, H, hd = q.shape
     hkv, S = k_cache.shape[1], k_cache.shape[2]
@@ -456,7 +477,7 @@ def _attention(q, k_cache, v_cache, start, k_new, v_new, mask, *, causal: bool, 
     kn = jnp.pad(k_new, ((0, 0), (0, Np - N), (0, 0), (0, 0)))
     vn = jnp.pad(v_new, ((0, 0), (0, Np - N), (0, 0), (0, 0)))
     start_b = jnp.broadcast_to(jnp.asarray(start, jnp.int32).reshape(-1), (B,))
-    operands = [start_b, qf, k_cache, v_cache, kn, vn] + ([] if causal else [_mask_words(mask, G, Rp, Np)])
+    operands = [start_b, rows, qf, k_cache, v_cache, kn, vn] + ([] if causal else [_mask_words(mask, G, Rp, Np)])
 
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     nst = num_stages

@@ -133,3 +133,80 @@ def test_kernel_from_projection_partials():
                          Sd((1, rd), bf), Sd((1, rd), bf), Sd((1, hkv, L, hd), bf), Sd((1, hkv, L, hd), bf),
                          Sd((), jnp.int32))
     assert "__gpu$xla.gpu.triton" in txt
+
+
+def _stacked_inputs(key, L, B, h, hkv, hd, rd, S):
+    """prep_inputs with the caches stacked over L layers [L, B, Hkv, S, hd] (every layer different)."""
+    args = prep_inputs(key, B, h, hkv, hd, rd, S, jnp.bfloat16)
+    kc, vc = (jax.random.normal(k, (L, B, hkv, S, hd)).astype(jnp.bfloat16) for k in jax.random.split(key, 2))
+    return args[:5], kc, vc
+
+
+def _assert_same(got, want):
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+
+
+def test_layer_writes_one_layer_of_the_stacked_caches():
+    """layer=l on caches stacked over L = 3 layers: q / sgate / k / v and layer l of the returned stacks are the
+    call's on caches[l] (kernel and reference), the other layers untouched."""
+    L, B, h, hkv, hd, rd, S, start = 3, 2, 4, 2, 32, 8, 16, 9
+    row, kc, vc = _stacked_inputs(jax.random.PRNGKey(41), L, B, h, hkv, hd, rd, S)
+    d = dict(num_heads=h, num_kv_heads=hkv, head_dim=hd, eps=EPS)
+    kernel = jax.jit(lambda kc, vc, st, l: A.decode_attention_prep(*row, kc, vc, st, layer=l, interpret=True, **d))
+    ref = jax.jit(lambda kc, vc, st, l: A.decode_attention_prep_reference(*row, kc, vc, st, layer=l, **d))
+    for l in (0, 2):
+        one = A.decode_attention_prep(*row, kc[l], vc[l], jnp.int32(start), interpret=True, **d)
+        for out in (kernel(kc, vc, jnp.int32(start), jnp.int32(l)), ref(kc, vc, jnp.int32(start), jnp.int32(l))):
+            assert out[4].shape == kc.shape and out[5].shape == vc.shape
+            _assert_same(out[:4] + (out[4][l], out[5][l]), one)
+            others = np.arange(L) != l
+            np.testing.assert_array_equal(np.asarray(out[4])[others], np.asarray(kc)[others])
+            np.testing.assert_array_equal(np.asarray(out[5])[others], np.asarray(vc)[others])
+
+
+def test_layer_under_vmap():
+    """The batched round: jax.vmap over slots (projection row, stacked caches [V, L, B, ...], start), the layer
+    shared: each slot's results are the unbatched call's."""
+    V, L, B, h, hkv, hd, rd, S = 2, 2, 1, 2, 1, 16, 8, 8
+    row, kc, vc = _stacked_inputs(jax.random.PRNGKey(42), L, V * B, h, hkv, hd, rd, S)
+    qkv = row[0].reshape(V, B, -1)
+    kc, vc = (x.reshape(L, V, B, hkv, S, hd).swapaxes(0, 1) for x in (kc, vc))
+    starts = jnp.array([3, 6], jnp.int32)
+    d = dict(num_heads=h, num_kv_heads=hkv, head_dim=hd, eps=EPS)
+
+    def f(qkv, kc, vc, st, l):
+        return A.decode_attention_prep(qkv, *row[1:3], row[3][:B], row[4][:B], kc, vc, st, layer=l, interpret=True,
+                                       **d)
+
+    out = jax.jit(jax.vmap(f, in_axes=(0, 0, 0, 0, None)))(qkv, kc, vc, starts, jnp.int32(1))
+    for v in range(V):
+        _assert_same([x[v] for x in out], f(qkv[v], kc[v], vc[v], starts[v], jnp.int32(1)))
+
+
+def test_layer_lowers_for_h200_at_27b_shapes():
+    """The stacked caches of 16 attention layers (4K context), written in place: the custom call aliases them."""
+    Sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    h, hkv, hd, rd, Lc, L = 24, 4, 256, 64, 4096 + 1024, 16
+    f = functools.partial(A.decode_attention_prep, num_heads=h, num_kv_heads=hkv, head_dim=hd, eps=EPS)
+    txt = lower_for_h200(lambda *a: f(*a[:8], layer=a[8]), Sd((1, (2 * h + 2 * hkv) * hd), bf), Sd((hd,), bf),
+                         Sd((hd,), bf), Sd((1, rd), bf), Sd((1, rd), bf), Sd((L, 1, hkv, Lc, hd), bf),
+                         Sd((L, 1, hkv, Lc, hd), bf), Sd((), jnp.int32), Sd((), jnp.int32))
+    assert "__gpu$xla.gpu.triton" in txt
+    assert "output_operand_aliases" in txt
+
+
+def test_ops_passes_the_layer():
+    """ops.attention_decode_prep(layer=l): the reference's stacked-cache write on the xla path; on the pallas path
+    the kernel, lowered for an H200 with the caches of 3 layers."""
+    L, B, h, hkv, hd, rd, S = 3, 1, 2, 1, 16, 8, 8
+    row, kc, vc = _stacked_inputs(jax.random.PRNGKey(43), L, B, h, hkv, hd, rd, S)
+    d = dict(num_heads=h, num_kv_heads=hkv, head_dim=hd, eps=EPS)
+    st, l = jnp.int32(5), jnp.int32(1)
+    _assert_same(ops.attention_decode_prep(*row, kc, vc, st, "xla", layer=l, **d),
+                 A.decode_attention_prep_reference(*row, kc, vc, st, layer=l, **d))
+    Sd = jax.ShapeDtypeStruct
+    structs = [Sd(x.shape, x.dtype) for x in (*row, kc, vc)] + [Sd((), jnp.int32)] * 2
+    txt = lower_for_h200(lambda *a: ops.attention_decode_prep(*a[:8], "pallas", layer=a[8], **d), *structs)
+    assert "__gpu$xla.gpu.triton" in txt

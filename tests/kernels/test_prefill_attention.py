@@ -9,7 +9,7 @@ import pytest
 
 from kernels_pallas import prefill_attention as pa
 from kernels_pallas._common import lower_for_h200
-from kernels_pallas._testing import assert_kernel_signature, attention_inputs, check_attention, rel_err
+from kernels_pallas._testing import assert_kernel_signature, attention_inputs, check_attention, rel_err, stack_layers
 
 
 def test_signature_matches_reference():
@@ -50,4 +50,51 @@ def _structs(T, S):
                                     (2048, 32768, dict(block_k=128, num_stages=1))])
 def test_lowers_for_h200_at_27b_shapes(T, S, kw):
     txt = lower_for_h200(functools.partial(pa.prefill_attention, **kw), *_structs(T, S))
+    assert "__gpu$xla.gpu.triton" in txt
+
+
+def _layer_args(seed, V=None):
+    """Tiny prefill inputs (fp32, 16-key blocks with a partial prefix one) and the caches stacked over 3 layers
+    with them at layer 2 (V: V slots of them, the caches [V, L, B, ...])."""
+    one = lambda s: attention_inputs(jax.random.PRNGKey(s), None, 1, 7, 4, 2, 16, 40, 19 + s % 5,
+                                     dtype=jnp.float32)[:6]
+    slots = [one(seed + v) for v in range(V or 1)]
+    args = tuple(jnp.stack([a[i] for a in slots]) for i in range(6)) if V else slots[0]
+    kc, vc = (stack_layers(jax.random.PRNGKey(seed + i), args[i], 3, 2) for i in (1, 2))
+    if V:
+        kc, vc = kc.swapaxes(0, 1), vc.swapaxes(0, 1)
+    return args, kc, vc
+
+
+def test_layer_reads_one_layer_of_the_stacked_caches():
+    """layer=2 on caches stacked over 3 layers: the kernel's output on the layer's caches, bit for bit, and the
+    reference's; layer=0 reads another layer."""
+    args, kc, vc = _layer_args(3)
+    q, _, _, st, kn, vn = args
+    kw = dict(interpret=True, block_k=16, n_split=2)
+    f = jax.jit(lambda kc, vc, l: pa.prefill_attention(q, kc, vc, st, kn, vn, layer=l, **kw))
+    out = f(kc, vc, jnp.int32(2))
+    np.testing.assert_array_equal(out, pa.prefill_attention(*args, **kw))
+    check_attention(out, functools.partial(pa.prefill_attention_reference, layer=2), (q, kc, vc, st, kn, vn))
+    np.testing.assert_array_equal(f(kc, vc, jnp.int32(0)), pa.prefill_attention(q, kc[0], vc[0], st, kn, vn, **kw))
+
+
+def test_layer_under_vmap():
+    """Grouped prefill: jax.vmap over prompts (q, stacked caches [V, L, B, ...], start, new rows), the layer
+    shared: each prompt's output is the unbatched call's."""
+    V = 2
+    args, kc, vc = _layer_args(5, V)
+    q, _, _, st, kn, vn = args
+    kw = dict(interpret=True, block_k=16)
+    f = lambda q, kc, vc, st, kn, vn, l: pa.prefill_attention(q, kc, vc, st, kn, vn, layer=l, **kw)
+    out = jax.jit(jax.vmap(f, in_axes=(0,) * 6 + (None,)))(q, kc, vc, st, kn, vn, jnp.int32(2))
+    for v in range(V):
+        np.testing.assert_array_equal(out[v], pa.prefill_attention(*(a[v] for a in args), **kw))
+
+
+def test_layer_lowers_for_h200_at_27b_shapes():
+    Sd = jax.ShapeDtypeStruct
+    structs = _structs(2048, 32768)
+    structs[1:3] = [Sd((16,) + s.shape, s.dtype) for s in structs[1:3]]
+    txt = lower_for_h200(lambda *a: pa.prefill_attention(*a[:6], layer=a[6]), *structs, Sd((), jnp.int32))
     assert "__gpu$xla.gpu.triton" in txt

@@ -9,7 +9,7 @@ import pytest
 
 from kernels_pallas import tree_attention as ta
 from kernels_pallas._common import lower_for_h200
-from kernels_pallas._testing import assert_kernel_signature, attention_inputs, check_attention, rel_err
+from kernels_pallas._testing import assert_kernel_signature, attention_inputs, check_attention, rel_err, stack_layers
 
 
 def test_signature_matches_reference():
@@ -74,3 +74,51 @@ def test_lowers_for_h200_at_the_drafters_shapes(S):
     structs = [Sd((1, 16, 32, 128), bf), Sd((1, 8, S, 128), bf), Sd((1, 8, S, 128), bf), Sd((), jnp.int32),
                Sd((1, 16, 8, 128), bf), Sd((1, 16, 8, 128), bf), Sd((1, 16, 16), jnp.bool_)]
     assert "__gpu$xla.gpu.triton" in lower_for_h200(ta.tree_attention, *structs)
+
+
+def _layer_args(seed, V=None):
+    """Tiny tree-attention inputs (fp32, 3 key blocks of 16 with a partial one) and the caches stacked over 3
+    layers with them at layer 1 (V: V slots of them, the caches [V, L, B, ...])."""
+    one = lambda s: attention_inputs(jax.random.PRNGKey(s), np.random.default_rng(s), 1, 5, 4, 2, 16, 40, 21 + s % 7,
+                                     dtype=jnp.float32, n_pad=1)
+    slots = [one(seed + v) for v in range(V or 1)]
+    args = tuple(jnp.stack([a[i] for a in slots]) for i in range(7)) if V else slots[0]
+    kc, vc = (stack_layers(jax.random.PRNGKey(seed + i), args[i], 3, 1) for i in (1, 2))
+    if V:
+        kc, vc = kc.swapaxes(0, 1), vc.swapaxes(0, 1)
+    return args, kc, vc
+
+
+def test_layer_reads_one_layer_of_the_stacked_caches():
+    """layer=1 on caches stacked over 3 layers: the kernel's output on the layer's caches, bit for bit, and the
+    reference's; layer=0 reads another layer."""
+    args, kc, vc = _layer_args(7)
+    q, _, _, st, kn, vn, mask = args
+    kw = dict(interpret=True, block_k=16, n_split=2)
+    f = jax.jit(lambda kc, vc, l: ta.tree_attention(q, kc, vc, st, kn, vn, mask, layer=l, **kw))
+    out = f(kc, vc, jnp.int32(1))
+    np.testing.assert_array_equal(out, ta.tree_attention(*args, **kw))
+    check_attention(out, functools.partial(ta.tree_attention_reference, layer=1), (q, kc, vc, st, kn, vn, mask))
+    other = (q, kc[0], vc[0], st, kn, vn, mask)
+    np.testing.assert_array_equal(f(kc, vc, jnp.int32(0)), ta.tree_attention(*other, **kw))
+
+
+def test_layer_under_vmap():
+    """The batched round: jax.vmap over slots (q, stacked caches [V, L, B, ...], start, new rows, mask), the layer
+    shared: each slot's output is the unbatched call's."""
+    V = 2
+    args, kc, vc = _layer_args(11, V)
+    q, _, _, st, kn, vn, mask = args
+    kw = dict(interpret=True, block_k=16, n_split=2)
+    f = lambda q, kc, vc, st, kn, vn, mask, l: ta.tree_attention(q, kc, vc, st, kn, vn, mask, layer=l, **kw)
+    out = jax.jit(jax.vmap(f, in_axes=(0,) * 7 + (None,)))(q, kc, vc, st, kn, vn, mask, jnp.int32(1))
+    for v in range(V):
+        np.testing.assert_array_equal(out[v], ta.tree_attention(*(a[v] for a in args), **kw))
+
+
+def test_layer_lowers_for_h200_at_27b_shapes():
+    Sd = jax.ShapeDtypeStruct
+    structs = _structs(65, 65, 4096 + 64)
+    structs[1:3] = [Sd((16,) + s.shape, s.dtype) for s in structs[1:3]]
+    txt = lower_for_h200(lambda *a: ta.tree_attention(*a[:7], layer=a[7]), *structs, Sd((), jnp.int32))
+    assert "__gpu$xla.gpu.triton" in txt

@@ -1,13 +1,15 @@
 """Mosaic GPU causal prefill attention (kernels_pallas.prefill_attention_mgpu: the tree kernel's causal mode) vs
 the jnp reference on the Mosaic GPU interpreter (CPU), and its CUDA lowering for an abstract H200 (27B shapes)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
 
 from kernels_pallas import prefill_attention_mgpu as pm
 from kernels_pallas._common import lower_for_h200
-from kernels_pallas._testing import assert_kernel_signature, attention_inputs, check_attention
+from kernels_pallas._testing import assert_kernel_signature, attention_inputs, check_attention, stack_layers
 
 
 def test_signature_matches_reference():
@@ -45,3 +47,26 @@ def test_vmap_folds_into_the_batch_axis():
     for v in range(V):
         args = (q[v], kc[v], vc[v], starts[v], kn[v], vn[v])
         check_attention(out[v], pm.prefill_attention_reference, args)
+
+
+def test_layer_under_vmap():
+    """Grouped prefill over stacked caches: jax.vmap over the prompts (q, caches [V, L, B, ...], start), the layer
+    shared: each prompt's output is its reference's on its caches' layer."""
+    V, L, T, H, Hkv, S, layer = 2, 3, 24, 4, 2, 64, 2
+    ins = [attention_inputs(jax.random.PRNGKey(10 + v), None, 1, T, H, Hkv, 64, S, 0) for v in range(V)]
+    q, kc, vc, kn, vn = (jnp.stack([x[i] for x in ins]) for i in (0, 1, 2, 4, 5))
+    kc, vc = (stack_layers(jax.random.PRNGKey(20 + i), x, L, layer).swapaxes(0, 1) for i, x in enumerate((kc, vc)))
+    starts = jnp.array([40, 17], jnp.int32)
+    f = lambda q, kc, vc, st, kn, vn, l: pm.prefill_attention(q, kc, vc, st, kn, vn, layer=l, interpret=True)
+    out = jax.jit(jax.vmap(f, in_axes=(0,) * 6 + (None,)))(q, kc, vc, starts, kn, vn, jnp.int32(layer))
+    for v in range(V):
+        args = (q[v], kc[v], vc[v], starts[v], kn[v], vn[v])
+        check_attention(out[v], functools.partial(pm.prefill_attention_reference, layer=layer), args)
+
+
+def test_layer_lowers_for_h200():
+    Sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    T, S = 2048, 32768
+    structs = [Sd((1, T, 24, 256), bf), Sd((16, 1, 4, S, 256), bf), Sd((16, 1, 4, S, 256), bf), Sd((), jnp.int32),
+               Sd((1, T, 4, 256), bf), Sd((1, T, 4, 256), bf), Sd((), jnp.int32)]
+    assert "mosaic_gpu" in lower_for_h200(lambda *a: pm.prefill_attention(*a[:6], layer=a[6]), *structs)

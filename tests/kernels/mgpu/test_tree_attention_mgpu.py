@@ -10,7 +10,7 @@ import pytest
 
 from kernels_pallas import tree_attention_mgpu as tm
 from kernels_pallas._common import lower_for_h200
-from kernels_pallas._testing import assert_kernel_signature, attention_inputs, check_attention
+from kernels_pallas._testing import assert_kernel_signature, attention_inputs, check_attention, stack_layers
 
 
 def test_signature_matches_reference():
@@ -146,6 +146,36 @@ def test_dispatch(monkeypatch, hopper):
     assert calls == mg + mg + tri + tri * 3
 
 
+def test_dispatch_with_layer(monkeypatch):
+    """ops with stacked caches [L, B, Hkv, S, hd] and layer=: the routing reads the per-layer cache size S (not L's
+    shape), and the layer reaches the kernel; the xla path reads the layer."""
+    from kernels_pallas import ops, prefill_attention as pa, prefill_attention_mgpu as pm, tree_attention as ta
+    calls = []
+    monkeypatch.setattr(ops, "_hopper", lambda: True)
+
+    def rec(name):
+        return lambda *a, **k: calls.append((name, k["layer"])) or jnp.zeros_like(a[0])
+    for mod, name in ((tm, "mgpu"), (ta, "triton")):
+        monkeypatch.setattr(mod, "tree_attention", rec(name))
+    monkeypatch.setattr(pm, "prefill_attention", rec("mgpu_prefill"))
+    monkeypatch.setattr(pa, "prefill_attention", rec("triton_prefill"))
+    T, L = ops.MGPU_MIN_ROWS - 1, 3
+    q = jnp.ones((1, T, 4, 64), jnp.bfloat16)
+    kn = jnp.ones((1, T, 2, 64), jnp.bfloat16)
+    mask = jnp.ones((1, T, T), bool)
+    for S in (ops.MGPU_MIN_CACHE, ops.MGPU_MIN_CACHE - 1):
+        kc = jax.ShapeDtypeStruct((L, 1, 2, S, 64), jnp.bfloat16)
+        ops.tree_attention(q, kc, kc, jnp.int32(4), kn, kn, mask, "pallas", layer=2)
+        ops.prefill_attention(q, kc, kc, jnp.int32(4), kn, kn, "pallas", layer=2)
+    assert calls == [("mgpu", 2), ("mgpu_prefill", 2), ("triton", 2), ("triton_prefill", 2)]
+    args = attention_inputs(jax.random.PRNGKey(4), np.random.default_rng(4), 1, 3, 2, 1, 64, 16, 9, n_pad=1)
+    kcs, vcs = (stack_layers(jax.random.PRNGKey(5 + i), args[1 + i], L, 1) for i in range(2))
+    np.testing.assert_array_equal(ops.tree_attention(args[0], kcs, vcs, *args[3:], layer=1),
+                                  tm.tree_attention_reference(*args))
+    np.testing.assert_array_equal(ops.prefill_attention(args[0], kcs, vcs, *args[3:6], layer=1),
+                                  pa.prefill_attention_reference(*args[:6]))
+
+
 def test_hopper_is_the_lowering_target():
     from kernels_pallas import ops
     from kernels_pallas._common import abstract_h200
@@ -216,3 +246,67 @@ def test_a_kernel_lowered_in_two_programs_has_one_hash():
     c = hashes(lower_for_h200(lambda *x: prefill_attention_mgpu.prefill_attention(*x[:6]), *args))
     assert len(a) == 1 and b == a, (a, b)  # (two call sites in one program: one lowering)
     assert len(c) == 1 and c != a
+
+
+def test_layer_reads_one_layer_of_the_stacked_caches():
+    """layer=l on caches stacked over 3 layers, 2 batch rows with their own start (batch row b reads cache row
+    l·B + b of the [L·B, ...] view): layer 2 bit for bit the kernel on the layer's caches, layer 0 its reference."""
+    B, T, H, Hkv, hd, S, L = 2, 5, 2, 1, 64, 64, 3
+    q, kc, vc, _, kn, vn, mask = attention_inputs(jax.random.PRNGKey(6), np.random.default_rng(6), B, T, H, Hkv, hd,
+                                                  S, 0, n_pad=1)
+    kcs, vcs = (stack_layers(jax.random.PRNGKey(7 + i), x, L, 2) for i, x in enumerate((kc, vc)))
+    starts = jnp.array([40, S], jnp.int32)
+    f = jax.jit(lambda kc, vc, l: tm.tree_attention(q, kc, vc, starts, kn, vn, mask, layer=l, interpret=True,
+                                                    n_split=1))
+    np.testing.assert_array_equal(f(kcs, vcs, jnp.int32(2)),
+                                  tm.tree_attention(q, kc, vc, starts, kn, vn, mask, interpret=True, n_split=1))
+    _per_row(f(kcs, vcs, jnp.int32(0)), (q, kcs[0], vcs[0], starts, kn, vn, mask))
+
+
+def test_layer_under_vmap_folds_the_layer_rows(monkeypatch):
+    """The batched round with stacked caches: jax.vmap over slots (q, caches [V, L, B, ...], start), the layer
+    shared: one launch over the V·B folded batch rows and the [V·L·B, ...] view of the caches (no copy), slot v's
+    batch row b reading row (v·L + layer)·B + b; shared (unbatched) caches are not broadcast. Each slot's output is
+    its reference's."""
+    V, L, B, T, H, Hkv, hd, S, layer = 2, 3, 2, 4, 2, 1, 64, 64, 1
+    ks = jax.random.split(jax.random.PRNGKey(8), 5)
+    bf = jnp.bfloat16
+    q = jax.random.normal(ks[0], (V, B, T, H, hd), bf)
+    kc, vc = (jax.random.normal(k, (V, L, B, Hkv, S, hd), bf) for k in ks[1:3])
+    kn, vn = (jax.random.normal(k, (B, T, Hkv, hd), bf) for k in ks[3:5])
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+    starts = jnp.array([[7, 64], [0, 33]], jnp.int32)  # [V, B]
+    calls = []
+    real = tm._attention
+    monkeypatch.setattr(tm, "_attention", lambda *a, **k: calls.append((a[0].shape, a[1].shape, a[4])) or
+                        real(*a, **k))
+    f = lambda q, kc, vc, st, l: tm.tree_attention(q, kc, vc, st, kn, vn, mask, layer=l, interpret=True)
+    out = jax.jit(jax.vmap(f, in_axes=(0, 0, 0, 0, None)))(q, kc, vc, starts, jnp.int32(layer))
+    assert calls[-1][:2] == ((V * B, T, H, hd), (V * L * B, Hkv, S, hd))
+    for v in range(V):
+        for b in range(B):
+            one = (q[v, b:b + 1], kc[v, :, b:b + 1], vc[v, :, b:b + 1], starts[v, b], kn[b:b + 1], vn[b:b + 1],
+                   mask[b:b + 1])
+            check_attention(out[v, b:b + 1], functools.partial(tm.tree_attention_reference, layer=layer), one)
+    # shared caches: the [L·B, ...] view as it is, every slot's batch row b at layer·B + b
+    calls.clear()
+    out = jax.vmap(f, in_axes=(0, None, None, 0, None))(q, kc[0], vc[0], starts, jnp.int32(layer))
+    assert calls[-1][1] == (L * B, Hkv, S, hd)
+    one = (q[1, 1:], kc[0, :, 1:], vc[0, :, 1:], starts[1, 1], kn[1:], vn[1:], mask[1:])
+    check_attention(out[1, 1:], functools.partial(tm.tree_attention_reference, layer=layer), one)
+
+
+def test_layer_lowers_for_h200():
+    """27B shapes, the caches of 16 layers: alone and in the pool's 4-slot round (one Mosaic GPU call over the
+    folded [V·L·B, ...] caches)."""
+    Sd = jax.ShapeDtypeStruct
+    structs = _structs(65, 8192 + 64)
+    structs[1:3] = [Sd((16,) + s.shape, s.dtype) for s in structs[1:3]]
+    f = lambda *a: tm.tree_attention(*a[:7], layer=a[7])
+    assert "mosaic_gpu" in lower_for_h200(f, *structs, Sd((), jnp.int32))
+    V = 4
+    vs = [Sd((V,) + s.shape, s.dtype) for s in structs]
+    vs[3] = Sd((V,), jnp.int32)
+    txt = lower_for_h200(jax.vmap(f, in_axes=(0,) * 7 + (None,)), *vs, Sd((), jnp.int32))
+    assert txt.count("custom_call @mosaic_gpu") == 1
+    assert f"tensor<{V * 16}x4x{8192 + 64}x256xbf16>" in txt  # the [V·L·B, Hkv, S, hd] view of the caches
