@@ -150,13 +150,15 @@ def gdn_masked_block(q, k, v, g, beta, mask, state, kernels="xla", max_depth: in
 
 def gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, kernels="xla", *,
                      num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, conv_kernel: int,
-                     eps: float):
+                     eps: float, layer=None):
     """One GDN decode step (T = 1) from the layer's fused projection row [q|k|v pre-conv | z | b | a] (or its
     unsummed split-K partials [S, B, P], `decode_row`) to the gated-norm output: conv + SiLU, l2norm, beta/g, the
     recurrent step, gated RMSNorm; -> (o [B,Hv,dv],
-    conv_state [B,K-1,conv_dim], state [B,Hv,dk,dv]). See `gdn_reference.gdn_decode_fused`."""
+    conv_state [B,K-1,conv_dim], state [B,Hv,dk,dv]). See `gdn_reference.gdn_decode_fused`.
+    layer (an int32 scalar): conv_state / state are the layers' stacked caches [L, ...], updated in place at
+    `layer` and returned whole."""
     dims = dict(num_k_heads=num_k_heads, num_v_heads=num_v_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim,
-                conv_kernel=conv_kernel, eps=eps)
+                conv_kernel=conv_kernel, eps=eps, layer=layer)
     if _check(kernels) == "pallas":
         from kernels_pallas import gdn_decode_fused as fused
         args = (proj, conv_state, conv_w, A_log, dt_bias, norm_w, state)
