@@ -138,14 +138,16 @@ def gdn_chunked(q, k, v, g, beta, state, kernels="xla"):
     return gdn_reference.gdn_chunked(q, k, v, g, beta, state)
 
 
-def gdn_masked_block(q, k, v, g, beta, mask, state, kernels="xla", max_depth: int | None = None):
+def gdn_masked_block(q, k, v, g, beta, mask, state, kernels="xla", max_depth: int | None = None, *, layer=None):
     """max_depth (optional, static): no root path of `mask` has more nodes (DDTree: the drafter's block
-    size); the Pallas kernel uses it only to bound its solve loop. The result does not depend on it."""
+    size); the Pallas kernel uses it only to bound its solve loop. The result does not depend on it.
+    layer (an int32 scalar): state is the layers' stacked states [L,B,Hv,dk,dv], of which layer `layer` is read."""
     if _check(kernels) == "pallas":
         from kernels_pallas import gdn_tree
-        return _pallas_or(lambda: gdn_reference.gdn_masked_block(q, k, v, g, beta, mask, state),
-                          lambda: gdn_tree.gdn_masked_block(q, k, v, g, beta, mask, state, max_depth=max_depth))
-    return gdn_reference.gdn_masked_block(q, k, v, g, beta, mask, state)
+        return _pallas_or(lambda: gdn_reference.gdn_masked_block(q, k, v, g, beta, mask, state, layer=layer),
+                          lambda: gdn_tree.gdn_masked_block(q, k, v, g, beta, mask, state, layer=layer,
+                                                            max_depth=max_depth))
+    return gdn_reference.gdn_masked_block(q, k, v, g, beta, mask, state, layer=layer)
 
 
 def gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, kernels="xla", *,
