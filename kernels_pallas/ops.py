@@ -130,12 +130,14 @@ def prefill_attention(q, k_cache, v_cache, start, k_new, v_new, kernels="xla"):
     return prefill_attention_reference(q, k_cache, v_cache, start, k_new, v_new)
 
 
-def gdn_chunked(q, k, v, g, beta, state, kernels="xla"):
+def gdn_chunked(q, k, v, g, beta, state, kernels="xla", *, layer=None):
+    """layer (an int32 scalar): state is the layers' stacked states [L,B,Hv,dk,dv], read and returned whole with
+    layer `layer` updated (`gdn_reference.gdn_chunked`)."""
     if _check(kernels) == "pallas":
         from kernels_pallas import gdn_prefill
-        return _pallas_or(lambda: gdn_reference.gdn_chunked(q, k, v, g, beta, state),
-                          lambda: gdn_prefill.gdn_chunked(q, k, v, g, beta, state))
-    return gdn_reference.gdn_chunked(q, k, v, g, beta, state)
+        return _pallas_or(lambda: gdn_reference.gdn_chunked(q, k, v, g, beta, state, layer=layer),
+                          lambda: gdn_prefill.gdn_chunked(q, k, v, g, beta, state, layer=layer))
+    return gdn_reference.gdn_chunked(q, k, v, g, beta, state, layer=layer)
 
 
 def gdn_masked_block(q, k, v, g, beta, mask, state, kernels="xla", max_depth: int | None = None, *, layer=None):
