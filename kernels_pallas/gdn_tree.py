@@ -197,10 +197,9 @@ def key_grams(q, k):
 @functools.partial(jax.jit, static_argnames=("interpret", "block_v", "block_t", "head_block", "max_depth",
                                              "num_warps", "num_stages", "precision", "smem_limit"))
 def gdn_masked_block(q, k, v, g, beta, mask, state, *, layer=None, interpret: bool = False,
-                     block_v: int | None = None,
-                     block_t: int = 16, head_block: int | None = None, max_depth: int | None = None,
-                     num_warps: int | None = None, num_stages: int = 1, precision: str = "bf16x3m",
-                     smem_limit: int | None = None):
+                     block_v: int | None = None, block_t: int = 16, head_block: int | None = None,
+                     max_depth: int | None = None, num_warps: int | None = None, num_stages: int = 1,
+                     precision: str = "bf16x3m", smem_limit: int | None = None):
     """The WY form over one block of N tokens related by `mask` (ancestor-or-self, [B,N,N] bool).
 
     q,k [B,N,Hk,dk]; v [B,N,Hv,dv]; g,beta [B,N,Hv]; state [B,Hv,dk,dv] (all fp32).
