@@ -24,6 +24,13 @@ Grid (B, Hv): program (b, h) owns value head h, which reads key head kh = h // (
 The conv-state output is a fresh array, not aliased: the Hv/Hk programs of a key head all read its
 q/k rows, so one of them overwriting them in place would race with the others.
 
+`layer` (a scan over layers, issue 40): conv_state and state are the layers' stacked caches [L, ...] and the
+kernel reads and writes layer `layer` of them in place (the layer a [1] int32 operand, put in the one indexer of
+each load / store), so no per-layer slice is copied. Both stacks are aliased to their outputs; in the conv stack
+the kernel writes only the v channels (each read and rewritten by its one program). The new q/k rows go to a
+small fresh output [B, K-1, 2·Hk·dk] (the race above) that one `dynamic_update_slice` after the kernel writes
+into the stack at `layer` (in place: XLA updates the kernel's aliased output buffer).
+
 proj may come as its GEMV's unsummed split-K partials [S, B, P] (`dense(..., reduce=False)`): every load of
 the row then sums the S partials in order and rounds to the activations' dtype (conv_state's), as
 `numerics.sum_partials` does, so no XLA reduction runs between the GEMV and this kernel.
@@ -57,9 +64,13 @@ def smem_bytes(bv: int, num_warps: int) -> int:
 L2NORM_EPS = 1e-6  # the model's l2norm(q), l2norm(k)
 
 
-def _kernel(proj_ref, cs_ref, cw_ref, alog_ref, dtb_ref, nw_ref, s_ref, o_ref, cso_ref, so_ref, *,
-            hk: int, hv: int, dk: int, dv: int, K: int, eps: float, dkp: int, bv: int, nvt: int,
-            nparts: int, act, wprod, interpret: bool):
+def _kernel(*refs, hk: int, hv: int, dk: int, dv: int, K: int, eps: float, dkp: int, bv: int, nvt: int,
+            nparts: int, act, wprod, has_layer: bool, interpret: bool):
+    it = iter(refs)
+    l_ref = next(it) if has_layer else None
+    proj_ref, cs_ref, cw_ref, alog_ref, dtb_ref, nw_ref, s_ref, o_ref, cso_ref, so_ref = (next(it) for _ in range(10))
+    lw = (l_ref[0],) if has_layer else ()  # the layer of the stacked caches, addressed in place
+    qko_ref = next(it) if has_layer else cso_ref  # where the new q/k conv rows go (channels < 2·Hk·dk)
     f32 = jnp.float32
     b, h = pl.program_id(0), pl.program_id(1)
     r = hv // hk
@@ -106,7 +117,7 @@ def _kernel(proj_ref, cs_ref, cw_ref, alog_ref, dtb_ref, nw_ref, s_ref, o_ref, c
         """Channels [off, off + n) (padded to npad): pre-conv x, the K-1 state rows, conv+SiLU output."""
         c, m = cols(off, n, npad)
         x = ldp(c, m)
-        rows = [ld(cs_ref.at[b, i32(j), c], m) for j in range(km1)]
+        rows = [ld(cs_ref.at[(*lw, b, i32(j), c)], m) for j in range(km1)]
         acc = None
         for j in range(km1):  # tree_conv: the state rows as the activations' dtype, taps summed in fp32
             t = rnd(rows[j].astype(f32), act) * ld(cw_ref.at[i32(j), c], m).astype(f32)
@@ -114,10 +125,10 @@ def _kernel(proj_ref, cs_ref, cw_ref, alog_ref, dtb_ref, nw_ref, s_ref, o_ref, c
         acc = acc + x.astype(f32) * ld(cw_ref.at[i32(km1), c], m).astype(f32)
         return x, rows, rnd(silu(rnd(acc, act)), act), c, m
 
-    def store_conv_state(x, rows, c, m):  # new rows: old rows 1..K-2, then the token
+    def store_conv_state(x, rows, c, m, ref, pre):  # new rows: old rows 1..K-2, then the token; pre: ref's layer
         for j in range(km1 - 1):
-            st(cso_ref.at[b, i32(j), c], rows[j + 1], m)
-        st(cso_ref.at[b, i32(km1 - 1), c], x, m)
+            st(ref.at[(*pre, b, i32(j), c)], rows[j + 1], m)
+        st(ref.at[(*pre, b, i32(km1 - 1), c)], x, m)
 
     def l2norm(x):
         return x * jax.lax.rsqrt(jnp.sum(x * x) + L2NORM_EPS)
@@ -130,8 +141,8 @@ def _kernel(proj_ref, cs_ref, cw_ref, alog_ref, dtb_ref, nw_ref, s_ref, o_ref, c
 
     @pl.when(h % r == 0)
     def _():
-        store_conv_state(xq, rq, cq, mq)
-        store_conv_state(xk, rk, ck, mk)
+        store_conv_state(xq, rq, cq, mq, qko_ref, ())
+        store_conv_state(xk, rk, ck, mk, qko_ref, ())
 
     # beta, g (blocks of one element)
     one = lambda ref, i: pltr.load(ref.at[pl.ds(i, 1)]).astype(f32)
@@ -150,13 +161,13 @@ def _kernel(proj_ref, cs_ref, cw_ref, alog_ref, dtb_ref, nw_ref, s_ref, o_ref, c
         v0 = t * bv
         nt = min(bv, dv - v0)
         xv, rv, v, cv, mv = conv(2 * key_dim + h * dv + v0, nt, bv)
-        store_conv_state(xv, rv, cv, mv)
+        store_conv_state(xv, rv, cv, mv, cso_ref, lw)
         iv, mv = cols(v0, nt, bv)  # columns of this tile within the head
         if masked_s:
             ivv = v0 + jnp.arange(bv, dtype=jnp.int32)
-            sidx, ms = (b, h, ik[:, None], ivv[None, :]), (ik < dk)[:, None] & (ivv < dv)[None, :]
+            sidx, ms = (*lw, b, h, ik[:, None], ivv[None, :]), (ik < dk)[:, None] & (ivv < dv)[None, :]
         else:
-            sidx, ms = (b, h, slice(None), iv), None
+            sidx, ms = (*lw, b, h, slice(None), iv), None
         s = ld(s_ref.at[sidx], ms).astype(f32) * decay  # [dkp, bv]
         pred = jnp.sum(s * k[:, None], axis=0)  # Sᵀk [bv]
         delta = beta * (v - pred)
@@ -182,10 +193,16 @@ def _kernel(proj_ref, cs_ref, cw_ref, alog_ref, dtb_ref, nw_ref, s_ref, o_ref, c
                                              "conv_kernel", "eps", "interpret", "block_v", "num_warps",
                                              "num_stages", "smem_limit"))
 def gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, *, num_k_heads: int,
-                     num_v_heads: int, head_k_dim: int, head_v_dim: int, conv_kernel: int, eps: float,
+                     num_v_heads: int, head_k_dim: int, head_v_dim: int, conv_kernel: int, eps: float, layer=None,
                      interpret: bool = False, block_v: int | None = None, num_warps: int = 4,
                      num_stages: int = 1, smem_limit: int | None = None):
     """One token through a GDN layer (see `gdn_decode_fused_reference` for the arguments).
+
+    layer (an int32 scalar): conv_state [L, B, K-1, conv_dim] and state [L, B, Hv, dk, dv] are the layers' stacked
+    caches, read and updated in place at `layer` (aliased: in place under a jit that donates them), so that a
+    `lax.scan` over layers passes the whole stacks and no slice is copied; returns (o, conv_state, state) with
+    the whole stacks. The new q/k conv rows are written into the stack by one small `dynamic_update_slice` after
+    the kernel (module docstring).
 
     block_v: state columns per step of the program's static loop (a power of two; default the whole
     head, padded to a power of two); num_warps / num_stages: Triton's. Defaults from the H200 sweep
@@ -198,9 +215,10 @@ def gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, *,
     cd = 2 * hk * dk + hv * dv
     assert hv % hk == 0 and K >= 2, (hk, hv, K)
     assert P == cd + hv * dv + 2 * hv, (proj.shape, cd)
-    assert conv_state.shape == (B, K - 1, cd) and conv_w.shape == (K, cd), (conv_state.shape, conv_w.shape)
+    lead = () if layer is None else conv_state.shape[:1]  # (L,): the stacked caches
+    assert conv_state.shape == (*lead, B, K - 1, cd) and conv_w.shape == (K, cd), (conv_state.shape, conv_w.shape)
     assert A_log.shape == (hv,) and dt_bias.shape == (hv,) and norm_w.shape == (dv,)
-    assert state.shape == (B, hv, dk, dv), state.shape
+    assert state.shape == (*lead, B, hv, dk, dv), state.shape
     dkp, dvp = feature_pad(dk), feature_pad(dv)
     bv = min(block_v or dvp, dvp)
     assert is_pow2(bv) and bv >= 16, bv
@@ -211,17 +229,30 @@ def gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, *,
     act = conv_state.dtype if nparts else proj.dtype
     kern = functools.partial(_kernel, hk=hk, hv=hv, dk=dk, dv=dv, K=K, eps=float(eps), dkp=dkp, bv=bv,
                              nvt=nvt, nparts=nparts, act=act, wprod=jnp.promote_types(norm_w.dtype, act),
-                             interpret=interpret)
-    return pl.pallas_call(
+                             has_layer=layer is not None, interpret=interpret)
+    args = [proj, conv_state, conv_w, A_log, dt_bias, norm_w, state]
+    out_shape = [
+        jax.ShapeDtypeStruct((B, hv, dv), act),
+        jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
+        jax.ShapeDtypeStruct(state.shape, state.dtype),
+    ]
+    aliases = {6: 2}
+    if layer is not None:  # the layer first; both stacks in place; the new q/k conv rows apart
+        args = [jnp.asarray(layer, jnp.int32).reshape(1)] + args
+        out_shape.append(jax.ShapeDtypeStruct((B, K - 1, 2 * hk * dk), conv_state.dtype))
+        aliases = {2: 1, 7: 2}
+    out = pl.pallas_call(
         kern,
         grid=(B, hv),
-        out_shape=[
-            jax.ShapeDtypeStruct((B, hv, dv), act),
-            jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
-            jax.ShapeDtypeStruct(state.shape, state.dtype),
-        ],
-        input_output_aliases={6: 2},
+        out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="gdn_decode_fused",
-    )(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state)
+    )(*args)
+    if layer is None:
+        return out
+    o, conv, state, qk = out
+    zero = jnp.zeros((), jnp.int32)
+    conv = jax.lax.dynamic_update_slice(conv, qk[None], (jnp.asarray(layer, jnp.int32), zero, zero, zero))
+    return o, conv, state

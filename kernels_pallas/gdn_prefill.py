@@ -10,7 +10,10 @@ Per chunk c (C = 64 tokens, G = in-chunk cumsum of g, Γ_ij = e^{G_i − G_j} fo
 With the state S entering the chunk, the pseudo-values are W = W0 − U S and
     O = O0 + Qt S,      S ← e^{G_last} S + Ktᵀ W,   Kt = e^{G_last − G} K   (Kt formed in the kernel).
 The kernel (one program per (batch, value head, dv tile)) runs that recurrence over all chunks in an
-in-kernel loop; the [dk, BV] state tile never leaves registers.
+in-kernel loop; the [dk, BV] state tile never leaves registers. With `layer` (a scan over layers, issue 40) the
+state operand is the layers' whole stacked state [L, B, Hv, dk, dv], aliased to the state output: each program
+reads its tile of layer `layer` and writes the new one back in place (the layer, a [1] int32 operand, in the
+load's / store's one indexer: an index map cannot take it), so no state slice is copied.
 """
 
 from __future__ import annotations
@@ -109,7 +112,14 @@ def intra_chunk(q, k, v, g, beta, C: int):
     return O0, W0, U, Qt, G.reshape(B, T, Hv)
 
 
-def _kernel(o0_ref, w0_ref, u_ref, qt_ref, k_ref, G_ref, s_ref, o_ref, so_ref, *, C: int, n: int, dot):
+def _kernel(*refs, C: int, n: int, bv: int, has_layer: bool, dot):
+    if has_layer:
+        l_ref, *refs = refs
+        b, h, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        s_idx = (l_ref[0], b, h, slice(None), pl.ds(pl.multiple_of(t * bv, bv), bv))  # the stacked state's tile
+    else:
+        s_idx = (...,)
+    o0_ref, w0_ref, u_ref, qt_ref, k_ref, G_ref, s_ref, o_ref, so_ref = refs
     f32 = jnp.float32
     last = jnp.arange(C) == C - 1
 
@@ -122,16 +132,21 @@ def _kernel(o0_ref, w0_ref, u_ref, qt_ref, k_ref, G_ref, s_ref, o_ref, so_ref, *
         kt = jnp.exp(g_last - G)[:, None] * k_ref[rows, :].astype(f32)  # [C, dk]
         return jnp.exp(g_last) * S + dot(kt.T, W)
 
-    S = jax.lax.fori_loop(0, n, body, s_ref[...].astype(f32))
-    so_ref[...] = S.astype(so_ref.dtype)
+    S = jax.lax.fori_loop(0, n, body, s_ref[s_idx].astype(f32))
+    so_ref[s_idx] = S.astype(so_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "interpret", "block_v", "num_warps", "num_stages",
                                              "precision", "smem_limit"))
-def gdn_chunked(q, k, v, g, beta, state, chunk: int = 64, *, interpret: bool = False, block_v: int | None = None,
-                num_warps: int = 4, num_stages: int = 2, precision: str = "tf32x3", smem_limit: int | None = None):
+def gdn_chunked(q, k, v, g, beta, state, chunk: int = 64, *, layer=None, interpret: bool = False,
+                block_v: int | None = None, num_warps: int = 4, num_stages: int = 2, precision: str = "tf32x3",
+                smem_limit: int | None = None):
     """Chunked prefill over T tokens. q,k [B,T,Hk,dk]; v [B,T,Hv,dv]; g,beta [B,T,Hv]; state [B,Hv,dk,dv]
-    -> (o [B,T,Hv,dv], state). Same as `gdn_chunked_reference`."""
+    -> (o [B,T,Hv,dv], state). Same as `gdn_chunked_reference`.
+
+    layer (an int32 scalar): state is the layers' stacked states [L,B,Hv,dk,dv]; the kernel reads layer `layer`
+    and writes the new state there in place (the stack aliased to the output: in place under a jit that donates
+    it, or as a `lax.scan` carry), and the whole stack is returned, so no state slice is copied."""
     f32 = jnp.float32
     B, T, Hk, dk = k.shape
     Hv, dv = v.shape[2], v.shape[3]
@@ -141,6 +156,7 @@ def gdn_chunked(q, k, v, g, beta, state, chunk: int = 64, *, interpret: bool = F
     Cp = max(16, 1 << (C - 1).bit_length())
     pad = (-T) % Cp
     q, k, v, g, beta, state = (x.astype(f32) for x in (q, k, v, g, beta, state))
+    sd = state.ndim - 2  # state's dk axis (stacked: one more leading axis)
     if pad:  # beta = 0, g = 0: padded tokens change nothing
         padt = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
         q, k, v, g, beta = map(padt, (q, k, v, g, beta))
@@ -148,37 +164,45 @@ def gdn_chunked(q, k, v, g, beta, state, chunk: int = 64, *, interpret: bool = F
     n = Tp // Cp
     dkp, dvp = feature_pad(dk), feature_pad(dv)
     if dkp != dk:  # tiny test shapes only
-        q, k, state = pad_axis(q, 3, dkp), pad_axis(k, 3, dkp), pad_axis(state, 2, dkp)
+        q, k, state = pad_axis(q, 3, dkp), pad_axis(k, 3, dkp), pad_axis(state, sd, dkp)
     if dvp != dv:
-        v, state = pad_axis(v, 3, dvp), pad_axis(state, 3, dvp)
+        v, state = pad_axis(v, 3, dvp), pad_axis(state, sd + 1, dvp)
     O0, W0, U, Qt, Gc = intra_chunk(q, k, v, g, beta, Cp)
     cfg = plan(Cp, dkp, dvp, block_v=block_v, num_stages=num_stages, limit=smem_limit)
     bv, num_stages = cfg["block_v"], cfg["num_stages"]
     assert is_pow2(bv) and dvp % bv == 0
-    kern = functools.partial(_kernel, C=Cp, n=n, dot=dot_fn(precision, interpret))
+    kern = functools.partial(_kernel, C=Cp, n=n, bv=bv, has_layer=layer is not None, dot=dot_fn(precision, interpret))
+    args = [O0, W0, U, Qt, k, Gc, state]
+    state_spec = pl.BlockSpec((None, None, dkp, bv), lambda b, h, t: (b, h, 0, t))
+    layer_specs, aliases = [], {6: 1}
+    if layer is not None:  # the layer first; the whole stacked state, read and written at the layer inside
+        assert state.shape[1:] == (B, Hv, dkp, dvp), state.shape
+        args = [jnp.asarray(layer, jnp.int32).reshape(1)] + args
+        state_spec = pl.BlockSpec(state.shape, lambda b, h, t: (0,) * 5)
+        layer_specs, aliases = [pl.BlockSpec((1,), lambda b, h, t: (0,))], {7: 1}
     o, state_new = pl.pallas_call(
         kern,
         grid=(B, Hv, dvp // bv),
-        in_specs=[
+        in_specs=layer_specs + [
             pl.BlockSpec((None, n, None, Cp, bv), lambda b, h, t: (b, 0, h, 0, t)),  # O0 [B,n,Hv,C,dv]
             pl.BlockSpec((None, n, None, Cp, bv), lambda b, h, t: (b, 0, h, 0, t)),  # W0
             pl.BlockSpec((None, n, None, Cp, dkp), lambda b, h, t: (b, 0, h, 0, 0)),  # U [B,n,Hv,C,dk]
             pl.BlockSpec((None, n, None, Cp, dkp), lambda b, h, t: (b, 0, h, 0, 0)),  # Qt
             pl.BlockSpec((None, Tp, None, dkp), lambda b, h, t: (b, 0, h // r, 0)),  # k
             pl.BlockSpec((None, Tp, None), lambda b, h, t: (b, 0, h)),  # G (in-chunk cumsum)
-            pl.BlockSpec((None, None, dkp, bv), lambda b, h, t: (b, h, 0, t)),  # state
+            state_spec,
         ],
         out_specs=[
             pl.BlockSpec((None, Tp, None, bv), lambda b, h, t: (b, 0, h, t)),
-            pl.BlockSpec((None, None, dkp, bv), lambda b, h, t: (b, h, 0, t)),
+            state_spec,
         ],
         out_shape=[
             jax.ShapeDtypeStruct((B, Tp, Hv, dvp), f32),
-            jax.ShapeDtypeStruct((B, Hv, dkp, dvp), f32),
+            jax.ShapeDtypeStruct(state.shape, f32),
         ],
-        input_output_aliases={6: 1},
+        input_output_aliases=aliases,
         compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="gdn_prefill_inter_chunk",
-    )(O0, W0, U, Qt, k, Gc, state)
-    return o[:, :T, :, :dv], state_new[:, :, :dk, :dv]
+    )(*args)
+    return o[:, :T, :, :dv], state_new[..., :dk, :dv]

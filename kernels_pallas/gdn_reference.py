@@ -51,13 +51,16 @@ def gdn_step(q, k, v, g, beta, state):
     return o, s
 
 
-def gdn_masked_block(q, k, v, g, beta, mask, state):
+def gdn_masked_block(q, k, v, g, beta, mask, state, *, layer=None):
     """The WY form over one block of N tokens related by `mask` (ancestor-or-self, [B,N,N] bool).
 
-    q,k [B,N,Hk,dk]; v [B,N,Hv,dv]; g,beta [B,N,Hv]; state [B,Hv,dk,dv].
+    q,k [B,N,Hk,dk]; v [B,N,Hv,dv]; g,beta [B,N,Hv]; state [B,Hv,dk,dv] (or, with `layer`, an int32 scalar, the
+    layers' stacked states [L,B,Hv,dk,dv], of which layer `layer` is read: the kernel reads it in place).
     Returns o [B,N,Hv,dv], W (pseudo-values) [B,N,Hv,dv], G (path cumsum of g) [B,N,Hv].
     Nothing of size N·dk·dv is formed.
     """
+    if layer is not None:
+        state = state[layer]
     hv = v.shape[2]
     r = hv // k.shape[2]
     maskf = mask.astype(jnp.float32)
@@ -121,11 +124,16 @@ def gdn_commit(state, conv, k, W, g, x, path, path_len):
     return state, jnp.take_along_axis(rows, idx[..., None], axis=1)
 
 
-def gdn_chunked(q, k, v, g, beta, state, chunk: int = 64):
+def gdn_chunked(q, k, v, g, beta, state, chunk: int = 64, *, layer=None):
     """Chunked prefill over T tokens (pad to a multiple of `chunk` with beta=0, g=0: no effect).
 
     q,k [B,T,Hk,dk]; v [B,T,Hv,dv]; g,beta [B,T,Hv]; state [B,Hv,dk,dv] -> (o [B,T,Hv,dv], state).
+    layer (an int32 scalar): state is the layers' stacked states [L,B,Hv,dk,dv]; layer `layer` is read and the
+    whole stack returned with the new state written at `layer` (`state.at[layer].set(new)`).
     """
+    if layer is not None:
+        o, new = gdn_chunked(q, k, v, g, beta, state[layer], chunk)
+        return o, state.at[layer].set(new)
     B, T = v.shape[:2]
     C = min(chunk, T)
     pad = (-T) % C
@@ -205,7 +213,7 @@ def split_proj(proj, *, num_k_heads: int, num_v_heads: int, head_k_dim: int, hea
 
 
 def gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, *, num_k_heads: int,
-                     num_v_heads: int, head_k_dim: int, head_v_dim: int, conv_kernel: int, eps: float):
+                     num_v_heads: int, head_k_dim: int, head_v_dim: int, conv_kernel: int, eps: float, layer=None):
     """One token through a GDN layer, from its projection row to the gated-norm output (before out_proj).
 
     proj [B, conv_dim + Hv·dv + 2·Hv]: columns [q|k|v pre-conv (conv_dim = 2·Hk·dk + Hv·dv) | z (Hv·dv,
@@ -219,7 +227,16 @@ def gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, *,
 
     proj may also be [S, B, ...]: the S split-K partial sums of the projection (`dense(..., reduce=False)`),
     summed in order and rounded to the activations' dtype, conv_state's (`numerics.sum_partials`).
+
+    layer (an int32 scalar): conv_state [L, B, K-1, conv_dim] and state [L, B, Hv, dk, dv] are the layers' stacked
+    caches; layer `layer` is read, and both are returned whole with the new caches written at `layer`
+    (`.at[layer].set(new)`; the kernel updates them in place). conv_w, A_log, dt_bias, norm_w stay the layer's own.
     """
+    if layer is not None:
+        o, conv, s = gdn_decode_fused(proj, conv_state[layer], conv_w, A_log, dt_bias, norm_w, state[layer],
+                                      num_k_heads=num_k_heads, num_v_heads=num_v_heads, head_k_dim=head_k_dim,
+                                      head_v_dim=head_v_dim, conv_kernel=conv_kernel, eps=eps)
+        return o, conv_state.at[layer].set(conv), state.at[layer].set(s)
     hk, hv, dk, dv, K = num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel
     if proj.ndim == 3:
         proj = sum_partials(proj, conv_state.dtype)

@@ -69,14 +69,24 @@ def plan(N: int, dkp: int, dvp: int, *, block_v: int | None = None, block_t: int
     return dict(head_block=bh, block_v=bv, smem=smem_bytes(bh, dkp, bv))
 
 
-def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, m_ref, s_ref, kk_ref, qk_ref, o_ref, w_ref, G_ref, *, n: int,
-            bh: int, bt: int, ntail: int, npc: int, max_depth: int | None, mm_w, mm_o, same: bool, barrier):
+def _kernel(*refs, n: int, bh: int, bt: int, bv: int, ntail: int, npc: int, max_depth: int | None, mm_w, mm_o,
+            same: bool, has_layer: bool, barrier):
     """Row blocks: a head block of `bh` rows [0, bh), then `ntail` tail blocks of `bt` rows (scf.for
     loops: the code stays small and only O(block) tensors are live). W_j and G_j of finished blocks are
     read back from the outputs (this program wrote them; a CTA barrier makes the global writes visible to
     all its threads). mm_w / mm_o = (split, dot): operands are split once (bf16 hi/lo for "bf16x3m") and
     reused by every product they enter. The key grams K Kᵀ, Q Kᵀ of this key head come in as inputs
-    (kk_ref, qk_ref [N, N], fp32, computed once per key head outside by `key_grams`)."""
+    (kk_ref, qk_ref [N, N], fp32, computed once per key head outside by `key_grams`). has_layer: a [1] int32
+    layer comes first and s_ref is the whole stacked state [L, B, Hv, dk, dv]: the program reads its [dk, bv] tile
+    of layer `layer` in place (one indexer: the layer cannot come from an index map)."""
+    if has_layer:
+        l_ref, *refs = refs
+    q_ref, k_ref, v_ref, g_ref, b_ref, m_ref, s_ref, kk_ref, qk_ref, o_ref, w_ref, G_ref = refs
+    if has_layer:
+        b, h, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        s_idx = (l_ref[0], b, h, slice(None), pl.ds(pl.multiple_of(t * bv, bv), bv))
+    else:
+        s_idx = (...,)
     f32 = jnp.float32
     sw, dw = mm_w
     so, do_ = mm_o
@@ -115,7 +125,7 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, m_ref, s_ref, kk_ref, qk_ref, o_r
         Gi = jnp.sum(jnp.where(panel, gall[None, :], 0.0), axis=1)
         pltr.store(G_ref.at[sl], Gi.astype(G_ref.dtype), mask=ok)
         eG = jnp.exp(Gi)
-        S0 = s_ref[...].astype(f32)  # [dk, BV], loaded where used (not kept live)
+        S0 = s_ref[s_idx].astype(f32)  # [dk, BV], loaded where used (not kept live)
         Kw = sw(Ki)
         Qo = so(Qi)
         rhs = bi[:, None] * (Vi - eG[:, None] * dw(Kw, sw(S0)))  # [size, BV]
@@ -186,14 +196,17 @@ def key_grams(q, k):
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_v", "block_t", "head_block", "max_depth",
                                              "num_warps", "num_stages", "precision", "smem_limit"))
-def gdn_masked_block(q, k, v, g, beta, mask, state, *, interpret: bool = False, block_v: int | None = None,
-                     block_t: int = 16, head_block: int | None = None, max_depth: int | None = None,
-                     num_warps: int | None = None, num_stages: int = 1, precision: str = "bf16x3m",
-                     smem_limit: int | None = None):
+def gdn_masked_block(q, k, v, g, beta, mask, state, *, layer=None, interpret: bool = False,
+                     block_v: int | None = None, block_t: int = 16, head_block: int | None = None,
+                     max_depth: int | None = None, num_warps: int | None = None, num_stages: int = 1,
+                     precision: str = "bf16x3m", smem_limit: int | None = None):
     """The WY form over one block of N tokens related by `mask` (ancestor-or-self, [B,N,N] bool).
 
     q,k [B,N,Hk,dk]; v [B,N,Hv,dv]; g,beta [B,N,Hv]; state [B,Hv,dk,dv] (all fp32).
     Returns o [B,N,Hv,dv], W [B,N,Hv,dv], G [B,N,Hv] — as `gdn_masked_block_reference`.
+
+    layer (an int32 scalar): state is the layers' stacked states [L,B,Hv,dk,dv]; the kernel reads layer `layer` in
+    place (a whole-array operand, indexed inside), so that a `lax.scan` over layers copies no state slice.
 
     head_block: rows of the first (head) block, solved in one piece (default: N rounded up to a power of
     two, at most 128, at least block_t); the rest in block_t-row blocks. The length of the nilpotent
@@ -215,10 +228,11 @@ def gdn_masked_block(q, k, v, g, beta, mask, state, *, interpret: bool = False, 
     assert is_pow2(bh) and bh >= block_t, bh
     f32 = jnp.float32
     q, k, v, g, beta, state = (x.astype(f32) for x in (q, k, v, g, beta, state))
+    sd = state.ndim - 2  # state's dk axis (stacked: one more leading axis)
     if dkp != dk:  # tiny test shapes only: zero features change nothing
-        q, k, state = pad_axis(q, 3, dkp), pad_axis(k, 3, dkp), pad_axis(state, 2, dkp)
+        q, k, state = pad_axis(q, 3, dkp), pad_axis(k, 3, dkp), pad_axis(state, sd, dkp)
     if dvp != dv:
-        v, state = pad_axis(v, 3, dvp), pad_axis(state, 3, dvp)
+        v, state = pad_axis(v, 3, dvp), pad_axis(state, sd + 1, dvp)
     bv = cfg["block_v"]
     num_warps = num_warps or (8 if bh >= 64 else 4)
     assert is_pow2(bv) and dvp % bv == 0
@@ -230,21 +244,29 @@ def gdn_masked_block(q, k, v, g, beta, mask, state, *, interpret: bool = False, 
     # "mixed": the W path (K S0, the solve) in one TF32 product (W is dominated by β v, so its error
     # stays ~1e-5), the output path (Q S0, A W) in hand-made 3xTF32
     pw, po = ("tf32", "tf32x3m") if precision == "mixed" else (precision, precision)
-    kern = functools.partial(_kernel, n=N, bh=bh, bt=block_t, ntail=ntail, npc=next_pow2(N), max_depth=max_depth,
-                             mm_w=matmul_fns(pw, interpret), mm_o=matmul_fns(po, interpret), same=pw == po,
-                             barrier=barrier)
+    kern = functools.partial(_kernel, n=N, bh=bh, bt=block_t, bv=bv, ntail=ntail, npc=next_pow2(N),
+                             max_depth=max_depth, mm_w=matmul_fns(pw, interpret), mm_o=matmul_fns(po, interpret),
+                             same=pw == po, has_layer=layer is not None, barrier=barrier)
     kkqk = key_grams(q, k)  # [B, 2, Hk, N, N]
+    args = [q, k, v, g, beta, mask_i8, state, kkqk, kkqk]
+    state_spec = pl.BlockSpec((None, None, dkp, bv), lambda b, h, t: (b, h, 0, t))
+    layer_specs = []
+    if layer is not None:  # the layer first; the whole stacked state, read at the layer inside
+        assert state.shape[1:] == (B, Hv, dkp, dvp), state.shape
+        args = [jnp.asarray(layer, jnp.int32).reshape(1)] + args
+        state_spec = pl.BlockSpec(state.shape, lambda b, h, t: (0,) * 5)
+        layer_specs = [pl.BlockSpec((1,), lambda b, h, t: (0,))]
     o, W, G = pl.pallas_call(
         kern,
         grid=(B, Hv, nvt),
-        in_specs=[
+        in_specs=layer_specs + [
             pl.BlockSpec((None, N, None, dkp), lambda b, h, t: (b, 0, h // r, 0)),  # q
             pl.BlockSpec((None, N, None, dkp), lambda b, h, t: (b, 0, h // r, 0)),  # k
             pl.BlockSpec((None, N, None, bv), lambda b, h, t: (b, 0, h, t)),  # v
             pl.BlockSpec((None, N, None), lambda b, h, t: (b, 0, h)),  # g
             pl.BlockSpec((None, N, None), lambda b, h, t: (b, 0, h)),  # beta
             pl.BlockSpec((None, N, N), lambda b, h, t: (b, 0, 0)),  # mask
-            pl.BlockSpec((None, None, dkp, bv), lambda b, h, t: (b, h, 0, t)),  # state
+            state_spec,
             pl.BlockSpec((None, None, None, N, N), lambda b, h, t: (b, 0, h // r, 0, 0)),  # K Kᵀ
             pl.BlockSpec((None, None, None, N, N), lambda b, h, t: (b, 1, h // r, 0, 0)),  # Q Kᵀ
         ],
@@ -261,7 +283,7 @@ def gdn_masked_block(q, k, v, g, beta, mask, state, *, interpret: bool = False, 
         compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="gdn_tree_block",
-    )(q, k, v, g, beta, mask_i8, state, kkqk, kkqk)
+    )(*args)
     if dvp != dv:
         o, W = o[..., :dv], W[..., :dv]
     return o, W, G

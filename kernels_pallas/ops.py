@@ -133,33 +133,39 @@ def prefill_attention(q, k_cache, v_cache, start, k_new, v_new, kernels="xla", *
     return pa.prefill_attention_reference(*args, layer=layer)
 
 
-def gdn_chunked(q, k, v, g, beta, state, kernels="xla"):
+def gdn_chunked(q, k, v, g, beta, state, kernels="xla", *, layer=None):
+    """layer (an int32 scalar): state is the layers' stacked states [L,B,Hv,dk,dv], read and returned whole with
+    layer `layer` updated (`gdn_reference.gdn_chunked`)."""
     if _check(kernels) == "pallas":
         from kernels_pallas import gdn_prefill
-        return _pallas_or(lambda: gdn_reference.gdn_chunked(q, k, v, g, beta, state),
-                          lambda: gdn_prefill.gdn_chunked(q, k, v, g, beta, state))
-    return gdn_reference.gdn_chunked(q, k, v, g, beta, state)
+        return _pallas_or(lambda: gdn_reference.gdn_chunked(q, k, v, g, beta, state, layer=layer),
+                          lambda: gdn_prefill.gdn_chunked(q, k, v, g, beta, state, layer=layer))
+    return gdn_reference.gdn_chunked(q, k, v, g, beta, state, layer=layer)
 
 
-def gdn_masked_block(q, k, v, g, beta, mask, state, kernels="xla", max_depth: int | None = None):
+def gdn_masked_block(q, k, v, g, beta, mask, state, kernels="xla", max_depth: int | None = None, *, layer=None):
     """max_depth (optional, static): no root path of `mask` has more nodes (DDTree: the drafter's block
-    size); the Pallas kernel uses it only to bound its solve loop. The result does not depend on it."""
+    size); the Pallas kernel uses it only to bound its solve loop. The result does not depend on it.
+    layer (an int32 scalar): state is the layers' stacked states [L,B,Hv,dk,dv], of which layer `layer` is read."""
     if _check(kernels) == "pallas":
         from kernels_pallas import gdn_tree
-        return _pallas_or(lambda: gdn_reference.gdn_masked_block(q, k, v, g, beta, mask, state),
-                          lambda: gdn_tree.gdn_masked_block(q, k, v, g, beta, mask, state, max_depth=max_depth))
-    return gdn_reference.gdn_masked_block(q, k, v, g, beta, mask, state)
+        return _pallas_or(lambda: gdn_reference.gdn_masked_block(q, k, v, g, beta, mask, state, layer=layer),
+                          lambda: gdn_tree.gdn_masked_block(q, k, v, g, beta, mask, state, layer=layer,
+                                                            max_depth=max_depth))
+    return gdn_reference.gdn_masked_block(q, k, v, g, beta, mask, state, layer=layer)
 
 
 def gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, kernels="xla", *,
                      num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, conv_kernel: int,
-                     eps: float):
+                     eps: float, layer=None):
     """One GDN decode step (T = 1) from the layer's fused projection row [q|k|v pre-conv | z | b | a] (or its
     unsummed split-K partials [S, B, P], `decode_row`) to the gated-norm output: conv + SiLU, l2norm, beta/g, the
     recurrent step, gated RMSNorm; -> (o [B,Hv,dv],
-    conv_state [B,K-1,conv_dim], state [B,Hv,dk,dv]). See `gdn_reference.gdn_decode_fused`."""
+    conv_state [B,K-1,conv_dim], state [B,Hv,dk,dv]). See `gdn_reference.gdn_decode_fused`.
+    layer (an int32 scalar): conv_state / state are the layers' stacked caches [L, ...], updated in place at
+    `layer` and returned whole."""
     dims = dict(num_k_heads=num_k_heads, num_v_heads=num_v_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim,
-                conv_kernel=conv_kernel, eps=eps)
+                conv_kernel=conv_kernel, eps=eps, layer=layer)
     if _check(kernels) == "pallas":
         from kernels_pallas import gdn_decode_fused as fused
         args = (proj, conv_state, conv_w, A_log, dt_bias, norm_w, state)

@@ -74,6 +74,76 @@ def test_kernel_two_steps_in_place():
     assert rel_err(o_k, o_r) < 1e-5 and rel_err(s_k, s_r) < 1e-5
 
 
+def stacked_inputs(seed, L, B, hk, hv, dk, dv, dtype):
+    """L layers' fresh random caches stacked on a leading layer axis, and one layer's projection row and weights:
+    (proj, conv_state [L, ...], conv_w, A_log, dt_bias, norm_w, state [L, ...])."""
+    per = [fused_inputs(jax.random.PRNGKey(seed + i), B, hk, hv, dk, dv, dtype) for i in range(L)]
+    return (per[0][0], jnp.stack([p[1] for p in per]), *per[0][2:6], jnp.stack([p[6] for p in per]))
+
+
+def assert_layer_update(out, single, stacked, layer):
+    """out (o, conv_state, state) of a layer= call on the stacked caches: layer `layer` bitwise the call on that
+    layer's caches (`single`), every other layer untouched."""
+    o, conv, state = out
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(single[0]))
+    for new, one, old in zip((conv, state), single[1:], stacked):
+        assert new.shape == old.shape and new.dtype == old.dtype
+        np.testing.assert_array_equal(np.asarray(new[layer]), np.asarray(one))
+        others = np.arange(old.shape[0]) != layer
+        np.testing.assert_array_equal(np.asarray(new)[others], np.asarray(old)[others])
+
+
+@pytest.mark.parametrize("dtype,kw", [(jnp.float32, {}), (jnp.bfloat16, dict(block_v=16))], ids=["fp32", "bf16-bv16"])
+def test_kernel_layer_of_stacked_caches(dtype, kw):
+    """layer=l on the caches of 3 layers stacked [L, ...] (l traced, the stacks donated: in place) is the kernel on
+    layer l's caches, the other layers untouched; the reference's layer= likewise."""
+    B, hk, hv, dk, dv, L = 2, 2, 6, 16, 32, 3
+    proj, cs, cw, A_log, dtb, nw, state = stacked_inputs(30, L, B, hk, hv, dk, dv, dtype)
+    d = dims(hk, hv, dk, dv)
+    ker = jax.jit(functools.partial(F.gdn_decode_fused, **d, interpret=True, **kw), donate_argnums=(1, 6))
+    one = jax.jit(functools.partial(F.gdn_decode_fused, **d, interpret=True, **kw))
+    ref = jax.jit(functools.partial(F.gdn_decode_fused_reference, **d))
+    for layer in (2, 0):
+        single = one(proj, cs[layer], cw, A_log, dtb, nw, state[layer])
+        got = ker(proj, jnp.array(cs), cw, A_log, dtb, nw, jnp.array(state), layer=jnp.int32(layer))
+        assert_layer_update(got, single, (cs, state), layer)
+        r_single = ref(proj, cs[layer], cw, A_log, dtb, nw, state[layer])
+        assert_layer_update(ref(proj, cs, cw, A_log, dtb, nw, state, layer=jnp.int32(layer)), r_single, (cs, state),
+                            layer)
+
+
+def test_kernel_layer_under_vmap():
+    """jax.vmap over slots (batched serving) with the stacked caches [V, L, ...] batched and the layer not: each
+    slot's result is the kernel on its own caches' layer; the projection partials [S, B, P] come in too."""
+    B, hk, hv, dk, dv, L, V = 1, 1, 2, 16, 16, 2, 2
+    slots = [stacked_inputs(40 + 10 * v, L, B, hk, hv, dk, dv, jnp.bfloat16) for v in range(V)]
+    parts = 0.5 * jax.random.normal(jax.random.PRNGKey(41), (V, 2) + slots[0][0].shape, jnp.float32)
+    cs, state = jnp.stack([s[1] for s in slots]), jnp.stack([s[6] for s in slots])
+    _, _, cw, A_log, dtb, nw, _ = slots[0]
+    d = dims(hk, hv, dk, dv)
+    f = jax.jit(jax.vmap(lambda p, c, s, layer: F.gdn_decode_fused(p, c, cw, A_log, dtb, nw, s, **d, layer=layer,
+                                                                   interpret=True), in_axes=(0, 0, 0, None)))
+    got = f(parts, cs, state, jnp.int32(1))
+    for v in range(V):
+        single = F.gdn_decode_fused(parts[v], cs[v, 1], cw, A_log, dtb, nw, state[v, 1], **d, interpret=True)
+        assert_layer_update([x[v] for x in got], single, (cs[v], state[v]), 1)
+
+
+def test_lowers_for_h200_with_layer():
+    """layer= at 27B shapes (3 stacked layers): one Triton call with both stacks aliased to its outputs, and the
+    q/k conv rows written back by one dynamic_update_slice."""
+    S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    hk, hv, dk, dv, L = 16, 48, 128, 128, 3
+    cd = 2 * hk * dk + hv * dv
+    structs = [S((4, 1, cd + hv * dv + 2 * hv), jnp.float32), S((L, 1, K - 1, cd), bf), S((K, cd), bf),
+               S((hv,), bf), S((hv,), bf), S((dv,), bf), S((L, 1, hv, dk, dv), jnp.float32), S((), jnp.int32)]
+    f = lambda *a: F.gdn_decode_fused(*a[:7], **dims(hk, hv, dk, dv), layer=a[7])
+    txt = lower_for_h200(f, *structs)
+    assert txt.count("__gpu$xla.gpu.triton") == 1 and txt.count("dynamic_update_slice") == 1
+    for out, operand in ((1, 2), (2, 7)):  # the conv and recurrent stacks (the layer is operand 0)
+        assert f"output_tuple_indices = [{out}], operand_index = {operand}" in txt
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
 def test_reference_matches_model_decode_step(dtype):
     """The model's decode step (T = 1: one `ops.gdn_decode_fused` on the fused projection row, here the
@@ -116,6 +186,11 @@ def test_ops_dispatch():
     d = dims(hk, hv, dk, dv)
     ref = jax.jit(functools.partial(F.gdn_decode_fused_reference, **d))(*args)
     for a, b in zip(jax.jit(functools.partial(ops.gdn_decode_fused, **d, kernels="xla"))(*args), ref):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    stacked = (args[1][None], args[6][None])  # layer= passed through: one stacked layer
+    got = jax.jit(functools.partial(ops.gdn_decode_fused, **d, kernels="xla"))(args[0], stacked[0], *args[2:6],
+                                                                                stacked[1], layer=jnp.int32(0))
+    for a, b in zip(got, (ref[0], ref[1][None], ref[2][None])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ValueError):
         ops.gdn_decode_fused(*args, **d, kernels="cuda")

@@ -123,6 +123,47 @@ def test_chain_mask_matches_reference():
         assert rel_err(a, b) < TOL
 
 
+def _stacked_states(seed, L, B, Hv, dk, dv):
+    """L layers' fresh random states [L, B, Hv, dk, dv]."""
+    return jnp.stack([0.1 * jax.random.normal(jax.random.PRNGKey(seed + i), (B, Hv, dk, dv)) for i in range(L)])
+
+
+@pytest.mark.parametrize("dk,dv,kw", [(16, 32, dict(block_v=16)), (24, 20, {})], ids=["bv16", "padded"])
+def test_layer_of_stacked_state(dk, dv, kw):
+    """layer=l (traced) on 3 layers' states stacked [L, ...]: bitwise the kernel on state[l] (each dv tile reads its
+    own columns of layer l); the reference's layer= likewise."""
+    B, N, Hk, Hv, L = 2, 21, 1, 2, 3
+    mask, valid = random_tree_mask(np.random.default_rng(1), B, N, 2)
+    q, k, v, g, beta, _ = gdn_inputs(jax.random.PRNGKey(1), B, N, Hk, Hv, dk, dv, valid=valid)
+    states = _stacked_states(2, L, B, Hv, dk, dv)
+    f = jax.jit(functools.partial(gdn_tree.gdn_masked_block, interpret=True, **kw))
+    ref = jax.jit(gdn_tree.gdn_masked_block_reference)
+    for layer in (2, 0):
+        got, one = f(q, k, v, g, beta, mask, states, layer=jnp.int32(layer)), f(q, k, v, g, beta, mask, states[layer])
+        r_got, r_one = ref(q, k, v, g, beta, mask, states, layer=jnp.int32(layer)), ref(q, k, v, g, beta, mask,
+                                                                                        states[layer])
+        for a, b, ra, rb in zip(got, one, r_got, r_one):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            np.testing.assert_array_equal(np.asarray(ra), np.asarray(rb))
+            assert rel_err(a, rb) < TOL
+
+
+def test_layer_under_vmap():
+    """jax.vmap over slots with the stacked states [V, L, ...] batched and the layer not: each slot reads its own
+    states' layer."""
+    V, N, L = 2, 16, 2
+    mask, valid = random_tree_mask(np.random.default_rng(3), V, N, 2)
+    q, k, v, g, beta, _ = gdn_inputs(jax.random.PRNGKey(3), V, N, 1, 2, 16, 16, valid=valid)
+    states = _stacked_states(4, L * V, 1, 2, 16, 16).reshape(V, L, 1, 2, 16, 16)
+    ins = [x[:, None] for x in (q, k, v, g, beta, mask)]  # one batch row per slot
+    f = jax.vmap(lambda *a: gdn_tree.gdn_masked_block(*a[:7], layer=a[7], interpret=True), in_axes=(0,) * 7 + (None,))
+    got = jax.jit(f)(*ins, states, jnp.int32(1))
+    for s in range(V):
+        one = gdn_tree.gdn_masked_block(*(x[s] for x in ins), states[s, 1], interpret=True)
+        for a, b in zip(got, one):
+            np.testing.assert_array_equal(np.asarray(a[s]), np.asarray(b))
+
+
 def _structs(B=1, N=65, Hk=16, Hv=48, dk=128, dv=128):
     S, f = jax.ShapeDtypeStruct, jnp.float32
     return [S((B, N, Hk, dk), f), S((B, N, Hk, dk), f), S((B, N, Hv, dv), f), S((B, N, Hv), f),
@@ -140,3 +181,12 @@ def test_lowers_for_h200_at_27b_shapes(N, kw):
     txt = lower_for_h200(functools.partial(gdn_tree.gdn_masked_block, **kw), *_structs(N=N))
     assert "__gpu$xla.gpu.triton" in txt
 
+
+
+def test_lowers_for_h200_with_layer():
+    """layer= at 27B shapes: the stacked state [3, ...] and a traced layer, one Triton call, no slice of the stack."""
+    structs = _structs()
+    structs[6] = jax.ShapeDtypeStruct((3,) + structs[6].shape, structs[6].dtype)
+    f = lambda *a: gdn_tree.gdn_masked_block(*a[:7], layer=a[7])
+    txt = lower_for_h200(f, *structs, jax.ShapeDtypeStruct((), jnp.int32))
+    assert txt.count("__gpu$xla.gpu.triton") == 1 and "dynamic_slice" not in txt
