@@ -132,6 +132,40 @@ def test_kernel_padded_scales_and_fp32():
     assert _rel(out32.reshape(9, 160), k.w8a8_reference(x32, q, scale, block_in=64, block_out=64)) < 1e-6
 
 
+def _stacked(L, K, N, block_in, block_out, seed):
+    """L layers' fp8 weights [L, N, K] and block scales [L, N blocks, K blocks + 3 padding columns]."""
+    qs, ss = zip(*(_inputs(1, K, N, block_in, block_out, seed=seed * 10 + l)[1:] for l in range(L)))
+    return jnp.stack(qs), jnp.pad(jnp.stack(ss), ((0, 0), (0, 0), (0, 3)), constant_values=1.0)
+
+
+@pytest.mark.parametrize("M,K,N,bi,bo,kw", [
+    (1, 256, 256, 128, 128, dict(split_k=2)),  # unmasked loads, one scale per program and block
+    (7, 300, 200, 64, 32, dict(block_n=64)),  # masked K / N loads, gathered scales
+])
+def test_kernel_layer_reads_the_stack(M, K, N, bi, bo, kw):
+    """layer=l (a scan over stacked layers: the kernel reads layer l of w [L, N, K] / scale [L, ...] in place) ==
+    the kernel on the slices w[l], scale[l], bit for bit; the reference likewise."""
+    q, scale = _stacked(3, K, N, bi, bo, seed=M + K)
+    x = _inputs(M, K, N, bi, bo, seed=4)[0]
+    f = functools.partial(k.w8a8, block_in=bi, block_out=bo, interpret=True, **kw)
+    for l in (1, 2):
+        got = f(x, q, scale, layer=jnp.int32(l))
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(f(x, q[l], scale[l]), np.float32))
+        ref = k.w8a8_reference(x, q, scale, layer=jnp.int32(l), block_in=bi, block_out=bo)
+        np.testing.assert_array_equal(np.asarray(ref, np.float32), np.asarray(
+            k.w8a8_reference(x, q[l], scale[l], block_in=bi, block_out=bo), np.float32))
+        assert _rel(got, ref) < 1e-3
+
+
+def test_layer_lowers_for_h200_without_a_slice():
+    """With layer the custom call takes the whole stack (no dynamic slice, which XLA would copy) at a 27B shape."""
+    S = jax.ShapeDtypeStruct
+    K, N = SHAPES_27B["w_gate_up"]
+    txt = lower_for_h200(lambda x, w, s, l: k.w8a8(x, w, s, layer=l), S((16, K), jnp.bfloat16),
+                         S((4, N, K), k.FP8), S((4, N // 128, 64), jnp.float32), S((), jnp.int32))
+    assert "__gpu$xla.gpu.triton" in txt and f"tensor<4x{N}x{K}xf8E4M3FN>" in txt and "dynamic_slice" not in txt
+
+
 def test_default_config_fits():
     for bi in (128, 64, 32, 16):
         for M in (1, 7, 16, 65, 129, 256, 4096):
