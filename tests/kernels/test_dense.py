@@ -82,6 +82,35 @@ def test_dense_fp32_exactish(kw):
     assert out.dtype == jnp.float32 and _rel(out, exact) < 1e-5
 
 
+@pytest.mark.parametrize("M,K,N,kw", [
+    (1, 300, 96, dict(block_k=32, split_k=4)),  # K and N not multiples of the blocks: masked loads
+    (65, 320, 200, dict(block_n=64, block_k=64, split_k=3)),
+    (1, 256, 256, dict(split_k=1)),  # unmasked loads
+])
+def test_dense_layer_reads_the_stack(M, K, N, kw):
+    """layer=l (a scan over stacked layers: the kernel reads layer l of w [L, K, N] in place) == the kernel on the
+    slice w[l] bit for bit, with the gate / residual and unreduced partials too; the reference likewise."""
+    L = 3
+    w = jnp.stack([_inputs(1, K, N, seed=10 + l)[1] for l in range(L)])
+    x, _, _, g, r = _parts(M, K, N, M + K)
+    f = functools.partial(dn.dense, interpret=True, **kw)
+    for l in (1, 2):
+        lay = jnp.int32(l)
+        np.testing.assert_array_equal(_bits(f(x, w, layer=lay)), _bits(f(x, w[l])))
+        np.testing.assert_array_equal(_bits(dn.dense_reference(x, w, layer=lay)), _bits(dn.dense_reference(x, w[l])))
+        assert _rel(f(x, w, layer=lay), dn.dense_reference(x, w[l])) < 1e-2
+    np.testing.assert_array_equal(_bits(f(x, w, g, r, layer=lay)), _bits(f(x, w[l], g, r)))
+    np.testing.assert_array_equal(_bits(f(x, w, layer=lay, reduce=False)), _bits(f(x, w[l], reduce=False)))
+
+
+def test_dense_layer_lowers_for_h200_without_a_slice():
+    """With layer the custom call takes the whole stack (no dynamic slice, which XLA would copy) at a 27B shape."""
+    S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    txt = lower_for_h200(lambda x, w, l: dn.dense(x, w, layer=l), S((1, 5120), bf), S((4, 5120, 34816), bf),
+                         S((), jnp.int32))
+    assert "__gpu$xla.gpu.triton" in txt and "tensor<4x5120x34816xbf16>" in txt and "dynamic_slice" not in txt
+
+
 def test_default_config_sane():
     for M in (1, 17, 65, 129):
         for K, N in _bench().SHAPES.values():
