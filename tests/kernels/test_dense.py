@@ -335,6 +335,10 @@ def test_ops_layer_weight_is_its_slice(monkeypatch, spec, xs, ws):
         np.testing.assert_array_equal(_bits(jax.vmap(functools.partial(row, lay))(x)),
                                       _bits(jax.vmap(functools.partial(row, w))(x)))
         assert ((1, K), (L, K, N), True) in calls
+        # in a scan over the layers (the index traced), vmapped over slots
+        _, ys = jax.lax.scan(lambda c, i: (c, jax.vmap(functools.partial(row, ops.Layer(stack, i)))(x)), 0,
+                             jnp.arange(L, dtype=jnp.int32))
+        np.testing.assert_array_equal(_bits(ys[l]), _bits(jax.vmap(functools.partial(row, w))(x)))
 
 
 def test_ops_layer_lowers_for_h200_without_a_slice():
