@@ -270,8 +270,8 @@ def dense(x, w, gate=None, residual=None, *, layer=None,
         if split == 1:
             args.append(residual)
     kern = functools.partial(_kernel, M=M, K=K, N=N, Mp=Mp, bn=bn, bk=bk, nk=nk, split=split,
-                             has_layer=layer is not None, has_gate=gate is not None, has_res=residual is not None and split == 1, act=act,
-                             interpret=interpret)
+                             has_layer=layer is not None, has_gate=gate is not None,
+                             has_res=residual is not None and split == 1, act=act, interpret=interpret)
     y = launch(kern, args, M=M, N=N, bn=bn, split=split, out_dtype=out_dtype, num_warps=nw, num_stages=ns,
                interpret=interpret, name="dense_dot")
     if not reduce:

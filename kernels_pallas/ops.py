@@ -5,6 +5,7 @@ kernels), and `dense` / `decode_row` run what it chose."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -229,11 +230,60 @@ class Choice(NamedTuple):
     materialise: bool = False
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """One layer's weight of a stack, not sliced: layer `index` (an int32 scalar array, traced in a `lax.scan`
+    over layers; the same for every slot under vmap) of `stacked` [L, ...]. `dense` / `decode_row` take it as w,
+    and as an FP8 weight's q (`Fp8.scale` then a Layer of the scale stack at the same index; `Fp8.tail` None or a
+    Layer): the weight kernels ("gemv", "w8a8_mgpu", "w8a8") get the whole stack and read layer `index` in place
+    (XLA copies a dynamic slice that feeds a custom call or a cuBLAS GEMM: the whole weight, every layer); XLA's
+    einsum and the references take the slice `get()`. shape / dtype / ndim are the layer's; `[...]` is the Layer
+    itself (`nnx.Param(layer)[...]` in the modules)."""
+    stacked: jax.Array
+    index: jax.Array
+
+    @property
+    def shape(self) -> tuple:
+        return self.stacked.shape[1:]
+
+    @property
+    def dtype(self):
+        return self.stacked.dtype
+
+    @property
+    def ndim(self) -> int:
+        return self.stacked.ndim - 1
+
+    def get(self) -> jax.Array:
+        """The layer's weight as a plain array: stacked[index] (a slice)."""
+        return jax.lax.dynamic_index_in_dim(self.stacked, self.index, keepdims=False)
+
+    def __getitem__(self, key):
+        if key is Ellipsis:
+            return self
+        raise TypeError("Layer supports only [...]; get() its slice first")
+
+
+def _plain(w):
+    """w as a plain array: a Layer's slice (XLA's einsum, the references), anything else itself."""
+    return w.get() if isinstance(w, Layer) else w
+
+
+def _gemv_weight(w, K: int) -> tuple[jax.Array, dict]:
+    """The GEMV's weight operand for w as [K, N] and its keyword arguments: a Layer's whole stack [L, K, N] (a
+    reshape, no copy) with layer= (read in place)."""
+    if isinstance(w, Layer):
+        return w.stacked.reshape(w.stacked.shape[0], K, -1), dict(layer=w.index)
+    return w.reshape(K, -1), {}
+
+
 class Fp8(NamedTuple):
     """The rest of an FP8 weight whose e4m3 values q [N, K] (the checkpoint's layout) `dense` takes as w:
     scale fp32 [ceil(N / block_out), ≥ ceil(K / block_in)] (block scales), tail None or the trailing plain columns
     [K, n_tail] of a 2-D weight, shape the parameter's logical shape (contracted axes first, tail included;
-    jaxddtree/model/fp8.py's `Fp8Weight`)."""
+    jaxddtree/model/fp8.py's `Fp8Weight`). With q a `Layer`: scale a Layer of the scale stack [L, Nb, C] at q's
+    index (the kernels read it in place; its columns padded as the model stores them), tail None or a Layer."""
     scale: jax.Array
     tail: jax.Array | None
     block_in: int
@@ -314,6 +364,9 @@ def dense(spec: str, x, w, kernels="xla", *, norm=None, gate=None, residual=None
         all-reduce) before the rounding and the residual add (plain weights only).
     The GEMV with `Choice.fused` computes the gate in its prologue and the residual in its epilogue.
 
+    w (or an FP8 weight's q) may be a `Layer` (one layer of a stack, in a scan over layers): the weight kernels
+    read it in place, XLA's einsum and the references take its slice.
+
     Under jax.vmap (the slot axis of batched rounds, speculative/batch.py) with kernels="pallas": one call on the
     rows of all slots (`fold_rows`), its kernel picked for them, so the weights are streamed once."""
     if fp8 is not None:
@@ -355,7 +408,8 @@ def decode_row(x, w, kernels="xla", *, norm=None, fp8: Fp8 | None = None):
         if nw_ is not None:
             x_ = rms_norm_1p(x_, nw_, eps)
         from kernels_pallas import dense as dense_kernel
-        return dense_kernel.dense(x_.reshape(-1, K), w_, reduce=False)
+        w2, layer = _gemv_weight(w_, K)
+        return dense_kernel.dense(x_.reshape(-1, K), w2, reduce=False, **layer)
 
     def folded(acts, weights, like):
         # the rows of all slots (no longer one row: not the GEMV's domain for the consumer's fused op): `dense`
@@ -375,7 +429,8 @@ def fold_rows(f, acts, weights, out_axis: int = 0, rule=None):
     the slot axis folded into the activations' first axis (its kernel then picked for the B·rows; pallas_call's
     own batching rule would run the kernel once per slot and stream the weights B times); the output's axis
     `out_axis` holds the rows. `rule(acts, weights, like)` (optional) computes the folded call instead (like: the
-    per-slot output's ShapeDtypeStruct). Batched weights: plain vmap of f."""
+    per-slot output's ShapeDtypeStruct). Batched weights: plain vmap of f (a `Layer` counts as batched when its
+    stack or its index is; a scan's layer index is the same for every slot)."""
     fn = jax.custom_batching.custom_vmap(f)
 
     @fn.def_vmap
@@ -412,19 +467,19 @@ def _project(spec: str, x, w, kernels: str, norm, gate, residual, partial: bool 
     if choice.kernel == "gemv":
         from kernels_pallas import dense as dense_kernel
         out_shape = x.shape[:x.ndim - nc] + w.shape[nc:]
+        w2, layer = _gemv_weight(w, K)
         if choice.fused:
-            y = dense_kernel.dense(x.reshape(rows, K), w.reshape(K, -1),
-                                   None if gate is None else gate.reshape(rows, K),
-                                   None if residual is None else residual.reshape(rows, -1))
+            y = dense_kernel.dense(x.reshape(rows, K), w2, None if gate is None else gate.reshape(rows, K),
+                                   None if residual is None else residual.reshape(rows, -1), **layer)
             return f32(y.reshape(out_shape)) if partial else y.reshape(out_shape)
         if gate is not None:
             x = rounded(f32(x) * f32(gate), x.dtype)
-        y = dense_kernel.dense(x.reshape(rows, K), w.reshape(K, -1)).reshape(out_shape)
+        y = dense_kernel.dense(x.reshape(rows, K), w2, **layer).reshape(out_shape)
     else:
         if gate is not None:
             x = rounded(f32(x) * f32(gate), x.dtype)
         prec = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-        y = jnp.einsum(spec, x, w.astype(x.dtype), precision=prec,
+        y = jnp.einsum(spec, x, _plain(w).astype(x.dtype), precision=prec,
                        preferred_element_type=jnp.float32 if partial else x.dtype)
         if choice.materialise:
             y = jax.lax.optimization_barrier(y)
@@ -438,6 +493,8 @@ def _dense_fp8(spec: str, x, q, fp8: Fp8, kernels: str, *, norm, gate, residual,
     one call on the rows of all slots), rounded, then the residual add."""
     if reduce is not None:
         raise ValueError("tensor parallelism of FP8 weights is not supported (use tp=1)")
+    if any(isinstance(a, Layer) != isinstance(q, Layer) for a in (fp8.scale, fp8.tail) if a is not None):
+        raise TypeError("an FP8 weight's q, scale and tail are all Layers (one layer of stacks) or none is")
     if norm is not None:
         x = rms_norm_1p(x, *norm)
     if gate is not None:
@@ -453,7 +510,8 @@ def _dense_fp8(spec: str, x, q, fp8: Fp8, kernels: str, *, norm, gate, residual,
 
 def _w8a8(spec: str, x, q, fp8: Fp8, kernels: str):
     """The W8A8 product of x and q [N, K] ⊙ scale [| tail] on `pick`'s kernel -> fp32 (the fp8 columns' values
-    already rounded to x's dtype; the tail's an XLA product in fp32, concatenated)."""
+    already rounded to x's dtype; the tail's an XLA product in fp32, concatenated). A Layer q: the kernel takes
+    the stacks and layer= (the reference slices them)."""
     from kernels_pallas import w8a8, w8a8_mgpu
     nc, rows, K, N = _problem(spec, x, fp8.shape)
     Nq = q.shape[0]
@@ -461,8 +519,13 @@ def _w8a8(spec: str, x, q, fp8: Fp8, kernels: str):
     choice = pick(weight_format(x.dtype, q.dtype), rows, Nq, kernels, block_in=bi, block_out=bo, depth=K)
     x2 = x.reshape(rows, K)
     kernel = {"w8a8_mgpu": w8a8_mgpu.w8a8_mgpu, "w8a8": w8a8.w8a8}.get(choice.kernel, w8a8.w8a8_reference)
-    y = kernel(x2, q, fp8.scale, block_in=bi, block_out=bo).astype(jnp.float32)
+    if isinstance(q, Layer):
+        y = kernel(x2, q.stacked, fp8.scale.stacked, layer=q.index, block_in=bi, block_out=bo)
+    else:
+        y = kernel(x2, q, fp8.scale, block_in=bi, block_out=bo)
+    y = y.astype(jnp.float32)
     lead = x.shape[:x.ndim - nc]
     if fp8.tail is not None:
-        y = jnp.concatenate([y, jnp.dot(x2, fp8.tail.astype(x.dtype), preferred_element_type=jnp.float32)], axis=-1)
+        y = jnp.concatenate([y, jnp.dot(x2, _plain(fp8.tail).astype(x.dtype), preferred_element_type=jnp.float32)],
+                            axis=-1)
     return y.reshape(lead + tuple(fp8.shape[nc:]))

@@ -93,11 +93,15 @@ def _row_scales(scale, block_out: int, N: int, nb: int):
     return jnp.repeat(scale[:, :nb].astype(jnp.float32), block_out, axis=0)[:N].T
 
 
-def w8a8_reference(x, w, scale, *, block_in: int = 128, block_out: int = 128):
+def w8a8_reference(x, w, scale, *, layer=None, block_in: int = 128, block_out: int = 128):
     """y = W8A8(x, w, scale) in x's dtype (module docstring), in plain jnp: x [..., K], w fp8 [N, K], scale
-    fp32 [ceil(N / block_out), ≥ ceil(K / block_in)]. The input blocks are a sequential loop (fp32 accumulator
-    [M, N]: no [blocks, M, N] intermediate at prefill sizes); each block's dot runs on exactly converted bf16
-    operands (e4m3 ⊂ bf16) with fp32 accumulation."""
+    fp32 [ceil(N / block_out), ≥ ceil(K / block_in)] (or, with `layer`, an int32 scalar, one layer's weight of
+    the stacked w [L, N, K] and scale [L, ...]: w[layer], scale[layer]; the kernels read it in place, no slice
+    copied). The input blocks are a sequential loop (fp32 accumulator [M, N]: no [blocks, M, N] intermediate at
+    prefill sizes); each block's dot runs on exactly converted bf16 operands (e4m3 ⊂ bf16) with fp32
+    accumulation."""
+    if layer is not None:
+        w, scale = w[layer], scale[layer]
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
     M, N = x2.shape[0], w.shape[0]
@@ -175,7 +179,9 @@ def default_config(M: int, K: int, N: int, block_in: int = 128, block_out: int =
 CONFIG_KEYS = ("block_n", "block_k", "split_k", "num_warps", "num_stages")
 
 
-def _kernel(xq_ref, sx_ref, w_ref, sw_ref, o_ref, *, M, K, N, bm, bn, bk, block_in, block_out, nb_per, split):
+def _kernel(*refs, M, K, N, bm, bn, bk, block_in, block_out, nb_per, split, has_layer):
+    l_ref, xq_ref, sx_ref, w_ref, sw_ref, o_ref = refs if has_layer else (None, *refs)
+    lw = (l_ref[0],) if has_layer else ()  # one layer of the stacked weight and scales, addressed in place
     f32 = jnp.float32
     j, s, r = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     n0 = pl.multiple_of(j * bn, bn)
@@ -189,9 +195,9 @@ def _kernel(xq_ref, sx_ref, w_ref, sw_ref, o_ref, *, M, K, N, bm, bn, bk, block_
     def load_w(k0):  # [bn, bk] fp8
         kk = k0 + jnp.arange(bk, dtype=jnp.int32)
         if not (mask_n or mask_k):
-            return w_ref[pl.ds(n0, bn), pl.ds(k0, bk)]
+            return w_ref[(*lw, pl.ds(n0, bn), pl.ds(k0, bk))]
         msk = n_ok[:, None] & (kk < K)[None, :]
-        t = pltr.load(w_ref.at[cols[:, None], kk[None, :]], mask=msk)
+        t = pltr.load(w_ref.at[(*lw, cols[:, None], kk[None, :])], mask=msk)
         if mask_k:  # columns past K must be 0, not stale bytes (a NaN pattern would survive x_q = 0)
             t = jax.lax.bitcast_convert_type(
                 jnp.where(msk, jax.lax.bitcast_convert_type(t, jnp.int8), jnp.int8(0)), FP8)
@@ -199,12 +205,12 @@ def _kernel(xq_ref, sx_ref, w_ref, sw_ref, o_ref, *, M, K, N, bm, bn, bk, block_
 
     def load_sw(b):  # [1, 1] or [1, bn]
         if block_out % bn == 0:
-            return sw_ref[pl.ds(n0 // block_out, 1), pl.ds(b, 1)]
+            return sw_ref[(*lw, pl.ds(n0 // block_out, 1), pl.ds(b, 1))]
         idx = cols // block_out
         bb = b + jnp.zeros((1, bn), jnp.int32)
         if mask_n:
-            return pltr.load(sw_ref.at[idx[None, :], bb], mask=n_ok[None, :], other=0.0)
-        return pltr.load(sw_ref.at[idx[None, :], bb])
+            return pltr.load(sw_ref.at[(*lw, idx[None, :], bb)], mask=n_ok[None, :], other=0.0)
+        return pltr.load(sw_ref.at[(*lw, idx[None, :], bb)])
 
     def body(i, acc):
         b = s * nb_per + i
@@ -229,21 +235,25 @@ def _kernel(xq_ref, sx_ref, w_ref, sw_ref, o_ref, *, M, K, N, bm, bn, bk, block_
 
 @functools.partial(jax.jit, static_argnames=("block_in", "block_out", "interpret", "block_n", "block_k", "split_k",
                                              "num_warps", "num_stages", "target_programs"))
-def w8a8(x, w, scale, *, block_in: int = 128, block_out: int = 128, interpret: bool = False,
+def w8a8(x, w, scale, *, layer=None, block_in: int = 128, block_out: int = 128, interpret: bool = False,
          block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
          num_warps: int | None = None, num_stages: int | None = None, target_programs: int = 2 * N_SM):
     """W8A8 block FP8 y = x @ Wᵀ in x's dtype (`w8a8_reference`'s function), on the Pallas-Triton kernel. x [..., K]
     (bf16 / fp32; leading dims flattened, any row count), w fp8 [N, K], scale fp32 [ceil(N / block_out),
-    ≥ ceil(K / block_in)]. block_n / block_k: powers of two ≥ 16, block_k dividing block_in; split_k: K ranges
-    (rounded down to a divisor of the block count)."""
+    ≥ ceil(K / block_in)]. layer: see `w8a8_reference` (the kernel reads layer `layer` of the stacked w [L, N, K]
+    and scale [L, ...] in place, so that a `lax.scan` over layers passes the whole stacks and no weight slice is
+    copied). block_n / block_k: powers of two ≥ 16, block_k dividing block_in; split_k: K ranges (rounded down to
+    a divisor of the block count)."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
-    N = w.shape[0]
-    assert w.shape[1] == K, (x.shape, w.shape)
+    N = w.shape[-2]
+    nd = 2 if layer is None else 3
+    assert w.shape[-1] == K and w.ndim == scale.ndim == nd, (x.shape, w.shape, scale.shape, layer)
     assert w.dtype == FP8 and x.dtype in (jnp.bfloat16, jnp.float32), (x.dtype, w.dtype)
     nkb = _cdiv(K, block_in)
-    assert scale.shape[0] == _cdiv(N, block_out) and scale.shape[1] >= nkb, (scale.shape, K, N, block_in, block_out)
+    assert scale.shape[-2] == _cdiv(N, block_out) and scale.shape[-1] >= nkb, (scale.shape, K, N, block_in,
+                                                                                 block_out)
     assert M > 0 and K > 0 and N > 0 and block_out >= 1, (x.shape, w.shape, block_out)
     assert applies(block_in), f"no power-of-two K chunk >= 16 divides block_in={block_in}"
     cfg = default_config(M, K, N, block_in, block_out, target_programs=target_programs)
@@ -257,7 +267,10 @@ def w8a8(x, w, scale, *, block_in: int = 128, block_out: int = 128, interpret: b
     xq, sx = act_quant(x2, block_in, rows=nr * bm)
     out_dtype = x.dtype if split == 1 else jnp.float32
     kern = functools.partial(_kernel, M=M, K=K, N=N, bm=bm, bn=bn, bk=bk, block_in=block_in, block_out=block_out,
-                             nb_per=nkb // split, split=split)
+                             nb_per=nkb // split, split=split, has_layer=layer is not None)
+    args = (xq, sx, w, scale.astype(jnp.float32))
+    if layer is not None:
+        args = (jnp.asarray(layer, jnp.int32).reshape(1), *args)
     y = pl.pallas_call(
         kern,
         grid=(_cdiv(N, bn), split, nr),
@@ -265,7 +278,7 @@ def w8a8(x, w, scale, *, block_in: int = 128, block_out: int = 128, interpret: b
         compiler_params=compiler_params(nw, ns),
         interpret=interpret,
         name="w8a8_fp8_dot",
-    )(xq, sx, w, scale.astype(jnp.float32))
+    )(*args)
     if split > 1:
         y = sum_partials(y.reshape(split, M, N), x.dtype)
     return y.reshape(*lead, N)

@@ -26,6 +26,9 @@ not a 64-row tile)
   * Activation quantization (`w8a8.act_quant`, one XLA fusion) writes x_q [Mp, Kp] (rows padded to the row tile,
     features to whole blocks) and s_xᵀ [nb, Mp]. The K tail of w (K not a multiple of 128) is zero-filled by
     the TMA.
+  * `layer` (a `lax.scan` over stacked layers): w and scale are the whole stacks [L, N, K] / [L, Nb, C]; the
+    kernel reads the int32 layer from GMEM and its TMA copies (weight tiles, the scale row) address that layer,
+    so no weight slice is copied before the kernel (XLA copies a dynamic slice that feeds a custom call).
 
 Interpret mode (CPU, `interpret=True`): the Mosaic GPU interpreter runs the same code (its wgmma is an exact fp32
 dot; on the GPU the fp8 tensor cores accumulate one block's products with reduced precision, as transformers'
@@ -183,8 +186,10 @@ def _pow2_chunks(n: int) -> list[tuple[int, int]]:
     return out
 
 
-def _w8a8_fp8_wgmma(xq_ref, sxt_ref, w_ref, sw_ref, o_ref, sw_smem, sw_bar, *, M: int, Mc: int, nr: int, bn: int,
-                    nb_per: int, kb: int, split: int, stages: int, block_out: int, out_dtype):
+def _w8a8_fp8_wgmma(*refs, M: int, Mc: int, nr: int, bn: int, nb_per: int, kb: int, split: int, stages: int,
+                    block_out: int, out_dtype, has_layer: bool):
+    l_ref, xq_ref, sxt_ref, w_ref, sw_ref, o_ref, sw_smem, sw_bar = refs if has_layer else (None, *refs)
+    lw = (l_ref[0],) if has_layer else ()  # one layer of the stacked weight and scales, addressed in place (GMEM)
     f32 = jnp.float32
     j = lax.axis_index("n")  # weight row tile
     s = lax.axis_index("s")  # split
@@ -193,11 +198,11 @@ def _w8a8_fp8_wgmma(xq_ref, sxt_ref, w_ref, sw_ref, o_ref, sw_smem, sw_bar, *, M
     tr = (plgpu.TilingTransform((8, BLOCK_IN)), plgpu.SwizzleTransform(128))
 
     # this CTA's weight scales (one row of the scale grid) into SMEM, once
-    plgpu.copy_gmem_to_smem(sw_ref.at[pl.ds(lax.div(j * bn, jnp.int32(block_out)), 1)], sw_smem, sw_bar)
+    plgpu.copy_gmem_to_smem(sw_ref.at[(*lw, pl.ds(lax.div(j * bn, jnp.int32(block_out)), 1))], sw_smem, sw_bar)
     plgpu.barrier_wait(sw_bar)
 
     in_specs = [
-        plgpu.BlockSpec((bn, BLOCK_IN), lambda k: (j, k0 + k), transforms=tr),
+        plgpu.BlockSpec((None,) * len(lw) + (bn, BLOCK_IN), lambda k: (*lw, j, k0 + k), transforms=tr),
         plgpu.BlockSpec((Mc, BLOCK_IN), lambda k: (r, k0 + k), transforms=tr),
         plgpu.BlockSpec((1, sx_width(Mc)), lambda k: (k0 + k, r)),
     ]
@@ -257,11 +262,11 @@ def scale_cols(nkb: int) -> int:
 
 
 def pad_scale(scale):
-    """scale [Nb, ≥ nb] fp32 -> [Nb, scale_cols(...)] (zero columns appended; none when already padded, as the
-    model stores its FP8 weights)."""
+    """scale [..., Nb, ≥ nb] fp32 -> [..., Nb, scale_cols(...)] (zero columns appended; none, and no copy, when
+    already padded, as the model stores its FP8 weights: a stacked scale [L, Nb, C] is then read in place)."""
     sw = scale.astype(jnp.float32)
-    cols = _round_up(sw.shape[1], SCALE_ALIGN)
-    return sw if cols == sw.shape[1] else jnp.pad(sw, ((0, 0), (0, cols - sw.shape[1])))
+    cols = _round_up(sw.shape[-1], SCALE_ALIGN)
+    return sw if cols == sw.shape[-1] else jnp.pad(sw, ((0, 0),) * (sw.ndim - 1) + ((0, cols - sw.shape[-1]),))
 
 
 def sx_width(Mc: int) -> int:
@@ -282,18 +287,25 @@ def act_quant_t(x, Mc: int, nr: int):
 
 
 @functools.partial(jax.jit, static_argnames=("block_in", "block_out", "interpret", "config"))
-def w8a8_mgpu(x, w, scale, *, block_in: int = 128, block_out: int = 128, interpret=False,
+def w8a8_mgpu(x, w, scale, *, layer=None, block_in: int = 128, block_out: int = 128, interpret=False,
               config: Config | None = None):
     """W8A8 block FP8 y = x @ Wᵀ in x's dtype on fp8 wgmma (module docstring). x [..., K] bf16 / fp32,
-    w [N, K] float8_e4m3fn, scale fp32 [ceil(N / block_out), ceil(K / block_in)]."""
+    w [N, K] float8_e4m3fn, scale fp32 [ceil(N / block_out), ≥ ceil(K / block_in)]. layer (an int32 scalar):
+    y = x @ W[layer]ᵀ of the stacked w [L, N, K] and scale [L, ...], read in place (the scalar from GMEM; the
+    weight tiles' TMA copies and the scale row's address layer `layer`), so that a `lax.scan` over layers passes
+    the whole stacks and no weight slice is copied (scale columns already padded to `scale_cols`, as the model
+    stores them, else `pad_scale` copies the stack)."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
-    N = w.shape[0]
-    assert w.shape[1] == K and w.dtype == FP8, (x.shape, w.shape, w.dtype)
+    N = w.shape[-2]
+    nd = 2 if layer is None else 3
+    assert w.shape[-1] == K and w.dtype == FP8 and w.ndim == scale.ndim == nd, (x.shape, w.shape, w.dtype,
+                                                                                 scale.shape, layer)
     assert x.dtype in (jnp.bfloat16, jnp.float32), x.dtype
     nkb = _cdiv(K, block_in)
-    assert scale.shape[0] == _cdiv(N, block_out) and scale.shape[1] >= nkb, (scale.shape, N, K, block_in, block_out)
+    assert scale.shape[-2] == _cdiv(N, block_out) and scale.shape[-1] >= nkb, (scale.shape, N, K, block_in,
+                                                                                 block_out)
     why = supports(M, K, N, block_in, block_out)
     if why:
         raise ValueError(f"w8a8_mgpu: {why}")
@@ -309,15 +321,17 @@ def w8a8_mgpu(x, w, scale, *, block_in: int = 128, block_out: int = 128, interpr
     stages = max(1, min(cfg.num_stages, nb_per // kb))
     out_dtype = x.dtype if split == 1 else jnp.float32
     sw = pad_scale(scale)
-    nbp = sw.shape[1]
+    nbp = sw.shape[-1]
     xq, sxt = act_quant_t(x2, Mc, nr)
     need = smem_bytes(Mc, dataclasses.replace(cfg, num_stages=stages, k_per_step=kb), nbp,
                       jnp.dtype(out_dtype).itemsize)
     if need > SMEM_LIMIT:
         raise ValueError(f"w8a8_mgpu: {cfg} needs {need} bytes of shared memory > {SMEM_LIMIT}")
     kern = functools.partial(_w8a8_fp8_wgmma, M=M, Mc=Mc, nr=nr, bn=bn, nb_per=nb_per, kb=kb, split=split,
-                             stages=stages,
-                             block_out=block_out, out_dtype=out_dtype)
+                             stages=stages, block_out=block_out, out_dtype=out_dtype, has_layer=layer is not None)
+    args = (xq, sxt, w, sw)
+    if layer is not None:
+        args = (jnp.asarray(layer, jnp.int32).reshape(1), *args)
     out_shape = (M, N) if split == 1 else (split, M, N)
     y = plgpu.kernel(
         kern,
@@ -328,7 +342,7 @@ def w8a8_mgpu(x, w, scale, *, block_in: int = 128, block_out: int = 128, interpr
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams)
                    else plgpu.InterpretGPUParams() if interpret else None),
-    )(xq, sxt, w, sw)
+    )(*args)
     if split > 1:
         y = sum_partials(y, x.dtype)
     return y.reshape(*lead, N)

@@ -42,10 +42,15 @@ def decode_row(x: jax.Array, w, kernels: str = "xla", *, norm=None) -> jax.Array
     return ops.decode_row(x, w, kernels, norm=norm, fp8=fp8)
 
 
-def _operands(w) -> tuple[jax.Array, ops.Fp8 | None]:
-    """A weight as `ops.dense` takes it: the array, or an FP8 weight's e4m3 values and the rest (`ops.Fp8`)."""
+def _operands(w) -> tuple[jax.Array | ops.Layer, ops.Fp8 | None]:
+    """A weight as `ops.dense` takes it: the array (or `ops.Layer`: one layer of a stack, in a scan over layers),
+    or an FP8 weight's e4m3 values and the rest (`ops.Fp8`). An Fp8Weight whose q is a Layer holds one layer of
+    stacked FP8 weights: its scale and tail are Layers too, or the plain stacks [L, ...], taken at q's index."""
     if isinstance(w, Fp8Weight):
-        return w.q, ops.Fp8(w.scale, w.tail, w.block_in, w.block_out, w.shape)
+        q, scale, tail = w.q, w.scale, w.tail
+        if isinstance(q, ops.Layer):
+            scale, tail = (a if a is None or isinstance(a, ops.Layer) else ops.Layer(a, q.index) for a in (scale, tail))
+        return q, ops.Fp8(scale, tail, w.block_in, w.block_out, w.shape)
     return w, None
 
 

@@ -82,6 +82,35 @@ def test_dense_fp32_exactish(kw):
     assert out.dtype == jnp.float32 and _rel(out, exact) < 1e-5
 
 
+@pytest.mark.parametrize("M,K,N,kw", [
+    (1, 300, 96, dict(block_k=32, split_k=4)),  # K and N not multiples of the blocks: masked loads
+    (65, 320, 200, dict(block_n=64, block_k=64, split_k=3)),
+    (1, 256, 256, dict(split_k=1)),  # unmasked loads
+])
+def test_dense_layer_reads_the_stack(M, K, N, kw):
+    """layer=l (a scan over stacked layers: the kernel reads layer l of w [L, K, N] in place) == the kernel on the
+    slice w[l] bit for bit, with the gate / residual and unreduced partials too; the reference likewise."""
+    L = 3
+    w = jnp.stack([_inputs(1, K, N, seed=10 + l)[1] for l in range(L)])
+    x, _, _, g, r = _parts(M, K, N, M + K)
+    f = functools.partial(dn.dense, interpret=True, **kw)
+    for l in (1, 2):
+        lay = jnp.int32(l)
+        np.testing.assert_array_equal(_bits(f(x, w, layer=lay)), _bits(f(x, w[l])))
+        np.testing.assert_array_equal(_bits(dn.dense_reference(x, w, layer=lay)), _bits(dn.dense_reference(x, w[l])))
+        assert _rel(f(x, w, layer=lay), dn.dense_reference(x, w[l])) < 1e-2
+    np.testing.assert_array_equal(_bits(f(x, w, g, r, layer=lay)), _bits(f(x, w[l], g, r)))
+    np.testing.assert_array_equal(_bits(f(x, w, layer=lay, reduce=False)), _bits(f(x, w[l], reduce=False)))
+
+
+def test_dense_layer_lowers_for_h200_without_a_slice():
+    """With layer the custom call takes the whole stack (no dynamic slice, which XLA would copy) at a 27B shape."""
+    S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    txt = lower_for_h200(lambda x, w, l: dn.dense(x, w, layer=l), S((1, 5120), bf), S((4, 5120, 34816), bf),
+                         S((), jnp.int32))
+    assert "__gpu$xla.gpu.triton" in txt and "tensor<4x5120x34816xbf16>" in txt and "dynamic_slice" not in txt
+
+
 def test_default_config_sane():
     for M in (1, 17, 65, 129):
         for K, N in _bench().SHAPES.values():
@@ -252,3 +281,74 @@ def test_unreduced_partials_lowering():
     S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
     txt = lower_for_h200(lambda x, w: dn.dense(x, w, reduce=False), S((1, 5120), bf), S((5120, 34816), bf))
     assert "__gpu$xla.gpu.triton" in txt
+
+
+# ---------------------------------------------------------------- ops.Layer: one layer of a stack (a scan over layers)
+
+def test_layer_is_the_layers_view():
+    """ops.Layer: the layer's shape / dtype / ndim, get() the slice, [...] itself (also through nnx.Param)."""
+    from flax import nnx
+
+    from kernels_pallas import ops
+    stack = jax.random.normal(jax.random.PRNGKey(0), (3, 4, 16, 8)).astype(jnp.bfloat16)
+    lay = ops.Layer(stack, jnp.int32(2))
+    assert lay.shape == (4, 16, 8) and lay.dtype == jnp.bfloat16 and lay.ndim == 3 and lay[...] is lay
+    np.testing.assert_array_equal(_bits(lay.get()), _bits(stack[2]))
+    p = nnx.Param(lay)[...]
+    assert isinstance(p, ops.Layer) and p.stacked is stack and p.index is lay.index
+    with pytest.raises(TypeError, match="only"):
+        lay[0]
+
+
+@pytest.mark.parametrize("spec,xs,ws", [
+    ("btd,dc->btc", (1, 1, 64), (64, 96)),
+    ("bthe,hed->btd", (1, 1, 4, 16), (4, 16, 64)),  # K over two axes: the stack reshaped to [L, K, N]
+])
+def test_ops_layer_weight_is_its_slice(monkeypatch, spec, xs, ws):
+    """ops.dense / decode_row with an ops.Layer weight == with the plain slice, bit for bit: "xla" (XLA's einsum on
+    the slice) and "pallas" (the GEMV, its domain widened, gets the whole stack and layer=; gate / residual
+    fused), under vmap over slots too (the Layer unbatched: one call on all slots' rows)."""
+    from kernels_pallas import ops
+    monkeypatch.setattr(ops, "pick", functools.partial(ops.pick, gemv_rows=8, gemv_cols=1))
+    calls = []
+    kernel = dn.dense
+    monkeypatch.setattr(dn, "dense", lambda x2, w2, *a, **k: calls.append((x2.shape, w2.shape, "layer" in k)) or
+                        kernel(x2, w2, *a, **{**k, "interpret": True}))
+    L, l, B = 3, 1, 2
+    ks = jax.random.split(jax.random.PRNGKey(len(spec)), 4)
+    stack = (0.2 * jax.random.normal(ks[0], (L,) + ws)).astype(jnp.bfloat16)
+    lay, w = ops.Layer(stack, jnp.int32(l)), stack[l]
+    x = (jax.random.normal(ks[1], (B,) + xs) + 0.1).astype(jnp.bfloat16)
+    g = jax.random.uniform(ks[2], (B,) + xs, minval=0.05, maxval=1.0).astype(jnp.bfloat16)
+    r = jax.random.normal(ks[3], (B,) + xs[:2] + ws[-1:]).astype(jnp.bfloat16)
+    K, N = int(np.prod(ws[:-1])), ws[-1]
+    for kernels in ("pallas", "xla"):
+        f = lambda w, x, g, r: ops.dense(spec, x, w, kernels, gate=g, residual=r)  # noqa: E731
+        np.testing.assert_array_equal(_bits(f(lay, x[0], g[0], r[0])), _bits(f(w, x[0], g[0], r[0])))
+        np.testing.assert_array_equal(_bits(jax.vmap(functools.partial(f, lay))(x, g, r)),
+                                      _bits(jax.vmap(functools.partial(f, w))(x, g, r)))
+    assert {c[1] for c in calls if c[2]} == {(L, K, N)} and ((B, K), (L, K, N), True) in calls, calls
+    if len(xs) == 3:  # decode_row: the GEMV's unsummed partials
+        calls.clear()
+        row = lambda w, x: ops.decode_row(x, w, "pallas")  # noqa: E731
+        np.testing.assert_array_equal(_bits(row(lay, x[0])), _bits(row(w, x[0])))
+        np.testing.assert_array_equal(_bits(jax.vmap(functools.partial(row, lay))(x)),
+                                      _bits(jax.vmap(functools.partial(row, w))(x)))
+        assert ((1, K), (L, K, N), True) in calls
+        # in a scan over the layers (the index traced), vmapped over slots
+        _, ys = jax.lax.scan(lambda c, i: (c, jax.vmap(functools.partial(row, ops.Layer(stack, i)))(x)), 0,
+                             jnp.arange(L, dtype=jnp.int32))
+        np.testing.assert_array_equal(_bits(ys[l]), _bits(jax.vmap(functools.partial(row, w))(x)))
+
+
+def test_ops_layer_lowers_for_h200_without_a_slice():
+    """ops.decode_row / dense of a Layer weight at a 27B shape on the Pallas path: the GEMV gets the whole stack
+    (no dynamic slice, which XLA would copy)."""
+    from kernels_pallas import ops
+    S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    txt = lower_for_h200(lambda x, w, l: ops.decode_row(x, ops.Layer(w, l), "pallas"), S((1, 1, 5120), bf),
+                         S((4, 5120, 34816), bf), S((), jnp.int32))
+    assert "__gpu$xla.gpu.triton" in txt and "tensor<4x5120x34816xbf16>" in txt and "dynamic_slice" not in txt
+    txt = lower_for_h200(lambda x, w, r, l: ops.dense("btd,dc->btc", x, ops.Layer(w, l), "pallas", residual=r),
+                         S((1, 1, 17408), bf), S((4, 17408, 5120), bf), S((1, 1, 5120), bf), S((), jnp.int32))
+    assert "__gpu$xla.gpu.triton" in txt and "tensor<4x17408x5120xbf16>" in txt and "dynamic_slice" not in txt

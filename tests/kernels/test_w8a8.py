@@ -132,6 +132,40 @@ def test_kernel_padded_scales_and_fp32():
     assert _rel(out32.reshape(9, 160), k.w8a8_reference(x32, q, scale, block_in=64, block_out=64)) < 1e-6
 
 
+def _stacked(L, K, N, block_in, block_out, seed):
+    """L layers' fp8 weights [L, N, K] and block scales [L, N blocks, K blocks + 3 padding columns]."""
+    qs, ss = zip(*(_inputs(1, K, N, block_in, block_out, seed=seed * 10 + l)[1:] for l in range(L)))
+    return jnp.stack(qs), jnp.pad(jnp.stack(ss), ((0, 0), (0, 0), (0, 3)), constant_values=1.0)
+
+
+@pytest.mark.parametrize("M,K,N,bi,bo,kw", [
+    (1, 256, 256, 128, 128, dict(split_k=2)),  # unmasked loads, one scale per program and block
+    (7, 300, 200, 64, 32, dict(block_n=64)),  # masked K / N loads, gathered scales
+])
+def test_kernel_layer_reads_the_stack(M, K, N, bi, bo, kw):
+    """layer=l (a scan over stacked layers: the kernel reads layer l of w [L, N, K] / scale [L, ...] in place) ==
+    the kernel on the slices w[l], scale[l], bit for bit; the reference likewise."""
+    q, scale = _stacked(3, K, N, bi, bo, seed=M + K)
+    x = _inputs(M, K, N, bi, bo, seed=4)[0]
+    f = functools.partial(k.w8a8, block_in=bi, block_out=bo, interpret=True, **kw)
+    for l in (1, 2):
+        got = f(x, q, scale, layer=jnp.int32(l))
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(f(x, q[l], scale[l]), np.float32))
+        ref = k.w8a8_reference(x, q, scale, layer=jnp.int32(l), block_in=bi, block_out=bo)
+        np.testing.assert_array_equal(np.asarray(ref, np.float32), np.asarray(
+            k.w8a8_reference(x, q[l], scale[l], block_in=bi, block_out=bo), np.float32))
+        assert _rel(got, ref) < 1e-3
+
+
+def test_layer_lowers_for_h200_without_a_slice():
+    """With layer the custom call takes the whole stack (no dynamic slice, which XLA would copy) at a 27B shape."""
+    S = jax.ShapeDtypeStruct
+    K, N = SHAPES_27B["w_gate_up"]
+    txt = lower_for_h200(lambda x, w, s, l: k.w8a8(x, w, s, layer=l), S((16, K), jnp.bfloat16),
+                         S((4, N, K), k.FP8), S((4, N // 128, 64), jnp.float32), S((), jnp.int32))
+    assert "__gpu$xla.gpu.triton" in txt and f"tensor<4x{N}x{K}xf8E4M3FN>" in txt and "dynamic_slice" not in txt
+
+
 def test_default_config_fits():
     for bi in (128, 64, 32, 16):
         for M in (1, 7, 16, 65, 129, 256, 4096):
@@ -183,6 +217,41 @@ def test_ops_dense_w8a8(monkeypatch, spec, xs, qs, tail):
     assert calls == [(rows, K)]
 
 
+def test_ops_dense_w8a8_layer(monkeypatch):
+    """ops.dense / decode_row of an FP8 weight whose q, scale and tail are ops.Layers (one layer of stacks: a scan
+    over layers) == of the plain slices, bit for bit, on "pallas" (the Triton kernel gets the stacks and layer=)
+    and "xla" (the reference), under vmap over slots too; `linear.dense` of an Fp8Weight with a Layer q and the
+    plain scale / tail stacks likewise."""
+    from jaxddtree.model import linear
+    from jaxddtree.model.fp8 import Fp8Weight
+    calls = []
+    kernel = k.w8a8
+    monkeypatch.setattr(k, "w8a8", lambda x2, q2, s2, **kw: calls.append((x2.shape, q2.shape, "layer" in kw)) or
+                        kernel(x2, q2, s2, interpret=True, **kw))
+    L, l, B, K, N, tail, bi, bo = 3, 2, 2, 64, 96, 6, 32, 16
+    q, scale = _stacked(L, K, N, bi, bo, seed=5)
+    t = (0.2 * jax.random.normal(jax.random.PRNGKey(6), (L, K, tail))).astype(jnp.bfloat16)
+    x = (jax.random.normal(jax.random.PRNGKey(7), (B, 1, 1, K)) + 0.1).astype(jnp.bfloat16)
+    idx = jnp.int32(l)
+    lay = (ops.Layer(q, idx), ops.Fp8(ops.Layer(scale, idx), ops.Layer(t, idx), bi, bo, (K, N + tail)))
+    plain = (q[l], ops.Fp8(scale[l], t[l], bi, bo, (K, N + tail)))
+    for kernels in ("pallas", "xla"):
+        f = lambda w, x: ops.dense("btd,dc->btc", x, w[0], kernels, fp8=w[1])  # noqa: E731
+        np.testing.assert_array_equal(np.asarray(f(lay, x[0]), np.float32), np.asarray(f(plain, x[0]), np.float32))
+        np.testing.assert_array_equal(np.asarray(jax.vmap(functools.partial(f, lay))(x), np.float32),
+                                      np.asarray(jax.vmap(functools.partial(f, plain))(x), np.float32))
+    row = ops.decode_row(x[0], lay[0], "pallas", fp8=lay[1])
+    np.testing.assert_array_equal(np.asarray(row, np.float32),
+                                  np.asarray(ops.decode_row(x[0], plain[0], "pallas", fp8=plain[1]), np.float32))
+    assert {c[1] for c in calls if c[2]} == {(L, N, K)} and ((B, K), (L, N, K), True) in calls, calls
+    w = Fp8Weight(q=ops.Layer(q, idx), scale=scale, tail=t, block_in=bi, block_out=bo, shape=(K, N + tail))
+    np.testing.assert_array_equal(np.asarray(linear.dense("btd,dc->btc", x[0], w, "pallas"), np.float32),
+                                  np.asarray(ops.dense("btd,dc->btc", x[0], plain[0], "pallas", fp8=plain[1]),
+                                             np.float32))
+    with pytest.raises(TypeError, match="all Layers"):
+        ops.dense("btd,dc->btc", x[0], lay[0], "pallas", fp8=plain[1])
+
+
 # 27B fp8 projections as (K, N) (fp8 rows; GDN w_in's plain b|a tail runs beside the kernel)
 SHAPES_27B = {"w_in": (5120, 16384), "w_out|wo": (6144, 5120), "w_gate_up": (5120, 34816),
               "w_down": (17408, 5120), "attn_w_qkv": (5120, 14336)}
@@ -210,6 +279,20 @@ def _bench():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def test_ops_layer_lowers_for_h200_on_fp8_wgmma_without_a_slice():
+    """ops.dense of a Layer FP8 weight at a 27B shape on a Hopper GPU: the Mosaic GPU kernel gets the whole stacks
+    (no dynamic slice, which XLA would copy)."""
+    from kernels_pallas import w8a8_mgpu as km
+    S = jax.ShapeDtypeStruct
+    K, N = SHAPES_27B["w_in"]
+    C = km.scale_cols(K // 128)
+    f = lambda x, q, s, l: ops.dense("btd,dc->btc", x, ops.Layer(q, l), "pallas",  # noqa: E731
+                                     fp8=ops.Fp8(ops.Layer(s, l), None, 128, 128, (K, N)))
+    txt = lower_for_h200(f, S((1, 1, K), jnp.bfloat16), S((4, N, K), k.FP8), S((4, N // 128, C), jnp.float32),
+                         S((), jnp.int32))
+    assert "mosaic_gpu" in txt and f"tensor<4x{N}x{K}xf8E4M3FN>" in txt and "dynamic_slice" not in txt
 
 
 def test_bench_shapes_are_the_models():

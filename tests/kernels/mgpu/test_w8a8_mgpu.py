@@ -70,6 +70,20 @@ def test_fp32_activations_and_leading_axes():
     np.testing.assert_allclose(np.asarray(out).reshape(6, 128), np.asarray(ref), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("M,K,N,bo,cfg", [CASES[1], CASES[2]])
+def test_layer_reads_the_stack(M, K, N, bo, cfg):
+    """layer=l (a scan over stacked layers: the kernel reads layer l of w [L, N, K] / scale [L, Nb, C] in place)
+    == the kernel on the slices w[l], scale[l], bit for bit (a K tail; split-K over three weight tiles)."""
+    ws, ss = zip(*(_inputs(1, K, N, bo, seed=10 + l)[1:] for l in range(3)))
+    w, s = jnp.stack(ws), jnp.stack(ss)
+    x = _inputs(M, K, N, bo, seed=3)[0]
+    f = functools.partial(km.w8a8_mgpu, block_out=bo, config=cfg, interpret=True)
+    for l in (0, 2):
+        np.testing.assert_array_equal(np.asarray(f(x, w, s, layer=jnp.int32(l)), np.float32),
+                                      np.asarray(f(x, w[l], s[l]), np.float32))
+    assert km.pad_scale(s) is s  # the model's padded scale stack: read as it is, no copy
+
+
 def test_refuses_what_it_cannot_take():
     assert km.supports(1, 5120, 5120, 128, 128) is None
     assert "input block" in km.supports(1, 5120, 5120, 64, 128)
@@ -97,6 +111,18 @@ def test_lowers_for_h200_at_27b_shapes():
             txt = lower_for_h200(km.w8a8_mgpu, S((M, K), jnp.bfloat16), S((N, K), k.FP8),
                                  S((N // 128, km.scale_cols(K // 128)), jnp.float32))
             assert "mosaic_gpu" in txt, (name, M)
+
+
+def test_layer_lowers_for_h200_without_a_slice():
+    """With layer the custom call takes the whole stacks (no dynamic slice, which XLA would copy) at a 27B shape,
+    decode and verify rows."""
+    S = jax.ShapeDtypeStruct
+    K, N = SHAPES_27B["w_down"]
+    C = km.scale_cols(K // 128)
+    for M in (1, 65):
+        txt = lower_for_h200(lambda x, w, s, l: km.w8a8_mgpu(x, w, s, layer=l), S((M, K), jnp.bfloat16),
+                             S((16, N, K), k.FP8), S((16, N // 128, C), jnp.float32), S((), jnp.int32))
+        assert "mosaic_gpu" in txt and f"tensor<16x{N}x{K}xf8E4M3FN>" in txt and "dynamic_slice" not in txt, M
 
 
 def test_config_table_entries_fit():
