@@ -29,6 +29,10 @@ cost n = 8..256, not a 64-row tile)
     the K tail of both operands (K a multiple of 64, not of block_k), per dimension, so a K tail never reads
     the next layer.
 
+Shapes: N a multiple of 64 (the TMA's (8, 64) tiles of w span the whole array: the 27B's fused w_in, 16480 =
+257·64 + 32 columns, is refused as it is stored: pad it to 16512 or split off its 96 b|a columns), K a multiple of
+64 (the tiles of x), any M ≥ 1.
+
 `default_config(M, K, N)`: the H200 table (`CONFIGS`, "Mc{row tile}:K{K}:N{N}" -> Config) where it has the shape,
 else a rule: block_k 128; block_n 128 up to 144 token rows (the fp32 accumulator is block_n·Mc/128 registers per
 thread: ≤ 144), 64 beyond; the deepest ring ≤ 4 stages that fits; split-K (a divisor of the K steps leaving
@@ -115,7 +119,7 @@ def supports(M: int, K: int, N: int, dtype=jnp.bfloat16, w_dtype=jnp.bfloat16) -
     """None when the kernel takes the problem, else why not (one line)."""
     if jnp.dtype(dtype) != jnp.bfloat16 or jnp.dtype(w_dtype) != jnp.bfloat16:
         return f"dtypes x {jnp.dtype(dtype).name}, w {jnp.dtype(w_dtype).name} (the kernel's are bf16)"
-    if N % 64:
+    if N % 64:  # the TMA descriptor of w covers whole (8, 64) tiles of the whole array (Pallas exposes no rounding)
         return f"N = {N} not a multiple of 64"
     if K % 64:
         return f"K = {K} not a multiple of 64 (the TMA's (8, 64) tiles of x)"
