@@ -2,6 +2,12 @@
 
     PYTHONUNBUFFERED=1 python benchmarks/bench_gemv.py --out $OUT/gemv.json [--time-budget-s 200]
     JAX_PLATFORMS=cpu python benchmarks/bench_gemv.py --dry     # tiny shapes, interpret mode: checks the script
+    PYTHONUNBUFFERED=1 python benchmarks/bench_gemv.py --scan-mgpu --out $OUT/dense_mgpu.json [--mgpu-sweep]
+        [--rows 16 65 129] [--table-out $OUT/dense_mgpu_configs.json]    # issue 40: stacked weights + layer
+    JAX_PLATFORMS=cpu python benchmarks/bench_gemv.py --scan-mgpu --smoke   # (--smoke = --dry)
+
+--scan-mgpu runs only `bench_scan_mgpu` (its docstring): the Mosaic GPU wgmma GEMM `dense_mgpu` vs XLA's dot on
+one layer of a stacked weight [16, K, N] inside a `lax.fori_loop` over the layers.
 
 Per weight shape [K, N] and M (1 = decode; 65 = verify) — the XLA reference first, then a few Pallas variants:
   * gpu_us: GPU time of ONE y = x @ w, summed over every kernel it launches (split-K adds one small XLA
@@ -39,6 +45,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kernels_pallas import dense as dn  # noqa: E402
+from kernels_pallas import dense_mgpu as dm  # noqa: E402
 from kernels_pallas._testing import rel_err  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -64,13 +71,14 @@ SHAPES_27B = {
     "w_down": (17408, 5120),
     "attn_w_qkv": (5120, 14336),  # attention q(+gate) 12288 | k 1024 | v 1024
     "lm_head": (5120, 248320),
+    "w_in_pad64": (5120, 16512),  # w_in padded to whole 64-column tiles (dense_mgpu refuses 16480)
 }
 # (shape name, M, budget share): decode first, then the chain, then verify
 PLAN_27B = [("w_in", 1, 12), ("w_gate_up", 1, 12), ("w_down", 1, 12), ("w_out|wo", 1, 10),
             ("attn_w_qkv", 1, 10), ("lm_head", 1, 14), ("chain", 1, 30),
             ("w_in", 65, 14), ("w_gate_up", 65, 14), ("w_down", 65, 14)]
 SHAPES_DRY = {"w_in": (256, 424), "w_out|wo": (128, 256), "w_gate_up": (256, 1024), "w_down": (512, 256),
-              "attn_w_qkv": (256, 448), "lm_head": (256, 1000)}
+              "attn_w_qkv": (256, 448), "lm_head": (256, 1000), "w_in_pad64": (256, 448)}
 PLAN_DRY = [("w_in", 1, 10), ("lm_head", 1, 10), ("attn_w_qkv", 1, 10), ("chain", 1, 10), ("w_down", 65, 10)]
 SHAPES = dict(SHAPES_27B)
 
@@ -252,11 +260,151 @@ def bench_chain(n_sets, best_by_shape):
     del sets
 
 
+# ---------------------------------------------------------------- issue 40: stacked weights + layer in a device loop
+SCAN_LAYERS = 16  # one stacked matrix of a 16-group layer scan
+SCAN_SHAPES = ["w_in", "w_in_pad64", "w_out|wo", "w_gate_up", "w_down", "attn_w_qkv"]
+
+
+def mgpu_sweep_configs(M, K, N):
+    """A few `dense_mgpu.Config`s around the default (block_n 64 / 128, split-K ½ / 1 / 2x, stages 3 / 4) that fit."""
+    d = dm.default_config(M, K, N)
+    out = {}
+    for bn in (64, 128):
+        for sp in sorted({max(1, d.split_k // 2), d.split_k, 2 * d.split_k}):
+            for st in (3, 4):
+                c = dm.Config(block_n=bn, block_k=d.block_k, split_k=sp, num_stages=st)
+                if c != d and dm._fits(c, M, K, N) and N % bn == 0:
+                    out[f"mgpu_bn{bn}_s{sp}_st{st}"] = c
+    return out
+
+
+def bench_scan_mgpu(rows, sweep: bool, deadline: float):
+    """Per 27B bf16 matrix [K, N] (SCAN_SHAPES) and M in `rows`: a stack w [L, K, N] (L = 16 distinct layers,
+    16 · K · N · 2 bytes ≫ the 50 MB L2) and x [M, K]; each variant runs y_l = x @ w[l] for l = 0..L-1 in one jitted
+    `lax.fori_loop` (a checksum Σ y_l, fp32, keeps every y: one small XLA reduce per layer, the same in every
+    variant); gpu_us = GPU time of the loop / L (summed over its kernels, profiled); TBps = K·N·2 / gpu_us.
+    Variants: xla_scan (dense_reference(x, w, layer=l): XLA's dot of the dynamic slice w[l], which XLA copies:
+    issue 40), xla_unrolled (L separate weight arrays, a Python loop: XLA's dot reading each in place, the target),
+    pallas_triton (`dense.dense(..., layer=l)`, the Triton GEMV, ≤ 256 rows), mgpu (`dense_mgpu(..., layer=l)`,
+    the default config) and with --mgpu-sweep a few configs around it (`mgpu_sweep_configs`). `check`: one layer
+    of mgpu vs the reference (fraction of differing bf16 outputs, relative error)."""
+    RESULTS.setdefault("scan_mgpu", {})
+    L = 2 if DRY else SCAN_LAYERS
+    f32 = jnp.float32
+    for name in SCAN_SHAPES:
+        K, N = SHAPES[name]
+        key = jax.random.PRNGKey(K * 3 + N)
+        w = (jax.random.normal(key, (L, K, N), f32) * K ** -0.5).astype(jnp.bfloat16) if DRY else \
+            jax.random.normal(key, (L, K, N), jnp.bfloat16) * jnp.bfloat16(K ** -0.5)
+        jax.block_until_ready(w)
+        for M in rows:
+            why = dm.supports(M, K, N)
+            rec = {"K": K, "N": N, "M": M, "layers": L, "weight_MB": K * N * 2 / 1e6, "variants": {},
+                   "default_config": dm.default_config(M, K, N), "plan": dm.plan(M, K, N) if not why else why}
+            RESULTS["scan_mgpu"][f"{name}@M{M}"] = rec
+            log(f"== scan {name} M={M} K={K} N={N}: {L} x {K * N * 2 / 1e6:.1f} MB, mgpu plan {rec['plan']}")
+            x = jax.random.normal(jax.random.PRNGKey(M), (M, K), jnp.bfloat16)
+            mk = lambda **kw: (lambda x, w, i: dm.dense_mgpu(x, w, layer=i, **kw, **IKW()))
+            variants = {
+                "xla_scan": lambda x, w, i: dn.dense_reference(x, w, layer=i),
+                "xla_unrolled": None,
+                "pallas_triton": (lambda x, w, i: dn.dense(x, w, layer=i, **IKW())) if M <= 256 else False,
+                "mgpu": mk() if not why else False,
+            }
+            if sweep and not why:
+                variants.update({k: mk(config=c) for k, c in mgpu_sweep_configs(M, K, N).items()})
+            try:
+                y0 = np.asarray(dm.dense_mgpu(x, w, layer=jnp.int32(L - 1), **IKW()), f32)
+                r0 = np.asarray(dn.dense_reference(x, w, layer=L - 1), f32)
+                rec["check"] = {"differ": float(np.mean(y0 != r0)), "rel_err": rel_err(y0, r0)}
+                log(f"  check: {rec['check']}")
+            except Exception as e:
+                rec["check"] = {"error": f"{type(e).__name__}: {str(e)[:1500]}"}
+                log(f"  check FAILED {rec['check']['error'][:500]}")
+            for vname, fn in variants.items():
+                v = rec["variants"][vname] = {}
+                if fn is False:
+                    v["skipped"] = "not supported"
+                    continue
+                if time.perf_counter() > deadline and vname not in ("xla_scan", "xla_unrolled", "mgpu"):
+                    v["skipped"] = "time budget"
+                    continue
+                if vname.startswith("mgpu_"):
+                    v["config"] = str(mgpu_sweep_configs(M, K, N)[vname])
+                try:
+                    if fn is None:  # unrolled: L separate arrays
+                        args = (x, [w[i] + 0 for i in range(L)])
+
+                        def run(x, ws):
+                            return sum(jnp.sum(dn.dense_reference(x, wl), dtype=f32) for wl in ws)
+                    else:
+                        args = (x, w)
+
+                        def run(x, w, fn=fn):
+                            body = lambda i, s: s + jnp.sum(fn(x, w, i), dtype=f32)
+                            return jax.lax.fori_loop(0, L, body, jnp.zeros((), f32))
+                    f = jax.jit(run)
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(f(*args))
+                    v["compile_s"] = round(time.perf_counter() - t0, 2)
+                    g, top = gpu_us(f, args, n=1 if DRY else 10, top=4, width=60)
+                    if g is None:
+                        v["wall_us"] = 1e3 * wall_ms(f, args) / L
+                    else:
+                        v["gpu_us"] = g / L
+                        v["kernels"] = top
+                    us = v.get("gpu_us") or v["wall_us"]
+                    v["TBps"] = K * N * 2 / (us * 1e6)
+                    log(f"  {vname:24s} {us:9.2f} us/layer  {v['TBps']:6.2f} TB/s  compile {v['compile_s']} s")
+                except Exception as e:
+                    v["error"] = f"{type(e).__name__}: {str(e)[:1500]}"
+                    log(f"  {vname:24s} FAILED {v['error'][:500]}")
+                    traceback.print_exc(limit=2)
+                    args = None
+                del args
+            ok = {k: v for k, v in rec["variants"].items() if k.startswith("mgpu") and "TBps" in v}
+            if ok:
+                best = max(ok, key=lambda k: ok[k]["TBps"])
+                rec["best_mgpu"] = best
+                rec["best_config"] = (dataclasses_asdict(rec["default_config"]) if best == "mgpu"
+                                      else dataclasses_asdict(mgpu_sweep_configs(M, K, N)[best]))
+                rec["best_TBps"] = ok[best]["TBps"]
+            save_json(ARGS_OUT[0], RESULTS)
+        del w
+    log("\n== scan summary (TB/s of the weight stream per layer)")
+    for k, r in RESULTS["scan_mgpu"].items():
+        tb = {n: round(v["TBps"], 2) for n, v in r["variants"].items() if "TBps" in v and not n.startswith("mgpu_")}
+        log(f"  {k:20s} {tb}  best mgpu {r.get('best_mgpu')} {r.get('best_TBps') or 0:.2f}")
+
+
+def dataclasses_asdict(c):
+    import dataclasses
+    return dataclasses.asdict(c)
+
+
+def mgpu_table(smoke: bool) -> dict:
+    """{"configs": {dense_mgpu table key: config}}: the best Config per (row tile, K, N) of the scan section."""
+    out = {}
+    for r in sorted(RESULTS.get("scan_mgpu", {}).values(), key=lambda r: -r["M"]):
+        if r.get("best_config"):
+            out[dm.table_key(r["M"], r["K"], r["N"])] = r["best_config"]
+    return {"source": "benchmarks/bench_gemv.py --scan-mgpu --mgpu-sweep", "device": RESULTS.get("device"),
+            "date": RESULTS.get("date"), "smoke": smoke, "configs": out}
+
+
+ARGS_OUT = [""]
+
+
 def main():
     global DRY, SHAPES
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="")
-    ap.add_argument("--dry", action="store_true", help="tiny shapes in interpret mode on the CPU")
+    ap.add_argument("--dry", "--smoke", action="store_true", help="tiny shapes in interpret mode on the CPU")
+    ap.add_argument("--scan-mgpu", action="store_true", help="only the issue-40 section (bench_scan_mgpu)")
+    ap.add_argument("--mgpu-sweep", action="store_true", help="with --scan-mgpu: a few dense_mgpu configs too")
+    ap.add_argument("--rows", type=int, nargs="+", default=None, help="--scan-mgpu's M values (16 65 129)")
+    ap.add_argument("--table-out", default="", help="--scan-mgpu --mgpu-sweep's winners "
+                    "(kernels_pallas/dense_mgpu_configs.json: dense_mgpu.default_config reads it)")
     ap.add_argument("--time-budget-s", type=float, default=200.0)
     ap.add_argument("--chain-sets", type=int, default=8)
     ap.add_argument("--only", default=None, help="comma list of 'name@M<m>' (e.g. w_in@M1,chain@M1)")
@@ -277,6 +425,15 @@ def main():
                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), dry=DRY,
                    method=__doc__.split("XLA reference first, then a few Pallas variants:")[1].strip())
     log(json.dumps({k: v for k, v in RESULTS.items() if k not in ("method", "shapes")}))
+    ARGS_OUT[0] = args.out
+    if args.scan_mgpu:
+        rows = tuple(args.rows or ((5, 16) if DRY else (16, 65, 129)))
+        bench_scan_mgpu(rows, args.mgpu_sweep, time.perf_counter() + args.time_budget_s)
+        save_json(args.out, RESULTS)
+        if args.table_out:
+            with open(args.table_out, "w") as fh:
+                json.dump(mgpu_table(DRY), fh, indent=1)
+        return
     t_all = time.perf_counter()
     global_deadline = t_all + args.time_budget_s
     total_share = sum(p[2] for p in plan)

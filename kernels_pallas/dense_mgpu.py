@@ -1,0 +1,320 @@
+"""bf16 skinny GEMM on Hopper's wgmma (bf16 × bf16 → fp32), a Pallas Mosaic GPU kernel that reads one layer of a
+stacked weight in place.
+
+The same function as `kernels_pallas.dense.dense_reference` without gate / residual (`dense_mgpu_reference`):
+y[M, N] = x[M, K] @ w[K, N], fp32 accumulation, rounded once to x's dtype (bf16). w as the model stores it
+([K, N] row-major, N contiguous), or with `layer=` (an int32 scalar, traced) one layer of the stacked w [L, K, N]:
+the kernel's weight copies address layer `layer` directly (issue 40: under a `lax.scan` over layers XLA copies the
+dynamic slice of a stacked weight that feeds its own GEMM; here no slice is ever made).
+
+Design ("swap AB", as `w8a8_mgpu`: the weight fills wgmma's 64-row M slot, the tokens its N slot, so 2..256 rows
+cost n = 8..256, not a 64-row tile)
+  * yᵀ[N, Mc] = W[K, N]ᵀ · xᵀ: a CTA owns `block_n` columns of w (a multiple of 64), a contiguous range of K
+    (split-K: `split_k` ranges of whole `block_k` steps) and Mc ≤ 256 token rows (M rounded up to 8; longer
+    passes run row tiles, the row tiles of one weight tile next to each other in the grid so that they share it
+    through L2).
+  * One warpgroup runs `plgpu.emit_pipeline` over its K steps: TMA copies of the weight tile [block_k, block_n]
+    (bf16, (8, 64) tiles, 128-byte swizzle; the index map names the layer, read from a [1] int32 GMEM operand
+    in the kernel) and of the token tile [Mc, block_k] into a `num_stages`-deep shared-memory ring. Per step one
+    wgmma ACC[block_n, Mc] += w_sᵀ · x_sᵀ (both operands transposed views of their tiles: 16-bit wgmma reads
+    either major order) into ONE fp32 accumulator that lives across the whole pipeline (no promotion: bf16
+    products are exact in fp32). The wgmma is asynchronous: both BlockSpecs use `delay_release=1` and the step
+    ends with `wgmma_wait(1)`, so step i's wgmma runs while the TMA refills the slot of step i - 1.
+  * Epilogue: the accumulator, cast (bf16; fp32 partials [S, M, N] when split_k > 1, summed in order and rounded
+    by one XLA fusion after the kernel, `numerics.sum_partials`), is stored transposed into a shared tile
+    [Mc, block_n] (which reuses the ring's shared memory: the pipeline's scope has ended) and written to y by TMA
+    stores of the real rows only (M split into powers of two): no padding row reaches global memory, no slice
+    follows the kernel. x is passed with its rows padded to a multiple of 8 (one small XLA pad when M % 8: the
+    TMA's (8, 64) tiles need whole 8-row groups in memory); the TMA zero-fills the rows of a tile past them and
+    the K tail of both operands (K a multiple of 64, not of block_k), per dimension, so a K tail never reads
+    the next layer.
+
+Shapes: N a multiple of 64 (the TMA's (8, 64) tiles of w span the whole array: the 27B's fused w_in, 16480 =
+257·64 + 32 columns, is refused as it is stored: pad it to 16512 or split off its 96 b|a columns), K a multiple of
+64 (the tiles of x), any M ≥ 1.
+
+`default_config(M, K, N)`: the H200 table (`CONFIGS`, "Mc{row tile}:K{K}:N{N}" -> Config) where it has the shape,
+else a rule: block_k 128; block_n 128 up to 144 token rows (the fp32 accumulator is block_n·Mc/128 registers per
+thread: ≤ 144), 64 beyond; the deepest ring ≤ 4 stages that fits; split-K (a divisor of the K steps leaving
+≥ 4 per CTA, ≤ 16) chosen by a bytes model: the weight stream in waves of CTAs, a short last wave costing its
+CTAs' own streaming time, plus the fp32 partials' write and read (`_split_cost`).
+
+Interpret mode (CPU, `interpret=True`): the Mosaic GPU interpreter runs the same code (its wgmma is an exact fp32
+dot, summed over the K steps in order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kernels_pallas import mgpu_kernel_hash
+from kernels_pallas._common import SMEM_LIMIT
+from kernels_pallas.dense import dense_reference
+from kernels_pallas.numerics import sum_partials
+
+mgpu_kernel_hash.install()
+
+__all__ = ["Config", "dense_mgpu", "dense_mgpu_reference", "supports", "default_config", "smem_bytes", "plan",
+           "rows_plan", "table_key", "MAX_ROW_TILE", "CONFIGS"]
+
+MAX_ROW_TILE = 256  # wgmma n ≤ 256
+SMEM_PER_SM = 233472  # the H200's shared memory per SM (228 KiB): two CTAs of ≤ 114 KiB share one
+N_SM = 132
+SWIZZLE = 128  # bytes: 64 bf16, the (8, 64) tiles of both operands
+_SMEM_FIXED = 1024  # Mosaic's own shared memory (barriers, alignment), an upper estimate
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """block_n: weight columns per CTA (a multiple of 64 dividing N, ≤ 256); block_k: K per pipeline step (a
+    multiple of 64); split_k: K ranges (fp32 partials summed after the kernel when > 1; rounded down to a divisor
+    of the step count); num_stages: the shared-memory ring's depth; row_tile: token rows per CTA (a multiple of 8,
+    ≤ 256; None: all rows, padded to 8, in one tile up to 256 rows, tiles of 128 beyond)."""
+    block_n: int = 128
+    block_k: int = 128
+    split_k: int = 1
+    num_stages: int = 4
+    row_tile: int | None = None
+
+
+def dense_mgpu_reference(x, w, *, layer=None):
+    """y = x @ w (or x @ w[layer]) with fp32 accumulation, in x.dtype: `dense.dense_reference` without gate /
+    residual (the kernel's signature)."""
+    return dense_reference(x, w, layer=layer)
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _round_up(a, b):
+    return _cdiv(a, b) * b
+
+
+def _split_for(n: int, want: int) -> int:
+    """The largest divisor of n that is ≤ want."""
+    return max(d for d in range(1, min(n, max(1, want)) + 1) if n % d == 0)
+
+
+def rows_plan(M: int, row_tile: int | None = None) -> tuple[int, int]:
+    """(Mc, number of row tiles): Mc token rows per CTA (a multiple of 8)."""
+    if row_tile is None:
+        if M <= MAX_ROW_TILE:
+            return _round_up(M, 8), 1
+        row_tile = 128
+    assert row_tile % 8 == 0 and 8 <= row_tile <= MAX_ROW_TILE, row_tile
+    return row_tile, _cdiv(M, row_tile)
+
+
+def supports(M: int, K: int, N: int, dtype=jnp.bfloat16, w_dtype=jnp.bfloat16) -> str | None:
+    """None when the kernel takes the problem, else why not (one line)."""
+    if jnp.dtype(dtype) != jnp.bfloat16 or jnp.dtype(w_dtype) != jnp.bfloat16:
+        return f"dtypes x {jnp.dtype(dtype).name}, w {jnp.dtype(w_dtype).name} (the kernel's are bf16)"
+    if N % 64:  # the TMA descriptor of w covers whole (8, 64) tiles of the whole array (Pallas exposes no rounding)
+        return f"N = {N} not a multiple of 64"
+    if K % 64:
+        return f"K = {K} not a multiple of 64 (the TMA's (8, 64) tiles of x)"
+    if M < 1:
+        return "no rows"
+    return None
+
+
+def smem_bytes(Mc: int, cfg: Config, out_bytes: int) -> int:
+    """Shared memory of one CTA: the larger of the ring (weight tile + token tile per stage, one barrier each) and
+    the epilogue tile [Mc, block_n] (allocated after the pipeline's scope has ended), plus Mosaic's own."""
+    ring = cfg.num_stages * (2 * cfg.block_k * cfg.block_n + 2 * Mc * cfg.block_k + 8)
+    return max(ring, Mc * cfg.block_n * out_bytes) + _SMEM_FIXED
+
+
+def _load_table() -> dict:
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dense_mgpu_configs.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return {key: Config(**c) for key, c in json.load(f).get("configs", {}).items()}
+
+
+# "Mc{row tile}:K{K}:N{N}" -> Config: the H200 sweep's winners (none measured yet: dense_mgpu_configs.json)
+CONFIGS: dict = _load_table()
+
+
+def table_key(M: int, K: int, N: int) -> str:
+    return f"Mc{rows_plan(M)[0]}:K{K}:N{N}"
+
+
+def _fits(cfg: Config, M: int, K: int, N: int) -> bool:
+    Mc, _ = rows_plan(M, cfg.row_tile)
+    return (cfg.block_n % 64 == 0 and cfg.block_n <= 256 and N % cfg.block_n == 0 and cfg.block_k % 64 == 0
+            and smem_bytes(Mc, cfg, 4) <= SMEM_LIMIT)
+
+
+SM_SHARE = 1.5  # a guess until measured: one SM streams at most SM_SHARE × its fair share (HBM / 132) of the weight
+
+
+def _split_cost(M: int, K: int, N: int, tiles: int, split: int, per_sm: int) -> float:
+    """Bytes model of one call at split-K `split` (in HBM-bandwidth bytes): waves of 132 SMs × `per_sm` CTAs; a
+    wave streams its CTAs' weight bytes at the HBM bandwidth, but no faster than one CTA at SM_SHARE × an SM's
+    share (a last wave of few CTAs costs their streaming time, not a whole wave); plus the fp32 partials
+    written and read back by the sum."""
+    ctas = tiles * split
+    slots = N_SM * per_sm
+    cta_bytes = K * N * 2 / ctas
+    floor = cta_bytes * N_SM / SM_SHARE  # one CTA alone, in HBM-bandwidth bytes
+    full, rem = divmod(ctas, slots)
+    t = full * max(slots * cta_bytes, floor) + (max(rem * cta_bytes, floor) if rem else 0)
+    return t + (2 * split * M * N * 4 if split > 1 else 0)
+
+
+def default_config(M: int, K: int, N: int) -> Config:
+    """The sweep's winner for (row tile, K, N) (`CONFIGS`) where it fits this call, else the rule (module
+    docstring)."""
+    c = CONFIGS.get(table_key(M, K, N))
+    if c is not None and _fits(c, M, K, N):
+        return c
+    Mc, nr = rows_plan(M)
+    bn = 128 if Mc <= 144 else 64
+    while N % bn:
+        bn //= 2
+    bk = 128
+    nsteps = _cdiv(K, bk)
+    st = 4
+    while st > 2 and smem_bytes(Mc, Config(bn, bk, 1, st), 4) > SMEM_LIMIT:
+        st -= 1
+    per_sm = max(1, SMEM_PER_SM // smem_bytes(Mc, Config(bn, bk, 1, st), 4))
+    tiles = (N // bn) * nr
+    cands = sorted({_split_for(nsteps, s) for s in range(1, min(16, nsteps // 4) + 1)} | {1})
+    split = min(cands, key=lambda s: (_split_cost(M, K, N, tiles, s, per_sm), s))
+    return Config(block_n=bn, block_k=bk, split_k=split, num_stages=st)
+
+
+def plan(M: int, K: int, N: int, config: Config | None = None) -> dict:
+    """The resolved launch of a call (for benchmarks / logs)."""
+    cfg = config or default_config(M, K, N)
+    Mc, nr = rows_plan(M, cfg.row_tile)
+    nsteps = _cdiv(K, cfg.block_k)
+    split = _split_for(nsteps, cfg.split_k)
+    stages = max(1, min(cfg.num_stages, nsteps // split))
+    return dict(block_n=cfg.block_n, block_k=cfg.block_k, split_k=split, num_stages=stages, Mc=Mc, row_tiles=nr,
+                ctas=(N // cfg.block_n) * split * nr,
+                smem=smem_bytes(Mc, dataclasses.replace(cfg, num_stages=stages), 4 if split > 1 else 2))
+
+
+def _pow2_chunks(n: int) -> list[tuple[int, int]]:
+    """[(offset, size)] covering [0, n) with decreasing powers of two (the TMA stores of n real rows)."""
+    out, off = [], 0
+    for b in reversed(range(n.bit_length())):
+        if n >> b & 1:
+            out.append((off, 1 << b))
+            off += 1 << b
+    return out
+
+
+def _dense_wgmma(*refs, M: int, Mc: int, nr: int, bn: int, bk: int, n_per: int, split: int, stages: int,
+                 has_layer: bool, out_dtype):
+    if has_layer:
+        l_ref, x_ref, w_ref, o_ref = refs
+        lw = (l_ref[0],)  # the layer of the stacked weight, addressed in place by the weight's index map
+    else:
+        x_ref, w_ref, o_ref = refs
+        lw = ()
+    j = lax.axis_index("n")  # weight column tile
+    s = lax.axis_index("s")  # split
+    r = lax.axis_index("r")  # token row tile
+    k0 = s * n_per
+    tr = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
+    delay = 1 if stages > 1 else 0
+    in_specs = [
+        plgpu.BlockSpec((*(None,) * len(lw), bk, bn), lambda k: (*lw, k0 + k, j), transforms=tr,
+                        delay_release=delay),
+        plgpu.BlockSpec((Mc, bk), lambda k: (r, k0 + k), transforms=tr, delay_release=delay),
+    ]
+
+    def compute(acc):
+        def step(_, w_s, x_s):
+            plgpu.wgmma(acc, w_s.T, x_s.T)  # ACC[bn, Mc] += w_tileᵀ[bn, bk] · x_tileᵀ[bk, Mc]
+            plgpu.wgmma_wait(delay)  # the previous step's wgmma done: its slot may be refilled
+
+        plgpu.emit_pipeline(step, grid=(n_per,), in_specs=in_specs, max_concurrent_steps=stages)(w_ref, x_ref)
+        return acc[...]
+
+    y = pl.run_scoped(compute, plgpu.ACC((bn, Mc), jnp.float32)).astype(out_dtype)
+    dst = o_ref if split == 1 else o_ref.at[s]
+
+    def epilogue(o_smem):
+        o_smem.T[...] = plgpu.layout_cast(y, plgpu.Layout.WGMMA_TRANSPOSED)
+        plgpu.commit_smem()
+        cols = pl.ds(j * bn, bn)
+        if nr == 1:
+            for off, size in _pow2_chunks(M):
+                plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(off, size)], dst.at[pl.ds(off, size), cols])
+        else:
+            # row tiles: whole tiles except the last, whose real rows are M - (nr - 1)·Mc
+            last = M - (nr - 1) * Mc
+
+            @pl.when(r < nr - 1)
+            def _full():
+                plgpu.copy_smem_to_gmem(o_smem, dst.at[pl.ds(r * Mc, Mc), cols])
+
+            @pl.when(r == nr - 1)
+            def _last():
+                for off, size in _pow2_chunks(last):
+                    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(off, size)],
+                                            dst.at[pl.ds((nr - 1) * Mc + off, size), cols])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(epilogue, plgpu.SMEM((Mc, bn), out_dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "config"))
+def dense_mgpu(x, w, *, layer=None, interpret=False, config: Config | None = None):
+    """y = x @ w (or x @ w[layer], read in place) in x's dtype on bf16 wgmma (module docstring). x [..., K] bf16,
+    w [K, N] bf16, or w [L, K, N] with layer an int32 scalar (traced)."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    N = w.shape[-1]
+    assert w.shape[-2] == K and w.ndim == (2 if layer is None else 3), (x.shape, w.shape, layer)
+    why = supports(M, K, N, x.dtype, w.dtype)
+    if why:
+        raise ValueError(f"dense_mgpu: {why}")
+    cfg = config or default_config(M, K, N)
+    bn, bk = cfg.block_n, cfg.block_k
+    if bn % 64 or bn > 256 or N % bn or bk % 64:
+        raise ValueError(f"dense_mgpu: block_n {bn} must be a multiple of 64 (≤ 256) dividing N {N}, block_k "
+                         f"{bk} a multiple of 64")
+    Mc, nr = rows_plan(M, cfg.row_tile)
+    nsteps = _cdiv(K, bk)
+    split = _split_for(nsteps, cfg.split_k)
+    n_per = nsteps // split
+    stages = max(1, min(cfg.num_stages, n_per))
+    out_dtype = x.dtype if split == 1 else jnp.float32
+    need = smem_bytes(Mc, dataclasses.replace(cfg, num_stages=stages), jnp.dtype(out_dtype).itemsize)
+    if need > SMEM_LIMIT:
+        raise ValueError(f"dense_mgpu: {cfg} needs {need} bytes of shared memory > {SMEM_LIMIT}")
+    kern = functools.partial(_dense_wgmma, M=M, Mc=Mc, nr=nr, bn=bn, bk=bk, n_per=n_per, split=split,
+                             stages=stages, has_layer=layer is not None, out_dtype=out_dtype)
+    if M % 8:  # the TMA's (8, 64) tiles need whole 8-row groups of x in memory; rows past them are zero-filled
+        x2 = jnp.pad(x2, ((0, _round_up(M, 8) - M), (0, 0)))
+    args = (x2, w) if layer is None else (jnp.asarray(layer, jnp.int32).reshape(1), x2, w)
+    out_shape = (M, N) if split == 1 else (split, M, N)
+    y = plgpu.kernel(
+        kern,
+        out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+        grid=(nr, N // bn, split),
+        grid_names=("r", "n", "s"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams)
+                   else plgpu.InterpretGPUParams() if interpret else None),
+    )(*args)
+    if split > 1:
+        y = sum_partials(y, x.dtype)
+    return y.reshape(*lead, N)

@@ -1,0 +1,145 @@
+"""The bf16 wgmma GEMM (kernels_pallas.dense_mgpu) vs its jnp reference (`dense_mgpu_reference` = `dense_reference`
+without gate / residual) on the Mosaic GPU interpreter (CPU, fresh random inputs: 1 / 5 / 16 / 65 / 129 / 256 / 300
+rows, split-K, a K tail, row tiles, one layer of a stacked weight [L, K, N] — also under a `lax.scan` over layers),
+and its CUDA lowering for an abstract H200 at the 27B shapes with a layer operand (no weight slice in the HLO, shared
+memory within the limit)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas import dense_mgpu as km
+from kernels_pallas._common import lower_for_h200
+from kernels_pallas._testing import assert_kernel_signature
+
+BF16_ULP = 2.0 ** -7  # spacing of bf16 in [1, 2)
+
+
+def _inputs(M, K, N, L=None, seed=0):
+    """x ~ N(0, 1) [M, K], w ~ N(0, 1/K) [K, N] (or [L, K, N]): outputs ~ N(0, 1); bf16."""
+    kx, kw = jax.random.split(jax.random.PRNGKey(seed * 1000 + M * 7 + K + N))
+    x = jax.random.normal(kx, (M, K), jnp.float32)
+    w = jax.random.normal(kw, ((L,) if L else ()) + (K, N), jnp.float32) * K ** -0.5
+    return x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+
+
+def _spacing(v):
+    """The bf16 spacing at |v|."""
+    return np.exp2(np.floor(np.log2(np.maximum(np.abs(v), 2.0 ** -120)))) * BF16_ULP
+
+
+def _ulps(a, b):
+    """|a - b| in units of the bf16 spacing at max(|a|, |b|) (a, b bf16 values as fp32)."""
+    return np.abs(a - b) / _spacing(np.maximum(np.abs(a), np.abs(b)))
+
+
+def _check(out, x, w, layer=None):
+    """The interpreter's fp32 sums (exact products, summed over the K steps in order; split-K partials added in
+    order) against the reference's (XLA's CPU dot, another order): the bf16 results are equal or 1 ulp apart (the
+    fp32 sums differ in their last bits; where one lies next to a bf16 rounding boundary the roundings differ),
+    and within 0.5 ulp of the exact (float64) product plus the fp32 summation's worst-case error K·2⁻²⁴·Σ|x||w|."""
+    ref = np.asarray(km.dense_mgpu_reference(x, w, layer=layer), np.float32)
+    out = np.asarray(out, np.float32)
+    assert out.shape == ref.shape and np.isfinite(out).all()
+    u = _ulps(out, ref)
+    assert u.max() <= 1.0, u.max()
+    assert np.mean(u > 0) < 0.01, np.mean(u > 0)
+    w64 = np.asarray(w if layer is None else w[layer], np.float64)
+    x64 = np.asarray(x, np.float64)
+    exact = x64 @ w64
+    bound = 0.5 * _spacing(out) + x64.shape[1] * 2.0 ** -24 * (np.abs(x64) @ np.abs(w64))
+    assert np.all(np.abs(out - exact) <= bound), np.max(np.abs(out - exact) / bound)
+
+
+def test_signature_matches_reference():
+    assert_kernel_signature(km.dense_mgpu, km.dense_mgpu_reference)
+
+
+CASES = [  # M, K, N, L (layers; None: a 2-D weight), config
+    (1, 256, 128, None, km.Config(block_n=64, block_k=64, num_stages=2)),  # one row (padded to 8), the ring wraps
+    (5, 192, 128, 3, km.Config(block_n=128, block_k=128, num_stages=2)),  # layer 1 of 3, a K tail (zero-filled)
+    (16, 512, 192, 2, km.Config(block_n=64, block_k=128, split_k=2, num_stages=2)),  # split-K, 3 column tiles
+    (65, 512, 128, None, km.Config(block_n=128, block_k=128, num_stages=3)),  # verify: 65 rows -> n = 72
+    (65, 384, 128, 3, km.Config(block_n=64, block_k=64, split_k=3, num_stages=2)),  # split 3 of a stacked weight
+    (129, 256, 64, 2, km.Config(block_n=64, block_k=64, split_k=2, num_stages=2)),  # 129 rows -> n = 136
+    (256, 256, 64, None, km.Config(block_n=64, block_k=128, num_stages=2)),  # n = 256: one full row tile
+    (300, 256, 64, 2, km.Config(block_n=64, block_k=64, num_stages=2, row_tile=128)),  # 3 row tiles, last partial
+]
+
+
+@pytest.mark.parametrize("M,K,N,L,cfg", CASES)
+def test_kernel_matches_reference(M, K, N, L, cfg):
+    x, w = _inputs(M, K, N, L, seed=1)
+    layer = None if L is None else jnp.int32(L // 2)
+    out = km.dense_mgpu(x, w, layer=layer, config=cfg, interpret=True)
+    assert out.shape == (M, N) and out.dtype == jnp.bfloat16
+    _check(out, x, w, layer)
+
+
+def test_default_config_and_leading_axes():
+    x, w = _inputs(12, 256, 128, L=2, seed=2)
+    out = km.dense_mgpu(x.reshape(3, 4, 256), w, layer=jnp.int32(1), interpret=True)
+    assert out.shape == (3, 4, 128) and out.dtype == jnp.bfloat16
+    _check(out.reshape(12, 128), x, w, 1)
+
+
+def test_scan_over_layers():
+    """A `lax.scan` over the layer index with the whole stack closed over (the model's issue-40 layout): each
+    step reads its own layer."""
+    L, M, K, N = 3, 8, 128, 64
+    x, w = _inputs(M, K, N, L, seed=3)
+    cfg = km.Config(block_n=64, block_k=64, num_stages=2)
+
+    def body(c, layer):
+        return c, km.dense_mgpu(x, w, layer=layer, config=cfg, interpret=True)
+
+    _, ys = jax.lax.scan(body, 0, jnp.arange(L, dtype=jnp.int32))
+    for i in range(L):
+        _check(ys[i], x, w, i)
+
+
+def test_refuses_what_it_cannot_take():
+    assert km.supports(65, 5120, 34816) is None
+    assert "N = 5100" in km.supports(65, 5120, 5100)
+    assert "K = 5000" in km.supports(65, 5000, 5120)
+    assert "dtypes" in km.supports(65, 5120, 5120, jnp.float32)
+    x, w = _inputs(8, 256, 192)
+    with pytest.raises(ValueError, match="block_n 128 must"):
+        jax.eval_shape(functools.partial(km.dense_mgpu, config=km.Config(block_n=128)), x, w)
+    with pytest.raises(ValueError, match="shared memory"):
+        jax.eval_shape(functools.partial(km.dense_mgpu, config=km.Config(block_n=256, block_k=256, num_stages=4)),
+                       *_inputs(8, 1024, 256))
+
+
+SHAPES_27B = {"w_in": (5120, 16384), "w_out|wo": (6144, 5120), "w_gate_up": (5120, 34816),
+              "w_down": (17408, 5120), "attn_w_qkv": (5120, 14336)}
+
+
+@pytest.mark.parametrize("M", [16, 65, 129, 256, 2048])
+def test_lowers_for_h200_at_27b_shapes(M):
+    """Every 27B projection, as one layer of a 16-layer stack (a scan group's) with a traced layer, lowers for
+    CUDA (an abstract H200) at verify / batched / prefill row counts, with a default config whose shared memory
+    fits (Mosaic's lowering does not check it); the stack enters the kernel whole (no slice of it in the HLO)."""
+    S = jax.ShapeDtypeStruct
+    f = lambda x, w, layer: km.dense_mgpu(x, w, layer=layer)
+    for name, (K, N) in SHAPES_27B.items():
+        p = km.plan(M, K, N)
+        assert p["smem"] <= km.SMEM_LIMIT, (name, M, p)
+        txt = lower_for_h200(f, S((M, K), jnp.bfloat16), S((16, K, N), jnp.bfloat16), S((), jnp.int32))
+        assert "mosaic_gpu" in txt, (name, M)
+        assert "dynamic_slice" not in txt and "16x" + f"{K}x{N}xbf16" in txt, (name, M)
+
+
+def test_default_configs_fit():
+    """The rule's configs at the 27B shapes and the sweep's table (kernels_pallas/dense_mgpu_configs.json, when
+    present) are ones the kernel takes."""
+    for M in (2, 16, 65, 129, 256, 512, 4096):
+        for K, N in SHAPES_27B.values():
+            c = km.default_config(M, K, N)
+            assert km._fits(c, M, K, N), (M, K, N, c)
+    for key, c in km.CONFIGS.items():
+        Mc, K, N = (int(v[2:] if v[0] == "M" else v[1:]) for v in key.split(":"))
+        assert isinstance(c, km.Config) and km._fits(c, Mc, K, N), key
