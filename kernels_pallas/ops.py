@@ -218,6 +218,7 @@ FORMATS = ("bf16", "fp32", "w8a8")
 
 class Choice(NamedTuple):
     """A projection's kernel (`pick`): "gemv" (the Pallas bf16 weight-streaming GEMV, kernels_pallas/dense.py),
+    "dense_mgpu" (the bf16 skinny GEMM on wgmma for a stacked weight's layer, kernels_pallas/dense_mgpu.py),
     "xla" (XLA's einsum), "w8a8_mgpu" (the W8A8 block FP8 kernel on Hopper's fp8 wgmma, kernels_pallas/w8a8_mgpu.py),
     "w8a8" (the Pallas-Triton W8A8 kernel, kernels_pallas/w8a8.py: other GPUs) or "w8a8_ref" (their jnp reference:
     the same function on XLA). For "gemv": `fused`, the gate in its prologue and the residual in its
@@ -301,8 +302,11 @@ def weight_format(x_dtype, w_dtype) -> str:
     return "bf16" if jnp.dtype(x_dtype) == jnp.dtype(w_dtype) == jnp.bfloat16 else "fp32"
 
 
+MGPU_DENSE_MAX_ROWS = 256  # stacked bf16 weights: dense_mgpu up to this many rows (one row tile), XLA above
+
+
 def pick(fmt: str, rows: int, cols: int, kernels: str = "xla", *, block_in: int = 128, block_out: int = 128,
-         depth: int = 0, gemv_rows: int = 1, gemv_cols: int = 2048) -> Choice:
+         depth: int = 0, gemv_rows: int = 1, gemv_cols: int = 2048, stacked: bool = False) -> Choice:
     """The one place a projection's kernel is chosen, from the weight format `fmt` (`weight_format`), the rows and
     output columns of the flattened [rows, K] x [K, cols] problem and `kernels` (block_in / block_out: an FP8
     weight's blocks; depth: K); the projection code runs what it returns and reads no other switch.
@@ -313,7 +317,11 @@ def pick(fmt: str, rows: int, cols: int, kernels: str = "xla", *, block_in: int 
             "w8a8_ref": the same W8A8 numerics everywhere. H200 (2026-12-03, BENCHMARKS.md "Session 16"): the
             Triton kernel's fp8 dots run on f16 mma.sync, the Mosaic one's on fp8 wgmma;
       bf16: "gemv" with kernels="pallas", 1..gemv_rows rows and ≥ gemv_cols outputs (the decode step's
-            projections), fused / partials as the kernels' `Fusions` say; else "xla";
+            projections), fused / partials as the kernels' `Fusions` say; else, for a `stacked` weight (a `Layer`
+            of the model's layer-group scan, whose slice XLA would copy) with kernels="pallas" and up to
+            MGPU_DENSE_MAX_ROWS rows: "dense_mgpu" (kernels_pallas/dense_mgpu.py, bf16 wgmma reading the layer in
+            place) on a Hopper GPU where it takes the shape (N and K multiples of 64), else "gemv" (the Triton
+            kernel reads the layer in place too); else "xla";
       fp32: "xla".
     gemv_rows / gemv_cols: the H200 sweep (benchmarks/bench_gemv.py, 2026-11-29): 1.04-1.22x XLA's GEMVs for the
     27B projections at M = 1, 0.97x for 1024-wide outputs, 0.79-0.86x at M = 65 (verify); every 27B decode-step
@@ -332,6 +340,11 @@ def pick(fmt: str, rows: int, cols: int, kernels: str = "xla", *, block_in: int 
         return Choice("w8a8" if w8a8.applies(block_in) else "w8a8_ref")
     if fusions is not None and fmt == "bf16" and 0 < rows <= gemv_rows and cols >= gemv_cols:
         return Choice("gemv", fused=fusions.parts, partials=fusions.parts and fusions.partials)
+    if fusions is not None and fmt == "bf16" and stacked and 0 < rows <= MGPU_DENSE_MAX_ROWS:
+        from kernels_pallas import dense_mgpu
+        if _hopper() and dense_mgpu.supports(rows, depth, cols) is None:
+            return Choice("dense_mgpu")
+        return Choice("gemv", fused=fusions.parts)
     return Choice("xla", materialise=fusions is not None and fusions.materialise and rows > 1)
 
 
@@ -461,10 +474,16 @@ def _project(spec: str, x, w, kernels: str, norm, gate, residual, partial: bool 
     own), or with residual the rounded sum rounded(residual + y). partial (tensor parallelism: a partial product,
     summed before its rounding): the unrounded fp32 product instead."""
     nc, rows, K, N = _problem(spec, x, w.shape)
-    choice = pick(weight_format(x.dtype, w.dtype), rows, N, kernels)
+    choice = pick(weight_format(x.dtype, w.dtype), rows, N, kernels, depth=K, stacked=isinstance(w, Layer))
     if norm is not None:
         x = rms_norm_1p(x, *norm)
-    if choice.kernel == "gemv":
+    if choice.kernel == "dense_mgpu":
+        from kernels_pallas import dense_mgpu
+        if gate is not None:
+            x = rounded(f32(x) * f32(gate), x.dtype)
+        w2, layer = _gemv_weight(w, K)
+        y = dense_mgpu.dense_mgpu(x.reshape(rows, K), w2, **layer).reshape(x.shape[:x.ndim - nc] + w.shape[nc:])
+    elif choice.kernel == "gemv":
         from kernels_pallas import dense as dense_kernel
         out_shape = x.shape[:x.ndim - nc] + w.shape[nc:]
         w2, layer = _gemv_weight(w, K)

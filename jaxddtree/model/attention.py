@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from kernels_pallas import ops
-from jaxddtree.model.cache import KVCache
+from jaxddtree.model.cache import KVCache, restack, unstack
 from jaxddtree.model.config import TextConfig
 from jaxddtree.model.layout import TokenLayout
 from jaxddtree.model.linear import decode_row, dense, init_weight, rounded, sigmoid32
@@ -67,14 +67,15 @@ class Attention(nnx.Module):
         # [B, C], or the Pallas GEMV's split-K partials [S, B, C], unsummed into the fused op
         qkv = decode_row(x, self.w_qkv[...], layout.kernels, norm=norm)
         cos, sin = rope_cos_sin(layout.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)  # [B,1,rd]
+        (kc, li), (vc, _) = unstack(cache.k), unstack(cache.v)  # a scanned layer: the stacks + its index
         q, sgate, k, v, kc, vc = ops.attention_decode_prep(
-            qkv, self.q_norm[...], self.k_norm[...], cos[:, 0], sin[:, 0], cache.k, cache.v, layout.start,
-            layout.kernels, num_heads=h, num_kv_heads=hkv, head_dim=hd, eps=cfg.rms_norm_eps)  # [B,H|Hkv,hd]
+            qkv, self.q_norm[...], self.k_norm[...], cos[:, 0], sin[:, 0], kc, vc, layout.start,
+            layout.kernels, num_heads=h, num_kv_heads=hkv, head_dim=hd, eps=cfg.rms_norm_eps, layer=li)
         o = ops.tree_attention(q[:, None], kc, vc, layout.start, k[:, None], v[:, None], layout.mask,
-                               layout.kernels)  # [B,1,H,hd]
+                               layout.kernels, layer=li)  # [B,1,H,hd]
         out = dense("bthe,hed->btd", o, self.wo[...], layout.kernels, gate=sgate[:, None], residual=residual,
                     reduce=self.cfg.tp_axis)
-        return out, KVCache(k=kc, v=vc), None
+        return out, KVCache(k=restack(kc, li), v=restack(vc, li)), None
 
     def __call__(self, x, cache: KVCache, layout: TokenLayout, norm=None, residual=None):
         """norm = (w, eps): the layer's input RMSNorm, applied to x inside the projection; residual: added to the
@@ -82,14 +83,19 @@ class Attention(nnx.Module):
         if not layout.is_tree and layout.num_tokens == 1:
             return self.decode(x, cache, layout, norm, residual)
         q, k, v, gate = self.project(x, layout, norm)
+        (kc, li), (vc, _) = unstack(cache.k), unstack(cache.v)  # a scanned layer: the stacks + its index
         if layout.is_tree:
-            o = ops.tree_attention(q, cache.k, cache.v, layout.start, k, v, layout.mask, layout.kernels)
+            o = ops.tree_attention(q, kc, vc, layout.start, k, v, layout.mask, layout.kernels, layer=li)
         else:  # a causal chunk (prefill): the flash kernel needs no mask
-            o = ops.prefill_attention(q, cache.k, cache.v, layout.start, k, v, layout.kernels)
+            o = ops.prefill_attention(q, kc, vc, layout.start, k, v, layout.kernels, layer=li)
         out = self.output(o, gate, layout.kernels, residual)
         if layout.is_tree:
             return out, cache, AttentionStash(k=k, v=v)
-        idx = (0, 0, layout.start, 0)
-        kc = jax.lax.dynamic_update_slice(cache.k, jnp.swapaxes(k, 1, 2).astype(cache.k.dtype), idx)
-        vc = jax.lax.dynamic_update_slice(cache.v, jnp.swapaxes(v, 1, 2).astype(cache.v.dtype), idx)
-        return out, KVCache(k=kc, v=vc), None
+        rows = lambda a: jnp.swapaxes(a, 1, 2).astype(kc.dtype)  # [B, Hkv, T, hd]
+        if li is None:
+            idx, new_k, new_v = (0, 0, layout.start, 0), rows(k), rows(v)
+        else:  # into layer li of the stacks, in place
+            idx, new_k, new_v = (li, 0, 0, layout.start, 0), rows(k)[None], rows(v)[None]
+        kc = jax.lax.dynamic_update_slice(kc, new_k, idx)
+        vc = jax.lax.dynamic_update_slice(vc, new_v, idx)
+        return out, KVCache(k=restack(kc, li), v=restack(vc, li)), None

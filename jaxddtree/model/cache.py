@@ -15,6 +15,18 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxddtree.model.config import ATTENTION, TextConfig
+from kernels_pallas.ops import Layer
+
+
+def unstack(a) -> tuple[jax.Array, jax.Array | None]:
+    """A cache field as the kernels take it: a layer's view (`ops.Layer`, inside the model's scan) -> (the whole
+    stack, its layer index); a plain per-layer array -> (it, None)."""
+    return (a.stacked, a.index) if isinstance(a, Layer) else (a, None)
+
+
+def restack(a: jax.Array, index) -> jax.Array | Layer:
+    """`unstack`'s inverse for an updated field (the whole stack, updated in place at `index`)."""
+    return a if index is None else Layer(a, index)
 
 
 @struct.dataclass

@@ -19,7 +19,7 @@ from flax import nnx, struct
 
 from kernels_pallas import ops
 from kernels_pallas.gdn_reference import l2norm, softplus_torch, tree_conv  # noqa: F401  (re-exported)
-from jaxddtree.model.cache import GDNState
+from jaxddtree.model.cache import GDNState, restack, unstack
 from jaxddtree.model.config import TextConfig
 from jaxddtree.model.layout import TokenLayout
 from jaxddtree.model.linear import decode_row, dense, f32, init_weight, rounded, sigmoid32
@@ -71,21 +71,23 @@ class GatedDeltaNet(nnx.Module):
         km1 = cfg.linear_conv_kernel_dim - 1
 
         w_in = self.w_in[...]
+        (conv_c, li), (rec, _) = unstack(cache.conv), unstack(cache.recurrent)  # scanned: stacks + layer index
         if not layout.is_tree and T == 1:  # decode step (one real token): conv ... gated norm in one op
             # [B, C], or the Pallas GEMV's split-K partials [S, B, C], unsummed into the fused op
             proj = decode_row(x, w_in, layout.kernels, norm=norm)
             o, conv, state = ops.gdn_decode_fused(
-                proj, cache.conv, self.conv[...], self.A_log[...], self.dt_bias[...], self.norm[...],
-                cache.recurrent, layout.kernels, num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv,
-                conv_kernel=cfg.linear_conv_kernel_dim, eps=cfg.rms_norm_eps)  # o [B,Hv,dv]
+                proj, conv_c, self.conv[...], self.A_log[...], self.dt_bias[...], self.norm[...],
+                rec, layout.kernels, num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv,
+                conv_kernel=cfg.linear_conv_kernel_dim, eps=cfg.rms_norm_eps, layer=li)  # o [B,Hv,dv]
             out = dense("bthe,hed->btd", o[:, None], self.w_out[...], layout.kernels, residual=residual,
                         reduce=cfg.tp_axis)
-            return out, GDNState(conv=conv, recurrent=state), None
+            return out, GDNState(conv=restack(conv, li), recurrent=restack(state, li)), None
         proj = dense("btd,dc->btc", x, w_in, layout.kernels, norm=norm)  # one GEMM for qkv|z|b|a
         xin, z, b, a = jnp.split(proj, in_proj_split(cfg), axis=-1)  # xin [B,T,conv_dim] pre-conv
         z = z.reshape(B, T, hv, dv)  # b, a: [B,T,Hv]
 
-        xc = tree_conv(cache.conv, xin, layout.conv_src if layout.is_tree else None, self.conv[...])
+        conv_l = conv_c if li is None else jax.lax.dynamic_index_in_dim(conv_c, li, keepdims=False)  # small
+        xc = tree_conv(conv_l, xin, layout.conv_src if layout.is_tree else None, self.conv[...])
         q, k, v = jnp.split(xc, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
         q = l2norm(q.reshape(B, T, hk, dk).astype(jnp.float32)) * dk ** -0.5
         k = l2norm(k.reshape(B, T, hk, dk).astype(jnp.float32))
@@ -97,17 +99,18 @@ class GatedDeltaNet(nnx.Module):
 
         stash = None
         if layout.is_tree:
-            o, W, _ = ops.gdn_masked_block(q, k, v, g, beta, layout.mask, cache.recurrent,
-                                              layout.kernels)
+            o, W, _ = ops.gdn_masked_block(q, k, v, g, beta, layout.mask, rec, layout.kernels, layer=li)
             stash = GDNStash(k=k, W=W, g=g, x=xin)
             new_cache = cache
         else:
             valid = (jnp.arange(T) < layout.num_valid)[None, :, None]
             beta, g = jnp.where(valid, beta, 0.0), jnp.where(valid, g, 0.0)  # padding: no effect
-            o, state = ops.gdn_chunked(q, k, v, g, beta, cache.recurrent, layout.kernels)
-            rows = jnp.concatenate([cache.conv, xin.astype(cache.conv.dtype)], axis=1)
+            o, state = ops.gdn_chunked(q, k, v, g, beta, rec, layout.kernels, layer=li)  # (li: the stack)
+            rows = jnp.concatenate([conv_l, xin.astype(conv_l.dtype)], axis=1)
             conv = jax.lax.dynamic_slice_in_dim(rows, layout.num_valid, km1, axis=1)
-            new_cache = GDNState(conv=conv, recurrent=state)
+            if li is not None:
+                conv = jax.lax.dynamic_update_index_in_dim(conv_c, conv, li, 0)
+            new_cache = GDNState(conv=restack(conv, li), recurrent=restack(state, li))
 
         o = gated_rms_norm(rounded(o, x.dtype), z, self.norm[...], cfg.rms_norm_eps)  # [B,T,Hv,dv]
         out = dense("bthe,hed->btd", o, self.w_out[...], layout.kernels, residual=residual, reduce=cfg.tp_axis)

@@ -16,6 +16,7 @@ from flax import nnx
 
 from jaxddtree.model.attention import Attention
 from jaxddtree.model.cache import ModelCache
+from kernels_pallas.ops import Layer
 from jaxddtree.model.config import ATTENTION, TextConfig
 from jaxddtree.model.gated_deltanet import GatedDeltaNet
 from jaxddtree.model.layout import TokenLayout
@@ -91,11 +92,11 @@ class Qwen35(nnx.Module):
             x, caches, feats = carry
             out, stashes = [], []
             for j, (graphdef, state) in enumerate(parts):
-                layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[g], state))
-                entry = jax.tree.map(lambda a: a[g], caches[j])
+                layer = nnx.merge(graphdef, layer_view(state, g))
+                entry = jax.tree.map(lambda a: Layer(a, g), caches[j])  # the kernels update the stacks in place
                 x, c, s = layer(x, entry, layout)
                 out.append(caches[j] if c is entry else
-                           jax.tree.map(lambda a, n: jax.lax.dynamic_update_index_in_dim(a, n, g, 0), caches[j], c))
+                           jax.tree.map(lambda n: n.stacked, c, is_leaf=lambda n: isinstance(n, Layer)))
                 stashes.append(s)
                 if j in slots:
                     feats = jax.lax.dynamic_update_index_in_dim(feats, x, jnp.asarray(slots[j])[g], 0)
@@ -112,6 +113,21 @@ class Qwen35(nnx.Module):
             out = dense("btd,dv->btv", x, self.lm_head[...], layout.kernels,
                         norm=self.final_norm.spec).astype(jnp.float32)
         return out, new_cache, features, stashes
+
+
+# the projection weights: their kernels read one layer of the stack in place (`ops.Layer`); every other parameter
+# (norms, conv taps, gates: a few KB) is sliced
+PROJECTIONS = ("w_in", "w_out", "w_qkv", "wo", "w_gate_up", "w_down")
+
+
+def layer_view(state, g):
+    """A stacked group position's parameters as layer g's: `ops.Layer` views of the projection weights (and of an
+    FP8 weight's arrays), slices of the rest. XLA copies a dynamic slice that feeds a kernel or a GEMM (measured on
+    the H200: the whole weight, every layer), so the projections' kernels take the stack and the index."""
+    def view(path, a):
+        big = any(getattr(k, "key", None) in PROJECTIONS for k in path)
+        return Layer(a, g) if big else jax.lax.dynamic_index_in_dim(a, g, keepdims=False)
+    return jax.tree_util.tree_map_with_path(view, state)
 
 
 def stack_modules(modules: list) -> nnx.Module:
