@@ -83,6 +83,7 @@ class GatedDeltaNet(nnx.Module):
                         reduce=cfg.tp_axis)
             return out, GDNState(conv=restack(conv, li), recurrent=restack(state, li)), None
         proj = dense("btd,dc->btc", x, w_in, layout.kernels, norm=norm)  # one GEMM for qkv|z|b|a
+        proj = proj[..., :in_proj_width(cfg)]  # (a bf16 stacked w_in's padding columns: target.pad_projection_columns)
         xin, z, b, a = jnp.split(proj, in_proj_split(cfg), axis=-1)  # xin [B,T,conv_dim] pre-conv
         z = z.reshape(B, T, hv, dv)  # b, a: [B,T,Hv]
 

@@ -50,6 +50,9 @@ class Target:
     # definition, plan) are closed over, so that a call passes only arrays (no per-call hashing of the graphdef)
     _bound: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
+    def __post_init__(self):
+        self.leaves = pad_projection_columns(self.treedef, self.leaves, self.dtype, self.mesh)
+
     def bind(self, key, make):
         """`make()` for `key`, built once and kept: e.g. a jitted round of one plan. Kept per target (a lookup by
         identity: no hashing of the graph definition per call) and shared by every target of equal graph
@@ -137,6 +140,30 @@ class Target:
             _prefill, graphdef=self.graphdef, treedef=self.treedef, feature_layers=fl, logits=logits,
             kernels=self.kernels), in_axes=(None, 0, 0, 0)), donate_argnums=(1,)))
         return fn(self.leaves, caches, tokens, jnp.asarray(num_valid, jnp.int32))
+
+
+PAD_COLUMNS = 64  # bf16 stacked projections are stored with their output columns padded to a multiple of this
+
+
+def pad_projection_columns(treedef, leaves: list, dtype, mesh=None) -> list:
+    """`leaves` with the bf16 stacked GDN input projections (`w_in` [G, D, C], C = conv_dim + Hv·dv + 2·Hv: 16480
+    at 27B) padded with zero columns to a multiple of PAD_COLUMNS (16512): the bf16 wgmma GEMM of the verify and
+    prefill passes (kernels_pallas/dense_mgpu.py) streams whole 64-column tiles of a stacked weight it reads in place
+    (its TMA descriptor covers the whole array), and the GDN layer ignores the extra columns of its projection
+    (0.2 % more bytes). Unchanged: other dtypes (FP8 weights keep b | a as their plain tail), tensor-parallel
+    targets, already padded leaves."""
+    if jnp.dtype(dtype) != jnp.bfloat16 or mesh is not None:
+        return leaves
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+        jax.tree.unflatten(treedef, [0] * len(leaves)))[0]]
+    out = list(leaves)
+    for i, path in enumerate(paths):
+        x = out[i]
+        if ("['groups']" in path and "['mixer']['w_in']" in path and getattr(x, "ndim", 0) == 3
+                and x.dtype == jnp.bfloat16 and x.shape[-1] % PAD_COLUMNS):
+            pad = -x.shape[-1] % PAD_COLUMNS
+            out[i] = jnp.pad(x, ((0, 0), (0, 0), (0, pad)))
+    return out
 
 
 def _prefill(leaves, cache, tokens, num_valid, *, graphdef, treedef, feature_layers, logits, kernels):
