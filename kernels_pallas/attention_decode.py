@@ -17,7 +17,9 @@ k / v to its outputs and to row `start` of the caches, which alias the cache inp
 in place under a jit that donates the cache; the attention kernel then reads rows [0, start) of the same
 buffers). With `layer` the caches are the stacked [L, B, Hkv, S, hd] of every layer (a `lax.scan` over layers
 passes the whole stack: a slice fed to a kernel is copied) and the row is written into layer `layer`, the
-stacks aliased whole. cos / sin come from outside (one XLA fusion per step, shared by every attention layer).
+stacks aliased whole; q_norm / k_norm may then be the stacked [L, hd] of every layer too (each read at row
+`layer` in the kernel: a slice fed to a custom call is a copy kernel of its own). cos / sin come from outside
+(one XLA fusion per step, shared by every attention layer).
 
 The projection row may come as its GEMV's unsummed split-K partials [S, B, C] (`dense(..., reduce=False)`):
 the kernel then sums each value's S partials in order and rounds (`numerics.sum_partials`), so no XLA
@@ -52,8 +54,9 @@ def smem_bytes(num_warps: int) -> int:
 
 def _kernel(pos_ref, qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, kc_ref, vc_ref,
             q_ref, sg_ref, k_ref, v_ref, kco_ref, vco_ref, *, h: int, hkv: int, hd: int, rd: int, eps: float,
-            nparts: int, has_layer: bool, act, interpret: bool):
-    """pos_ref: (start,), or (start, layer) with stacked caches."""
+            nparts: int, has_layer: bool, norms_stacked: tuple[bool, bool], act, interpret: bool):
+    """pos_ref: (start,), or (start, layer) with stacked caches; norms_stacked: whether qn_ref / kn_ref are
+    [L, hd] (read at row `layer`) rather than [hd]."""
     del kc_ref, vc_ref  # aliased by kco_ref / vco_ref: only row `start` (of layer `layer`) is written
     f32 = jnp.float32
     b, p = pl.program_id(0), pl.program_id(1)
@@ -78,13 +81,15 @@ def _kernel(pos_ref, qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, kc_ref, vc_ref,
             acc = acc + ld(qkv_ref.at[jnp.int32(p_), b, cols])
         return rnd(acc)
 
-    def norm_rope(off, w_ref):
-        """The head's hd values at row offset `off`: (1 + w) RMSNorm, rounded, then RoPE on dims < rd."""
+    def norm_rope(off, w_ref, stacked: bool):
+        """The head's hd values at row offset `off`: (1 + w) RMSNorm, rounded, then RoPE on dims < rd; w_ref [hd],
+        or stacked [L, hd] read at row `layer`."""
+        wl = (pos_ref[1],) if stacked else ()
         x = ldq(off + idx)
         xp = ldq(off + partner)  # the same values in partner order
         inv = jax.lax.rsqrt(jnp.sum(x * x) / hd + eps)
-        xn = rnd((x * inv) * (1.0 + ld(w_ref.at[idx])))
-        xnp = rnd((xp * inv) * (1.0 + ld(w_ref.at[partner])))
+        xn = rnd((x * inv) * (1.0 + ld(w_ref.at[(*wl, idx)])))
+        xnp = rnd((xp * inv) * (1.0 + ld(w_ref.at[(*wl, partner)])))
         c = pltr.load(cos_ref.at[b, idx], mask=in_rot, other=0).astype(f32)
         s = pltr.load(sin_ref.at[b, idx], mask=in_rot, other=0).astype(f32)
         rot = jnp.where(idx < half, -xnp, xnp)
@@ -93,7 +98,7 @@ def _kernel(pos_ref, qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, kc_ref, vc_ref,
     @pl.when(p < h)
     def _():
         off = p * (2 * hd)
-        pltr.store(q_ref.at[b, p, idx], norm_rope(off, qn_ref).astype(q_ref.dtype))
+        pltr.store(q_ref.at[b, p, idx], norm_rope(off, qn_ref, norms_stacked[0]).astype(q_ref.dtype))
         g = ldq(off + hd + idx)
         pltr.store(sg_ref.at[b, p, idx], rnd(1.0 / (1.0 + jnp.exp(-g))).astype(sg_ref.dtype))
 
@@ -102,7 +107,7 @@ def _kernel(pos_ref, qkv_ref, qn_ref, kn_ref, cos_ref, sin_ref, kc_ref, vc_ref,
         j = p - h
         start = pos_ref[0]
         lw = (pos_ref[1],) if has_layer else ()  # one layer of the stacked caches, written in place
-        k = norm_rope(h * 2 * hd + j * hd, kn_ref)
+        k = norm_rope(h * 2 * hd + j * hd, kn_ref, norms_stacked[1])
         v = ldq((2 * h + hkv) * hd + j * hd + idx)
         pltr.store(k_ref.at[b, j, idx], k.astype(k_ref.dtype))
         pltr.store(v_ref.at[b, j, idx], v.astype(v_ref.dtype))
@@ -117,15 +122,18 @@ def decode_attention_prep(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, start
                           num_warps: int = 4, smem_limit: int | None = None):
     """One token's attention prologue (see `decode_attention_prep_reference` for the arguments and results; layer:
     the caches are the stacked [L, B, Hkv, S, hd], row `start` of layer `layer` written in place, the stacks
-    returned whole)."""
+    returned whole; q_norm / k_norm each [hd], or with layer the stacked [L, hd] read at row `layer` in here)."""
     h, hkv, hd = num_heads, num_kv_heads, head_dim
     nparts = qkv.shape[0] if qkv.ndim == 3 else 0  # split-K partials of the projection: summed in here
     B, C = qkv.shape[-2:]
     rd = cos.shape[-1]
     assert C == (2 * h + 2 * hkv) * hd, (qkv.shape, h, hkv, hd)
     assert is_pow2(hd) and hd >= 16 and rd % 2 == 0 and 0 < rd <= hd, (hd, rd)
-    assert cos.shape == sin.shape == (B, rd) and q_norm.shape == k_norm.shape == (hd,)
     lead = () if layer is None else k_cache.shape[:1]  # (L,) of stacked caches
+    norms_stacked = (q_norm.ndim == 2, k_norm.ndim == 2)  # [L, hd]: read at row `layer` in the kernel
+    assert cos.shape == sin.shape == (B, rd), (cos.shape, sin.shape, B, rd)
+    for w, st in zip((q_norm, k_norm), norms_stacked):
+        assert w.shape[-1:] == (hd,) and w.ndim in (1, 2) and (not st or layer is not None), (w.shape, layer)
     S = k_cache.shape[-2]
     assert k_cache.shape == v_cache.shape == (*lead, B, hkv, S, hd), (k_cache.shape, v_cache.shape, layer)
     if smem_bytes(num_warps) > _limit(smem_limit):
@@ -133,7 +141,7 @@ def decode_attention_prep(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, start
                                 f"{_limit(smem_limit)} available")
     act = k_cache.dtype if nparts else qkv.dtype
     kern = functools.partial(_kernel, h=h, hkv=hkv, hd=hd, rd=rd, eps=float(eps), nparts=nparts,
-                             has_layer=layer is not None, act=act, interpret=interpret)
+                             has_layer=layer is not None, norms_stacked=norms_stacked, act=act, interpret=interpret)
     return pl.pallas_call(
         kern,
         grid=(B, h + hkv),

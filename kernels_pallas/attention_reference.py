@@ -90,7 +90,11 @@ def decode_attention_prep(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, start
     qkv may also be [S, B, C]: the S split-K partial sums of the projection (`dense(..., reduce=False)`),
     summed in order and rounded to the activations' dtype, k_cache's (`numerics.sum_partials`).
     layer (an int32 scalar): the caches are the stacked [L, B, Hkv, S, hd] of every layer; row `start` of layer
-    `layer` is set (`k_cache.at[layer].set(...)`: the other layers untouched) and the whole stacks returned."""
+    `layer` is set (`k_cache.at[layer].set(...)`: the other layers untouched) and the whole stacks returned;
+    q_norm / k_norm may then be stacked [L, hd] too (2-D: row `layer` is the layer's norm)."""
+    if layer is not None:
+        q_norm, k_norm = (jax.lax.dynamic_index_in_dim(w, layer, keepdims=False) if w.ndim == 2 else w
+                          for w in (q_norm, k_norm))
     if qkv.ndim == 3:
         qkv = sum_partials(qkv, k_cache.dtype)
     B = qkv.shape[0]

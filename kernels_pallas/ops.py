@@ -199,7 +199,8 @@ def attention_decode_prep(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, start
     `attention_reference.decode_attention_prep`. One Pallas kernel with kernels="pallas" (`Fusions.parts`), a
     bf16 cache and a power-of-two head_dim ≥ 16; the jnp reference otherwise. layer (an int32 scalar): the caches
     are the stacked [L, B, Hkv, S, hd] of every layer, the row written into layer `layer` (in place), the stacks
-    returned whole."""
+    returned whole; q_norm / k_norm may then also be the stacked [L, hd] (2-D), read at row `layer` inside the
+    kernel (a slice fed to the custom call would be a copy kernel of its own)."""
     fusions = _fusions(kernels)
     dims = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, eps=eps, layer=layer)
     args = (qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, start)

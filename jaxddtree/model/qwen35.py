@@ -119,7 +119,7 @@ class Qwen35(nnx.Module):
 
 # the projection weights: their kernels read one layer of the stack in place (`ops.Layer`); every other parameter
 # (norms, conv taps, gates: a few KB) is sliced
-PROJECTIONS = ("w_in", "w_out", "w_qkv", "wo", "w_gate_up", "w_down")
+PROJECTIONS = ("w_in", "w_out", "w_qkv", "wo", "w_gate_up", "w_down", "q_norm", "k_norm")  # + the decode prep's norms
 
 
 def layer_view(state, g):

@@ -210,3 +210,134 @@ def test_ops_passes_the_layer():
     structs = [Sd(x.shape, x.dtype) for x in (*row, kc, vc)] + [Sd((), jnp.int32)] * 2
     txt = lower_for_h200(lambda *a: ops.attention_decode_prep(*a[:8], "pallas", layer=a[8], **d), *structs)
     assert "__gpu$xla.gpu.triton" in txt
+
+
+def _stacked_norms(key, L, hd):
+    """q_norm / k_norm stacked over L layers [L, hd] (every layer different), bf16."""
+    return tuple((0.1 * jax.random.normal(k, (L, hd))).astype(jnp.bfloat16) for k in jax.random.split(key, 2))
+
+
+def test_stacked_norms_read_at_the_layer():
+    """With layer, q_norm / k_norm stacked [L, hd] (both, or one of them) are read at row `layer`: bitwise the call
+    with that layer's [hd] norms (kernel and reference)."""
+    L, B, h, hkv, hd, rd, S, start = 3, 2, 4, 2, 32, 8, 16, 9
+    row, kc, vc = _stacked_inputs(jax.random.PRNGKey(44), L, B, h, hkv, hd, rd, S)
+    qn, kn = _stacked_norms(jax.random.PRNGKey(45), L, hd)
+    d = dict(num_heads=h, num_kv_heads=hkv, head_dim=hd, eps=EPS)
+    kernel = jax.jit(lambda qn, kn, st, l: A.decode_attention_prep(row[0], qn, kn, *row[3:], kc, vc, st, layer=l,
+                                                                   interpret=True, **d))
+    ref = jax.jit(lambda qn, kn, st, l: A.decode_attention_prep_reference(row[0], qn, kn, *row[3:], kc, vc, st,
+                                                                          layer=l, **d))
+    st = jnp.int32(start)
+    for l in (0, 2):
+        li = jnp.int32(l)
+        want = A.decode_attention_prep(row[0], qn[l], kn[l], *row[3:], kc, vc, st, layer=li, interpret=True, **d)
+        for norms in ((qn, kn), (qn, kn[l]), (qn[l], kn)):
+            _assert_same(kernel(*norms, st, li), want)
+            _assert_same(ref(*norms, st, li), want)
+    with pytest.raises(AssertionError):  # stacked norms need the layer
+        A.decode_attention_prep(row[0], qn, kn, *row[3:], kc[0], vc[0], st, interpret=True, **d)
+
+
+def test_stacked_norms_under_vmap():
+    """The batched round with stacked norms (shared, not batched) and the layer shared: each slot's results are the
+    unbatched call's with the layer's norms."""
+    V, L, B, h, hkv, hd, rd, S = 2, 2, 1, 2, 1, 16, 8, 8
+    row, kc, vc = _stacked_inputs(jax.random.PRNGKey(46), L, V * B, h, hkv, hd, rd, S)
+    qn, kn = _stacked_norms(jax.random.PRNGKey(47), L, hd)
+    qkv = row[0].reshape(V, B, -1)
+    kc, vc = (x.reshape(L, V, B, hkv, S, hd).swapaxes(0, 1) for x in (kc, vc))
+    starts = jnp.array([3, 6], jnp.int32)
+    d = dict(num_heads=h, num_kv_heads=hkv, head_dim=hd, eps=EPS)
+
+    def f(qkv, qn, kn, kc, vc, st, l):
+        return A.decode_attention_prep(qkv, qn, kn, row[3][:B], row[4][:B], kc, vc, st, layer=l, interpret=True, **d)
+
+    out = jax.jit(jax.vmap(f, in_axes=(0, None, None, 0, 0, 0, None)))(qkv, qn, kn, kc, vc, starts, jnp.int32(1))
+    for v in range(V):
+        _assert_same([x[v] for x in out], f(qkv[v], qn[1], kn[1], kc[v], vc[v], starts[v], jnp.int32(1)))
+
+
+def test_stacked_norms_lower_for_h200_without_a_slice():
+    """At 27B shapes (16 attention layers): the custom call takes the norms' whole stacks [16, hd] — no dynamic
+    slice outside it (XLA would copy each into a kernel of its own) — directly and through ops (pallas)."""
+    Sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    h, hkv, hd, rd, Lc, L = 24, 4, 256, 64, 4096 + 1024, 16
+    d = dict(num_heads=h, num_kv_heads=hkv, head_dim=hd, eps=EPS)
+    structs = (Sd((1, (2 * h + 2 * hkv) * hd), bf), Sd((L, hd), bf), Sd((L, hd), bf), Sd((1, rd), bf),
+               Sd((1, rd), bf), Sd((L, 1, hkv, Lc, hd), bf), Sd((L, 1, hkv, Lc, hd), bf), Sd((), jnp.int32),
+               Sd((), jnp.int32))
+    for f in (lambda *a: A.decode_attention_prep(*a[:8], layer=a[8], **d),
+              lambda *a: ops.attention_decode_prep(*a[:8], "pallas", layer=a[8], **d)):
+        txt = lower_for_h200(f, *structs)
+        assert txt.count("__gpu$xla.gpu.triton") == 1 and "dynamic_slice" not in txt
+        assert f"tensor<{L}x{hd}xbf16>" in txt and "output_operand_aliases" in txt
+
+
+
+def _attention_stack():
+    """(cfg, two Attention layers (bf16), their stack_modules) at small shapes."""
+    from jaxddtree.model.attention import Attention
+    from jaxddtree.model.config import TextConfig
+    from jaxddtree.model.qwen35 import stack_modules
+    cfg = TextConfig(vocab_size=32, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                     layer_types=("full_attention",), num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     rope_theta=1e4, partial_rotary_factor=0.5, linear_num_key_heads=1, linear_num_value_heads=1,
+                     linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, rms_norm_eps=EPS)
+    mods = [Attention(cfg, jnp.bfloat16, nnx.Rngs(s)) for s in (5, 6)]
+    return cfg, mods, stack_modules(mods)
+
+
+def _scan(stacked, x, kc, vc, layout):
+    """Each layer of `stacked` in a lax.scan as the model runs it (`layer_view` params: q_norm / k_norm too are
+    `ops.Layer` views; the caches as Layer views of their stacks) -> (outputs [L, ...], the cache stacks)."""
+    from jaxddtree.model.cache import KVCache
+    from jaxddtree.model.qwen35 import layer_view
+    graphdef, state = nnx.split(stacked)
+
+    def body(carry, g):
+        m = nnx.merge(graphdef, layer_view(state, g))
+        assert isinstance(m.q_norm[...], ops.Layer) and isinstance(m.k_norm[...], ops.Layer)
+        y, c, _ = m(x, KVCache(k=ops.Layer(carry[0], g), v=ops.Layer(carry[1], g)), layout)
+        return (c.k.stacked, c.v.stacked), y
+
+    (kc, vc), ys = jax.lax.scan(body, (kc, vc), jnp.arange(kc.shape[0], dtype=jnp.int32))
+    return ys, kc, vc
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_scanned_layers_with_norm_views_match_plain_layers(T):
+    """Attention layers in a scan (`layer_view`: the norms as Layer views, passed stacked to the decode prep at
+    T = 1, sliced in XLA on the sequence path): bitwise each plain per-layer module on its own cache (xla)."""
+    from jaxddtree.model import layout as Lo
+    from jaxddtree.model.cache import KVCache
+    cfg, mods, stacked = _attention_stack()
+    B, S, start = 1, 16, 5
+    ks = jax.random.split(jax.random.PRNGKey(48), 3)
+    x = jax.random.normal(ks[0], (B, T, 64)).astype(jnp.bfloat16)
+    kc, vc = (jax.random.normal(k, (2, B, 2, S, 16)).astype(jnp.bfloat16) for k in ks[1:])
+    layout = Lo.sequence(start, T, 4, batch=B)
+    ys, kc2, vc2 = _scan(stacked, x, kc, vc, layout)
+    for l, m in enumerate(mods):
+        y, c, _ = m(x, KVCache(k=kc[l], v=vc[l]), layout)
+        _assert_same((ys[l], kc2[l], vc2[l]), (y, c.k, c.v))
+
+
+def test_scanned_decode_lowers_for_h200_without_norm_slices():
+    """The scanned decode step (pallas) lowered for an H200: the norms' stacks [L, hd] reach the prep kernel whole
+    — no dynamic slice of them outside it."""
+    from jaxddtree.model import layout as Lo
+    cfg, _, stacked = _attention_stack()
+    graphdef, state = nnx.split(stacked)
+    Sd, B, S = jax.ShapeDtypeStruct, 1, 16
+    layout = Lo.sequence(jnp.int32(5), 1, 4, batch=B, kernels="pallas")
+
+    def f(state, x, kc, vc):
+        return _scan(nnx.merge(graphdef, state), x, kc, vc, layout)
+
+    structs = jax.tree.map(lambda a: Sd(a.shape, a.dtype), state)
+    txt = lower_for_h200(f, structs, Sd((B, 1, 64), jnp.bfloat16), Sd((2, B, 2, S, 16), jnp.bfloat16),
+                         Sd((2, B, 2, S, 16), jnp.bfloat16))
+    assert "__gpu$xla.gpu.triton" in txt and "tensor<2x16xbf16>" in txt
+    sliced = [ln for ln in txt.splitlines() if "dynamic_slice" in ln and "tensor<2x16xbf16>" in ln]
+    assert not sliced, sliced
