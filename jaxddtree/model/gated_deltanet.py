@@ -92,8 +92,8 @@ class GatedDeltaNet(nnx.Module):
             proj = decode_row(x, w_in, layout.kernels, norm=norm)
             small = (_for_kernel(p[...], li) for p in (self.conv, self.A_log, self.dt_bias, self.norm))
             o, conv, state = ops.gdn_decode_fused(  # (the small parameters: stacks too, read at li)
-                proj, conv_c, *small, rec, layout.kernels, num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv,
-                conv_kernel=cfg.linear_conv_kernel_dim, eps=cfg.rms_norm_eps, layer=li)  # o [B,Hv,dv]
+                proj, conv_c, *small, rec, layout.kernels, num_k_heads=hk, num_v_heads=hv, head_k_dim=dk,
+                head_v_dim=dv, conv_kernel=cfg.linear_conv_kernel_dim, eps=cfg.rms_norm_eps, layer=li)  # o [B,Hv,dv]
             out = dense("bthe,hed->btd", o[:, None], self.w_out[...], layout.kernels, residual=residual,
                         reduce=cfg.tp_axis)
             return out, GDNState(conv=restack(conv, li), recurrent=restack(state, li)), None
