@@ -26,7 +26,8 @@ q/k rows, so one of them overwriting them in place would race with the others.
 
 `layer` (a scan over layers, issue 40): conv_state and state are the layers' stacked caches [L, ...] and the
 kernel reads and writes layer `layer` of them in place (the layer a [1] int32 operand, put in the one indexer of
-each load / store), so no per-layer slice is copied. Both stacks are aliased to their outputs; in the conv stack
+each load / store), so no per-layer slice is copied; so, likewise, are conv_w / A_log / dt_bias / norm_w where they
+come stacked (read only). Both stacks are aliased to their outputs; in the conv stack
 the kernel writes only the v channels (each read and rewritten by its one program). The new q/k rows go to a
 small fresh output [B, K-1, 2·Hk·dk] (the race above) that one `dynamic_update_slice` after the kernel writes
 into the stack at `layer` (in place: XLA updates the kernel's aliased output buffer).
@@ -65,11 +66,13 @@ L2NORM_EPS = 1e-6  # the model's l2norm(q), l2norm(k)
 
 
 def _kernel(*refs, hk: int, hv: int, dk: int, dv: int, K: int, eps: float, dkp: int, bv: int, nvt: int,
-            nparts: int, act, wprod, has_layer: bool, interpret: bool):
+            nparts: int, act, wprod, has_layer: bool, stacked: tuple, interpret: bool):
     it = iter(refs)
     l_ref = next(it) if has_layer else None
     proj_ref, cs_ref, cw_ref, alog_ref, dtb_ref, nw_ref, s_ref, o_ref, cso_ref, so_ref = (next(it) for _ in range(10))
     lw = (l_ref[0],) if has_layer else ()  # the layer of the stacked caches, addressed in place
+    # conv_w, A_log, dt_bias, norm_w: each the layer's own, or (stacked) the layers' [L, ...] read at the layer
+    pcw, palog, pdtb, pnw = (lw if st_ else () for st_ in stacked)
     qko_ref = next(it) if has_layer else cso_ref  # where the new q/k conv rows go (channels < 2·Hk·dk)
     f32 = jnp.float32
     b, h = pl.program_id(0), pl.program_id(1)
@@ -120,9 +123,9 @@ def _kernel(*refs, hk: int, hv: int, dk: int, dv: int, K: int, eps: float, dkp: 
         rows = [ld(cs_ref.at[(*lw, b, i32(j), c)], m) for j in range(km1)]
         acc = None
         for j in range(km1):  # tree_conv: the state rows as the activations' dtype, taps summed in fp32
-            t = rnd(rows[j].astype(f32), act) * ld(cw_ref.at[i32(j), c], m).astype(f32)
+            t = rnd(rows[j].astype(f32), act) * ld(cw_ref.at[(*pcw, i32(j), c)], m).astype(f32)
             acc = t if acc is None else acc + t
-        acc = acc + x.astype(f32) * ld(cw_ref.at[i32(km1), c], m).astype(f32)
+        acc = acc + x.astype(f32) * ld(cw_ref.at[(*pcw, i32(km1), c)], m).astype(f32)
         return x, rows, rnd(silu(rnd(acc, act)), act), c, m
 
     def store_conv_state(x, rows, c, m, ref, pre):  # new rows: old rows 1..K-2, then the token; pre: ref's layer
@@ -145,13 +148,13 @@ def _kernel(*refs, hk: int, hv: int, dk: int, dv: int, K: int, eps: float, dkp: 
         store_conv_state(xk, rk, ck, mk, qko_ref, ())
 
     # beta, g (blocks of one element)
-    one = lambda ref, i: pltr.load(ref.at[pl.ds(i, 1)]).astype(f32)
+    one = lambda ref, pre, i: pltr.load(ref.at[(*pre, pl.ds(i, 1))]).astype(f32)
     bb = ldp(pl.ds(boff + h, 1), None).astype(f32)
     aa = ldp(pl.ds(aoff + h, 1), None).astype(f32)
     beta = rnd(1.0 / (1.0 + jnp.exp(-bb)), act)
-    sp = aa + one(dtb_ref, h)
+    sp = aa + one(dtb_ref, pdtb, h)
     sp = jnp.where(sp > 20.0, sp, jnp.log1p(jnp.exp(jnp.minimum(sp, 20.0))))
-    g = -jnp.exp(one(alog_ref, h)) * sp
+    g = -jnp.exp(one(alog_ref, palog, h)) * sp
     decay = jnp.exp(g)[:, None]  # [1, 1]
 
     ik = jnp.arange(dkp, dtype=jnp.int32)
@@ -183,7 +186,7 @@ def _kernel(*refs, hk: int, hv: int, dk: int, dv: int, K: int, eps: float, dkp: 
     for o, iv, mv, v0, nt in os_:
         zc, _ = cols(zoff + h * dv + v0, nt, bv)
         z = ldp(zc, mv).astype(f32)
-        w = ld(nw_ref.at[iv], mv).astype(f32)
+        w = ld(nw_ref.at[(*pnw, iv)], mv).astype(f32)
         y = rnd(o * inv, act)
         y = rnd(w * y, wprod)
         st(o_ref.at[b, h, iv], rnd(y * silu(z), act), mv)
@@ -202,7 +205,10 @@ def gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, *,
     caches, read and updated in place at `layer` (aliased: in place under a jit that donates them), so that a
     `lax.scan` over layers passes the whole stacks and no slice is copied; returns (o, conv_state, state) with
     the whole stacks. The new q/k conv rows are written into the stack by one small `dynamic_update_slice` after
-    the kernel (module docstring).
+    the kernel (module docstring). With layer, each of conv_w, A_log, dt_bias, norm_w may also be the layers'
+    stack ([L, K, conv_dim], [L, Hv], [L, Hv], [L, dv]; told apart by ndim), read at `layer` in the kernel: XLA
+    materialises every operand of a custom call, so a per-layer slice would be one more copy kernel each
+    (measured on the H200: 4 launches per GDN layer per step).
 
     block_v: state columns per step of the program's static loop (a power of two; default the whole
     head, padded to a power of two); num_warps / num_stages: Triton's. Defaults from the H200 sweep
@@ -216,8 +222,12 @@ def gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, *,
     assert hv % hk == 0 and K >= 2, (hk, hv, K)
     assert P == cd + hv * dv + 2 * hv, (proj.shape, cd)
     lead = () if layer is None else conv_state.shape[:1]  # (L,): the stacked caches
-    assert conv_state.shape == (*lead, B, K - 1, cd) and conv_w.shape == (K, cd), (conv_state.shape, conv_w.shape)
-    assert A_log.shape == (hv,) and dt_bias.shape == (hv,) and norm_w.shape == (dv,)
+    assert conv_state.shape == (*lead, B, K - 1, cd), conv_state.shape
+    # the small parameters: each the layer's own, or (with layer) the layers' stacked [L, ...] (by ndim)
+    small = ((conv_w, (K, cd)), (A_log, (hv,)), (dt_bias, (hv,)), (norm_w, (dv,)))
+    stacked = tuple(layer is not None and a.ndim == len(shp) + 1 for a, shp in small)
+    for (a, shp), st in zip(small, stacked):
+        assert a.shape == ((*lead, *shp) if st else shp), (a.shape, shp, lead)
     assert state.shape == (*lead, B, hv, dk, dv), state.shape
     dkp, dvp = feature_pad(dk), feature_pad(dv)
     bv = min(block_v or dvp, dvp)
@@ -229,7 +239,7 @@ def gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, *,
     act = conv_state.dtype if nparts else proj.dtype
     kern = functools.partial(_kernel, hk=hk, hv=hv, dk=dk, dv=dv, K=K, eps=float(eps), dkp=dkp, bv=bv,
                              nvt=nvt, nparts=nparts, act=act, wprod=jnp.promote_types(norm_w.dtype, act),
-                             has_layer=layer is not None, interpret=interpret)
+                             has_layer=layer is not None, stacked=stacked, interpret=interpret)
     args = [proj, conv_state, conv_w, A_log, dt_bias, norm_w, state]
     out_shape = [
         jax.ShapeDtypeStruct((B, hv, dv), act),

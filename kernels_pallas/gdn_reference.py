@@ -230,9 +230,13 @@ def gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, *,
 
     layer (an int32 scalar): conv_state [L, B, K-1, conv_dim] and state [L, B, Hv, dk, dv] are the layers' stacked
     caches; layer `layer` is read, and both are returned whole with the new caches written at `layer`
-    (`.at[layer].set(new)`; the kernel updates them in place). conv_w, A_log, dt_bias, norm_w stay the layer's own.
+    (`.at[layer].set(new)`; the kernel updates them in place). conv_w, A_log, dt_bias, norm_w: each the layer's own
+    ([K, conv_dim], [Hv], [Hv], [dv]) or the layers' stack (one more leading axis L, told apart by ndim), read at
+    `layer`.
     """
     if layer is not None:
+        conv_w, A_log, dt_bias, norm_w = (a[layer] if a.ndim == n + 1 else a for a, n in
+                                          ((conv_w, 2), (A_log, 1), (dt_bias, 1), (norm_w, 1)))
         o, conv, s = gdn_decode_fused(proj, conv_state[layer], conv_w, A_log, dt_bias, norm_w, state[layer],
                                       num_k_heads=num_k_heads, num_v_heads=num_v_heads, head_k_dim=head_k_dim,
                                       head_v_dim=head_v_dim, conv_kernel=conv_kernel, eps=eps)

@@ -164,7 +164,8 @@ def gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, ke
     recurrent step, gated RMSNorm; -> (o [B,Hv,dv],
     conv_state [B,K-1,conv_dim], state [B,Hv,dk,dv]). See `gdn_reference.gdn_decode_fused`.
     layer (an int32 scalar): conv_state / state are the layers' stacked caches [L, ...], updated in place at
-    `layer` and returned whole."""
+    `layer` and returned whole; conv_w / A_log / dt_bias / norm_w each the layer's own or (one more leading axis,
+    by ndim) the layers' stack, read at `layer` (in the kernel: no slice copied)."""
     dims = dict(num_k_heads=num_k_heads, num_v_heads=num_v_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim,
                 conv_kernel=conv_kernel, eps=eps, layer=layer)
     if _check(kernels) == "pallas":

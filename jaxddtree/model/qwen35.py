@@ -118,8 +118,11 @@ class Qwen35(nnx.Module):
 
 
 # the projection weights: their kernels read one layer of the stack in place (`ops.Layer`); every other parameter
-# (norms, conv taps, gates: a few KB) is sliced
-PROJECTIONS = ("w_in", "w_out", "w_qkv", "wo", "w_gate_up", "w_down", "q_norm", "k_norm")  # + the decode prep's norms
+# (norms, conv taps, gates: a few KB) is sliced, except the small parameters a fused decode kernel reads from the
+# stack at the layer too (KERNEL_SMALL: XLA materialises a slice feeding a custom call, one copy kernel each)
+PROJECTIONS = ("w_in", "w_out", "w_qkv", "wo", "w_gate_up", "w_down")
+KERNEL_SMALL = (("q_norm",), ("k_norm",),  # attention_decode_prep
+                ("conv",), ("A_log",), ("dt_bias",), ("mixer", "norm"))  # gdn_decode_fused (not the RMSNorms' weight)
 
 
 def layer_view(state, g):
@@ -127,7 +130,8 @@ def layer_view(state, g):
     FP8 weight's arrays), slices of the rest. XLA copies a dynamic slice that feeds a kernel or a GEMM (measured on
     the H200: the whole weight, every layer), so the projections' kernels take the stack and the index."""
     def view(path, a):
-        big = any(getattr(k, "key", None) in PROJECTIONS for k in path)
+        keys = tuple(k.key for k in path if hasattr(k, "key"))  # (the Variables' trailing .value: no key)
+        big = any(k in PROJECTIONS for k in keys) or any(keys[-len(t):] == t for t in KERNEL_SMALL)
         return Layer(a, g) if big else jax.lax.dynamic_index_in_dim(a, g, keepdims=False)
     return jax.tree_util.tree_map_with_path(view, state)
 

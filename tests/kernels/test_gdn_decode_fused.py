@@ -144,6 +144,96 @@ def test_lowers_for_h200_with_layer():
         assert f"output_tuple_indices = [{out}], operand_index = {operand}" in txt
 
 
+def stacked_params(seed, L, B, hk, hv, dk, dv, dtype):
+    """L layers' small parameters stacked: (conv_w [L, K, conv_dim], A_log [L, Hv], dt_bias [L, Hv], norm_w [L, dv])."""
+    per = [fused_inputs(jax.random.PRNGKey(seed + 100 + i), B, hk, hv, dk, dv, dtype)[2:6] for i in range(L)]
+    return tuple(jnp.stack([p[i] for p in per]) for i in range(4))
+
+
+@pytest.mark.parametrize("dtype,kw", [(jnp.float32, {}), (jnp.bfloat16, dict(block_v=16))], ids=["fp32", "bf16-bv16"])
+@pytest.mark.parametrize("which", [(0, 1, 2, 3), (0, 3)], ids=["all", "conv+norm"])
+def test_kernel_layer_of_stacked_small_params(dtype, kw, which):
+    """layer=l with conv_w / A_log / dt_bias / norm_w stacked [L, ...] too (all, or some: per-layer ones mixed in)
+    is bitwise the kernel on layer l's caches and parameters; the reference's layer= likewise; in vmap over slots."""
+    B, hk, hv, dk, dv, L = 2, 2, 6, 16, 32, 3
+    proj, cs, cw, A_log, dtb, nw, state = stacked_inputs(50, L, B, hk, hv, dk, dv, dtype)
+    stacks = stacked_params(50, L, B, hk, hv, dk, dv, dtype)
+    d = dims(hk, hv, dk, dv)
+    ker = jax.jit(functools.partial(F.gdn_decode_fused, **d, interpret=True, **kw), donate_argnums=(1, 6))
+    one = jax.jit(functools.partial(F.gdn_decode_fused, **d, interpret=True, **kw))
+    ref = jax.jit(functools.partial(F.gdn_decode_fused_reference, **d))
+    for layer in (2, 1):
+        small = [stacks[i] if i in which else (cw, A_log, dtb, nw)[i] for i in range(4)]
+        small_l = [stacks[i][layer] if i in which else (cw, A_log, dtb, nw)[i] for i in range(4)]
+        single = one(proj, cs[layer], *small_l, state[layer])
+        got = ker(proj, jnp.array(cs), *small, jnp.array(state), layer=jnp.int32(layer))
+        assert_layer_update(got, single, (cs, state), layer)
+        r_single = ref(proj, cs[layer], *small_l, state[layer])
+        assert_layer_update(ref(proj, cs, *small, state, layer=jnp.int32(layer)), r_single, (cs, state), layer)
+    V = 2  # slots: the caches batched, the parameters' stacks and the layer not
+    cs_v, s_v = jnp.stack([cs, cs * 0.5]), jnp.stack([state, state * 2.0])
+    f = jax.jit(jax.vmap(lambda c, s, layer: one(proj, c, *stacks, s, layer=layer), in_axes=(0, 0, None)))
+    got = f(cs_v, s_v, jnp.int32(1))
+    for v in range(V):
+        single = one(proj, cs_v[v, 1], *(a[1] for a in stacks), s_v[v, 1])
+        assert_layer_update([x[v] for x in got], single, (cs_v[v], s_v[v]), 1)
+
+
+def test_lowers_for_h200_with_stacked_small_params():
+    """layer= with the small parameters stacked (27B shapes): they reach the one Triton call whole — no slice of
+    them outside the kernel (XLA would materialise each as its own copy kernel)."""
+    S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    hk, hv, dk, dv, L = 16, 48, 128, 128, 3
+    cd = 2 * hk * dk + hv * dv
+    structs = [S((4, 1, cd + hv * dv + 2 * hv), jnp.float32), S((L, 1, K - 1, cd), bf), S((L, K, cd), bf),
+               S((L, hv), bf), S((L, hv), bf), S((L, dv), bf), S((L, 1, hv, dk, dv), jnp.float32), S((), jnp.int32)]
+    f = lambda *a: F.gdn_decode_fused(*a[:7], **dims(hk, hv, dk, dv), layer=a[7])
+    txt = lower_for_h200(f, *structs)
+    assert txt.count("__gpu$xla.gpu.triton") == 1 and txt.count("dynamic_update_slice") == 1
+    assert "dynamic_slice" not in txt.replace("dynamic_update_slice", "")
+    for out, operand in ((1, 2), (2, 7)):
+        assert f"output_tuple_indices = [{out}], operand_index = {operand}" in txt
+
+
+def test_model_scan_passes_stacked_small_params():
+    """The scanned model's decode step: the GDN layer's conv / A_log / dt_bias / norm reach the fused op as the
+    layer group's stacks with the caches' layer (`qwen35.layer_view`: `ops.Layer` views), not as slices; the
+    input / post RMSNorm weights stay slices."""
+    from kernels_pallas import gdn_reference
+    from jaxddtree.model.qwen35 import layer_view
+    from kernels_pallas.ops import Layer
+
+    st = {"input_norm": {"weight": jnp.ones((2, 4))}, "mixer": {"norm": jnp.ones((2, 8)), "conv": jnp.ones((2, 4, 8)),
+          "A_log": jnp.ones((2, 3)), "dt_bias": jnp.ones((2, 3)), "q_norm": jnp.ones((2, 8))},
+          "post_norm": {"weight": jnp.ones((2, 4))}}
+    v = layer_view(st, jnp.int32(1))
+    assert all(isinstance(v["mixer"][n], Layer) for n in ("norm", "conv", "A_log", "dt_bias"))
+    assert not any(isinstance(a, Layer) for a in (v["input_norm"]["weight"], v["post_norm"]["weight"],
+                                                  v["mixer"]["q_norm"]))
+    seen = []
+    real = gdn_reference.gdn_decode_fused
+
+    def spy(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, **kw):
+        seen.append((conv_state.ndim, conv_w.ndim, A_log.ndim, dt_bias.ndim, norm_w.ndim, kw.get("layer") is None))
+        return real(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, **kw)
+
+    from jaxddtree.model import layout as Lay
+    from jaxddtree.model.cache import init_cache
+    from jaxddtree.model.config import ATTENTION, GDN, TextConfig
+    from jaxddtree.model.qwen35 import Qwen35
+    cfg = TextConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                     layer_types=(GDN, ATTENTION) * 2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                     rope_theta=1e4, partial_rotary_factor=0.5, linear_num_key_heads=2, linear_num_value_heads=4,
+                     linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=K,
+                     max_position_embeddings=64)
+    m = Qwen35(cfg, jnp.float32, nnx.Rngs(0))
+    cache = init_cache(cfg, 16, jnp.float32)
+    import unittest.mock as mock
+    with mock.patch.object(gdn_reference, "gdn_decode_fused", spy):
+        m(jnp.zeros((1, 1), jnp.int32), cache, Lay.sequence(3, 1, K, num_valid=1, batch=1))
+    assert seen[0] == (4, 3, 2, 2, 2, False), seen  # (then the reference's own call on the layer's slices)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
 def test_reference_matches_model_decode_step(dtype):
     """The model's decode step (T = 1: one `ops.gdn_decode_fused` on the fused projection row, here the
