@@ -220,7 +220,7 @@ def gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, *,
     B, P = proj.shape[-2:]
     cd = 2 * hk * dk + hv * dv
     assert hv % hk == 0 and K >= 2, (hk, hv, K)
-    assert P == cd + hv * dv + 2 * hv, (proj.shape, cd)
+    assert P >= cd + hv * dv + 2 * hv, (proj.shape, cd)  # (columns past b | a: a padded w_in's, ignored)
     lead = () if layer is None else conv_state.shape[:1]  # (L,): the stacked caches
     assert conv_state.shape == (*lead, B, K - 1, cd), conv_state.shape
     # the small parameters: each the layer's own, or (with layer) the layers' stacked [L, ...] (by ndim)

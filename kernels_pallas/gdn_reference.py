@@ -202,14 +202,14 @@ def gated_rms_norm(x: jax.Array, z: jax.Array, w: jax.Array, eps: float) -> jax.
 
 # ----------------------------------------------------------------------------- one fused decode step
 def split_proj(proj, *, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int):
-    """The fused projection row [B, conv_dim + Hv·dv + 2·Hv] -> (xin [B, conv_dim] pre-conv q|k|v,
-    z [B, Hv, dv], b [B, Hv], a [B, Hv])."""
+    """The fused projection row [B, conv_dim + Hv·dv + 2·Hv (+ a padded w_in's zero columns, ignored)] -> (xin
+    [B, conv_dim] pre-conv q|k|v, z [B, Hv, dv], b [B, Hv], a [B, Hv])."""
     B = proj.shape[0]
     cd = 2 * num_k_heads * head_k_dim + num_v_heads * head_v_dim
     zd = num_v_heads * head_v_dim
-    assert proj.shape[-1] == cd + zd + 2 * num_v_heads, (proj.shape, cd, zd, num_v_heads)
+    assert proj.shape[-1] >= cd + zd + 2 * num_v_heads, (proj.shape, cd, zd, num_v_heads)  # (padding past a)
     return (proj[:, :cd], proj[:, cd:cd + zd].reshape(B, num_v_heads, head_v_dim),
-            proj[:, cd + zd:cd + zd + num_v_heads], proj[:, cd + zd + num_v_heads:])
+            proj[:, cd + zd:cd + zd + num_v_heads], proj[:, cd + zd + num_v_heads:cd + zd + 2 * num_v_heads])
 
 
 def gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, *, num_k_heads: int,

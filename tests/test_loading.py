@@ -115,9 +115,11 @@ def test_progress_bar(ckpts, zoo, capsys):
 
 
 def _pure(target):
+    """The target's parameters per layer (the checkpoints' layout: {"layers": {i: ...}, ...})."""
     import jax
     from flax import nnx
-    return nnx.to_pure_dict(jax.tree.unflatten(target.treedef, target.leaves))
+    from jaxddtree.model.qwen35 import per_layer_pure
+    return per_layer_pure(target.config, nnx.to_pure_dict(jax.tree.unflatten(target.treedef, target.leaves)))
 
 
 def test_fused_projections_are_the_hf_tensors(ckpts):

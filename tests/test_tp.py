@@ -143,16 +143,17 @@ def test_tokens_match_tp1(tp_run):
 
 def test_weights_and_caches_are_split(tp_run):
     p = tp_run["params"]
-    halved = {"layers.0.mixer.w_in": 1, "layers.0.mixer.conv": 1, "layers.0.mixer.w_out": 0,
-              "layers.0.mixer.A_log": 0, "layers.1.mixer.w_qkv": 1, "layers.1.mixer.wo": 0,
-              "layers.0.mlp.w_gate_up": 2, "layers.1.mlp.w_down": 0, "lm_head": 1}
+    # (the 2 layers are one layer group: groups.j holds layer j stacked [1, ...], the split axis one later)
+    halved = {"groups.0.mixer.w_in": 2, "groups.0.mixer.conv": 2, "groups.0.mixer.w_out": 1,
+              "groups.0.mixer.A_log": 1, "groups.1.mixer.w_qkv": 2, "groups.1.mixer.wo": 1,
+              "groups.0.mlp.w_gate_up": 3, "groups.1.mlp.w_down": 1, "lm_head": 1}
     for name, axis in halved.items():
         g, shards = p[name]["global"], p[name]["shards"]
         assert len(shards) == 2 and len(set(p[name]["devices"])) == 2, name
         want = list(g)
         want[axis] //= 2
         assert shards == [want, want], (name, g, shards)
-    for name in ("embed", "final_norm.weight", "layers.1.mixer.q_norm"):  # replicated
+    for name in ("embed", "final_norm.weight", "groups.1.mixer.q_norm"):  # replicated
         assert p[name]["shards"] == [p[name]["global"]] * 2, name
     for c in tp_run["cache"]:  # KV [B, Hkv, S, hd] / GDN state [B, Hv, dk, dv] by heads, conv by channels
         axis = 2 if len(c["global"]) == 3 else 1

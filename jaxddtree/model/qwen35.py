@@ -136,6 +136,24 @@ def layer_view(state, g):
     return jax.tree_util.tree_map_with_path(view, state)
 
 
+def per_layer_pure(cfg: TextConfig, pure: dict) -> dict:
+    """A Qwen35 pure dict (`nnx.to_pure_dict`; "groups" stacked) with its layers as {"layers": {i: ...}} (the
+    checkpoints' per-layer layout: slices, and a bf16 w_in without its padding columns), for exports and tools."""
+    from jaxddtree.model.gated_deltanet import in_proj_width
+    out = {k: v for k, v in pure.items() if k != "groups"}
+    p, width = cfg.group_size, in_proj_width(cfg)
+
+    def one(path, a):
+        a = a[i // p]
+        if getattr(path[-1], "key", None) == "w_in" and getattr(a, "ndim", 0) == 2:
+            a = a[:, :width]
+        return a
+    out["layers"] = {}
+    for i in range(cfg.num_hidden_layers):
+        out["layers"][i] = jax.tree_util.tree_map_with_path(one, pure["groups"][i % p])
+    return out
+
+
 def stack_modules(modules: list) -> nnx.Module:
     """Modules of one structure as one whose parameters are stacked on a new leading axis (in list order)."""
     graphdef, _ = nnx.split(modules[0])

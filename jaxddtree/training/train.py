@@ -35,7 +35,7 @@ from jaxddtree.model.config import ATTENTION, GDN, TextConfig, text_config_from_
 from jaxddtree.model.drafter import DrafterLayer, DrafterParams, rms_norm
 from jaxddtree.model.rope import apply_rope, rope_cos_sin
 from jaxddtree.model.drafter_config import DrafterConfig
-from jaxddtree.model.qwen35 import Qwen35
+from jaxddtree.model.qwen35 import Qwen35, per_layer_pure
 from jaxddtree.model.target import Target
 
 # ------------------------------------------------------------------------------------------- configs
@@ -373,7 +373,7 @@ def _to_np(x) -> np.ndarray:
 def target_hf_tensors(cfg: TextConfig, graphdef, treedef, params: dict) -> dict[str, np.ndarray]:
     """Our parameters -> HF `Qwen3_5ForCausalLM` (text-only) tensors (inverse of `hf_target._rules`: the
     fused projections are split back into their HF tensors, so saved checkpoints keep the HF layout)."""
-    pure = nnx.to_pure_dict(jax.tree.unflatten(treedef, dict_to_leaves(params)))
+    pure = per_layer_pure(cfg, nnx.to_pure_dict(jax.tree.unflatten(treedef, dict_to_leaves(params))))
     D = cfg.hidden_size
 
     def split_rows(w, names_rows):  # fused [D, ...] -> HF [rows, D] blocks in column order
