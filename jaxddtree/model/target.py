@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from typing import Any
 
 import jax
@@ -159,7 +160,7 @@ def pad_projection_columns(treedef, leaves: list, dtype, mesh=None) -> list:
     out = list(leaves)
     for i, path in enumerate(paths):
         x = out[i]
-        if ("['groups']" in path and "['mixer']['w_in']" in path and getattr(x, "ndim", 0) == 3
+        if ("['groups']" in path and re.search(r"\['mixer'\]\['w_in'\](\.value)?$", path) and getattr(x, "ndim", 0) == 3
                 and x.dtype == jnp.bfloat16 and x.shape[-1] % PAD_COLUMNS):
             pad = -x.shape[-1] % PAD_COLUMNS
             out[i] = jnp.pad(x, ((0, 0), (0, 0), (0, pad)))
