@@ -99,7 +99,11 @@ def test_bf16_load_casts_every_parameter(ckpts, zoo):
     t16 = load_target(ckpts["wrapper_sharded"], "bfloat16")
     assert all(x.dtype == jnp.bfloat16 for x in t16.leaves)
     for a, b in zip(t16.leaves, t32.leaves):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b.astype(jnp.bfloat16)))
+        a = np.asarray(a)
+        if a.shape != b.shape:  # bf16 stacked w_in: padded with zero columns (target.pad_projection_columns)
+            assert a.shape[:-1] == b.shape[:-1] and a.shape[-1] % 64 == 0 and not a[..., b.shape[-1]:].any()
+            a = a[..., :b.shape[-1]]
+        np.testing.assert_array_equal(a, np.asarray(b.astype(jnp.bfloat16)))
 
 
 def test_progress_bar(ckpts, zoo, capsys):

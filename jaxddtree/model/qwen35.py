@@ -81,12 +81,12 @@ class Qwen35(nnx.Module):
         x = self.embed[...][tokens]  # [B, T, D]
         p, G = len(self.groups), self.cfg.num_groups
         parts = [nnx.split(grp) for grp in self.groups]
-        # feature taps: after layer l = g·p + j, x goes to slot f of a buffer (nF: no tap at that group)
+        # feature taps: after layer l = g·p + j, x goes to slot f of a buffer (slot nF: the discard slot)
         nF = len(feature_layers)
         slots = {}
         for f, l in enumerate(feature_layers):
             slots.setdefault(l % p, np.full(G, nF, np.int32))[l // p] = f
-        feats0 = jnp.zeros((nF,) + x.shape, x.dtype) if nF else None
+        feats0 = jnp.zeros((nF + 1,) + x.shape, x.dtype) if nF else None
 
         def body(carry, g):
             x, caches, feats = carry
@@ -98,14 +98,12 @@ class Qwen35(nnx.Module):
                 out.append(caches[j] if c is entry else
                            jax.tree.map(lambda n: n.stacked, c, is_leaf=lambda n: isinstance(n, Layer)))
                 stashes.append(s)
-                if j in slots:  # written only at the groups with a tap (a skipped write costs no kernel)
-                    f = jnp.asarray(slots[j])[g]
-                    feats = jax.lax.cond(f < nF, lambda fs, x=x, f=f: jax.lax.dynamic_update_index_in_dim(fs, x, f, 0),
-                                         lambda fs: fs, feats)
+                if j in slots:  # (a group without a tap at j writes the discard slot: a lax.cond lost on the H200)
+                    feats = jax.lax.dynamic_update_index_in_dim(feats, x, jnp.asarray(slots[j])[g], 0)
             return (x, tuple(out), feats), (tuple(stashes) if layout.is_tree else None)
 
         (x, groups, feats), stashes = jax.lax.scan(body, (x, cache.groups, feats0), jnp.arange(G, dtype=jnp.int32))
-        features = jnp.concatenate(list(feats), axis=-1) if nF else None
+        features = jnp.concatenate(list(feats[:nF]), axis=-1) if nF else None
         length = cache.length if layout.is_tree else layout.start + layout.num_valid
         new_cache = ModelCache(groups=groups, length=length)
         out = None
