@@ -1,16 +1,14 @@
 #!/usr/bin/env python
 """Start-up benchmark (issue 40): how long until the model answers.
 
-    python benchmarks/bench_startup.py --layers 8,64            # CPU: first generate() call's time, tiny model
-    python benchmarks/bench_startup.py --random-27b --out FILE  # GPU: 27B shapes (random weights)
+    python benchmarks/bench_startup.py --layers 8,64 [--out FILE]   # first generate() call's time, tiny models
 
 --layers: tiny random targets (hidden 64, the 27B's repeating 3 GDN + 1 attention pattern) of each depth with a
 random drafter; for each method (ar, ddtree) the first `generate` call (compilation included: the programs are
 compiled once per model) and a second one (what remains: running), in one process without a persistent
 compilation cache. The goal is the depth ratio of the first call, 64 / 8 layers ≤ 1.25 (one scanned layer group,
 not every layer, is compiled).
---random-27b: the 27B shapes: the first `generate` call (ar, then ddtree at budget 64; compilation included) from a
-fresh process, with the compilation cache directory --compile-cache (empty: cold; run twice for warm).
+At 27B shapes, bench.py prints each program's first call with compilation ("AR step ... (8.3s with compilation)").
 """
 
 from __future__ import annotations
