@@ -89,6 +89,18 @@ def stack_layers(key, x, L: int, layer: int):
     return jax.random.normal(key, (L,) + x.shape).astype(x.dtype).at[layer].set(x)
 
 
+def stacked_slots(one, seed: int, V: int | None, layer: int, L: int = 3):
+    """Attention test inputs `one(seed)` (a tuple: q, k_cache, v_cache, ...) for V slots (stacked on a new axis; None:
+    one request) and their caches stacked over L layers with them at `layer` -> (args, k stack, v stack); with V the
+    stacks are [V, L, B, ...] (the slots' batched caches inside a scan over layers)."""
+    slots = [one(seed + v) for v in range(V or 1)]
+    args = tuple(jnp.stack(xs) for xs in zip(*slots)) if V else slots[0]
+    kc, vc = (stack_layers(jax.random.PRNGKey(seed + i), args[i], L, layer) for i in (1, 2))
+    if V:
+        kc, vc = kc.swapaxes(0, 1), vc.swapaxes(0, 1)
+    return args, kc, vc
+
+
 def assert_kernel_signature(kernel, reference) -> list[str]:
     """The Pallas kernel takes its jnp reference's parameters first, in order, and `interpret=False`; returns the
     reference's parameter names."""

@@ -49,6 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas import mgpu_kernel_hash
+from kernels_pallas.mgpu_epilogue import store_rows
 from kernels_pallas.numerics import sum_partials
 
 mgpu_kernel_hash.install()
@@ -176,16 +177,6 @@ def plan(M: int, K: int, N: int, block_out: int = 128, config: Config | None = N
                 smem=smem_bytes(Mc, cfg, scale_cols(nkb), 4 if split > 1 else 2))
 
 
-def _pow2_chunks(n: int) -> list[tuple[int, int]]:
-    """[(offset, size)] covering [0, n) with decreasing powers of two (the TMA stores of n real rows)."""
-    out, off = [], 0
-    for b in reversed(range(n.bit_length())):
-        if n >> b & 1:
-            out.append((off, 1 << b))
-            off += 1 << b
-    return out
-
-
 def _w8a8_fp8_wgmma(*refs, M: int, Mc: int, nr: int, bn: int, nb_per: int, kb: int, split: int, stages: int,
                     block_out: int, out_dtype, has_layer: bool):
     l_ref, xq_ref, sxt_ref, w_ref, sw_ref, o_ref, sw_smem, sw_bar = refs if has_layer else (None, *refs)
@@ -228,29 +219,7 @@ def _w8a8_fp8_wgmma(*refs, M: int, Mc: int, nr: int, bn: int, nb_per: int, kb: i
     dst = o_ref if split == 1 else o_ref.at[s]
     y = run.astype(out_dtype)
 
-    def epilogue(o_smem):
-        o_smem.T[...] = plgpu.layout_cast(y, plgpu.Layout.WGMMA_TRANSPOSED)
-        plgpu.commit_smem()
-        cols = pl.ds(j * bn, bn)
-        if nr == 1:
-            for off, size in _pow2_chunks(M):
-                plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(off, size)], dst.at[pl.ds(off, size), cols])
-        else:
-            # row tiles: whole tiles except the last, whose real rows are M - (nr - 1)·Mc
-            last = M - (nr - 1) * Mc
-
-            @pl.when(r < nr - 1)
-            def _full():
-                plgpu.copy_smem_to_gmem(o_smem, dst.at[pl.ds(r * Mc, Mc), cols])
-
-            @pl.when(r == nr - 1)
-            def _last():
-                for off, size in _pow2_chunks(last):
-                    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(off, size)],
-                                            dst.at[pl.ds((nr - 1) * Mc + off, size), cols])
-        plgpu.wait_smem_to_gmem(0)
-
-    pl.run_scoped(epilogue, plgpu.SMEM((Mc, bn), out_dtype))
+    store_rows(y, dst, j=j, r=r, bn=bn, M=M, Mc=Mc, nr=nr)
 
 
 SCALE_ALIGN = 32  # scale-row floats per 128 bytes: a TMA copy into shared memory moves a multiple of 128 bytes

@@ -9,7 +9,7 @@ import pytest
 
 from kernels_pallas import tree_attention as ta
 from kernels_pallas._common import lower_for_h200
-from kernels_pallas._testing import assert_kernel_signature, attention_inputs, check_attention, rel_err, stack_layers
+from kernels_pallas._testing import assert_kernel_signature, attention_inputs, check_attention, rel_err, stacked_slots
 
 
 def test_signature_matches_reference():
@@ -81,12 +81,7 @@ def _layer_args(seed, V=None):
     layers with them at layer 1 (V: V slots of them, the caches [V, L, B, ...])."""
     one = lambda s: attention_inputs(jax.random.PRNGKey(s), np.random.default_rng(s), 1, 5, 4, 2, 16, 40, 21 + s % 7,
                                      dtype=jnp.float32, n_pad=1)
-    slots = [one(seed + v) for v in range(V or 1)]
-    args = tuple(jnp.stack([a[i] for a in slots]) for i in range(7)) if V else slots[0]
-    kc, vc = (stack_layers(jax.random.PRNGKey(seed + i), args[i], 3, 1) for i in (1, 2))
-    if V:
-        kc, vc = kc.swapaxes(0, 1), vc.swapaxes(0, 1)
-    return args, kc, vc
+    return stacked_slots(one, seed, V, layer=1)
 
 
 def test_layer_reads_one_layer_of_the_stacked_caches():
