@@ -47,8 +47,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -59,15 +57,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernels_pallas import mgpu_kernel_hash
 from kernels_pallas._common import SMEM_LIMIT
 from kernels_pallas.dense import dense_reference
-from kernels_pallas.mgpu_epilogue import store_rows
-from kernels_pallas.numerics import sum_partials
+from kernels_pallas.swap_ab import MAX_ROW_TILE, launch, load_configs, rows_plan, store_rows, table_key
+from kernels_pallas.swap_ab import cdiv, round_up, split_for
 
 mgpu_kernel_hash.install()
 
 __all__ = ["Config", "dense_mgpu", "dense_mgpu_reference", "supports", "default_config", "smem_bytes", "plan",
            "rows_plan", "table_key", "MAX_ROW_TILE", "CONFIGS"]
 
-MAX_ROW_TILE = 256  # wgmma n ≤ 256
 SMEM_PER_SM = 233472  # the H200's shared memory per SM (228 KiB): two CTAs of ≤ 114 KiB share one
 N_SM = 132
 SWIZZLE = 128  # bytes: 64 bf16, the (8, 64) tiles of both operands
@@ -93,29 +90,6 @@ def dense_mgpu_reference(x, w, *, layer=None):
     return dense_reference(x, w, layer=layer)
 
 
-def _cdiv(a, b):
-    return -(-a // b)
-
-
-def _round_up(a, b):
-    return _cdiv(a, b) * b
-
-
-def _split_for(n: int, want: int) -> int:
-    """The largest divisor of n that is ≤ want."""
-    return max(d for d in range(1, min(n, max(1, want)) + 1) if n % d == 0)
-
-
-def rows_plan(M: int, row_tile: int | None = None) -> tuple[int, int]:
-    """(Mc, number of row tiles): Mc token rows per CTA (a multiple of 8)."""
-    if row_tile is None:
-        if M <= MAX_ROW_TILE:
-            return _round_up(M, 8), 1
-        row_tile = 128
-    assert row_tile % 8 == 0 and 8 <= row_tile <= MAX_ROW_TILE, row_tile
-    return row_tile, _cdiv(M, row_tile)
-
-
 def supports(M: int, K: int, N: int, dtype=jnp.bfloat16, w_dtype=jnp.bfloat16) -> str | None:
     """None when the kernel takes the problem, else why not (one line)."""
     if jnp.dtype(dtype) != jnp.bfloat16 or jnp.dtype(w_dtype) != jnp.bfloat16:
@@ -136,20 +110,8 @@ def smem_bytes(Mc: int, cfg: Config, out_bytes: int) -> int:
     return max(ring, Mc * cfg.block_n * out_bytes) + _SMEM_FIXED
 
 
-def _load_table() -> dict:
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dense_mgpu_configs.json")
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        return {key: Config(**c) for key, c in json.load(f).get("configs", {}).items()}
-
-
-# "Mc{row tile}:K{K}:N{N}" -> Config: the H200 sweep's winners (none measured yet: dense_mgpu_configs.json)
-CONFIGS: dict = _load_table()
-
-
-def table_key(M: int, K: int, N: int) -> str:
-    return f"Mc{rows_plan(M)[0]}:K{K}:N{N}"
+# "Mc{row tile}:K{K}:N{N}" -> Config: the H200 sweep's winners (benchmarks/bench_gemv.py --scan-mgpu --mgpu-sweep --table-out)
+CONFIGS: dict = load_configs("dense_mgpu_configs.json", Config)
 
 
 def _fits(cfg: Config, M: int, K: int, N: int) -> bool:
@@ -186,13 +148,13 @@ def default_config(M: int, K: int, N: int) -> Config:
     while N % bn:
         bn //= 2
     bk = 128
-    nsteps = _cdiv(K, bk)
+    nsteps = cdiv(K, bk)
     st = 4
     while st > 2 and smem_bytes(Mc, Config(bn, bk, 1, st), 4) > SMEM_LIMIT:
         st -= 1
     per_sm = max(1, SMEM_PER_SM // smem_bytes(Mc, Config(bn, bk, 1, st), 4))
     tiles = (N // bn) * nr
-    cands = sorted({_split_for(nsteps, s) for s in range(1, min(16, nsteps // 4) + 1)} | {1})
+    cands = sorted({split_for(nsteps, s) for s in range(1, min(16, nsteps // 4) + 1)} | {1})
     split = min(cands, key=lambda s: (_split_cost(M, K, N, tiles, s, per_sm), s))
     return Config(block_n=bn, block_k=bk, split_k=split, num_stages=st)
 
@@ -201,8 +163,8 @@ def plan(M: int, K: int, N: int, config: Config | None = None) -> dict:
     """The resolved launch of a call (for benchmarks / logs)."""
     cfg = config or default_config(M, K, N)
     Mc, nr = rows_plan(M, cfg.row_tile)
-    nsteps = _cdiv(K, cfg.block_k)
-    split = _split_for(nsteps, cfg.split_k)
+    nsteps = cdiv(K, cfg.block_k)
+    split = split_for(nsteps, cfg.split_k)
     stages = max(1, min(cfg.num_stages, nsteps // split))
     return dict(block_n=cfg.block_n, block_k=cfg.block_k, split_k=split, num_stages=stages, Mc=Mc, row_tiles=nr,
                 ctas=(N // cfg.block_n) * split * nr,
@@ -261,8 +223,8 @@ def dense_mgpu(x, w, *, layer=None, interpret=False, config: Config | None = Non
         raise ValueError(f"dense_mgpu: block_n {bn} must be a multiple of 64 (≤ 256) dividing N {N}, block_k "
                          f"{bk} a multiple of 64")
     Mc, nr = rows_plan(M, cfg.row_tile)
-    nsteps = _cdiv(K, bk)
-    split = _split_for(nsteps, cfg.split_k)
+    nsteps = cdiv(K, bk)
+    split = split_for(nsteps, cfg.split_k)
     n_per = nsteps // split
     stages = max(1, min(cfg.num_stages, n_per))
     out_dtype = x.dtype if split == 1 else jnp.float32
@@ -272,18 +234,7 @@ def dense_mgpu(x, w, *, layer=None, interpret=False, config: Config | None = Non
     kern = functools.partial(_dense_wgmma, M=M, Mc=Mc, nr=nr, bn=bn, bk=bk, n_per=n_per, split=split,
                              stages=stages, has_layer=layer is not None, out_dtype=out_dtype)
     if M % 8:  # the TMA's (8, 64) tiles need whole 8-row groups of x in memory; rows past them are zero-filled
-        x2 = jnp.pad(x2, ((0, _round_up(M, 8) - M), (0, 0)))
+        x2 = jnp.pad(x2, ((0, round_up(M, 8) - M), (0, 0)))
     args = (x2, w) if layer is None else (jnp.asarray(layer, jnp.int32).reshape(1), x2, w)
-    out_shape = (M, N) if split == 1 else (split, M, N)
-    y = plgpu.kernel(
-        kern,
-        out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
-        grid=(nr, N // bn, split),
-        grid_names=("r", "n", "s"),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams)
-                   else plgpu.InterpretGPUParams() if interpret else None),
-    )(*args)
-    if split > 1:
-        y = sum_partials(y, x.dtype)
+    y = launch(kern, args, M=M, N=N, bn=bn, nr=nr, split=split, out_dtype=x.dtype, interpret=interpret)
     return y.reshape(*lead, N)

@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -49,8 +47,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas import mgpu_kernel_hash
-from kernels_pallas.mgpu_epilogue import store_rows
-from kernels_pallas.numerics import sum_partials
+from kernels_pallas.swap_ab import MAX_ROW_TILE, launch, load_configs, rows_plan, store_rows, table_key
+from kernels_pallas.swap_ab import cdiv, round_up, split_for
 
 mgpu_kernel_hash.install()
 
@@ -59,7 +57,6 @@ __all__ = ["Config", "w8a8_mgpu", "supports", "default_config", "smem_bytes", "p
 
 FP8 = jnp.float8_e4m3fn
 BLOCK_IN = 128  # the kernel's input block: one 128-byte swizzle atom of fp8 (the checkpoints' block)
-MAX_ROW_TILE = 256  # wgmma n ≤ 256
 SMEM_LIMIT = 232448  # the H200's opt-in shared memory per block (227 KiB)
 N_SM = 132
 
@@ -77,29 +74,6 @@ class Config:
     num_stages: int = 6
     row_tile: int | None = None
     k_per_step: int = 1
-
-
-def _cdiv(a, b):
-    return -(-a // b)
-
-
-def _round_up(a, b):
-    return _cdiv(a, b) * b
-
-
-def _split_for(nkb: int, want: int) -> int:
-    """The largest divisor of nkb that is ≤ want."""
-    return max(d for d in range(1, min(nkb, max(1, want)) + 1) if nkb % d == 0)
-
-
-def rows_plan(M: int, row_tile: int | None = None) -> tuple[int, int]:
-    """(Mc, number of row tiles): Mc token rows per CTA (a multiple of 8)."""
-    if row_tile is None:
-        if M <= MAX_ROW_TILE:
-            return _round_up(M, 8), 1
-        row_tile = 128
-    assert row_tile % 8 == 0 and 8 <= row_tile <= MAX_ROW_TILE, row_tile
-    return row_tile, _cdiv(M, row_tile)
 
 
 def supports(M: int, K: int, N: int, block_in: int, block_out: int) -> str | None:
@@ -121,23 +95,11 @@ def smem_bytes(Mc: int, cfg: Config, nbp: int, out_bytes: int) -> int:
     """Shared memory of one CTA: the ring (weight tile, token tile, activation-scale row per stage), the
     weight-scale row, the epilogue tile, barriers."""
     ring = cfg.num_stages * cfg.k_per_step * (cfg.block_n * BLOCK_IN + Mc * BLOCK_IN + 4 * sx_width(Mc))
-    return ring + _round_up(nbp * 4, 128) + Mc * cfg.block_n * out_bytes + 1024 + 16 * cfg.num_stages
-
-
-def _load_table() -> dict:
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "w8a8_mgpu_configs.json")
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        return {key: Config(**c) for key, c in json.load(f).get("configs", {}).items()}
+    return ring + round_up(nbp * 4, 128) + Mc * cfg.block_n * out_bytes + 1024 + 16 * cfg.num_stages
 
 
 # "Mc{row tile}:K{K}:N{N}" -> Config: the H200 sweep's winners (benchmarks/bench_gemv_fp8.py --table-out)
-CONFIGS: dict = _load_table()
-
-
-def table_key(M: int, K: int, N: int) -> str:
-    return f"Mc{rows_plan(M)[0]}:K{K}:N{N}"
+CONFIGS: dict = load_configs("w8a8_mgpu_configs.json", Config)
 
 
 def default_config(M: int, K: int, N: int, block_out: int = 128) -> Config:
@@ -151,12 +113,12 @@ def default_config(M: int, K: int, N: int, block_out: int = 128) -> Config:
     bn = 128 if Mc <= 64 else 64
     while bn > 64 and (block_out % bn or N % bn):
         bn //= 2
-    nkb = _cdiv(K, BLOCK_IN)
+    nkb = cdiv(K, BLOCK_IN)
     tiles = (N // bn) * nr
     want = 1
     while tiles * want < 1.5 * N_SM and want * 2 <= nkb // 4:
         want *= 2
-    split = _split_for(nkb, want)
+    split = split_for(nkb, want)
     out_bytes = 4
     nbp = scale_cols(nkb)
     st = 4  # the H200 sweep (2026-12-03): 4 stages beat 5-12 at 65 rows (more CTAs per SM), tied at 1
@@ -169,10 +131,10 @@ def plan(M: int, K: int, N: int, block_out: int = 128, config: Config | None = N
     """The resolved launch of a call (for benchmarks / logs)."""
     cfg = config or default_config(M, K, N, block_out)
     Mc, nr = rows_plan(M, cfg.row_tile)
-    nkb = _cdiv(K, BLOCK_IN)
-    split = _split_for(nkb, cfg.split_k)
+    nkb = cdiv(K, BLOCK_IN)
+    split = split_for(nkb, cfg.split_k)
     return dict(block_n=cfg.block_n, split_k=split, num_stages=cfg.num_stages, Mc=Mc, row_tiles=nr,
-                k_per_step=_split_for(nkb // split, cfg.k_per_step),
+                k_per_step=split_for(nkb // split, cfg.k_per_step),
                 ctas=(N // cfg.block_n) * split * nr,
                 smem=smem_bytes(Mc, cfg, scale_cols(nkb), 4 if split > 1 else 2))
 
@@ -227,20 +189,20 @@ SCALE_ALIGN = 32  # scale-row floats per 128 bytes: a TMA copy into shared memor
 
 def scale_cols(nkb: int) -> int:
     """Columns of a weight-scale grid as the kernel reads it: the input blocks, padded to 128-byte rows."""
-    return _round_up(nkb, SCALE_ALIGN)
+    return round_up(nkb, SCALE_ALIGN)
 
 
 def pad_scale(scale):
     """scale [..., Nb, ≥ nb] fp32 -> [..., Nb, scale_cols(...)] (zero columns appended; none, and no copy, when
     already padded, as the model stores its FP8 weights: a stacked scale [L, Nb, C] is then read in place)."""
     sw = scale.astype(jnp.float32)
-    cols = _round_up(sw.shape[-1], SCALE_ALIGN)
+    cols = round_up(sw.shape[-1], SCALE_ALIGN)
     return sw if cols == sw.shape[-1] else jnp.pad(sw, ((0, 0),) * (sw.ndim - 1) + ((0, cols - sw.shape[-1]),))
 
 
 def sx_width(Mc: int) -> int:
     """Floats per row tile in the transposed activation scales: Mc padded to 128 bytes (a TMA copy's unit)."""
-    return _round_up(Mc, SCALE_ALIGN)
+    return round_up(Mc, SCALE_ALIGN)
 
 
 def act_quant_t(x, Mc: int, nr: int):
@@ -272,8 +234,8 @@ def w8a8_mgpu(x, w, scale, *, layer=None, block_in: int = 128, block_out: int = 
     assert w.shape[-1] == K and w.dtype == FP8 and w.ndim == scale.ndim == nd, (x.shape, w.shape, w.dtype,
                                                                                  scale.shape, layer)
     assert x.dtype in (jnp.bfloat16, jnp.float32), x.dtype
-    nkb = _cdiv(K, block_in)
-    assert scale.shape[-2] == _cdiv(N, block_out) and scale.shape[-1] >= nkb, (scale.shape, N, K, block_in,
+    nkb = cdiv(K, block_in)
+    assert scale.shape[-2] == cdiv(N, block_out) and scale.shape[-1] >= nkb, (scale.shape, N, K, block_in,
                                                                                  block_out)
     why = supports(M, K, N, block_in, block_out)
     if why:
@@ -284,9 +246,9 @@ def w8a8_mgpu(x, w, scale, *, layer=None, block_in: int = 128, block_out: int = 
         raise ValueError(f"w8a8_mgpu: block_n {bn} must be a multiple of 64 (≤ 256) dividing block_out "
                          f"{block_out} and N {N}")
     Mc, nr = rows_plan(M, cfg.row_tile)
-    split = _split_for(nkb, cfg.split_k)
+    split = split_for(nkb, cfg.split_k)
     nb_per = nkb // split
-    kb = _split_for(nb_per, cfg.k_per_step)
+    kb = split_for(nb_per, cfg.k_per_step)
     stages = max(1, min(cfg.num_stages, nb_per // kb))
     out_dtype = x.dtype if split == 1 else jnp.float32
     sw = pad_scale(scale)
@@ -301,17 +263,6 @@ def w8a8_mgpu(x, w, scale, *, layer=None, block_in: int = 128, block_out: int = 
     args = (xq, sxt, w, sw)
     if layer is not None:
         args = (jnp.asarray(layer, jnp.int32).reshape(1), *args)
-    out_shape = (M, N) if split == 1 else (split, M, N)
-    y = plgpu.kernel(
-        kern,
-        out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
-        scratch_types=[plgpu.SMEM((1, nbp), jnp.float32), plgpu.Barrier()],
-        grid=(nr, N // bn, split),
-        grid_names=("r", "n", "s"),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams)
-                   else plgpu.InterpretGPUParams() if interpret else None),
-    )(*args)
-    if split > 1:
-        y = sum_partials(y, x.dtype)
+    y = launch(kern, args, M=M, N=N, bn=bn, nr=nr, split=split, out_dtype=x.dtype, interpret=interpret,
+               scratch_types=[plgpu.SMEM((1, nbp), jnp.float32), plgpu.Barrier()])
     return y.reshape(*lead, N)
