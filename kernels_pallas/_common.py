@@ -125,7 +125,7 @@ def pipeline_buffers(num_stages: int, async_mma: bool) -> int:
     """Copies Triton's software pipeliner keeps of each tile a loop loads: one per stage it loads ahead
     (num_stages - 1), one more while an asynchronous wgmma may still read the current one (a tensor-core dot
     (bf16, tf32) of >= 64 rows accumulating over the loop); at least one (the staging copy of a dot operand).
-    Checked against Triton's own allocation (tests/kernels/test_shared_memory.py)."""
+    Checked against Triton's own allocation (tests/kernel_tests/test_shared_memory.py)."""
     return max(1, num_stages - 1 + int(async_mma))
 
 

@@ -1,4 +1,4 @@
-"""Random, realistic inputs for the kernel tests (tests/kernels) and benchmarks/bench_kernels.py (never zeros)."""
+"""Random, realistic inputs for the kernel tests (tests/kernel_tests) and benchmarks/bench_kernels.py (never zeros)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ cache), so this is per program.
 `install()` wraps `jax.experimental.mosaic.gpu.core._mosaic_gpu_lowering_rule` (the function Pallas' Mosaic GPU
 `pallas_call` lowering calls) so that the basename loses its counter before the module is hashed: identical kernels
 then have identical modules and hashes. Nothing else in the module changes (the counter was the only difference
-between two lowerings; tests/kernels/mgpu check the hashes, and `benchmarks/decode_hlo.py --hashes` hashes the
+between two lowerings; tests/kernel_tests/mgpu check the hashes, and `benchmarks/decode_hlo.py --hashes` hashes the
 lowered text as it is).
 A jax without that function or attribute is left as it is.
 """

@@ -1,5 +1,5 @@
 """A torch (fp32) emulation of transformers' FP8 forward for `activation_scheme: "dynamic"` checkpoints: the
-reference the W8A8 tests compare jaxddtree with (tests/kernels/test_w8a8.py, tests/test_fp8.py).
+reference the W8A8 tests compare jaxddtree with (tests/kernel_tests/test_w8a8.py, tests/test_fp8.py).
 
 transformers' `FP8Linear.forward` (integrations/finegrained_fp8.py, 5.x) runs `fp8_linear` -> DeepGEMM or the
 kernels-community `finegrained-fp8` Triton kernel `w8a8_block_dynamic_fp8_matmul_kernel`; per 128-wide (block

@@ -11,7 +11,7 @@ import pytest
 from kernels_pallas import gdn_tree
 from kernels_pallas._common import lower_for_h200
 from kernels_pallas._testing import gdn_inputs, random_tree_mask, rel_err
-from tests.kernels.test_gdn_tree import TOL, _structs
+from tests.kernel_tests.test_gdn_tree import TOL, _structs
 
 
 def _slots(S, N, Hk=2, Hv=4, d=16, n_pad=2, seed=0):

@@ -1,7 +1,7 @@
 """W8A8 block FP8 (kernels_pallas.w8a8): the jnp reference vs a torch emulation of transformers' FP8 forward,
 the Pallas-Triton kernel vs the reference (interpret mode, fresh random inputs), the ops dispatch (`ops.pick`),
 the configs, and the CUDA lowering for an abstract H200 at the 27B shapes. Weights [N, K] (the checkpoint's
-layout), scales [N blocks, K blocks]. The Mosaic GPU kernel: tests/kernels/mgpu/test_w8a8_mgpu.py."""
+layout), scales [N blocks, K blocks]. The Mosaic GPU kernel: tests/kernel_tests/mgpu/test_w8a8_mgpu.py."""
 
 import functools
 import importlib.util
