@@ -268,9 +268,19 @@ class Layer:
         raise TypeError("Layer supports only [...]; get() its slice first")
 
 
-def _plain(w):
-    """w as a plain array: a Layer's slice (XLA's einsum, the references), anything else itself."""
+def plain(w):
+    """w as a plain array: a Layer's slice (XLA's einsum, the references, XLA ops that fuse the dynamic slice into
+    their consumer), anything else itself."""
     return w.get() if isinstance(w, Layer) else w
+
+
+def stack_at(w, layer):
+    """A parameter as a kernel that reads it at `layer` takes it: a Layer view at that layer -> its whole stack
+    (read in place: XLA copies a slice that feeds a custom call); with no layer (an unscanned call) or another
+    index, `plain(w)`."""
+    if isinstance(w, Layer) and layer is not None and w.index is layer:
+        return w.stacked
+    return plain(w)
 
 
 def _gemv_weight(w, K: int) -> tuple[jax.Array, dict]:
@@ -500,7 +510,7 @@ def _project(spec: str, x, w, kernels: str, norm, gate, residual, partial: bool 
         if gate is not None:
             x = rounded(f32(x) * f32(gate), x.dtype)
         prec = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-        y = jnp.einsum(spec, x, _plain(w).astype(x.dtype), precision=prec,
+        y = jnp.einsum(spec, x, plain(w).astype(x.dtype), precision=prec,
                        preferred_element_type=jnp.float32 if partial else x.dtype)
         if choice.materialise:
             y = jax.lax.optimization_barrier(y)
@@ -547,6 +557,6 @@ def _w8a8(spec: str, x, q, fp8: Fp8, kernels: str):
     y = y.astype(jnp.float32)
     lead = x.shape[:x.ndim - nc]
     if fp8.tail is not None:
-        y = jnp.concatenate([y, jnp.dot(x2, _plain(fp8.tail).astype(x.dtype), preferred_element_type=jnp.float32)],
+        y = jnp.concatenate([y, jnp.dot(x2, plain(fp8.tail).astype(x.dtype), preferred_element_type=jnp.float32)],
                             axis=-1)
     return y.reshape(lead + tuple(fp8.shape[nc:]))

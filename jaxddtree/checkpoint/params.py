@@ -24,9 +24,7 @@ def _get_path(state, path: tuple):
 
 
 def _set_path(state, path: tuple, value):
-    node = state
-    for key in path[:-1]:
-        node = node[key]
+    node = _get_path(state, path[:-1])
     leaf = node[path[-1]]
     if tuple(leaf.shape) != tuple(value.shape):
         raise CheckpointError(f"parameter {'.'.join(map(str, path))}: got shape {tuple(value.shape)}, "

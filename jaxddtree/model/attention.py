@@ -22,22 +22,6 @@ from jaxddtree.model.norms import rms_norm_1p
 from jaxddtree.model.rope import apply_rope, rope_cos_sin
 
 
-def _plain(w):
-    """A parameter as a plain array: a scanned layer's view (`ops.Layer`) as its slice (XLA fuses the dynamic
-    slice into the consumer fusion), anything else itself."""
-    return w.get() if isinstance(w, ops.Layer) else w
-
-
-def _decode_norm(w, li):
-    """A q / k norm for `ops.attention_decode_prep`: a scanned layer's view as its whole stack [L, hd] when the
-    caches come stacked too (li: their layer index, the view's own: `layer_view` gives both at the layer group's
-    index), read at row li inside the kernel (a slice fed to the custom call would be a copy kernel of its own);
-    else the plain [hd]."""
-    if isinstance(w, ops.Layer):
-        return w.stacked if li is not None else w.get()
-    return w
-
-
 @struct.dataclass
 class AttentionStash:
     k: jax.Array  # [B, N, Hkv, hd]
@@ -62,8 +46,8 @@ class Attention(nnx.Module):
         qg, k, v = jnp.split(qkv, [h * 2 * hd, (h * 2 + hkv) * hd], axis=-1)
         qg = qg.reshape(B, T, h, 2 * hd)
         q, gate = qg[..., :hd], qg[..., hd:]
-        q = rms_norm_1p(q, _plain(self.q_norm[...]), cfg.rms_norm_eps)
-        k = rms_norm_1p(k.reshape(B, T, hkv, hd), _plain(self.k_norm[...]), cfg.rms_norm_eps)
+        q = rms_norm_1p(q, ops.plain(self.q_norm[...]), cfg.rms_norm_eps)
+        k = rms_norm_1p(k.reshape(B, T, hkv, hd), ops.plain(self.k_norm[...]), cfg.rms_norm_eps)
         v = v.reshape(B, T, hkv, hd)  # [B,T,Hkv,hd]
         cos, sin = rope_cos_sin(layout.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
@@ -84,7 +68,7 @@ class Attention(nnx.Module):
         qkv = decode_row(x, self.w_qkv[...], layout.kernels, norm=norm)
         cos, sin = rope_cos_sin(layout.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)  # [B,1,rd]
         (kc, li), (vc, _) = unstack(cache.k), unstack(cache.v)  # a scanned layer: the stacks + its index
-        qn, kn = _decode_norm(self.q_norm[...], li), _decode_norm(self.k_norm[...], li)  # stacked: read in the kernel
+        qn, kn = ops.stack_at(self.q_norm[...], li), ops.stack_at(self.k_norm[...], li)  # stacked: read in the kernel
         q, sgate, k, v, kc, vc = ops.attention_decode_prep(
             qkv, qn, kn, cos[:, 0], sin[:, 0], kc, vc, layout.start, layout.kernels, num_heads=h,
             num_kv_heads=hkv, head_dim=hd, eps=cfg.rms_norm_eps, layer=li)

@@ -64,14 +64,6 @@ class ModelCache:
         p = len(self.groups)
         return tuple(jax.tree.map(lambda a: a[i // p], self.groups[i % p]) for i in range(self.num_layers))
 
-    @classmethod
-    def from_layers(cls, layers, length) -> "ModelCache":
-        """The cache of per-layer entries `layers` (in layer order; a repeating pattern of period p), stacked."""
-        from jaxddtree.model.config import layer_period
-        p = layer_period([type(c).__name__ for c in layers])
-        return cls(groups=tuple(jax.tree.map(lambda *xs: jnp.stack(xs), *layers[j::p]) for j in range(p)),
-                   length=length)
-
 
 def init_cache(cfg: TextConfig, max_len: int, dtype=jnp.bfloat16, batch: int = 1) -> ModelCache:
     """Zeroed caches for `max_len` positions (include slack for the widest verify/prefill block)."""

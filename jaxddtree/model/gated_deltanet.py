@@ -46,21 +46,6 @@ def in_proj_split(cfg: TextConfig) -> tuple[int, int, int]:
     return z0, b0, b0 + cfg.linear_num_value_heads
 
 
-def _plain(p):
-    """A small parameter as the layer's array: a layer view (`ops.Layer`, inside the model's scan) sliced (XLA fuses
-    the dynamic slice into its consumer), a per-layer array itself."""
-    return p.get() if isinstance(p, ops.Layer) else p
-
-
-def _for_kernel(p, li):
-    """A small parameter as the fused decode kernel takes it, with the caches' layer li: a layer view at that
-    layer -> its whole stack (read at li inside the kernel: XLA copies any slice that feeds a custom call), else
-    the layer's array."""
-    if isinstance(p, ops.Layer) and li is not None and p.index is li:
-        return p.stacked
-    return _plain(p)
-
-
 class GatedDeltaNet(nnx.Module):
     def __init__(self, cfg: TextConfig, dtype, rngs: nnx.Rngs):
         d, hv, dv = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_value_head_dim
@@ -90,7 +75,7 @@ class GatedDeltaNet(nnx.Module):
         if not layout.is_tree and T == 1:  # decode step (one real token): conv ... gated norm in one op
             # [B, C], or the Pallas GEMV's split-K partials [S, B, C], unsummed into the fused op
             proj = decode_row(x, w_in, layout.kernels, norm=norm)
-            small = (_for_kernel(p[...], li) for p in (self.conv, self.A_log, self.dt_bias, self.norm))
+            small = (ops.stack_at(p[...], li) for p in (self.conv, self.A_log, self.dt_bias, self.norm))
             o, conv, state = ops.gdn_decode_fused(  # (the small parameters: stacks too, read at li)
                 proj, conv_c, *small, rec, layout.kernels, num_k_heads=hk, num_v_heads=hv, head_k_dim=dk,
                 head_v_dim=dv, conv_kernel=cfg.linear_conv_kernel_dim, eps=cfg.rms_norm_eps, layer=li)  # o [B,Hv,dv]
@@ -103,15 +88,15 @@ class GatedDeltaNet(nnx.Module):
         z = z.reshape(B, T, hv, dv)  # b, a: [B,T,Hv]
 
         conv_l = conv_c if li is None else jax.lax.dynamic_index_in_dim(conv_c, li, keepdims=False)  # small
-        xc = tree_conv(conv_l, xin, layout.conv_src if layout.is_tree else None, _plain(self.conv[...]))
+        xc = tree_conv(conv_l, xin, layout.conv_src if layout.is_tree else None, ops.plain(self.conv[...]))
         q, k, v = jnp.split(xc, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
         q = l2norm(q.reshape(B, T, hk, dk).astype(jnp.float32)) * dk ** -0.5
         k = l2norm(k.reshape(B, T, hk, dk).astype(jnp.float32))
         v = v.reshape(B, T, hv, dv).astype(jnp.float32)
         # transformers: `beta = b.sigmoid()` in the activations' dtype (fp32 math, rounded), fp32 in the rule
         beta = f32(rounded(sigmoid32(b), x.dtype))
-        g = -jnp.exp(_plain(self.A_log[...]).astype(jnp.float32)) * softplus_torch(
-            a.astype(jnp.float32) + _plain(self.dt_bias[...]).astype(jnp.float32))
+        g = -jnp.exp(ops.plain(self.A_log[...]).astype(jnp.float32)) * softplus_torch(
+            a.astype(jnp.float32) + ops.plain(self.dt_bias[...]).astype(jnp.float32))
 
         stash = None
         if layout.is_tree:
@@ -128,6 +113,6 @@ class GatedDeltaNet(nnx.Module):
                 conv = jax.lax.dynamic_update_index_in_dim(conv_c, conv, li, 0)
             new_cache = GDNState(conv=restack(conv, li), recurrent=restack(state, li))
 
-        o = gated_rms_norm(rounded(o, x.dtype), z, _plain(self.norm[...]), cfg.rms_norm_eps)  # [B,T,Hv,dv]
+        o = gated_rms_norm(rounded(o, x.dtype), z, ops.plain(self.norm[...]), cfg.rms_norm_eps)  # [B,T,Hv,dv]
         out = dense("bthe,hed->btd", o, self.w_out[...], layout.kernels, residual=residual, reduce=cfg.tp_axis)
         return out, new_cache, stash

@@ -16,13 +16,13 @@ from flax import nnx
 
 from jaxddtree.model.attention import Attention
 from jaxddtree.model.cache import ModelCache
-from kernels_pallas.ops import Layer
 from jaxddtree.model.config import ATTENTION, TextConfig
 from jaxddtree.model.gated_deltanet import GatedDeltaNet
 from jaxddtree.model.layout import TokenLayout
 from jaxddtree.model.linear import dense, init_weight
 from jaxddtree.model.mlp import MLP
 from jaxddtree.model.norms import RMSNorm
+from kernels_pallas.ops import Layer
 
 
 class DecoderLayer(nnx.Module):

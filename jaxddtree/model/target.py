@@ -148,8 +148,8 @@ PAD_COLUMNS = 64  # bf16 stacked projections are stored with their output column
 
 def pad_projection_columns(treedef, leaves: list, dtype, mesh=None) -> list:
     """`leaves` with the bf16 stacked GDN input projections (`w_in` [G, D, C], C = conv_dim + Hv·dv + 2·Hv: 16480
-    at 27B) padded with zero columns to a multiple of PAD_COLUMNS (16512): the bf16 wgmma GEMM of the verify and
-    prefill passes (kernels_pallas/dense_mgpu.py) streams whole 64-column tiles of a stacked weight it reads in place
+    at 27B) padded with zero columns to a multiple of PAD_COLUMNS (16512): the bf16 wgmma GEMM of the verify
+    (kernels_pallas/dense_mgpu.py) streams whole 64-column tiles of a stacked weight it reads in place
     (its TMA descriptor covers the whole array), and the GDN layer ignores the extra columns of its projection
     (0.2 % more bytes). Unchanged: other dtypes (FP8 weights keep b | a as their plain tail), tensor-parallel
     targets, already padded leaves."""
