@@ -2,22 +2,30 @@
 """Start-up benchmark (issue 40): how long until the model answers.
 
     python benchmarks/bench_startup.py --layers 8,64 [--out FILE]   # first generate() call's time, tiny models
+    python benchmarks/bench_startup.py --random-27b --compile-cache DIR [--out FILE]   # GPU: generate.py's path
 
 --layers: tiny random targets (hidden 64, the 27B's repeating 3 GDN + 1 attention pattern) of each depth with a
 random drafter; for each method (ar, ddtree) the first `generate` call (compilation included: the programs are
 compiled once per model) and a second one (what remains: running), in one process without a persistent
 compilation cache. The goal is the depth ratio of the first call, 64 / 8 layers ≤ 1.25 (one scanned layer group,
 not every layer, is compiled).
+--random-27b: scripts/generate.py's path at 27B shapes (random bf16 weights made on the device instead of a
+checkpoint read: the load is not timed), from this process's start: imports, the pair, generate.py's warm-up
+call (the same programs: every token a stop id) and its real call (ddtree, --budget auto, a 64-token prompt,
+loop "host"), up to the first token streamed; with an empty --compile-cache DIR it is the cold start.
 At 27B shapes, bench.py prints each program's first call with compilation ("AR step ... (8.3s with compilation)").
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
 import time
+
+T_START = time.perf_counter()  # (before the imports: they are part of the start)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -54,11 +62,54 @@ def first_calls(target, drafter, prompt_len=40, new=24):
     return out
 
 
+def random_27b_first_token(cache_dir: str | None, smoke: bool = False, prompt_len: int = 64, new: int = 32) -> dict:
+    """generate.py's start at 27B shapes (module docstring) -> seconds from the process start per stage."""
+    import numpy as np
+    from jaxddtree import compile_cache
+    import jaxddtree as jd
+    from jaxddtree.model.prefill import warmup_length
+    from jaxddtree.speculative.loop import cache_positions
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench
+
+    out = {"imports_s": time.perf_counter() - T_START}
+    out["compile_cache"] = compile_cache.enable(cache_dir if cache_dir is not None else "none", "bench_startup.py")
+    target, drafter = bench.random_pair(smoke)
+    import jax
+    jax.block_until_ready(jax.tree.leaves(target.leaves)[:1])
+    out["pair_s"] = time.perf_counter() - T_START
+    ids = np.random.default_rng(0).integers(target.config.vocab_size // 4, target.config.vocab_size, prompt_len)
+    cache_len = cache_positions(target, drafter, "ddtree", "auto", len(ids), new)
+    kw = dict(drafter=drafter, method="ddtree", max_new_tokens=new, tree_budget="auto", loop="host",
+              cache_len=cache_len)
+    jd.generate(target, ids[:warmup_length(len(ids))], **kw, stop_ids=range(target.config.vocab_size))
+    out["warmup_done_s"] = time.perf_counter() - T_START
+    first = []
+    g = jd.generate(target, ids, **kw, on_tokens=lambda t: first or first.append(time.perf_counter() - T_START))
+    out["first_token_s"] = first[0]
+    out["done_s"] = time.perf_counter() - T_START
+    out["tokens"] = len(g.tokens)
+    return {k: round(v, 2) if isinstance(v, float) else v for k, v in out.items()}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", default="8,64", help="tiny model depths (CPU mode)")
     p.add_argument("--out", default=None, help="write the results JSON here")
+    p.add_argument("--random-27b", action="store_true", help="generate.py's start at 27B shapes (GPU)")
+    p.add_argument("--compile-cache", default=None, metavar="DIR", help="--random-27b: the persistent compilation "
+                   "cache (an empty directory: a cold start; default: none)")
+    p.add_argument("--smoke", action="store_true", help="--random-27b at bench.py's tiny shapes (checks the script)")
     args = p.parse_args(argv)
+    if args.random_27b:
+        res = random_27b_first_token(args.compile_cache, args.smoke)
+        import jax
+        res.update(date=time.strftime("%Y-%m-%d"), device=jax.devices()[0].device_kind)
+        print(json.dumps(res), flush=True)
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump(res, fh, indent=1)
+        return 0
     import jax
     res = {"date": time.strftime("%Y-%m-%d"), "device": jax.devices()[0].device_kind, "depths": {}}
     for n in [int(x) for x in args.layers.split(",")]:

@@ -25,13 +25,13 @@ def pair():
     return builtin.load("float32")
 
 
-def _prefill(pair, ids, start=None, on_chunk=None, grid=0):
+def _prefill(pair, ids, start=None, on_chunk=None, grid=0, chunk=64):
     """(start state, last chunk's logits) of loop.Prefill (chunks of 64)."""
     from jaxddtree.speculative import loop as L
 
     t, d = pair.target, pair.drafter
     plan = L.make_plan(t, d.config, "ddtree", 16)
-    p = L.Prefill(t, d, plan, np.asarray(ids), 64, S, S, seed=0, stop_mask=np.zeros(t.config.vocab_size, bool),
+    p = L.Prefill(t, d, plan, np.asarray(ids), chunk, S, S, seed=0, stop_mask=np.zeros(t.config.vocab_size, bool),
                   temperature=0.0, max_new=4, start=start, grid=grid, on_chunk=on_chunk)
     logits = None
     while not p.advance():
@@ -62,10 +62,10 @@ def test_resumed_prefill_reaches_the_cold_state(pair, cut, want_p, exact):
     assert sorted(s.p for s in pc.snapshots()) == [256, 300]
     hit = pc.lookup(Q)
     assert hit.p == want_p
-    before = [np.asarray(x).copy() for x in jax.tree.leaves((hit.gdn, hit.tail, [b.kv for b in hit.blocks]))]
-    warm, lw = _prefill(pair, Q, start=pc.build(hit, S), on_chunk=pc.recorder(Q, hit), grid=256)
+    before = [np.asarray(x).copy() for x in jax.tree.leaves(pc.arrays(hit))]
+    warm, lw = _prefill(pair, Q, start=pc.build(hit, S), on_chunk=pc.recorder(Q), grid=256)
     cold, lc = _prefill(pair, Q, grid=256)
-    after = jax.tree.leaves((hit.gdn, hit.tail, [b.kv for b in hit.blocks]))
+    after = jax.tree.leaves(pc.arrays(hit))
     assert all(np.array_equal(x, np.asarray(y)) for x, y in zip(before, after))  # copy-on-write
     assert int(warm.cache.length) == int(cold.cache.length) == len(Q) == int(warm.dcache.length)
     d_state, d_logits = _diff(warm, cold, len(Q)), float(jnp.max(jnp.abs(lw - lc)))
@@ -96,9 +96,10 @@ def test_lookup_never_takes_the_whole_prompt_and_evicts_lru(pair):
 
 
 def _gdn(cache):
+    """The GDN states stacked per group position ([G, B, ...]), as a snapshot keeps them."""
     from jaxddtree.model.cache import GDNState
 
-    return [x for c in cache.layers if isinstance(c, GDNState) for x in (c.conv, c.recurrent)]
+    return [x for c in cache.groups if isinstance(c, GDNState) for x in (c.conv, c.recurrent)]
 
 
 def test_remembered_request_end_reaches_the_cold_state(pair):
@@ -130,7 +131,9 @@ def test_remembered_request_end_reaches_the_cold_state(pair):
     assert pool.remember(PC, min_hit=len(P)) is None  # kept already
     # the snapshot holds what a cold prefill of prompt + completion computes (GDN states, attention + drafter KV)
     cold_pc, _ = _prefill(pair, PC)
-    d_gdn = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip([x for g in end.gdn for x in g], _gdn(cold_pc.cache)))
+    kept, cold_gdn = pc.arrays(end)["gdn"], _gdn(cold_pc.cache)
+    assert len(kept) == len(cold_gdn) and all(a.shape == b.shape for a, b in zip(kept, cold_gdn))
+    d_gdn = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(kept, cold_gdn))
     assert d_gdn < 2e-5, d_gdn
     built = pc.build(end, S)
     rows = [(x[..., :len(PC), :], y[..., :len(PC), :])
@@ -145,7 +148,7 @@ def test_remembered_request_end_reaches_the_cold_state(pair):
     assert _diff(warm, cold, len(Q)) < 2e-5 and float(jnp.max(jnp.abs(lw - lc))) < 2e-5
     assert int(warm.root[0]) == int(cold.root[0])
     # (the comparison catches a wrong GDN restore: the prompt end's states in place of the completion end's)
-    bad = dataclasses.replace(end, gdn=next(s for s in pc.snapshots() if s.p == len(P)).gdn)
+    bad = dataclasses.replace(end, state=next(s for s in pc.snapshots() if s.p == len(P)).state)
     wrong, _ = _prefill(pair, Q, start=pc.build(bad, S))
     assert _diff(wrong, cold, len(Q)) > 1e-3
 
@@ -172,3 +175,69 @@ def test_generate_with_a_prefix_cache(pair):
     assert sorted(s.p for s in pc.snapshots()) == [len(P), len(Q)]
     with pytest.raises(ValueError, match="another model"):
         jaxddtree.generate(t, Q, prefix_cache=PrefixCache(t, None, 1 << 30), **kw)
+
+
+def test_pool_slots_reused_after_eviction(pair):
+    """The blocks and states live in preallocated pools: with a budget of two blocks, one prompt's snapshots (its
+    grid point and its end, sharing their first block) fill it, a second prompt's evict them (least recently used
+    first) and reuse the freed slots, and a step resumed from the second prompt's end reaches the cold state (a
+    slot written twice, or read from the wrong one, would not)."""
+    from jaxddtree.speculative.prefix_cache import PrefixCache
+
+    V = pair.target.config.vocab_size
+    rng = np.random.default_rng(4)
+    P, Q = rng.integers(2, V, 300), rng.integers(2, V, 300)
+    pc = PrefixCache(pair.target, pair.drafter, 1 << 30, grid=256)
+    _prefill(pair, P, on_chunk=pc.recorder(P), grid=256)
+    assert sorted(s.p for s in pc.snapshots()) == [256, 300]
+    sb, bb = pc.state_bytes, pc.block_bytes
+    m = next(m for m in range(1, 1000) if pc._split(2 * bb + m * sb) == (2, m))
+    pc.set_budget(2 * bb + m * sb)  # (smaller than the pools: no eviction yet, they fit)
+    assert len(pc) == 2 and pc.bytes == 2 * bb + 2 * sb
+    p_end = pc.snapshots()[-1]
+    slots = {p_end.blocks[0].slot, p_end.tail.slot}
+    _prefill(pair, Q, on_chunk=pc.recorder(Q), grid=256)
+    assert [s.p for s in pc.snapshots()] == [256, 300] and all(np.array_equal(s.ids, Q[:s.p]) for s in pc.snapshots())
+    q_end = pc.snapshots()[-1]
+    assert {q_end.blocks[0].slot, q_end.tail.slot} == slots and pc.stats["evicted"] == 2 and pc.bytes <= pc.budget
+    R = np.concatenate([Q, rng.integers(2, V, 40)])
+    hit = pc.lookup(R)
+    assert hit is q_end
+    warm, lw = _prefill(pair, R, start=pc.build(hit, S), grid=256)
+    cold, lc = _prefill(pair, R, grid=256)
+    assert _diff(warm, cold, len(R)) < 2e-5 and float(jnp.max(jnp.abs(lw - lc))) < 2e-5
+    assert int(warm.root[0]) == int(cold.root[0])
+
+
+def test_resumed_prefill_of_a_few_tokens_runs_narrow_chunks(pair):
+    """A prefill resumed with at most PREFILL_CHUNK tokens left runs chunks of that width when the prompt's are wider
+    (a completion's few tokens: one 256-row pass, not a mostly padded 512- or 2048-row one) and reaches the cold
+    state of the wide chunks; more tokens left keep the prompt's width."""
+    from jaxddtree.model.prefill import PREFILL_CHUNK
+    from jaxddtree.speculative import loop as L
+    from jaxddtree.speculative.prefix_cache import PrefixCache
+
+    V = pair.target.config.vocab_size
+    rng = np.random.default_rng(5)
+    P = rng.integers(2, V, 300)  # (padded chunks of 512 from 300 stay inside the S = 1024 rows)
+    pc = PrefixCache(pair.target, pair.drafter, 1 << 30, grid=0)
+    _prefill(pair, P, on_chunk=pc.recorder(P), chunk=512)
+    shapes = []
+    real = L.Prefill.__init__
+
+    def spy(self, *a, **k):
+        real(self, *a, **k)
+        shapes.append(self.shape)
+    for left, width in ((100, PREFILL_CHUNK), (300, 512)):
+        Q = np.concatenate([P, rng.integers(2, V, left)])
+        hit = pc.lookup(Q)
+        assert hit.p == 300
+        L.Prefill.__init__ = spy
+        try:
+            warm, lw = _prefill(pair, Q, start=pc.build(hit, S), chunk=512)
+        finally:
+            L.Prefill.__init__ = real
+        assert shapes[-1][0] == width
+        cold, lc = _prefill(pair, Q, chunk=512)
+        assert _diff(warm, cold, len(Q)) < 2e-5 and float(jnp.max(jnp.abs(lw - lc))) < 2e-5
+        assert int(warm.root[0]) == int(cold.root[0])

@@ -909,8 +909,7 @@ def test_prefix_cache_shared_prefix_concurrent_and_joining(cached):
     snap = next(s for s in pc.snapshots() if s.p == 300)
 
     def checksum():
-        return [float(np.sum(np.asarray(x, np.float64))) for x in jax.tree.leaves((snap.gdn, snap.tail,
-                                                                                  [b.kv for b in snap.blocks]))]
+        return [float(np.sum(np.asarray(x, np.float64))) for x in jax.tree.leaves(pc.arrays(snap))]
     before = checksum()
     with ThreadPoolExecutor(2) as ex:
         got = list(ex.map(lambda s: _complete(engine, client, s), steps))

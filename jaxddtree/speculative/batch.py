@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxddtree.model import sharding
 from jaxddtree.model.drafter import check_compatible
-from jaxddtree.model.prefill import check_ids, check_vocab, chunk_size, chunk_widths
+from jaxddtree.model.prefill import PREFILL_CHUNK, check_ids, check_vocab, chunk_size, chunk_widths
 from jaxddtree.model.target import Target
 from jaxddtree.speculative import budget as budget_lib
 from jaxddtree.speculative import loop as loop_lib
@@ -316,10 +316,11 @@ class SlotPool:
             hit = pc.lookup(ids)
             if hit is not None:
                 start = pc.build(hit, self.cache_len)
-            on_chunk, grid = pc.recorder(ids, hit), pc.grid
+            on_chunk, grid = pc.recorder(ids), pc.grid
         pre = loop_lib.Prefill(self.target, self.drafter, self.start_plan, ids, chunk, self.cache_len, self.out_len,
                                seed=int(req.seed), stop_mask=stop_mask, temperature=temperature, max_new=max_new,
-                               top_k=top_k, top_p=top_p, min_p=min_p, start=start, grid=grid, on_chunk=on_chunk)
+                               top_k=top_k, top_p=top_p, min_p=min_p, start=start,
+                               start_len=hit.p if hit is not None else None, grid=grid, on_chunk=on_chunk)
         return Pending(dataclasses.replace(req, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p),
                        pre, budget, oracle, cached_tokens=hit.p if hit is not None else 0)
 
@@ -345,7 +346,8 @@ class SlotPool:
         pre = loop_lib.Prefill(self.target, self.drafter, self.start_plan, ids, chunk, self.cache_len, self.out_len,
                                seed=0, stop_mask=np.zeros((self.target.config.vocab_size,), bool), temperature=0.0,
                                max_new=1, start=pc.build(hit, self.cache_len) if hit is not None else None,
-                               grid=pc.grid, on_chunk=pc.recorder(ids, hit))
+                               start_len=hit.p if hit is not None else None, grid=pc.grid,
+                               on_chunk=pc.recorder(ids))
         return Pending(Request(ids.tolist(), 1), pre, None, None, cached_tokens=hit.p if hit is not None else 0)
 
     def group(self, pendings) -> None:
@@ -591,7 +593,8 @@ class SlotPool:
         """Compile what a request can run: every prefill width (prompts up to the cache capacity), the single-slot
         rounds (greedy, sampled, sampled + truncated), every slot-count bucket (greedy and sampling plans) and its
         joins / resizes. sampling=False: the greedy classes only (for a client that sends only temperature 0).
-        lengths: the only prompt lengths that will come (a benchmark): only their chunk widths are compiled (at 27B
+        lengths: the only prompt lengths that will come (a benchmark): only their chunk widths are compiled (and,
+        with a prefix cache, PREFILL_CHUNK's: a resumed prefill's last few tokens, `loop.Prefill`) (at 27B
         on the H200 each width's prefill programs, alone and in groups of 2 / 4 / 8, take ≈ 4 × 50 s).
         progress(done, total, what): called after each stage (a prefill width, a bucket), e.g. to print it."""
         ids = check_ids(prompt_ids, "prompt_ids").tolist()
@@ -600,7 +603,7 @@ class SlotPool:
         fits = lambda n: loop_lib.capacity(self.target, self.dcfg, self.method, self.budget, n, 2)[1] <= self.cache_len
         widths = [(w, n) for w, n in chunk_widths(cfg.max_position_embeddings - 2) if fits(n)]  # (chunk, prompt)
         if lengths is not None:
-            used = {chunk_size(int(n)) for n in lengths}
+            used = {chunk_size(int(n)) for n in lengths} | ({PREFILL_CHUNK} if pc is not None else set())
             widths = [(w, n) for w, n in widths if w in used]
             if not widths:
                 raise ValueError(f"no prompt of lengths {sorted(set(lengths))} fits the cache ({self.cache_len} rows)")

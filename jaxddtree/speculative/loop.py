@@ -32,7 +32,8 @@ from jaxddtree.model import layout as layout_lib
 from jaxddtree.model import sharding
 from jaxddtree.speculative import budget as budget_lib
 from jaxddtree.speculative import tree as tree_lib
-from jaxddtree.model.prefill import check_ids, check_vocab, chunk_bounds, chunk_size, padded_chunks, round_up
+from jaxddtree.model.prefill import (PREFILL_CHUNK, check_ids, check_vocab, chunk_bounds, chunk_size, padded_chunks,
+                                     round_up)
 from jaxddtree.model.cache import ModelCache, init_cache
 from jaxddtree.model.drafter import check_compatible, draft_logits, init_draft_cache
 from jaxddtree.model.target import Target
@@ -358,18 +359,24 @@ class Prefill:
     one chunk between its batched rounds. `state` (a batch-1 DecodeState) once `advance()` returned True.
     drafter None: AR. stop_mask: [V] bool (numpy); costs: tree_budget="auto"'s `budget_lib.padded` table or None.
     Prefix caching (speculative/prefix_cache.py): `start` = (cache, drafter cache) holding the prompt's first p
-    tokens (their `length`: p < len(ids)), the prefill resumes there; `grid` > 0 also ends chunks at its multiples
+    tokens (their `length`: p < len(ids); pass p as `start_len`, else it is read back from the device), the prefill
+    resumes there (with at most PREFILL_CHUNK tokens left, in chunks of that width when the prompt's are wider: a
+    completion's or a tool result's few tokens in one 256-row pass, not a mostly padded 2048-row one, ≈ 8 × the
+    work at 27B); `grid` > 0 also ends chunks at its multiples
     (`model.prefill.chunk_bounds`); `on_chunk(end, cache, dcache)` is called after each chunk (end: the prompt
     tokens in the caches) and may copy them (a snapshot), never keep them (they are donated to the next call)."""
 
     def __init__(self, target: Target, drafter, plan: Plan, ids, chunk: int, S: int, out_len: int, *, seed: int,
                  stop_mask, temperature: float, max_new: int, top_k: int = 0, top_p: float = 1.0,
-                 min_p: float = 0.0, costs=None, start=None, grid: int = 0, on_chunk=None):
+                 min_p: float = 0.0, costs=None, start=None, start_len: int | None = None, grid: int = 0,
+                 on_chunk=None):
         cfg = target.config
         self.target, self.drafter, self.plan, self.out_len = target, drafter, plan, out_len
         self.F = len(plan.feature_layers) * cfg.hidden_size
         self.P = drafter.config.block_size if drafter is not None else 1
-        self.skip = int(start[0].length) if start is not None else 0  # prompt tokens already in `start`
+        self.skip = 0 if start is None else int(start[0].length if start_len is None else start_len)  # in `start`
+        if start is not None and len(ids) - self.skip <= PREFILL_CHUNK < chunk:
+            chunk = PREFILL_CHUNK
         self._start_caches = start
         self._on_chunk = on_chunk
         self.n_chunks = len(chunk_bounds(len(ids), chunk, self.skip, grid))
@@ -685,10 +692,11 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     if pc is not None:  # resume from the deepest cached prefix (a copy); snapshot this prompt's end and grid points
         hit = pc.lookup(ids)
         start = pc.build(hit, S) if hit is not None else None
-        on_chunk = pc.recorder(ids, hit)
+        on_chunk = pc.recorder(ids)
     pre = Prefill(target, drafter if dcfg else None, plan, ids, chunk, S, out_len, seed=seed, stop_mask=stop_mask,
                   temperature=temperature, max_new=max_new, top_k=top_k, top_p=top_p, min_p=min_p,
                   costs=budget_lib.padded(table) if auto else None, start=start,
+                  start_len=hit.p if hit is not None else None,
                   grid=pc.grid if pc is not None else 0, on_chunk=on_chunk)
     while not pre.advance():  # enqueued back to back: nothing is read until the first token
         if on_prefill is not None:
