@@ -14,8 +14,11 @@ completion, untimed), then, --pause seconds after its last token, the step: that
 ids + new tokens (the server snapshots the end of the finished request while nothing else waits, so the step
 resumes at its end). TTFT is measured by the client, from sending the request to the first streamed text, queue
 and prefill included; `cached_tokens` is the server's `usage.prompt_tokens_details.cached_tokens`. Every prompt
-is token ids (/v1/completions), random and distinct per conversation; with --random-27b (and --smoke) the
-tokenizer maps each id to one code point and back, so the completion's ids are exact. An untimed cycle at the
+is random token ids, distinct per conversation, sent to /v1/completions as text (--prompt text, the default with
+--random-27b and --smoke: what an agent sends; their tokenizer maps each id to one code point and back, so the
+server tokenizes the text into exactly these ids and the completion's ids are exact) or as a list of ids
+(--prompt ids: the openai client then spends about 1.3 s preparing a 132K-id request on a 2-core CPU before it
+sends anything, inside the measured TTFT). An untimed cycle at the
 shortest history runs first (anything left to compile or allocate). The client is the `openai` package when it
 is importable, else plain HTTP (urllib); --client picks one.
 
@@ -78,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "end and the step (the agent's tool time; default 0: the snapshot's prefill may be in the TTFT)")
     p.add_argument("--repeats", type=int, default=1, help="runs per history and kind (the median is reported)")
     p.add_argument("--client", choices=("auto", "openai", "urllib"), default="auto")
+    p.add_argument("--prompt", choices=("auto", "text", "ids"), default="auto", help="send prompts as text (the "
+                   "server tokenizes them) or as token id lists (default: text with --random-27b / --smoke, whose "
+                   "tokenizer gives back exactly the ids; ids with a checkpoint's tokenizer)")
     p.add_argument("--smoke", action="store_true", help="CPU check of the script: tiny random shapes, histories "
                    "192 320, 48 new tokens, 8-token completions")
     p.add_argument("--out", default=None, help=f"results JSON (default with --random-27b: {DEFAULT_OUT}; none with "
@@ -97,6 +103,8 @@ def parse_args(argv=None):
                 "--repeats must be >= 1")
     if args.out is None and args.random_27b and not args.smoke:
         args.out = DEFAULT_OUT
+    if args.prompt == "auto":
+        args.prompt = "text" if args.random_27b else "ids"
     need = max(args.histories) + args.new_tokens + max(args.max_tokens, args.step_max_tokens)
     args.max_context = max(args.max_context or 0, need)
     args.lengths = sorted({n for h in args.histories for n in (h - args.max_tokens, h, h + args.new_tokens)})
@@ -161,12 +169,13 @@ def _fields(usage) -> tuple[int, int]:
     return int(details.get("cached_tokens") or 0), int(usage.get("completion_tokens") or 0)
 
 
-def complete_openai(base: str, model: str, ids, max_tokens: int) -> dict:
+def complete_openai(base: str, model: str, prompt, max_tokens: int) -> dict:
+    """prompt: text, or a list of token ids."""
     import openai
     client = openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=3600)
     t0 = time.perf_counter()
     ttft, parts, usage = None, [], None
-    stream = client.completions.create(model=model, prompt=list(ids), max_tokens=max_tokens, temperature=0,
+    stream = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
                                        stream=True, stream_options={"include_usage": True})
     for chunk in stream:
         text = chunk.choices[0].text if chunk.choices else None
@@ -178,9 +187,11 @@ def complete_openai(base: str, model: str, ids, max_tokens: int) -> dict:
     return {"ttft_s": ttft, "wall_s": time.perf_counter() - t0, "text": "".join(parts), "usage": usage}
 
 
-def complete_urllib(base: str, model: str, ids, max_tokens: int) -> dict:
+def complete_urllib(base: str, model: str, prompt, max_tokens: int) -> dict:
+    """prompt: text, or a list of token ids."""
     import urllib.request
-    body = {"model": model, "prompt": [int(i) for i in ids], "max_tokens": max_tokens, "temperature": 0,
+    prompt = prompt if isinstance(prompt, str) else [int(i) for i in prompt]
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     req = urllib.request.Request(base + "/completions", data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json", "Authorization": "Bearer none"})
@@ -223,13 +234,14 @@ def agent_runs(complete, base, model, tok, H: int, args, seed: int) -> dict:
         return rng.integers(lo, vocab, n).tolist()
 
     from jaxddtree.text import encode_text
-    fresh = complete(base, model, rand(H + args.new_tokens), args.step_max_tokens)
+    send = (lambda ids: tok.decode(ids)) if args.prompt == "text" else list  # noqa: E731
+    fresh = complete(base, model, send(rand(H + args.new_tokens)), args.step_max_tokens)
     prev = rand(H - args.max_tokens)
-    first = complete(base, model, prev, args.max_tokens)
+    first = complete(base, model, send(prev), args.max_tokens)
     completion = encode_text(tok, first["text"])
     time.sleep(args.pause)
     step = prev + completion + rand(args.new_tokens)
-    cached = complete(base, model, step, args.step_max_tokens)
+    cached = complete(base, model, send(step), args.step_max_tokens)
     out = {"history": len(prev) + len(completion), "step_prompt_tokens": len(step)}
     for k, r in (("fresh", fresh), ("previous", first), ("cached", cached)):
         c, n = _fields(r["usage"])
@@ -276,7 +288,7 @@ def main(argv=None) -> int:
                      "max_context": engine.max_context, "max_batch": engine.max_batch,
                      "prefill_tokens": engine.prefill_tokens, "prefix_cache_gib":
                      engine.prefix_cache_budget / (1 << 30), "prefix_cache_grid": args.prefix_cache_grid,
-                     "client": client_name, "smoke": args.smoke},
+                     "client": client_name, "prompt": args.prompt, "smoke": args.smoke},
         "date": time.strftime("%Y-%m-%d"), "device": getattr(dev, "device_kind", str(dev)),
         "backend": jax.default_backend(),
     }
