@@ -49,6 +49,7 @@ BLOCK = 256  # tokens per KV block (divides every cache capacity: `loop.capacity
 GRID = 8192  # default snapshot spacing inside long prompts (a multiple of every prefill chunk width)
 STATE_SHARE = 0.25  # of the budget for the GDN states (at 27B one is ~147 MiB, a block ~21 MiB)
 KB = 64  # blocks stored per dispatch
+MAX_STATES = 4096  # slots of a pool whose entries take no bytes (a model without GDN or attention layers)
 
 
 @dataclasses.dataclass(eq=False)
@@ -153,6 +154,7 @@ class PrefixCache:
         self._pools = None  # (kv, states) device arrays, made at the first snapshot
         self.block_bytes = self.state_bytes = 0  # (known with the pools)
         self._n_blocks = self._n_states = 0  # usable slots (the budget's)
+        self._alloc_n = (0, 0)  # slots in the pools (block slot 0 not counted)
         self._free_blocks: list[int] = []
         self._free_states: list[int] = []
         self.stats = collections.Counter()  # lookups, hits, hit_tokens, snapshots, evicted
@@ -162,8 +164,7 @@ class PrefixCache:
         """Device bytes in use by the snapshots (blocks and states; the pools hold `budget` bytes once made)."""
         if self._pools is None:
             return 0
-        used_b = len(self._pools[0][0]) - 1 - len(self._free_blocks) if self._pools[0] else 0
-        used_s = len(self._pools[1][0]) - len(self._free_states) if self._pools[1] else 0
+        used_b, used_s = self._used()
         return used_b * self.block_bytes + used_s * self.state_bytes
 
     # ------------------------------------------------------------------------------------ jitted helpers
@@ -175,8 +176,9 @@ class PrefixCache:
         when one state and one block do not fit."""
         if budget < self.state_bytes + self.block_bytes:
             return 0, 0
-        m = max(1, int(budget * STATE_SHARE) // self.state_bytes)
-        return (budget - m * self.state_bytes) // self.block_bytes, m
+        m = max(1, int(budget * STATE_SHARE) // self.state_bytes) if self.state_bytes else MAX_STATES
+        n = (budget - m * self.state_bytes) // self.block_bytes if self.block_bytes else MAX_STATES
+        return n, m
 
     def _make_pools(self, cache, dcache) -> bool:
         if self._pools is None:
@@ -187,9 +189,9 @@ class PrefixCache:
             if n == 0:
                 return False
             self._pools = jax.jit(functools.partial(_alloc, n_blocks=n, n_states=m, block=self.block))(cache, dcache)
-            self._n_blocks, self._n_states = n, m
+            self._n_blocks, self._n_states = self._alloc_n = (n, m)
             self._free_blocks, self._free_states = list(range(n, 0, -1)), list(range(m - 1, -1, -1))
-        return self._n_blocks > 0
+        return self._n_states > 0
 
     # ------------------------------------------------------------------------------------ keys
     def digests(self, ids: np.ndarray) -> list[bytes]:
@@ -300,11 +302,11 @@ class PrefixCache:
 
     @property
     def _n_blocks_alloc(self) -> int:
-        return len(self._pools[0][0]) - 1 if self._pools[0] else 0
+        return self._alloc_n[0]
 
     @property
     def _n_states_alloc(self) -> int:
-        return len(self._pools[1][0]) if self._pools[1] else 0
+        return self._alloc_n[1]
 
     def _used(self) -> tuple[int, int]:
         return self._n_blocks_alloc - len(self._free_blocks), self._n_states_alloc - len(self._free_states)
