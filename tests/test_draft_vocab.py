@@ -7,8 +7,8 @@
   * DDTree (budget 16) and chain DFlash with a draft vocabulary give the AR tokens at T = 0, with rounds that accept
     whole blocks, and never accept a draft outside the vocabulary, also with one that lacks tokens AR emits
     (acceptance must break there; at T > 0 as well);
-  * the loader's N (the N most frequent ids of the drafter directory's token_counts.json) and its errors; the
-    command line's --draft-vocab (a run, and one-line errors); scripts/count_tokens.py.
+  * the loader's N (the N most frequent ids of the drafter directory's token_counts.json, which `python -m convert`
+    copies) and its errors; the command line's --draft-vocab (a run, and one-line errors); scripts/count_tokens.py.
 """
 
 from __future__ import annotations
@@ -191,6 +191,16 @@ def test_load_drafter_draft_vocab(pair, tmp_path):
             jaxddtree.load_drafter(ddir, t, "float32", draft_vocab=value)
     with pytest.raises(ValueError, match="token_counts.json"):
         jaxddtree.load_drafter(str(bare), t, "float32", draft_vocab=64)
+
+
+def test_converted_drafter_keeps_its_table(pair, tmp_path):
+    """`python -m convert` copies token_counts.json: draft_vocab=N works on the converted drafter too."""
+    from jaxddtree.checkpoint.convert import convert
+
+    dst = str(tmp_path / "converted")
+    convert(os.path.join(ROOT, "demo", "drafter"), dst, dtype="float32")
+    d = jaxddtree.load_drafter(dst, pair.target, "float32", draft_vocab=256)
+    assert np.array_equal(np.asarray(d.draft_vocab.ids), np.sort(dv.frequent_ids(dv.load(COUNTS), 256)))
 
 
 # ------------------------------------------------------------------------------------------------ tools
