@@ -171,6 +171,20 @@ def test_sampling_never_drafts_outside(pair, prompts, ar):
         assert set(accepted_drafts(g)) <= set(ids.tolist()) and max(g.acceptance_lengths) > 1
 
 
+def test_batched_slots_with_a_draft_vocab(pair, prompts, ar):
+    """The slot pool (the server's batched rounds) reads the drafter's params as they are: 2 slots, the AR tokens."""
+    from jaxddtree.speculative import batch as batch_lib
+
+    t = pair.target
+    ids = vocabularies(ar, t.config.vocab_size)["lacking"]
+    sub = pair.drafter.with_draft_vocab(ids, t)
+    reqs = [batch_lib.Request(p, MAX_NEW) for p in prompts]
+    gens = batch_lib.generate_many(t, reqs, drafter=sub, method="ddtree", max_batch=2, tree_budget=16)
+    assert [g.tokens for g in gens] == ar
+    # the vocabulary is in effect (without it these prompts average over 6 tokens per round at budget 16)
+    assert all(1 < g.stats["mean_acceptance_length"] < 3 for g in gens), [g.stats for g in gens]
+
+
 # ------------------------------------------------------------------------------------------------ loading
 def test_load_drafter_draft_vocab(pair, tmp_path):
     t = pair.target
