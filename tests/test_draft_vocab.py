@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -205,6 +206,10 @@ def test_load_drafter_draft_vocab(pair, tmp_path):
             jaxddtree.load_drafter(ddir, t, "float32", draft_vocab=value)
     with pytest.raises(ValueError, match="token_counts.json"):
         jaxddtree.load_drafter(str(bare), t, "float32", draft_vocab=64)
+    other = dataclasses.replace(d.draft_vocab, column=d.draft_vocab.column[:100])  # made for another vocabulary
+    with pytest.raises(ValueError, match="made for a vocabulary of 100 ids, the target has 2048"):
+        jaxddtree.generate(t, [5, 6, 7], drafter=dataclasses.replace(
+            d, params=dataclasses.replace(d.params, vocab=other)), method="dflash", max_new_tokens=4)
 
 
 def test_converted_drafter_keeps_its_table(pair, tmp_path):
