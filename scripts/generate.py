@@ -62,6 +62,21 @@ min_p_value = cli_args.checked(float, lambda v: 0 <= v < 1, "in [0, 1) (0 = off)
 
 
 budget_arg = cli_args.auto_or_positive_int
+COUNTS_FILE = "token_counts.json"  # a drafter directory's token frequency table (jaxddtree.model.draft_vocab)
+
+
+def draft_vocab_arg(text: str):
+    """--draft-vocab: an integer N >= 1, or the path of an existing file (of token ids)."""
+    try:
+        n = int(text)
+    except ValueError:
+        if not os.path.isfile(text):
+            raise argparse.ArgumentTypeError(f"expected an integer N >= 1 or a file of token ids, got '{text}' "
+                                             "(no such file)") from None
+        return text
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return n
 
 
 def id_list(text: str) -> list[int]:
@@ -115,6 +130,13 @@ def build_parser() -> Parser:
                    "benchmarks/bench.py writes it) (default: benchmarks/results/h200.json on an H200; elsewhere each "
                    "candidate and AR timed at warm-up, printed; with --no-warmup a built-in model linear in tree "
                    "rows and context)")
+    d.add_argument("--draft-vocab", type=draft_vocab_arg, default=None, metavar="N|FILE", help="draft only a "
+                   "subset of the token ids: N, the N most frequent ids of the drafter directory's "
+                   f"{COUNTS_FILE} (a frequency table: scripts/count_tokens.py writes one, the demo pair ships one), "
+                   "or FILE, a JSON list or .npy array of token ids. The drafter scores only those, with the target's "
+                   "lm_head weights of those ids gathered once at load (at Qwen3.6-27B the full lm_head is ~2.5 GB "
+                   "of the ~6 GB a drafter call reads); the target still verifies every token, so only the "
+                   "acceptance changes, never the output. dflash / ddtree only (default: off, every id)")
     d.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N", help="tokens to generate "
                    "at most (default: 256; 64 for the demo pair)")
     d.add_argument("--temperature", type=finite_non_negative, default=0.0, metavar="T", help="sampling "
@@ -330,6 +352,7 @@ def run(argv=None) -> int:
         ensure_chat_template(tok, chat)
     method = args.method or ("ddtree" if dcfg is not None else "ar")
     _check_budget(args, cfg, method)
+    _check_draft_vocab(args, cfg, method, ddir, tdir)
     ids = _prompt_ids(args, tok)
     _check_prompt(args, cfg, ids)
     stops = default_stop_ids(cfg, tok) if stops is None else stops
@@ -355,6 +378,13 @@ def run(argv=None) -> int:
         check_tp(cfg, args.tp)
     except ValueError as e:
         raise UsageError(f"--tp: {e}") from None
+    vocab_ids = None
+    if args.draft_vocab is not None:  # the ids (from the file or the frequency table), checked before any weights
+        from jaxddtree.checkpoint.load import draft_vocab_ids
+        try:
+            vocab_ids = draft_vocab_ids(_draft_vocab_value(args.draft_vocab), ddir or "", cfg.vocab_size)
+        except ValueError as e:
+            raise UsageError(f"argument --draft-vocab: {str(e).removeprefix('draft_vocab: ')}") from None
 
     # ---- the weights
     tty = sys.stderr.isatty() and not args.json
@@ -367,13 +397,15 @@ def run(argv=None) -> int:
         target, drafter = pair.target.shard(args.tp, consume=True), pair.drafter if method != "ar" else None
         if drafter is not None:
             drafter.params = replicate(drafter.params, target.mesh)
+            if vocab_ids is not None:
+                drafter = drafter.with_draft_vocab(vocab_ids, target)
     else:
         say(f"loading {tdir} ...")
         target = jd.load_target(tdir, dtype, progress=tty, tp=args.tp)
         drafter = None
         if ddir:
             say(f"loading {ddir} ...")
-            drafter = jd.load_drafter(ddir, target, dtype)
+            drafter = jd.load_drafter(ddir, target, dtype, draft_vocab=vocab_ids)
     target.kernels = kernels
     load_s = time.perf_counter() - t_load
 
@@ -387,6 +419,7 @@ def run(argv=None) -> int:
               sync_every=args.sync_every, budget_costs=args.budget_costs, cache_len=cache_len)
     if not args.json:
         log(f"{method}" + (f" (budget {args.budget})" if method == "ddtree" else "") +
+            (f", draft vocabulary of {len(vocab_ids)} ids" if vocab_ids is not None else "") +
             f", {len(ids)} prompt tokens, max {max_new} new, T={args.temperature:g}, {dtype}, kernels={kernels}, "
             f"{backend}" + (f", tp={args.tp}" if args.tp > 1 else "") + f" (loaded in {load_s:.1f} s)")
     compile_s = None
@@ -442,7 +475,8 @@ def run(argv=None) -> int:
                  kernels=kernels, backend=backend, temperature=args.temperature, top_k=args.top_k,
                  top_p=args.top_p, min_p=args.min_p, seed=args.seed,
                  stop_ids=stops, loop=args.loop, target=target.source,
-                 drafter=(getattr(drafter, "path", None) if method != "ar" else None))
+                 drafter=(getattr(drafter, "path", None) if method != "ar" else None),
+                 draft_vocab=len(vocab_ids) if vocab_ids is not None and method != "ar" else None)
     if args.json:
         out = {"tokens": gen.tokens, "prompt_ids": [int(i) for i in ids]}
         if tok is not None:
@@ -523,6 +557,32 @@ def _check_budget(args, cfg, method: str):
         raise UsageError(f"argument --budget-costs: no such file {args.budget_costs}")
     if method == "ddtree" and args.budget != "auto" and args.budget >= cfg.vocab_size:
         raise UsageError(f"argument --budget: must be < the vocabulary size {cfg.vocab_size}, got {args.budget}")
+
+
+def _check_draft_vocab(args, cfg, method: str, ddir, tdir):
+    """--draft-vocab's cheap checks (before jax): a speculative method, N within the vocabulary, a frequency table
+    for N. The ids themselves are checked once jax is imported (`checkpoint.load.draft_vocab_ids`)."""
+    n = args.draft_vocab
+    if n is None:
+        return
+    if method == "ar":
+        raise UsageError("--draft-vocab restricts what the drafter drafts: it needs --method dflash or ddtree")
+    if isinstance(n, int):
+        if n > cfg.vocab_size:
+            raise UsageError(f"argument --draft-vocab: must be <= the vocabulary size {cfg.vocab_size}, got {n}")
+        table = os.path.join(ddir, COUNTS_FILE) if ddir else None
+        if table is None or not os.path.isfile(table):
+            where = table or ("the built-in random pair" if tdir is None else "no drafter directory")
+            raise UsageError(f"argument --draft-vocab: N needs a token frequency table ({where}: none; "
+                             "scripts/count_tokens.py writes one), or give a FILE of token ids")
+
+
+def _draft_vocab_value(value):
+    """--draft-vocab's value as `load_drafter` takes it: N, or the ids read from FILE."""
+    if isinstance(value, int):
+        return value
+    from jaxddtree.model import draft_vocab
+    return draft_vocab.load(value)
 
 
 def _check_stops(stops, cfg):

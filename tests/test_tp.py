@@ -3,7 +3,8 @@
 The comparisons run in one subprocess with `XLA_FLAGS=--xla_force_host_platform_device_count=2` (the device
 count is fixed when JAX starts), on a tiny random fp32 model whose head counts, intermediate size and vocab
 divide by 2 (kernels="xla"): logits of a prefill and of a tree verify within 1e-5, AR / DFlash / DDTree
-tokens equal to tp=1's AR tokens with long accepted paths (oracle drafts), every split weight and cache
+tokens equal to tp=1's AR tokens with long accepted paths (oracle drafts) and with a draft vocabulary (its head
+gathered from the split lm_head, replicated), every split weight and cache
 really halved per device, and the collectives of a compiled round (2 all-reduces per layer). The abstract
 2-H200 lowering checks that the Pallas kernels lower per shard at 27B shapes inside the shard_map.
 """
@@ -103,6 +104,15 @@ def worker() -> dict:
     finally:
         loop.loop_fn = rounds
     out["collectives"] = collectives
+    # a draft vocabulary gathered from the vocab-split lm_head: replicated like the drafter, the same columns
+    keep = np.arange(0, 96, 3)
+    sub = drafter.with_draft_vocab(keep, t2)
+    out["draft_vocab"] = {"replicated": all(x.sharding.is_fully_replicated for x in jax.tree.leaves(sub.draft_vocab)),
+                          "head_err": float(np.abs(np.asarray(sub.draft_vocab.head)[:, :len(keep)]
+                                                   - np.asarray(t1.lm_head)[:, keep]).max())}
+    for m in ("dflash", "ddtree"):
+        out["tokens"][m + "_draft_vocab"] = loop.generate(t2, ids, drafter=sub, method=m, max_new_tokens=24,
+                                                          tree_budget=12).tokens
     errors = {}
     for label, fn in (("heads", lambda: t1.shard(4)),  # kv heads 2
                       ("devices", lambda: random_target(tiny_config(num_key_value_heads=4, linear_num_key_heads=4),
@@ -135,8 +145,9 @@ def test_logits_match_tp1(tp_run):
 def test_tokens_match_tp1(tp_run):
     ref = tp_run["tokens"]["ar1"]
     assert len(ref) == 24
-    for m in ("ar", "dflash", "ddtree"):
+    for m in ("ar", "dflash", "ddtree", "dflash_draft_vocab", "ddtree_draft_vocab"):
         assert tp_run["tokens"][m] == ref, m
+    assert tp_run["draft_vocab"] == {"replicated": True, "head_err": 0.0}
     for m in ("dflash", "ddtree"):  # the paths were long: multi-token commits exercised the sharded stash
         assert max(tp_run["acc"][m]) >= 4, tp_run["acc"][m]
 

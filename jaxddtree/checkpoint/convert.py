@@ -33,10 +33,11 @@ OLD_TAG = ".jaxddtree-old-"
 MIN_FLUSH_BYTES = 4 << 20
 MARKER = "jaxddtree_checkpoint.json"  # == jaxddtree.checkpoint.orbax_format.MARKER (not imported here: cheap checks first)
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
-# Small files copied along with config.json when the source has them (tokenizer, generation defaults).
+# Small files copied along with config.json when the source has them (tokenizer, generation defaults, a drafter's
+# token frequency table for draft_vocab=N: jaxddtree.model.draft_vocab.COUNTS_FILE).
 EXTRA_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
-               "preprocessor_config.json", "video_preprocessor_config.json")
+               "preprocessor_config.json", "video_preprocessor_config.json", "token_counts.json")
 
 
 class ConvertError(Exception):

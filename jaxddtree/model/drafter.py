@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import ops
+from jaxddtree.model import draft_vocab as draft_vocab_lib
 from jaxddtree.model.drafter_config import DrafterConfig, build_target_layer_ids
 from jaxddtree.model.rope import apply_rope, rope_cos_sin
 
@@ -56,6 +57,8 @@ class DrafterParams:
     hidden_norm: Array  # [H]
     layers: tuple[DrafterLayer, ...]
     norm: Array  # [H]
+    # a draft vocabulary (`Drafter.with_draft_vocab`): the logits over its ids only, the rest -inf; None: all ids
+    vocab: draft_vocab_lib.DraftVocab | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -205,12 +208,15 @@ def draft_logits(params: DrafterParams, cfg: DrafterConfig, cache: DraftCache, t
                  num_ctx: Array | int, root_token: Array, embed_table: Array, lm_head: Array, kernels: str = "xla"
                  ) -> tuple[Array, DraftCache]:
     """Block [root, MASK x (Bs-1)] -> fp32 logits [B, Bs-1, V] for block slots 1..Bs-1 (slot j predicts the
-    token at position length+num_ctx+j). root_token [B] int; embed_table [V, H]; lm_head [H, V]."""
+    token at position length+num_ctx+j). root_token [B] int; embed_table [V, H]; lm_head [H, V] (not read when
+    params.vocab holds a draft vocabulary: its own head scores its ids, every other id gets -inf)."""
     B, Bs = root_token.shape[0], cfg.block_size
     ids = jnp.concatenate([root_token.astype(jnp.int32)[:, None],
                            jnp.full((B, Bs - 1), cfg.mask_token_id, jnp.int32)], axis=1)  # [B, Bs]
     h, cache = drafter_forward(params, cfg, cache, target_hidden, num_ctx, jnp.take(embed_table, ids, axis=0),
                                kernels)
+    if params.vocab is not None:
+        return draft_vocab_lib.logits(params.vocab, h[:, 1:]), cache
     logits = jnp.einsum("bth,hv->btv", h[:, 1:], lm_head.astype(h.dtype), preferred_element_type=jnp.float32)
     return logits, cache
 
@@ -250,14 +256,31 @@ class Drafter:
         return _forward_many_jit(self.params, self.config, caches, target_hidden, jnp.asarray(num_ctx, jnp.int32),
                                  block_embeds)
 
+    @property
+    def draft_vocab(self) -> draft_vocab_lib.DraftVocab | None:
+        """The draft vocabulary (`with_draft_vocab`), or None: the drafter scores every id."""
+        return self.params.vocab
+
+    def with_draft_vocab(self, ids, target: Any) -> "Drafter":
+        """This drafter drafting only the token ids `ids` (unique, in [0, V); None: all ids again): the target's
+        lm_head columns of those ids are gathered here, once, into the drafter's own small head; every other id
+        gets probability 0 in the draft. Acceptance may change, the output never does (the target verifies as
+        before). The layers' arrays are shared with this drafter; the head is placed like them (replicated on a
+        sharded target's mesh)."""
+        vocab = None
+        if ids is not None:
+            vocab = jax.device_put(draft_vocab_lib.make(ids, target.lm_head, self.dtype), self.params.norm.sharding)
+        return dataclasses.replace(self, params=dataclasses.replace(self.params, vocab=vocab))
+
     def logits(self, cache, target_hidden, num_ctx, root_token, embed_table, lm_head):
         """Jitted `draft_logits`; `cache` is donated (do not reuse it)."""
         return _logits_jit(self.params, self.config, cache, target_hidden, num_ctx, root_token, embed_table,
                            lm_head)
 
 
-def check_compatible(cfg: DrafterConfig, target: Any, source: str = "drafter") -> None:
-    """ValueError naming the mismatch if the drafter cannot run on `target` (uses only target.config.*)."""
+def check_compatible(cfg: DrafterConfig, target: Any, source: str = "drafter", draft_vocab=None) -> None:
+    """ValueError naming the mismatch if the drafter cannot run on `target` (uses only target.config.*);
+    draft_vocab: the drafter's (`Drafter.draft_vocab`), made for a vocabulary of the target's size."""
     tc = target.config
     H, L, V = int(tc.hidden_size), int(tc.num_hidden_layers), int(tc.vocab_size)
     if cfg.hidden_size != H:
@@ -272,3 +295,6 @@ def check_compatible(cfg: DrafterConfig, target: Any, source: str = "drafter") -
         raise ValueError(f"{source}: vocab_size={cfg.vocab_size} != target vocab_size={V}")
     if cfg.mask_token_id >= V:
         raise ValueError(f"{source}: mask_token_id={cfg.mask_token_id} >= target vocab_size={V}")
+    if draft_vocab is not None and draft_vocab.column.shape[0] != V:
+        raise ValueError(f"{source}: its draft vocabulary was made for a vocabulary of {draft_vocab.column.shape[0]} "
+                         f"ids, the target has {V}")

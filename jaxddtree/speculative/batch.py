@@ -244,7 +244,7 @@ class SlotPool:
             raise ValueError("batched rounds (max_batch > 1) run on one device; load the target with tp=1")
         cfg = target.config
         if drafter is not None and method != "ar":
-            check_compatible(drafter.config, target)
+            check_compatible(drafter.config, target, draft_vocab=drafter.draft_vocab)
         self.target, self.method = target, method
         self.dcfg = drafter.config if (drafter is not None and method != "ar") else None
         self.drafter = drafter if self.dcfg else None

@@ -658,7 +658,7 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     max_new, temperature, top_k, top_p, min_p, stop_mask = check_request(
         cfg, len(ids), max_new_tokens, temperature, top_k, top_p, min_p, stop_ids)
     if drafter is not None:
-        check_compatible(drafter.config, target)
+        check_compatible(drafter.config, target, draft_vocab=drafter.draft_vocab)
     dcfg = drafter.config if (drafter is not None and method != "ar") else None
     budget, table = resolve_budget(tree_budget, method, cfg.vocab_size, dcfg, budget_costs)
     auto = table is not None
