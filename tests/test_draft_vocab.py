@@ -127,12 +127,13 @@ def test_padding_is_never_drafted(pair):
 
 # ------------------------------------------------------------------------------------------------ generation
 def vocabularies(ar_tokens, V):
-    """'frequent': the 512 most frequent ids of the demo's table; 'lacking': the 1000 most frequent ids without
-    every other id that AR emits (so AR emits tokens the drafter cannot draft; 1000 - k ids: padded columns)."""
+    """'frequent': the 512 most frequent ids of the demo's table; 'lacking': 500 of the most frequent ids without
+    every other id that AR emits (so AR emits tokens the drafter cannot draft; 500 ids: padded columns, and the
+    512-column head of 'frequent': one compilation for both)."""
     counts = dv.load(COUNTS)
     emitted = sorted({t for toks in ar_tokens for t in toks})
     drop = set(emitted[::2])
-    lacking = [i for i in dv.frequent_ids(counts, V)[:1000 + len(drop)] if i not in drop][:1000 - len(drop)]
+    lacking = [i for i in dv.frequent_ids(counts, V)[:500 + len(drop)] if i not in drop][:500]
     return {"frequent": dv.frequent_ids(counts, 512), "lacking": np.asarray(lacking)}
 
 
