@@ -378,8 +378,8 @@ try:
     runpy.run_path({script!r}, run_name="__main__")
 except SystemExit as e:
     rc = e.code
-sys.stderr.write("PROBE " + json.dumps({{"rc": rc, "modules": sorted(m for m in ("torch", "transformers", "jax")
-                                                                   if m in sys.modules)}}) + "\\n")
+sys.stderr.write("PROBE " + json.dumps({{"rc": rc, "modules": sorted(m for m in ("torch", "transformers", "jax",
+    "jax.experimental.pallas.mosaic_gpu", "jax.experimental.pallas.triton") if m in sys.modules)}}) + "\\n")
 """
 
 
@@ -402,7 +402,8 @@ def finish_probe(proc) -> tuple[int, str, list[str], list[str]]:
 def test_user_path_imports_no_torch(tmp_path):
     """torch is a test dependency only: generate.py on the demo pair (tokenizer, chat template, the run itself)
     imports neither torch nor transformers (transformers' configuration_utils imports torch: seconds of start-up),
-    and `--method ar` neither reads nor loads a drafter (here one whose config.json is broken)."""
+    nor, on the CPU (kernels=xla), the GPU kernels' Pallas back ends (Mosaic GPU ≈ 0.5 s, Triton ≈ 0.2 s), and
+    `--method ar` neither reads nor loads a drafter (here one whose config.json is broken)."""
     bad = tmp_path / "bad_drafter"
     bad.mkdir()
     (bad / "config.json").write_text("{broken")
