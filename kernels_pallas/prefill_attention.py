@@ -30,7 +30,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.attention_reference import prefill_attention_reference  # noqa: F401  (re-exported)
+from kernels_pallas.attention_reference import prefill_attention_reference, tree_attention_reference  # noqa: F401
+#     (re-exported: the reference moved to attention_reference, which imports no Pallas back end)
 from kernels_pallas.tree_attention import flash_blocks, flash_smem_bytes, flash_step, kv_head_specs, pos_operand
 from kernels_pallas._common import HIGHEST, compiler_params, feature_pad, next_pow2, pad_axis, pl, pltr
 

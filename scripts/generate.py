@@ -104,9 +104,9 @@ def build_parser() -> Parser:
     d = p.add_argument_group("decoding")
     d.add_argument("--method", choices=("ar", "dflash", "ddtree"), default=None, help="ar: autoregressive; "
                    "dflash: verify the drafter's block as a chain; ddtree: verify the best tree of --budget "
-                   "drafted tokens (default: ddtree when a drafter is available, else ar; with --budget auto on a device "
-                   "without a round-time table, ar when the warm-up, or an earlier run's (see --budget-costs), measured it "
-                   "faster than every candidate)")
+                   "drafted tokens (default: ddtree when a drafter is available, else ar; with --budget auto on a "
+                   "device without a round-time table, ar when the warm-up, or an earlier run's (see --budget-costs), "
+                   "measured it faster than every candidate)")
     d.add_argument("--budget", type=budget_arg, default="auto", metavar="N|auto", help="DDTree node budget: "
                    "drafted tokens verified per round, 1 <= N < vocab size; auto: each round takes the budget "
                    "(15, 31, 63, 127: trees of 16 / 32 / 64 / 128 rows) or the chain with the most expected tokens per second, from the drafter's "
@@ -152,8 +152,8 @@ def build_parser() -> Parser:
                    "first token and tokens/s include compilation (default: warm up first)")
     r.add_argument("--compile-cache", metavar="DIR|none", default=None,
                    help="persistent XLA compilation cache directory: later runs with the same shapes load their "
-                   "programs instead of compiling them (and --budget auto's measurement: see --budget-costs); none: off "
-                   "(default: $JAXDDTREE_COMPILE_CACHE, else ~/.cache/jaxddtree/xla)")
+                   "programs instead of compiling them (and --budget auto's measurement: see --budget-costs); none: "
+                   "off (default: $JAXDDTREE_COMPILE_CACHE, else ~/.cache/jaxddtree/xla)")
     r.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line: tokens, "
                    "prompt_ids, text (when a tokenizer exists), acceptance_lengths, stats (no streaming). "
                    "Otherwise, on a terminal, the prompt is shown before the streamed text and stderr shows "
