@@ -2,7 +2,10 @@
 default, so that a second start with the same shapes loads its programs instead of compiling them.
 
 Demo pair on a 2-core CPU (2026-12-02): the server's warm-up took 68.7 s with an empty cache and 22.0 s with the cache
-of the first start (what is left is tracing and lowering, ≈ 10 s, and programs under the 0.5 s threshold).
+of the first start (what is left is tracing and lowering, ≈ 10 s, and programs under the 0.5 s threshold then).
+Every program is written now, however fast it compiles: generate.py's warm demo start compiled ≈ 30 small programs
+(the loader's transposes and stacks, the decode start: 10–270 ms each, 0.5 s in all) where loading them takes
+0.14 s (2026-12-03); the entries are a few KB.
 
 Where: `--compile-cache DIR`, else $JAXDDTREE_COMPILE_CACHE, else $XDG_CACHE_HOME/jaxddtree/xla (~/.cache/...); the
 value "none" turns it off. JAX keys each entry by the program, the compile options, the devices and the jax/jaxlib
@@ -16,7 +19,7 @@ import sys
 
 ENV = "JAXDDTREE_COMPILE_CACHE"
 OFF = ("none", "off", "")
-MIN_COMPILE_SECS = 0.5  # programs compiling faster than this are not written
+MIN_COMPILE_SECS = 0.0  # programs compiling faster than this are not written (0: all are)
 MAX_BYTES = 8 << 30  # past this the least recently used entries go (JAX's LRU file cache)
 
 

@@ -29,6 +29,16 @@ def tree_attention_reference(q, k_cache, v_cache, start, k_new, v_new, mask, *, 
     return attend(q, k_cache, v_cache, visible, k_new, v_new, mask)
 
 
+def prefill_attention_reference(q, k_cache, v_cache, start, k_new, v_new, *, layer=None):
+    """q [B,T,H,hd]; k/v_cache [B,Hkv,S,hd]; start int32 scalar; k/v_new [B,T,Hkv,hd] -> [B,T,H,hd]:
+    query t attends to cache rows [0, start) and to new rows j ≤ t (the spec: the tree reference with the
+    causal mask). layer (an int32 scalar): the caches are the stacked [L,B,Hkv,S,hd] of every layer, layer
+    `layer`'s attended to."""
+    B, T = q.shape[:2]
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+    return tree_attention_reference(q, k_cache, v_cache, start, k_new, v_new, mask, layer=layer)
+
+
 def attend(q, k_cache, v_cache, cache_visible, k_new=None, v_new=None, new_visible=None):
     """Softmax attention over cached keys (cache_visible [B,T,S]) and optional new keys (new_visible).
 

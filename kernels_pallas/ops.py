@@ -124,14 +124,15 @@ def prefill_attention(q, k_cache, v_cache, start, k_new, v_new, kernels="xla", *
     to new rows j <= t -> [B,T,H,hd] (= tree_attention with the causal mask; no mask is built or read). layer:
     as in `tree_attention`."""
     args = (q, k_cache, v_cache, start, k_new, v_new)
-    from kernels_pallas import prefill_attention as pa
+    from kernels_pallas.attention_reference import prefill_attention_reference
     if _check(kernels) == "pallas":
+        from kernels_pallas import prefill_attention as pa
         if _mgpu_attention(kernels, q, k_cache, k_new, layer):
             from kernels_pallas import prefill_attention_mgpu
             return prefill_attention_mgpu.prefill_attention(*args, layer=layer)
-        return _pallas_or(lambda: pa.prefill_attention_reference(*args, layer=layer),
+        return _pallas_or(lambda: prefill_attention_reference(*args, layer=layer),
                           lambda: pa.prefill_attention(*args, layer=layer))
-    return pa.prefill_attention_reference(*args, layer=layer)
+    return prefill_attention_reference(*args, layer=layer)
 
 
 def gdn_chunked(q, k, v, g, beta, state, kernels="xla", *, layer=None):

@@ -30,7 +30,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.attention_reference import tree_attention_reference
+from kernels_pallas.attention_reference import prefill_attention_reference, tree_attention_reference  # noqa: F401
+#     (re-exported: the reference moved to attention_reference, which imports no Pallas back end)
 from kernels_pallas.tree_attention import flash_blocks, flash_smem_bytes, flash_step, kv_head_specs, pos_operand
 from kernels_pallas._common import HIGHEST, compiler_params, feature_pad, next_pow2, pad_axis, pl, pltr
 
@@ -38,16 +39,6 @@ __all__ = ["prefill_attention", "prefill_attention_reference", "prefill_flops", 
 
 _LOG2E = 1.4426950408889634  # the softmax runs in base 2 (exp2 is one MUFU op; expf is a libdevice sequence)
 _NEG = -1e30  # running-max init: finite, so fully masked blocks give exp2(-inf - _NEG) = 0
-
-
-def prefill_attention_reference(q, k_cache, v_cache, start, k_new, v_new, *, layer=None):
-    """q [B,T,H,hd]; k/v_cache [B,Hkv,S,hd]; start int32 scalar; k/v_new [B,T,Hkv,hd] -> [B,T,H,hd]:
-    query t attends to cache rows [0, start) and to new rows j ≤ t (the spec: the tree reference with the
-    causal mask). layer (an int32 scalar): the caches are the stacked [L,B,Hkv,S,hd] of every layer, layer
-    `layer`'s attended to."""
-    B, T = q.shape[:2]
-    mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
-    return tree_attention_reference(q, k_cache, v_cache, start, k_new, v_new, mask, layer=layer)
 
 
 def prefill_flops(T: int, start: int, H: int, hd: int) -> float:

@@ -119,8 +119,9 @@ def build_parser() -> Parser:
     d = p.add_argument_group("decoding")
     d.add_argument("--method", choices=("ar", "dflash", "ddtree"), default=None, help="ar: autoregressive; "
                    "dflash: verify the drafter's block as a chain; ddtree: verify the best tree of --budget "
-                   "drafted tokens (default: ddtree when a drafter is available, else ar; with --budget auto on a device "
-                   "without a round-time table, ar when the warm-up measured it faster than every candidate)")
+                   "drafted tokens (default: ddtree when a drafter is available, else ar; with --budget auto on a "
+                   "device without a round-time table, ar when the warm-up, or an earlier run's (see --budget-costs), "
+                   "measured it faster than every candidate)")
     d.add_argument("--budget", type=budget_arg, default="auto", metavar="N|auto", help="DDTree node budget: "
                    "drafted tokens verified per round, 1 <= N < vocab size; auto: each round takes the budget "
                    "(15, 31, 63, 127: trees of 16 / 32 / 64 / 128 rows) or the chain with the most expected tokens per second, from the drafter's "
@@ -128,8 +129,9 @@ def build_parser() -> Parser:
     d.add_argument("--budget-costs", metavar="FILE", default=None, help="--budget auto's round times: a JSON "
                    "file with 'round_ms_by_budget_context' ({'chain'|'16'|...: {'<context>': ms}}, as "
                    "benchmarks/bench.py writes it) (default: benchmarks/results/h200.json on an H200; elsewhere each "
-                   "candidate and AR timed at warm-up, printed; with --no-warmup a built-in model linear in tree "
-                   "rows and context)")
+                   "candidate and AR timed at warm-up, printed, and kept in the --compile-cache directory "
+                   "(budget-auto/): a later run with the same model, device and settings reuses it and compiles "
+                   "only the method it chose; with --no-warmup a built-in model linear in tree rows and context)")
     d.add_argument("--draft-vocab", type=draft_vocab_arg, default=None, metavar="N|FILE", help="draft only a "
                    "subset of the token ids: N, the N most frequent ids of the drafter directory's "
                    f"{COUNTS_FILE} (a frequency table: scripts/count_tokens.py writes one, the demo pair ships one), "
@@ -172,8 +174,8 @@ def build_parser() -> Parser:
                    "first token and tokens/s include compilation (default: warm up first)")
     r.add_argument("--compile-cache", metavar="DIR|none", default=None,
                    help="persistent XLA compilation cache directory: later runs with the same shapes load their "
-                   "programs instead of compiling them; none: off (default: $JAXDDTREE_COMPILE_CACHE, else "
-                   "~/.cache/jaxddtree/xla)")
+                   "programs instead of compiling them (and --budget auto's measurement: see --budget-costs); none: "
+                   "off (default: $JAXDDTREE_COMPILE_CACHE, else ~/.cache/jaxddtree/xla)")
     r.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line: tokens, "
                    "prompt_ids, text (when a tokenizer exists), acceptance_lengths, stats (no streaming). "
                    "Otherwise, on a terminal, the prompt is shown before the streamed text and stderr shows "
@@ -363,7 +365,7 @@ def run(argv=None) -> int:
 
     import jax
     from jaxddtree import compile_cache
-    compile_cache.enable(args.compile_cache, "generate.py")
+    cache_dir = compile_cache.enable(args.compile_cache, "generate.py")
     backend = jax.default_backend()
     dtype = args.dtype or ("float32" if backend == "cpu" else "bfloat16")
     kernels = args.kernels or ("xla" if backend == "cpu" else "pallas")
@@ -422,34 +424,42 @@ def run(argv=None) -> int:
             (f", draft vocabulary of {len(vocab_ids)} ids" if vocab_ids is not None else "") +
             f", {len(ids)} prompt tokens, max {max_new} new, T={args.temperature:g}, {dtype}, kernels={kernels}, "
             f"{backend}" + (f", tp={args.tp}" if args.tp > 1 else "") + f" (loaded in {load_s:.1f} s)")
+    measured = None  # tokens/s at warm-up per candidate name, "ar" included
+    from jaxddtree.speculative import budget as budget_lib
+    probe = ids[:warmup_length(len(ids))]  # the warm-up prompt
+    measure = (not args.no_warmup and method == "ddtree" and args.budget == "auto" and args.budget_costs is None
+               and max_new >= MEASURE_MIN and budget_lib.shipped() is None)
+    # no round-time table for this device (the CPU): each candidate and AR are timed after the warm-up, or were
+    # timed by an earlier start with the same inputs (kept beside the compilation cache: then only the method
+    # chosen is compiled)
+    known = known_path = None
+    if measure and cache_dir is not None:
+        from jaxddtree.speculative import calibration
+        known_key = calibration.key(target_dir=tdir, drafter_dir=ddir, settings=dict(
+            dtype=dtype, kernels=kernels, tp=args.tp, probe=[int(i) for i in probe], measure_tokens=min(
+                max_new, MEASURE_TOKENS), draft_vocab=None if vocab_ids is None else [int(i) for i in vocab_ids],
+            **{k: v for k, v in kw.items() if k not in ("drafter", "method")}))
+        known_path = calibration.path_for(cache_dir, known_key)
+        known = calibration.load(known_path, known_key)
+        if known is not None:
+            method, measured = _use_measured(args, kw, budget_lib, *known, f"measured by an earlier run ({known_path})")
     compile_s = None
     if not args.no_warmup:  # same programs (a prompt of the same chunk width, the same caches); every token is a
         # stop id, so only the first is produced
         say("compiling ...")
         t = time.perf_counter()
-        jd.generate(target, ids[:warmup_length(len(ids))], **kw, stop_ids=range(cfg.vocab_size))
+        jd.generate(target, probe, **kw, stop_ids=range(cfg.vocab_size))
         compile_s = time.perf_counter() - t
         if not args.json:
             log(f"compiled in {compile_s:.1f} s")
-    measured = None  # tokens/s at warm-up per candidate name, "ar" included
-    from jaxddtree.speculative import budget as budget_lib
-    if (compile_s is not None and method == "ddtree" and args.budget == "auto" and args.budget_costs is None
-            and max_new >= MEASURE_MIN and budget_lib.shipped() is None):
-        # no round-time table for this device (the CPU): time each candidate and AR instead of the H200's model
+    if measure and known is None:
         say("measuring the candidates ...")
         t = time.perf_counter()
-        table, measured, ar_rate = _measure(jd, target, ids[:warmup_length(len(ids))], kw, cfg, budget_lib)
-        kw["budget_costs"] = table
-        use_ar = args.method is None and ar_rate > max(measured.values())  # the default is never slower than AR
-        if use_ar:
-            method = "ar"
-            kw.update(method="ar", drafter=None, budget_costs=None)
-        measured = {"ar": ar_rate, **{budget_lib.name(b): r for b, r in measured.items()}}
-        if not args.json:
-            log(f"--budget auto: measured at warm-up ({time.perf_counter() - t:.1f} s), tokens/s: " +
-                ", ".join(f"{k} {v:.0f}" for k, v in measured.items()) +
-                (" -> ar (no speculative candidate beat it on this device)" if use_ar else
-                 " -> ddtree with these round times"))
+        table, rates, ar_rate = _measure(jd, target, probe, kw, cfg, budget_lib)
+        if known_path is not None:
+            calibration.save(known_path, known_key, table, rates, ar_rate)
+        method, measured = _use_measured(args, kw, budget_lib, table, rates, ar_rate,
+                                         f"measured at warm-up ({time.perf_counter() - t:.1f} s)")
 
     printer = StreamPrinter(tok) if (tok is not None and not args.json) else None
     show_text = printer is not None and sys.stdout.isatty()  # the text continues the prompt: show it first, dimmed
@@ -495,6 +505,21 @@ def run(argv=None) -> int:
         (f", budgets {stats['budget_counts']}" if stats.get("budget_counts") else "") +
         (f" (ar at warm-up: {measured['ar']:.1f} tokens/s)" if measured is not None and method != "ar" else ""))
     return 0
+
+
+def _use_measured(args, kw, budget_lib, table, rates, ar_rate, when: str):
+    """Decode with the measured table, or with AR when --method was not given and no candidate beat it (the default
+    is never slower than AR); one line says so. Updates `kw` -> (method, {name: tokens/s} with "ar" first)."""
+    use_ar = args.method is None and ar_rate > max(rates.values())
+    kw["budget_costs"] = table
+    if use_ar:
+        kw.update(method="ar", drafter=None, budget_costs=None)
+    measured = {"ar": ar_rate, **{budget_lib.name(b): r for b, r in rates.items()}}
+    if not args.json:
+        log(f"--budget auto: {when}, tokens/s: " + ", ".join(f"{k} {v:.0f}" for k, v in measured.items()) +
+            (" -> ar (no speculative candidate beat it on this device)" if use_ar else
+             " -> ddtree with these round times"))
+    return kw["method"], measured
 
 
 MEASURE_TOKENS = 32  # tokens per timed generation when --budget auto measures its candidates at warm-up

@@ -36,7 +36,7 @@ if os.environ.get("JAX_PLATFORMS") == "cpu" and "xla_backend_optimization_level"
 
 import hf_models  # noqa: E402
 from crash_rerun import (  # noqa: E402,F401  (hooks: a crashed xdist worker's test runs once more)
-    pytest_handlecrashitem, pytest_report_teststatus, pytest_terminal_summary)
+    pytest_handlecrashitem, pytest_report_teststatus, pytest_terminal_summary, pytest_xdist_make_scheduler)
 from map_budget import pytest_runtest_teardown  # noqa: E402,F401  (hook: compiled programs dropped between files
 #                                                                 when the process nears vm.max_map_count)
 

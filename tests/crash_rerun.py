@@ -7,6 +7,10 @@ crash: it is retried once in a fresh worker; a second crash of the same test fai
 (an assertion, an exception) is never retried. Every retry is listed at the end of the run, so a crash stays
 visible.
 
+With `--dist loadfile` (the Makefile's; `loadscope` likewise) xdist itself puts a crashed worker's file back in the
+queue, the crashed test included, and its scheduler has no `mark_test_pending`: `pytest_xdist_make_scheduler`
+gives it one that leaves the requeue alone, and drops a test that crashed twice from the requeue (no third run).
+
 Loaded by tests/conftest.py (the controller process runs these hooks; without xdist they never fire).
 """
 
@@ -25,6 +29,37 @@ def pytest_handlecrashitem(crashitem, report, sched):
         _crashes[crashitem] = n + 1
         sched.mark_test_pending(crashitem)
         report.outcome = "rerun"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile / loadscope: xdist's scheduler with the retry's two needs (see the module docstring)."""
+    dist = config.getvalue("dist")
+    if dist not in ("loadfile", "loadscope"):
+        return None
+    from xdist.scheduler import LoadFileScheduling, LoadScopeScheduling
+
+    class Rerun(LoadFileScheduling if dist == "loadfile" else LoadScopeScheduling):
+        def remove_node(self, node):
+            """xdist 3.8's remove_node, except that a crashed test that already had its rerun is marked done
+            before its unit goes back in the queue (it fails, and does not run a third time)."""
+            workload = self.assigned_work.pop(node)
+            if not self._pending_of(workload):
+                return None
+            crashitem = next(nodeid for unit in workload.values() for nodeid, done in unit.items() if not done)
+            if _crashes.get(crashitem, 0) >= MAX_CRASH_RERUNS:
+                for unit in workload.values():
+                    if crashitem in unit:
+                        unit[crashitem] = True
+            self.workqueue.update(workload)
+            for other in self.assigned_work:
+                self._reschedule(other)
+            return crashitem
+
+        def mark_test_pending(self, item):
+            pass  # remove_node requeued the crashed test's unit, with the crashed test still pending in it
+
+    return Rerun(config, log)
 
 
 def pytest_report_teststatus(report):

@@ -167,6 +167,39 @@ def test_calibrate():
         B.calibrate(lambda t: (0, 1, 0.0), (15,), "cpu")
 
 
+def test_measurement_kept_on_disk(tmp_path):
+    """generate.py's warm-up measurement (speculative/calibration.py): saved and read back under its key; another
+    setting, a changed model file or a corrupt file is a miss (the caller measures again)."""
+    from jaxddtree.speculative import calibration as C
+    model = tmp_path / "target"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    settings = dict(dtype="float32", probe=[1, 2, 3], cache_len=256, temperature=0.0, budget_costs=None)
+    k = C.key(target_dir=str(model), drafter_dir=None, settings=settings)
+    assert json.loads(json.dumps(k)) == k and k["drafter"] == "built-in random"
+    path = C.path_for(str(tmp_path / "cc"), k)
+    assert path.startswith(str(tmp_path / "cc" / C.SUBDIR)) and C.load(path, k) is None
+    table, rates = B.calibrate(lambda t: (10, 41, 0.01 * (1 + min(t.candidates, key=lambda c: t.ms[
+        t.candidates.index(c)][0]))), (0, 15, 63), "cpu")
+    assert C.save(path, k, table, rates, 1234.5)
+    got = C.load(path, k)
+    assert got is not None
+    t2, r2, ar = got
+    assert t2.candidates == table.candidates and t2.contexts == table.contexts and ar == 1234.5
+    np.testing.assert_allclose(t2.ms, table.ms)
+    assert r2 == pytest.approx(rates)
+    assert "earlier run" in t2.source
+    k_other = C.key(target_dir=str(model), drafter_dir=None, settings=dict(settings, cache_len=512))
+    assert C.path_for(str(tmp_path / "cc"), k_other) != path and C.load(path, k_other) is None
+    os.utime(model / "config.json", ns=(1, 1))  # the model changed: another key
+    assert C.key(target_dir=str(model), drafter_dir=None, settings=settings) != k
+    with open(path, "w") as f:
+        f.write("{not json")
+    assert C.load(path, k) is None
+    (tmp_path / "blocker").write_text("")  # a file where the directory goes: nothing saved, no error
+    assert not C.save(str(tmp_path / "blocker" / C.SUBDIR / "x.json"), k, table, rates, 1.0)
+
+
 # ----------------------------------------------------------------------------------------- end to end
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):

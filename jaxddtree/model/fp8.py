@@ -34,7 +34,6 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kernels_pallas.w8a8_mgpu import scale_cols
 
 FP8 = jnp.float8_e4m3fn
 
@@ -91,6 +90,7 @@ def make(q, row_scales_compact, *, block_in: int, block_out: int, shape: tuple, 
     nb = -(-q.shape[1] // block_in)
     s = jnp.asarray(row_scales_compact, jnp.float32)
     assert s.shape == (-(-q.shape[0] // block_out), nb), (s.shape, q.shape, block_in, block_out)
+    from kernels_pallas.w8a8_mgpu import scale_cols  # here: the module imports Mosaic GPU (≈ 0.5 s on a CPU start)
     cols = scale_cols(nb)
     if cols != nb:
         s = jnp.pad(s, ((0, 0), (0, cols - nb)))
