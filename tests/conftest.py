@@ -173,3 +173,13 @@ class JaxHelpers:
 @pytest.fixture(scope="session")
 def jx() -> type[JaxHelpers]:
     return JaxHelpers
+
+
+@pytest.fixture(scope="module")
+def demo_pair():
+    """The shipped demo pair (demo/) in float32, loaded once per test module; skips when demo/ is absent."""
+    from jaxddtree.checkpoint import builtin
+
+    if builtin.demo_dirs() is None:
+        pytest.skip("the demo pair (demo/) is absent")
+    return builtin.load("float32")

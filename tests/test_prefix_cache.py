@@ -17,12 +17,8 @@ S = 1024
 
 
 @pytest.fixture(scope="module")
-def pair():
-    from jaxddtree.checkpoint import builtin
-
-    if builtin.demo_dirs() is None:
-        pytest.skip("the demo pair (demo/) is absent")
-    return builtin.load("float32")
+def pair(demo_pair):
+    return demo_pair
 
 
 def _prefill(pair, ids, start=None, on_chunk=None, grid=0, chunk=64):

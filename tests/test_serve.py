@@ -39,12 +39,8 @@ def _pool_factory():
 
 
 @pytest.fixture(scope="module")
-def pair():
-    from jaxddtree.checkpoint import builtin
-
-    if builtin.demo_dirs() is None:
-        pytest.skip("the demo pair (demo/) is absent")
-    return builtin.load("float32")
+def pair(demo_pair):
+    return demo_pair
 
 
 @pytest.fixture(scope="module")
