@@ -66,7 +66,6 @@ class Snapshot:
     blocks: list  # its full blocks [0, p // BLOCK)
     tail: _Block | None  # the partial block [p // BLOCK * BLOCK, p) (rows past p unused), or None
     state: int  # its GDN states' slot in the state pool
-    nbytes: int = 0  # its own bytes (tail + states), the blocks counted apart
     key: Any = None  # (p, digest of ids)
 
 
@@ -295,8 +294,7 @@ class PrefixCache:
             if blocks[i] is None:
                 blocks[i] = self._blocks[rec.digests[i]] = _Block(rec.digests[i], made[i], refs=1)
         tail = _Block(None, made[nb], refs=1) if p % self.block else None
-        snap = Snapshot(p=p, ids=rec.ids[:p].copy(), blocks=blocks, tail=tail, state=state, key=key,
-                        nbytes=self.state_bytes + (self.block_bytes if tail is not None else 0))
+        snap = Snapshot(p=p, ids=rec.ids[:p].copy(), blocks=blocks, tail=tail, state=state, key=key)
         self._snaps[key] = snap
         self.stats["snapshots"] += 1
 
@@ -316,12 +314,13 @@ class PrefixCache:
         do (not even with every snapshot gone: False)."""
         if n_blocks > self._n_blocks or self._n_states < 1:
             return False
-        while True:
-            ub, us = self._used()
-            if ub + n_blocks <= self._n_blocks and us + 1 <= self._n_states:
-                return True
-            if not self._snaps:
-                return False
+        self._shrink(self._n_blocks - n_blocks, self._n_states - 1)
+        ub, us = self._used()
+        return ub + n_blocks <= self._n_blocks and us + 1 <= self._n_states
+
+    def _shrink(self, blocks: int, states: int):
+        """Evict least recently used snapshots until at most `blocks` blocks and `states` states are in use."""
+        while self._snaps and (self._used()[0] > blocks or self._used()[1] > states):
             _, s = self._snaps.popitem(last=False)
             self._drop(s)
             self.stats["evicted"] += 1
@@ -368,10 +367,7 @@ class PrefixCache:
             self._pools = None
             return
         self._n_blocks, self._n_states = n, m
-        while self._snaps and (self._used()[0] > n or self._used()[1] > m):
-            _, s = self._snaps.popitem(last=False)
-            self._drop(s)
-            self.stats["evicted"] += 1
+        self._shrink(n, m)
 
     def __len__(self) -> int:
         return len(self._snaps)
