@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, default=1024, help="tokens the step adds (default: 1024)")
     p.add_argument("--max-tokens", type=int, default=256, help="the previous request's completion (default: 256)")
     p.add_argument("--step-max-tokens", type=int, default=8, help="the step's completion (default: 8)")
+    p.add_argument("--decode-tokens", type=int, default=128, metavar="N",
+                   help="the decode-speed check's completion length (0: skip it; default: 128)")
     p.add_argument("--pause", type=float, default=0.0, metavar="S", help="seconds between the previous request's "
                    "end and the step (the agent's tool time; default 0: the snapshot's prefill may be in the TTFT)")
     p.add_argument("--repeats", type=int, default=1, help="runs per history and kind (the median is reported)")
@@ -97,15 +99,16 @@ def parse_args(argv=None):
     if args.smoke:
         args.random_27b = True
         args.histories, args.new_tokens, args.max_tokens, args.step_max_tokens = [192, 320], 48, 8, 4
+        args.decode_tokens = min(args.decode_tokens, 16)
     if min(args.histories) <= args.max_tokens + 1 or args.new_tokens < 1 or args.max_tokens < 1 \
-            or args.step_max_tokens < 1 or args.repeats < 1:
+            or args.step_max_tokens < 1 or args.repeats < 1 or not (args.decode_tokens == 0 or args.decode_tokens > 2):
         p.error("every history must exceed --max-tokens + 1; --new-tokens, --max-tokens, --step-max-tokens and "
-                "--repeats must be >= 1")
+                "--repeats must be >= 1; --decode-tokens 0 or > 2")
     if args.out is None and args.random_27b and not args.smoke:
         args.out = DEFAULT_OUT
     if args.prompt == "auto":
         args.prompt = "text" if args.random_27b else "ids"
-    need = max(args.histories) + args.new_tokens + max(args.max_tokens, args.step_max_tokens)
+    need = max(args.histories) + args.new_tokens + max(args.max_tokens, args.step_max_tokens, args.decode_tokens)
     args.max_context = max(args.max_context or 0, need)
     args.lengths = sorted({n for h in args.histories for n in (h - args.max_tokens, h, h + args.new_tokens)})
     return args
@@ -249,6 +252,36 @@ def agent_runs(complete, base, model, tok, H: int, args, seed: int) -> dict:
     return out
 
 
+def decode_check(complete, base, engine, H: int, args, seed: int) -> dict:
+    """Decode speed with the prefix cache on vs off (the issue's ±2 % goal), at history H: ms per token after the
+    first of an --decode-tokens completion: "on_hit" (an agent step served from the cache), "on_miss" (a prompt the
+    cache has not seen, cache on), then the cache switched off in this server (what --prefix-cache-gb 0 runs: no
+    lookups, snapshots or remembering) and "off" (a never-seen prompt). Same history, same programs."""
+    import numpy as np
+    tok = engine.tokenizer
+    rng = np.random.default_rng(seed)
+    lo = min(1000, tok.vocab_size // 4)
+    rand = lambda n: rng.integers(lo, tok.vocab_size, n).tolist()  # noqa: E731
+    send = (lambda ids: tok.decode(ids)) if args.prompt == "text" else list  # noqa: E731
+    n = args.decode_tokens
+
+    def rate(r) -> dict:
+        _, got = _fields(r["usage"])
+        return {"ms_per_token": 1e3 * (r["wall_s"] - r["ttft_s"]) / max(got - 1, 1), "completion_tokens": got,
+                "ttft_s": r["ttft_s"]}
+
+    from jaxddtree.text import encode_text
+    prev = rand(H - args.max_tokens)
+    first = complete(base, engine.name, send(prev), args.max_tokens)
+    step = prev + encode_text(tok, first["text"]) + rand(args.new_tokens)
+    out = {"history": H, "on_hit": rate(complete(base, engine.name, send(step), n)),
+           "on_miss": rate(complete(base, engine.name, send(rand(H + args.new_tokens)), n))}
+    engine.prefix_cache = engine.pool.prefix_cache = None  # (the server is idle: nothing is being remembered)
+    out["off"] = rate(complete(base, engine.name, send(rand(H + args.new_tokens)), n))
+    out["off_over_on_hit"] = out["off"]["ms_per_token"] / out["on_hit"]["ms_per_token"]
+    return out
+
+
 def main(argv=None) -> int:
     if ROOT not in sys.path:  # this checkout's jaxddtree, installed or not
         sys.path.insert(0, ROOT)
@@ -274,6 +307,12 @@ def main(argv=None) -> int:
                 print(f"history {h:7d}: TTFT fresh {r['fresh']['ttft_s']:.3f} s, cached {r['cached']['ttft_s']:.3f} "
                       f"s ({r['cached']['cached_tokens']} of {r['step_prompt_tokens']} prompt tokens cached)",
                       flush=True)
+        decode = None
+        if args.decode_tokens and engine.prefix_cache is not None:  # last: it switches the cache off
+            decode = decode_check(complete, base, engine, min(args.histories), args, seed=999)
+            print(f"decode at {decode['history']}: {decode['on_hit']['ms_per_token']:.2f} ms/token served from the "
+                  f"cache, {decode['on_miss']['ms_per_token']:.2f} cache on (miss), {decode['off']['ms_per_token']:.2f}"
+                  f" cache off (off / hit {decode['off_over_on_hit']:.3f})", flush=True)
     finally:
         stop()
     med = lambda xs: statistics.median(xs)  # noqa: E731
@@ -281,10 +320,11 @@ def main(argv=None) -> int:
     record = {
         "ttft_s": {h: {k: med([r[k]["ttft_s"] for r in rs]) for k in ("fresh", "cached")} for h, rs in runs.items()},
         "cached_tokens": {h: med([r["cached"]["cached_tokens"] for r in rs]) for h, rs in runs.items()},
+        "decode": decode,
         "runs": runs,
         "settings": {"model": engine.name, "method": engine.method, "budget": engine.budget,
                      "new_tokens": args.new_tokens, "previous_max_tokens": args.max_tokens,
-                     "step_max_tokens": args.step_max_tokens, "pause_s": args.pause, "repeats": args.repeats,
+                     "step_max_tokens": args.step_max_tokens, "decode_tokens": args.decode_tokens, "pause_s": args.pause, "repeats": args.repeats,
                      "max_context": engine.max_context, "max_batch": engine.max_batch,
                      "prefill_tokens": engine.prefill_tokens, "prefix_cache_gib":
                      engine.prefix_cache_budget / (1 << 30), "prefix_cache_grid": args.prefix_cache_grid,
@@ -297,7 +337,7 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
         print(f"agent_bench.py: wrote {args.out}", flush=True)
-    print(json.dumps({k: record[k] for k in ("ttft_s", "cached_tokens", "date", "device")}), flush=True)
+    print(json.dumps({k: record[k] for k in ("ttft_s", "cached_tokens", "decode", "date", "device")}), flush=True)
     return 0
 
 
