@@ -135,7 +135,7 @@ def build_engine(args):
                     max_batch=args.max_batch, prefill_tokens=args.prefill_tokens,
                     prefix_cache_gb=args.prefix_cache_gb, prefix_cache_grid=args.prefix_cache_grid)
     t = time.perf_counter()
-    engine.warmup([1, 2, 3], sampling=False, progress=warmup_printer("agent_bench.py"), lengths=args.lengths)
+    engine.warmup([1, 2, 3], progress=warmup_printer("agent_bench.py"), lengths=args.lengths)
     print(f"agent_bench.py: compiled in {time.perf_counter() - t:.1f} s; max_batch {engine.max_batch}, prefix cache "
           f"{engine.prefix_cache_budget / (1 << 30):.1f} GiB, memory {engine.memory}", flush=True)
     return engine

@@ -157,7 +157,7 @@ def loop_state(target, drafter, plan, context: int, max_new: int, cache=None, co
     logits = jax.random.normal(jax.random.key(5), (1, cfg.vocab_size), jnp.float32)
     start = loop_lib.start_fn(target, plan, P, F, round_up(max_new, 256))
     state = start(logits, sharding.place(cache, target.mesh), dcache, jnp.uint32(0),
-                  jnp.zeros((cfg.vocab_size,), bool), jnp.float32(1.0), jnp.int32(max_new), jnp.int32(0),
+                  jnp.zeros((cfg.vocab_size,), bool), jnp.float32(0.0), jnp.int32(max_new), jnp.int32(0),
                   jnp.float32(1.0), jnp.float32(0.0), costs)
     return sharding.place(state, target.mesh)
 

@@ -3,13 +3,13 @@
 
 For each slot count B in --slots: ms per round of what a SlotPool runs for B active requests —
   B = 1: generate's own round (`loop.loop_fn`, greedy plan, DDTree at --single-budget);
-  B >= 2: the batched round (`batch.slots_fn`, vmap of loop's per-slot round; sampling + truncation always on, their
-          values per slot) at the pool's per-slot budget `batch.bucket_budget(B, --slot-rows)`,
+  B >= 2: the batched round (`batch.slots_fn`, vmap of loop's per-slot round; the sampling class is data, the
+          widest of the slots') at the pool's per-slot budget `batch.bucket_budget(B, --slot-rows)`, greedy requests,
 each slot's caches filled at --context committed tokens (random contents), --rounds-per-call rounds per jitted call
 (time / rounds, median of --runs calls). Tokens/s are projected from an acceptance (tokens per round per slot:
 --acceptance, one number or budget=value pairs) as B · acceptance / round time, and their ratio to B = 1.
---truncate-ab B,...: also the batched round with plan.truncate=False and with a greedy plan (sampling=False) at those
-B: what the always-on truncation and sampling cost a batch of greedy requests.
+--truncate-ab B,...: also the batched round of sampled requests (temperature 1) and of truncated ones (top_k 20) at
+those B: what sampling and truncation cost over greedy.
 --prefill-groups K,...: the prefill + start of K joining prompts of --prefill-prompt tokens, one by one (K = 1: K
 sequential `loop.Prefill`s, as the pool ran joiners before) and as one `loop.PrefillGroup` (one pass per chunk for all
 K): ms for all K (median of --runs), the group's speed-up (`prefill_by_group`).
@@ -83,7 +83,7 @@ def main(argv=None):
                     help="tokens per round per slot for the projection: a number or budget=value pairs")
     ap.add_argument("--rounds-per-call", type=int, default=8)
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--truncate-ab", default="4", help="slot counts also timed with plan.truncate=False ('' none)")
+    ap.add_argument("--truncate-ab", default="4", help="slot counts also timed with sampled and truncated requests ('' none)")
     ap.add_argument("--prefill-groups", default="", help="joining prompts prefilled together, e.g. 2,4,8 ('' none)")
     ap.add_argument("--prefill-prompt", type=int, default=512, help="tokens per prompt of --prefill-groups")
     ap.add_argument("--kernels", default=None, choices=["xla", "pallas"])
@@ -142,11 +142,11 @@ def main(argv=None):
             del state
         else:
             budget = batch_lib.bucket_budget(B, args.slot_rows)
-            variants = ((True, True), (True, False), (False, False)) if B in ab else ((True, True),)
-            for sampling, truncate in variants:  # (True, True): the pool's; the others: what sampling costs
-                plan = dataclasses.replace(batch_lib.batch_plan(target, dcfg, "ddtree", budget), sampling=sampling,
-                                           truncate=truncate)
-                one = slot_state(target, drafter, plan, args.context, max_new)
+            variants = {"round_ms": (0.0, 0), "round_ms_sampled": (1.0, 0), "round_ms_truncated": (1.0, 20)}
+            plan = batch_lib.batch_plan(target, dcfg, "ddtree", budget)
+            for key, (temperature, top_k) in variants.items() if B in ab else [("round_ms", (0.0, 0))]:
+                one = slot_state(target, drafter, plan, args.context, max_new, temperature).replace(
+                    top_k=jnp.int32(top_k))
                 bstate = jax.tree.map(lambda x: jnp.stack([x] * B), one)
                 del one
                 bstate = bstate.replace(budget=jnp.full((B,), budget, jnp.int32))
@@ -154,8 +154,7 @@ def main(argv=None):
                 oracle = jnp.zeros((B, 1), jnp.int32)
                 ms, bstate, prog = time_calls(lambda s: fn(leaves, dparams, s, oracle), bstate, args.runs, R)
                 assert not bool(jnp.any(prog.done)), "a slot finished during the timing (raise max_new)"
-                row[{(True, True): "round_ms", (True, False): "round_ms_no_truncate",
-                     (False, False): "round_ms_greedy_plan"}[(sampling, truncate)]] = ms
+                row[key] = ms
                 del bstate
             row["budget"] = budget
         acc = acceptance_for(args.acceptance, row["budget"])
@@ -163,8 +162,8 @@ def main(argv=None):
         res["by_slots"][str(B)] = row
         log(f"B={B}: budget {row['budget']} ({row['rows']} rows) {row['round_ms']:.2f} ms/round, "
             f"{row['tokens_per_s']:.1f} tokens/s at acceptance {acc}"
-            + (f"; no truncation {row['round_ms_no_truncate']:.2f} ms, greedy plan {row['round_ms_greedy_plan']:.2f} ms"
-               if "round_ms_no_truncate" in row else ""))
+            + (f"; sampled {row['round_ms_sampled']:.2f} ms, truncated {row['round_ms_truncated']:.2f} ms"
+               if "round_ms_sampled" in row else ""))
         base = res["by_slots"].get("1")
         if base:
             for r in res["by_slots"].values():

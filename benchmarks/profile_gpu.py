@@ -373,13 +373,12 @@ def main():
             return lg
         steps["prefill"] = prefill_chunk
 
-    if "slots" in parts:  # the pool's batched round: vmap of loop's per-slot round over B slots (greedy plan)
-        import dataclasses
+    if "slots" in parts:  # the pool's batched round: vmap of loop's per-slot round over B slots (greedy requests)
         from bench import loop_state
         from jaxddtree.speculative import batch as batch_lib
         B = args.slots
         sb = batch_lib.bucket_budget(B, args.slot_rows)
-        splan = dataclasses.replace(batch_lib.batch_plan(target, dcfg, "ddtree", sb), sampling=False, truncate=False)
+        splan = batch_lib.batch_plan(target, dcfg, "ddtree", sb)
         one = loop_state(target, drafter, splan, L, 40 * R * dcfg.block_size)
         holder = [jax.tree.map(lambda x: jnp.stack([x] * B), one).replace(budget=jnp.full((B,), sb, jnp.int32))]
         del one

@@ -146,7 +146,7 @@ def random_27b_engine(args):
         return engine
     # this benchmark sends temperature 0 only, and its clients' prompts: only their prefill widths are compiled
     lengths = [len(encode_text(tok, prompt_text(i, args.prompt_tokens, tok))) for i in range(max(args.clients))]
-    engine.warmup(encode_text(tok, "Hello"), sampling=False, progress=warmup_printer("serve_bench.py"),
+    engine.warmup(encode_text(tok, "Hello"), progress=warmup_printer("serve_bench.py"),
                   lengths=lengths)
     print(f"serve_bench.py: random 27B pair compiled in {time.perf_counter() - t:.1f} s", flush=True)
     return engine

@@ -334,16 +334,16 @@ def test_warmup_lengths_compiles_only_their_widths(pair):
     p = batch_lib.SlotPool(target, drafter, method="dflash", max_batch=2, cache_len=2 * CACHE_LEN, sync_every=2,
                            max_group=2)
     with pytest.raises(ValueError, match="fits the cache"):
-        p.warmup(PROMPTS[0], sampling=False, lengths=[10 ** 6])
+        p.warmup(PROMPTS[0], lengths=[10 ** 6])
     fits = lambda n: batch_lib.loop_lib.capacity(target, p.dcfg, p.method, p.budget, n, 2)[1] <= 2 * CACHE_LEN
     all_widths = [w for w, n in chunk_widths(target.config.max_position_embeddings - 2) if fits(n)]
     assert len(all_widths) > 1, all_widths  # (else the filter below could not fail)
     seen = []
-    p.warmup(PROMPTS[0], sampling=False, lengths=[len(PROMPTS[0]), len(PROMPTS[1])],
+    p.warmup(PROMPTS[0], lengths=[len(PROMPTS[0]), len(PROMPTS[1])],
              progress=lambda done, total, what: seen.append(what))
     pre = [w for w in seen if "prefill" in w]
     assert len(pre) == 1 and pre[0].startswith(f"prefill of {chunk_size(len(PROMPTS[0]))}-token chunks"), seen
-    assert seen[-1] == "2 slots, greedy: rounds, joins and leaves"
+    assert seen[-1] == "2 slots: rounds, joins and leaves"
 
 
 def test_warmup_compiles_everything(pair, ar_ref):
@@ -354,9 +354,9 @@ def test_warmup_compiles_everything(pair, ar_ref):
                            max_group=2)
     seen = []
     p.warmup(PROMPTS[0], progress=lambda done, total, what: seen.append((done, total, what)))
-    # one progress line per stage: each prefill width, then each (slot count, greedy / sampled) bucket
+    # one progress line per stage: each prefill width, then each slot-count bucket (greedy and sampled: one program)
     assert [d for d, _, _ in seen] == list(range(1, len(seen) + 1)) and {t for _, t, _ in seen} == {len(seen)}
-    assert seen[-1][2] == "4 slots, sampled: rounds, joins and leaves" and "prefill" in seen[0][2]
+    assert seen[-1][2] == "4 slots: rounds, joins and leaves" and "prefill" in seen[0][2]
     before = _compiled(target), batch_lib.TRACES["slots"], batch_lib.TRACES["rounds"], batch_lib.TRACES["start"]
     reqs = [Request(PROMPTS[0], 12), Request(PROMPTS[1], 20, temperature=0.8, seed=3),
             Request(PROMPTS[2], 9, temperature=1.0, top_p=0.8, stop_ids=(ar_ref[2][3],)), Request(PROMPTS[3], 30),

@@ -397,13 +397,12 @@ class Engine:
             except Exception as e:  # metrics never fail a request
                 print(f"jaxddtree.serving: metrics: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
-    def warmup(self, prompt_ids, sampling: bool = True, progress=None, lengths=None):
-        """Compile everything a request can run (`pool.warmup`: every prefill width, the single-slot rounds
-        greedy / sampled / truncated, the round of every slot-count bucket, greedy and sampling, joins and resizes),
-        before the server listens. sampling=False: the greedy classes only (a benchmark that sends only T = 0);
-        lengths: the prompt lengths a benchmark sends (only their prefill widths).
+    def warmup(self, prompt_ids, progress=None, lengths=None):
+        """Compile everything a request can run (`pool.warmup`: every prefill width, the single-slot round, the
+        round of every slot-count bucket, joins and resizes; greedy and sampled requests share each program),
+        before the server listens. lengths: the prompt lengths a benchmark sends (only their prefill widths).
         progress(done, total, what): called after each stage (`SlotPool.warmup`)."""
-        self.pool.warmup(list(prompt_ids) or [0], sampling=sampling, progress=progress, lengths=lengths)
+        self.pool.warmup(list(prompt_ids) or [0], progress=progress, lengths=lengths)
 
     # ---------------------------------------------------------------- scheduler side
     def _request(self, job: Job):

@@ -10,8 +10,8 @@ all slots (`kernels_pallas.ops.dense`'s batching rule does the same for the Pall
 
 Per slot, as data (one compilation per slot-count bucket): the DDTree budget (`DecodeState.budget`, <= the bucket's
 static budget: the tree is built at the bucket's budget and its rows past budget + 1 become padding), the
-temperature and top_k / top_p / min_p (the batched plan always samples and truncates: a slot at temperature 0 takes
-the argmax, `tree.posterior_tokens`). With one active request the pool runs `generate`'s own compiled round
+temperature and top_k / top_p / min_p (the round's sampling class is the widest of its slots', `slots_mode`: a slot
+at temperature 0 in a sampled round takes the argmax, `tree.posterior_by_mode`). With one active request the pool runs `generate`'s own compiled round
 (`loop.loop_fn(..., chunk=sync_every)`, tree_budget="auto" included); with n >= 2 it runs a bucket of B >= n slots
 (B = 2, 4, 8, ...; `buckets`) at the bucket's budget (`bucket_budget`: B·(budget + 1) <= slot_rows).
 """
@@ -84,13 +84,18 @@ def bucket_budget(B: int, slot_rows: int = 128, cap: int | None = None) -> int:
     return fit[-1] if fit else cands[0]
 
 
-def batch_plan(target: Target, dcfg, method: str, budget: int, inject: bool = False,
-               sampling: bool = True) -> loop_lib.Plan:
-    """The static plan of a batched round. sampling=True: sampling and truncation on, their values per-slot data (a
-    slot at temperature 0 takes the argmax); False: every slot greedy (the pool picks it when no active request
-    samples: H200, 27B, 4 slots of budget 31: 25.42 vs 28.54 ms per round, the truncation's bisection being most of
-    the difference; benchmarks/results/batch_27b_h200.json)."""
-    return loop_lib.make_plan(target, dcfg, method, budget, sampling=sampling, truncate=sampling, inject=inject)
+def batch_plan(target: Target, dcfg, method: str, budget: int, inject: bool = False) -> loop_lib.Plan:
+    """The static plan of a batched round. Sampling is data: the round's class is the widest of its live slots'
+    (`slots_mode`): greedy when none samples (H200, 27B, 4 slots of budget 31: 25.42 ms per round greedy vs 28.54
+    sampled + truncated, the truncation's bisection being most of the difference; benchmarks/results/
+    batch_27b_h200.json), else per-slot temperatures and truncations (a slot at temperature 0 takes the argmax)."""
+    return loop_lib.make_plan(target, dcfg, method, budget, inject=inject)
+
+
+def slots_mode(bstate) -> jax.Array:
+    """The sampling class of a batched round: the widest of its slots' that are not done (`tree.sampling_mode`;
+    a finished slot's round is held, its tokens unused)."""
+    return jnp.max(jnp.where(bstate.done, tree_lib.GREEDY, jax.vmap(loop_lib.mode_of)(bstate)))
 
 
 def run_slots(leaves, dparams, bstate, oracle, *, graphdef, treedef, dcfg, plan, chunk: int):
@@ -98,11 +103,12 @@ def run_slots(leaves, dparams, bstate, oracle, *, graphdef, treedef, dcfg, plan,
     drafter's params unbatched) -> (bstate, Progress with [B] leaves). oracle [B, L] (the test hook's, else [B, 1])."""
     TRACES["slots"] += 1  # once per compilation (tests count them)
     body = jax.vmap(functools.partial(loop_lib._round, graphdef=graphdef, treedef=treedef, dcfg=dcfg, plan=plan),
-                    in_axes=(None, None, 0, 0))
+                    in_axes=(None, None, 0, 0, None))
+    mode = slots_mode(bstate)  # unbatched: one branch of the posterior runs for all slots
     if chunk == 1:
-        bstate = body(leaves, dparams, bstate, oracle)
+        bstate = body(leaves, dparams, bstate, oracle, mode)
     else:
-        bstate = jax.lax.fori_loop(0, chunk, lambda i, s: body(leaves, dparams, s, oracle), bstate)
+        bstate = jax.lax.fori_loop(0, chunk, lambda i, s: body(leaves, dparams, s, oracle, mode), bstate)
     return bstate, jax.vmap(loop_lib.progress)(bstate)
 
 
@@ -396,11 +402,8 @@ class SlotPool:
 
     def _single_plan(self, req: Request, budget) -> loop_lib.Plan:
         """generate's plan for this request (so that one active request runs generate's compiled round)."""
-        sampling = req.temperature >= tree_lib.GREEDY_EPS
         auto = budget == "auto"
         return loop_lib.make_plan(self.target, self.dcfg, self.method, self.budget if auto else (budget or 0),
-                                  sampling=sampling,
-                                  truncate=sampling and tree_lib.truncates(req.top_k, req.top_p, req.min_p),
                                   inject=self.oracle_len > 0, budgets=self.table.candidates if auto else ())
 
     # ------------------------------------------------------------------------------------------- layout
@@ -524,13 +527,10 @@ class SlotPool:
                 live.fn = loop_lib.loop_fn(tgt, self.dcfg, live.single_plan, self.sync_every)
             return live.fn
         B = len(self._slots)
-        # greedy plan when no active request samples (chosen on the host: the requests' settings are host values)
-        sampling = any(self._live[h].req.temperature >= tree_lib.GREEDY_EPS for h in self._slots if h is not None)
-        fn = self._slot_fns.get((B, sampling))
+        fn = self._slot_fns.get(B)
         if fn is None:
-            plan = batch_plan(tgt, self.dcfg, self.method, self.bucket_budgets[B], inject=self.oracle_len > 0,
-                              sampling=sampling)
-            fn = self._slot_fns[B, sampling] = slots_fn(tgt, self.dcfg, plan, B, self.sync_every)
+            plan = batch_plan(tgt, self.dcfg, self.method, self.bucket_budgets[B], inject=self.oracle_len > 0)
+            fn = self._slot_fns[B] = slots_fn(tgt, self.dcfg, plan, B, self.sync_every)
         return fn
 
     def _call(self):
@@ -589,10 +589,10 @@ class SlotPool:
         return self._read(prev) if prev is not None else {}
 
     # ------------------------------------------------------------------------------------------- warmup
-    def warmup(self, prompt_ids, sampling: bool = True, progress=None, lengths=None) -> None:
+    def warmup(self, prompt_ids, progress=None, lengths=None) -> None:
         """Compile what a request can run: every prefill width (prompts up to the cache capacity), the single-slot
-        rounds (greedy, sampled, sampled + truncated), every slot-count bucket (greedy and sampling plans) and its
-        joins / resizes. sampling=False: the greedy classes only (for a client that sends only temperature 0).
+        round, every slot-count bucket and its joins / resizes (greedy, sampled and truncated requests share each
+        program: the sampling class is data, `tree.posterior_by_mode`).
         lengths: the only prompt lengths that will come (a benchmark): only their chunk widths are compiled (and,
         with a prefix cache, PREFILL_CHUNK's: a resumed prefill's last few tokens, `loop.Prefill`) (at 27B
         on the H200 each width's prefill programs, alone and in groups of 2 / 4 / 8, take ≈ 4 × 50 s).
@@ -621,7 +621,7 @@ class SlotPool:
                         left.discard(h)
             self.drain()
 
-        stages = [(B, t) for t in ((0.0, 1.0) if sampling else (0.0,)) for B in self.buckets if not (B == 1 and t > 0)]
+        stages = list(self.buckets)
         total, done = len(widths) + len(stages), 0
 
         def tick(what):
@@ -631,11 +631,10 @@ class SlotPool:
                 progress(done, total, what)
 
         for w, n in widths:
-            for t, top_k in ((0.0, 0), (1.0, 0), (1.0, 5)) if sampling else ((0.0, 0),):
-                try:
-                    run_all([Request(prompt(n), 2, temperature=t, top_k=top_k)])
-                except ValueError:
-                    break
+            try:
+                run_all([Request(prompt(n), 2)])
+            except ValueError:
+                pass
             for k in self.group_sizes(n):  # joiners prefilled together (`group`)
                 if pc is not None:  # (no hit: a hit prefills on its own)
                     pc.clear()
@@ -648,11 +647,11 @@ class SlotPool:
         if pc is not None and len(pc):  # a hit's copies (one shape for all: the prompts' snapshots made the rest)
             jax.block_until_ready(pc.build(pc.snapshots()[-1], self.cache_len))
         base = prompt(min(len(ids), 64) if lengths is None else widths[0][1])  # (a compiled width)
-        # join one at a time up to B, then leave down to one: every resize and bucket, greedy then sampling
-        for B, t in stages:
+        # join one at a time up to B, then leave down to one: every resize and bucket
+        for B in stages:
             hs = []
             for k in range(B):
-                hs.append(self.admit(self.prefill(Request(base, 4 * self.sync_every + 2, temperature=t, top_k=5))))
+                hs.append(self.admit(self.prefill(Request(base, 4 * self.sync_every + 2))))
                 self.step()
             for h in hs[:-1]:
                 self.release(h)
@@ -660,7 +659,7 @@ class SlotPool:
             self.release(hs[-1])
             self.step()
             self.drain()
-            tick(f"{B} slot{'s' if B > 1 else ''}, {'sampled' if t > 0 else 'greedy'}: rounds, joins and leaves")
+            tick(f"{B} slots: rounds, joins and leaves")
         if pc is not None:  # the warm-up's prompts are nobody's prefixes
             pc.clear()
 

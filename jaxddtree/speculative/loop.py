@@ -64,9 +64,9 @@ class DecodeState:
     n_rounds: jax.Array  # int32
     stop_mask: jax.Array  # [V] bool: the stop ids as data, so that any stop set shares one compilation
     max_new: jax.Array  # int32: tokens to emit at most (data: every max_new_tokens of one buffer size shares a round)
-    # sampling temperature as data (used when plan.sampling), so that every temperature shares one compilation
+    # sampling temperature as data (< tree.GREEDY_EPS: greedy), so that every temperature shares one compilation
     temperature: jax.Array = dataclasses.field(default_factory=lambda: jnp.float32(1.0))
-    # truncation of the sampled distribution as data (used when plan.truncate): one compilation for all values
+    # truncation of the sampled distribution as data: one compilation for all values (and for none)
     top_k: jax.Array = dataclasses.field(default_factory=lambda: jnp.int32(0))
     top_p: jax.Array = dataclasses.field(default_factory=lambda: jnp.float32(1.0))
     min_p: jax.Array = dataclasses.field(default_factory=lambda: jnp.float32(0.0))
@@ -91,13 +91,11 @@ class Plan:
     """Static description of a compiled loop (hashable: one compilation per Plan and buffer shapes)."""
     method: str
     budget: int
-    sampling: bool  # False: greedy (temperature 0); True: sample at state.temperature
     kernels: str
     conv_kernel: int
     feature_layers: tuple[int, ...]
     inject: bool = False  # test hook: draft logits from an oracle continuation
     mesh: Any = None  # tensor parallelism: the target's mesh (model/sharding.py); None: one device
-    truncate: bool = False  # sampling truncated by state.top_k / top_p / min_p (tree.truncate); False: none
     budgets: tuple[int, ...] = ()  # tree_budget="auto": the candidates (budget_lib.CHAIN = 0); budget = the largest
 
 
@@ -121,21 +119,21 @@ def _record(state: DecodeState, n_acc) -> DecodeState:
     return state.replace(acc=acc, n_rounds=state.n_rounds + 1)
 
 
-def _temperature(state: DecodeState, plan: Plan):
-    """0.0 (a Python float: greedy, chosen at trace time) or the state's traced temperature."""
-    return state.temperature if plan.sampling else 0.0
+def mode_of(state: DecodeState) -> jax.Array:
+    """The state's sampling class (`tree.sampling_mode`): computed once per call of rounds, outside the loop."""
+    return tree_lib.sampling_mode(state.temperature, state.top_k, state.top_p, state.min_p)
 
 
-def _truncation(state: DecodeState, plan: Plan) -> dict:
-    """posterior_tokens' truncation arguments: the state's traced values, or none (no cost) when off."""
-    return dict(top_k=state.top_k, top_p=state.top_p, min_p=state.min_p) if plan.truncate else {}
+def _posterior(logits, state: DecodeState, key, mode):
+    """[N, V] logits -> [N] posterior tokens at the state's settings; mode: its class (data, or a Python int)."""
+    return tree_lib.posterior_by_mode(logits, mode, state.temperature, key, state.top_k, state.top_p, state.min_p)
 
 
-def _ar_round(model, state: DecodeState, plan: Plan) -> DecodeState:
+def _ar_round(model, state: DecodeState, plan: Plan, mode) -> DecodeState:
     lay = layout_lib.sequence(state.cache.length, 1, plan.conv_kernel, kernels=plan.kernels)
     logits, cache, _, _ = model(state.root[:, None], state.cache, lay, logits="all")
     key, sub = jax.random.split(state.key)
-    tok = tree_lib.posterior_tokens(logits[0], _temperature(state, plan), sub, **_truncation(state, plan))  # [1]
+    tok = _posterior(logits[0], state, sub, mode)  # [1]
     state = state.replace(cache=cache, key=key, root=tok)
     state = _emit(state, tok, jnp.asarray(1, jnp.int32))
     return _record(state, jnp.asarray(1, jnp.int32))
@@ -206,11 +204,13 @@ def verify_stage(model, cache: ModelCache, tree, mask, plan: Plan):
     return verify(model, cache, tokens, lay, feature_layers=plan.feature_layers)
 
 
-def commit_stage(state: DecodeState, dcache, tree, mask, logits, feats, stashes, plan: Plan) -> DecodeState:
-    """Accept (greedy or sampled), commit the accepted path (KV, GDN states rebuilt), emit its tokens."""
+def commit_stage(state: DecodeState, dcache, tree, mask, logits, feats, stashes, plan: Plan,
+                 mode=tree_lib.GREEDY) -> DecodeState:
+    """Accept (greedy or sampled: mode, `tree.posterior_by_mode`), commit the accepted path (KV, GDN states rebuilt),
+    emit its tokens."""
     D = tree.max_depth
     key, sub = jax.random.split(state.key)
-    post = tree_lib.posterior_tokens(logits[0], _temperature(state, plan), sub, **_truncation(state, plan))
+    post = _posterior(logits[0], state, sub, mode)
     acc = tree_lib.accept(tree, post, mask)
     n_acc = acc.num_accepted
     cache = commit(state.cache, stashes, acc.path[None], n_acc[None], kernels=plan.kernels, mesh=plan.mesh)
@@ -224,7 +224,7 @@ def commit_stage(state: DecodeState, dcache, tree, mask, logits, feats, stashes,
     return _record(state, n_acc)
 
 
-def _spec_round(model, dparams, dcfg, embed, lm_head, state: DecodeState, plan: Plan,
+def _spec_round(model, dparams, dcfg, embed, lm_head, state: DecodeState, plan: Plan, mode,
                 oracle=None) -> DecodeState:
     with jax.named_scope("draft"):
         dl, dcache = draft_stage(dparams, dcfg, state, embed, lm_head, plan, oracle)
@@ -235,7 +235,7 @@ def _spec_round(model, dparams, dcfg, embed, lm_head, state: DecodeState, plan: 
         with jax.named_scope("verify"):
             logits, feats, stashes = verify_stage(model, st.cache, tree, mask, plan)
         with jax.named_scope("accept_commit"):
-            return commit_stage(st, dcache, tree, mask, logits, feats, stashes, plan)
+            return commit_stage(st, dcache, tree, mask, logits, feats, stashes, plan, mode)
 
     if not plan.budgets:
         return verify_commit(state, tree, mask)
@@ -256,12 +256,13 @@ def _spec_round(model, dparams, dcfg, embed, lm_head, state: DecodeState, plan: 
     return state.replace(auto=budget_lib.record(state.auto, r, state.acc[r], plan.budgets, decision))
 
 
-def _round(leaves, dparams, state, oracle, *, graphdef, treedef, dcfg, plan):
+def _round(leaves, dparams, state, oracle, mode, *, graphdef, treedef, dcfg, plan):
+    """One round; mode: the sampling class (`mode_of`; unbatched under the batched round's vmap)."""
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     if plan.method == "ar":
-        new = _ar_round(model, state, plan)
+        new = _ar_round(model, state, plan, mode)
     else:
-        new = _spec_round(model, dparams, dcfg, model.embed[...], model.lm_head[...], state, plan, oracle)
+        new = _spec_round(model, dparams, dcfg, model.embed[...], model.lm_head[...], state, plan, mode, oracle)
     return _hold_if_done(state, new)
 
 
@@ -293,18 +294,19 @@ def run_rounds(leaves, dparams, state, oracle, rounds=None, *, graphdef, treedef
     chunk=k: exactly k rounds (a static trip count, no data-dependent control flow: the call returns at once and
     the next can be enqueued while these run); rounds after `done` change nothing (`_hold_if_done`)."""
     TRACES["rounds"] += 1  # runs once per compilation (tests count them)
+    mode = mode_of(state)  # the sampling class, as data: greedy, sampled and truncated share this program
     body = functools.partial(_round, graphdef=graphdef, treedef=treedef, dcfg=dcfg, plan=plan)
     if chunk is None:
         def cond(carry):
             i, s = carry
             return (i < rounds) & ~s.done
 
-        state = jax.lax.while_loop(cond, lambda c: (c[0] + 1, body(leaves, dparams, c[1], oracle)),
+        state = jax.lax.while_loop(cond, lambda c: (c[0] + 1, body(leaves, dparams, c[1], oracle, mode)),
                                    (jnp.int32(0), state))[1]
     elif chunk == 1:
-        state = body(leaves, dparams, state, oracle)
+        state = body(leaves, dparams, state, oracle, mode)
     else:
-        state = jax.lax.fori_loop(0, chunk, lambda i, s: body(leaves, dparams, s, oracle), state)
+        state = jax.lax.fori_loop(0, chunk, lambda i, s: body(leaves, dparams, s, oracle, mode), state)
     state = sharding.constrain(state, plan.mesh)  # the layout `generate` placed it in: one compilation
     return state, progress(state)
 
@@ -336,13 +338,13 @@ def _start(logits, cache, dcache, seed, stop_mask, temperature, max_new, top_k, 
     tree_budget="auto"'s table as data, (contexts [C], ms [K, C]) (`budget_lib.padded`), else None."""
     TRACES["start"] += 1
     key, sub = jax.random.split(jax.random.key(seed))
-    trunc = dict(top_k=top_k, top_p=top_p, min_p=min_p) if plan.truncate else {}
-    first = tree_lib.posterior_tokens(logits, temperature if plan.sampling else 0.0, sub, **trunc).astype(jnp.int32)
+    mode = tree_lib.sampling_mode(temperature, top_k, top_p, min_p)
+    first = tree_lib.posterior_by_mode(logits, mode, temperature, sub, top_k, top_p, min_p).astype(jnp.int32)
     state = DecodeState(
         cache=cache, dcache=dcache, ctx=jnp.zeros((1, P, F), dtype), ctx_n=jnp.int32(0), root=first,
         out=jnp.zeros((1, out_len + P), jnp.int32), n_out=jnp.int32(0), done=jnp.asarray(False), key=key,
         acc=jnp.zeros((out_len,), jnp.int32), n_rounds=jnp.int32(0), stop_mask=stop_mask, max_new=max_new,
-        temperature=temperature if plan.sampling else jnp.float32(1.0), top_k=top_k, top_p=top_p, min_p=min_p,
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         auto=budget_lib.init_state(*costs, out_len) if plan.budgets else None)
     return _emit(state, first, jnp.int32(1))
 
@@ -518,14 +520,14 @@ def init_many(target: Target, drafter, S: int, k: int):
                        lambda: jax.jit(make))()
 
 
-def make_plan(target: Target, dcfg, method: str, budget: int = 0, *, sampling: bool = False,
-              truncate: bool = False, inject: bool = False, budgets: tuple[int, ...] = ()) -> Plan:
+def make_plan(target: Target, dcfg, method: str, budget: int = 0, *, inject: bool = False,
+              budgets: tuple[int, ...] = ()) -> Plan:
     """The Plan of a generation of `method` on `target` (dcfg: the drafter's config, None for AR). The budget only
     shapes DDTree rounds: normalised to 0 for the others so that it does not split their compilations."""
-    return Plan(method=method, budget=budget if method == "ddtree" else 0, sampling=sampling,
+    return Plan(method=method, budget=budget if method == "ddtree" else 0,
                 kernels=target.kernels, conv_kernel=target.config.linear_conv_kernel_dim,
                 feature_layers=tuple(dcfg.target_layer_ids) if dcfg else (), inject=inject, mesh=target.mesh,
-                truncate=truncate, budgets=budgets)
+                budgets=budgets)
 
 
 def check_request(cfg, prompt_len: int, max_new, temperature, top_k, top_p, min_p, stop_ids,
@@ -672,10 +674,7 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
                              f"positions, cache_len is {S}")
     out_len = round_up(max_new, 256) if cache_len is None else S  # buffer sizes: one compilation per bucket
     check_memory(target, drafter if dcfg else None, S, len(ids), max_new, chunk)
-    sampling = temperature >= tree_lib.GREEDY_EPS
-    truncate = sampling and tree_lib.truncates(top_k, top_p, min_p)  # greedy: truncation keeps the argmax
-    plan = make_plan(target, dcfg, method, budget, sampling=sampling, truncate=truncate,
-                     inject=_oracle_tokens is not None, budgets=table.candidates if auto else ())
+    plan = make_plan(target, dcfg, method, budget, inject=_oracle_tokens is not None, budgets=table.candidates if auto else ())
     pc = prefix_cache
     if pc is not None:
         if pc.target is not target or pc.drafter is not (drafter if dcfg else None):

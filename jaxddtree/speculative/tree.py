@@ -257,6 +257,31 @@ def posterior_tokens(logits, temperature, key, top_k=None, top_p=None, min_p=Non
     return jnp.where(jnp.asarray(temperature) < GREEDY_EPS, greedy, sample)
 
 
+GREEDY, SAMPLED, TRUNCATED = 0, 1, 2  # the sampling classes (`sampling_mode`)
+
+
+def sampling_mode(temperature, top_k, top_p, min_p) -> jax.Array:
+    """The sampling class of (traced) settings as an int32: GREEDY (temperature < GREEDY_EPS), SAMPLED (no
+    truncation: top_k 0, top_p 1, min_p 0) or TRUNCATED."""
+    trunc = (jnp.asarray(top_k) > 0) | (jnp.asarray(top_p) < 1) | (jnp.asarray(min_p) > 0)
+    return jnp.where(jnp.asarray(temperature) < GREEDY_EPS, GREEDY,
+                     jnp.where(trunc, TRUNCATED, SAMPLED)).astype(jnp.int32)
+
+
+def posterior_by_mode(logits, mode, temperature, key, top_k, top_p, min_p) -> jax.Array:
+    """`posterior_tokens` with the sampling class as data: a `lax.switch` on `mode` (GREEDY / SAMPLED /
+    TRUNCATED), so one compiled program serves every request while a greedy one pays for no sampling and an untruncated
+    one for no truncation (keep `mode` unbatched under vmap: a batched index would compute every branch). A Python
+    int mode picks the branch at trace time. Under vmap with an unbatched mode, per-slot settings stay data: a
+    slot at temperature 0 in a SAMPLED round takes the argmax, an untruncating one in a TRUNCATED round keeps all."""
+    branches = [lambda: posterior_tokens(logits, 0.0, key),
+                lambda: posterior_tokens(logits, temperature, key),
+                lambda: posterior_tokens(logits, temperature, key, top_k, top_p, min_p)]
+    if isinstance(mode, int):
+        return branches[mode]()
+    return jax.lax.switch(mode, branches)
+
+
 def accept(tree: Tree, posterior, mask=None) -> Acceptance:
     """Accepted root->leaf path for posterior tokens [N] (one per node). `mask`: optional
     precomputed ancestor_mask(tree).
