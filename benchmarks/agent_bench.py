@@ -254,9 +254,11 @@ def agent_runs(complete, base, model, tok, H: int, args, seed: int) -> dict:
 
 def decode_check(complete, base, engine, H: int, args, seed: int) -> dict:
     """Decode speed with the prefix cache on vs off (the issue's ±2 % goal), at history H: ms per token after the
-    first of an --decode-tokens completion: "on_hit" (an agent step served from the cache), "on_miss" (a prompt the
-    cache has not seen, cache on), then the cache switched off in this server (what --prefix-cache-gb 0 runs: no
-    lookups, snapshots or remembering) and "off" (a never-seen prompt). Same history, same programs."""
+    first of an --decode-tokens completion: "on_hit" (an agent step served from the cache), "off" (the cache
+    switched off in this server, as --prefix-cache-gb 0 runs: no lookups, snapshots or remembering; a never-seen
+    prompt), then the cache back on and "on_miss" (a never-seen prompt). Same history, same programs; the server
+    idle (the last request's end remembered) before each."""
+    import jax
     import numpy as np
     tok = engine.tokenizer
     rng = np.random.default_rng(seed)
@@ -265,7 +267,15 @@ def decode_check(complete, base, engine, H: int, args, seed: int) -> dict:
     send = (lambda ids: tok.decode(ids)) if args.prompt == "text" else list  # noqa: E731
     n = args.decode_tokens
 
-    def rate(r) -> dict:
+    def idle():
+        t = time.perf_counter()
+        while (engine.busy or engine._remembering is not None or engine._to_remember) and time.perf_counter() - t < 60:
+            time.sleep(0.05)
+        jax.effects_barrier()
+
+    def rate(prompt) -> dict:
+        idle()
+        r = complete(base, engine.name, send(prompt), n)
         _, got = _fields(r["usage"])
         return {"ms_per_token": 1e3 * (r["wall_s"] - r["ttft_s"]) / max(got - 1, 1), "completion_tokens": got,
                 "ttft_s": r["ttft_s"]}
@@ -273,12 +283,14 @@ def decode_check(complete, base, engine, H: int, args, seed: int) -> dict:
     from jaxddtree.text import encode_text
     prev = rand(H - args.max_tokens)
     first = complete(base, engine.name, send(prev), args.max_tokens)
-    step = prev + encode_text(tok, first["text"]) + rand(args.new_tokens)
-    out = {"history": H, "on_hit": rate(complete(base, engine.name, send(step), n)),
-           "on_miss": rate(complete(base, engine.name, send(rand(H + args.new_tokens)), n))}
-    engine.prefix_cache = engine.pool.prefix_cache = None  # (the server is idle: nothing is being remembered)
-    out["off"] = rate(complete(base, engine.name, send(rand(H + args.new_tokens)), n))
+    out = {"history": H, "on_hit": rate(prev + encode_text(tok, first["text"]) + rand(args.new_tokens))}
+    pc = engine.prefix_cache
+    engine.prefix_cache = engine.pool.prefix_cache = None
+    out["off"] = rate(rand(H + args.new_tokens))
+    engine.prefix_cache = engine.pool.prefix_cache = pc
+    out["on_miss"] = rate(rand(H + args.new_tokens))
     out["off_over_on_hit"] = out["off"]["ms_per_token"] / out["on_hit"]["ms_per_token"]
+    out["off_over_on_miss"] = out["off"]["ms_per_token"] / out["on_miss"]["ms_per_token"]
     return out
 
 
@@ -308,11 +320,12 @@ def main(argv=None) -> int:
                       f"s ({r['cached']['cached_tokens']} of {r['step_prompt_tokens']} prompt tokens cached)",
                       flush=True)
         decode = None
-        if args.decode_tokens and engine.prefix_cache is not None:  # last: it switches the cache off
+        if args.decode_tokens and engine.prefix_cache is not None:
             decode = decode_check(complete, base, engine, min(args.histories), args, seed=999)
             print(f"decode at {decode['history']}: {decode['on_hit']['ms_per_token']:.2f} ms/token served from the "
                   f"cache, {decode['on_miss']['ms_per_token']:.2f} cache on (miss), {decode['off']['ms_per_token']:.2f}"
-                  f" cache off (off / hit {decode['off_over_on_hit']:.3f})", flush=True)
+                  f" cache off (off / hit {decode['off_over_on_hit']:.3f}, off / miss {decode['off_over_on_miss']:.3f})",
+                  flush=True)
     finally:
         stop()
     med = lambda xs: statistics.median(xs)  # noqa: E731
