@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-max-tokens", type=int, default=8, help="the step's completion (default: 8)")
     p.add_argument("--decode-tokens", type=int, default=128, metavar="N",
                    help="the decode-speed check's completion length (0: skip it; default: 128)")
+    p.add_argument("--decode-repeats", type=int, default=3, metavar="R",
+                   help="the decode-speed check's rounds of (hit, off, miss) (the median is reported; default: 3)")
     p.add_argument("--pause", type=float, default=0.0, metavar="S", help="seconds between the previous request's "
                    "end and the step (the agent's tool time; default 0: the snapshot's prefill may be in the TTFT)")
     p.add_argument("--repeats", type=int, default=1, help="runs per history and kind (the median is reported)")
@@ -101,9 +103,9 @@ def parse_args(argv=None):
         args.histories, args.new_tokens, args.max_tokens, args.step_max_tokens = [192, 320], 48, 8, 4
         args.decode_tokens = min(args.decode_tokens, 16)
     if min(args.histories) <= args.max_tokens + 1 or args.new_tokens < 1 or args.max_tokens < 1 \
-            or args.step_max_tokens < 1 or args.repeats < 1 or not (args.decode_tokens == 0 or args.decode_tokens > 2):
+            or args.step_max_tokens < 1 or args.repeats < 1 or not (args.decode_tokens == 0 or args.decode_tokens > 2) or args.decode_repeats < 1:
         p.error("every history must exceed --max-tokens + 1; --new-tokens, --max-tokens, --step-max-tokens and "
-                "--repeats must be >= 1; --decode-tokens 0 or > 2")
+                "--repeats and --decode-repeats must be >= 1; --decode-tokens 0 or > 2")
     if args.out is None and args.random_27b and not args.smoke:
         args.out = DEFAULT_OUT
     if args.prompt == "auto":
@@ -282,13 +284,19 @@ def decode_check(complete, base, engine, H: int, args, seed: int) -> dict:
 
     from jaxddtree.text import encode_text
     prev = rand(H - args.max_tokens)
-    first = complete(base, engine.name, send(prev), args.max_tokens)
-    out = {"history": H, "on_hit": rate(prev + encode_text(tok, first["text"]) + rand(args.new_tokens))}
+    runs = {"on_hit": [], "off": [], "on_miss": []}
     pc = engine.prefix_cache
-    engine.prefix_cache = engine.pool.prefix_cache = None
-    out["off"] = rate(rand(H + args.new_tokens))
-    engine.prefix_cache = engine.pool.prefix_cache = pc
-    out["on_miss"] = rate(rand(H + args.new_tokens))
+    for _ in range(args.decode_repeats):  # interleaved, so that a drift of the machine hits all three alike
+        first = complete(base, engine.name, send(prev), args.max_tokens)
+        runs["on_hit"].append(rate(prev + encode_text(tok, first["text"]) + rand(args.new_tokens)))
+        engine.prefix_cache = engine.pool.prefix_cache = None
+        runs["off"].append(rate(rand(H + args.new_tokens)))
+        engine.prefix_cache = engine.pool.prefix_cache = pc
+        runs["on_miss"].append(rate(rand(H + args.new_tokens)))
+        prev = rand(H - args.max_tokens)
+    out = {"history": H, "runs": runs}
+    for k, rs in runs.items():
+        out[k] = {"ms_per_token": statistics.median(r["ms_per_token"] for r in rs)}
     out["off_over_on_hit"] = out["off"]["ms_per_token"] / out["on_hit"]["ms_per_token"]
     out["off_over_on_miss"] = out["off"]["ms_per_token"] / out["on_miss"]["ms_per_token"]
     return out
@@ -337,7 +345,8 @@ def main(argv=None) -> int:
         "runs": runs,
         "settings": {"model": engine.name, "method": engine.method, "budget": engine.budget,
                      "new_tokens": args.new_tokens, "previous_max_tokens": args.max_tokens,
-                     "step_max_tokens": args.step_max_tokens, "decode_tokens": args.decode_tokens, "pause_s": args.pause, "repeats": args.repeats,
+                     "step_max_tokens": args.step_max_tokens, "decode_tokens": args.decode_tokens,
+                     "decode_repeats": args.decode_repeats, "pause_s": args.pause, "repeats": args.repeats,
                      "max_context": engine.max_context, "max_batch": engine.max_batch,
                      "prefill_tokens": engine.prefill_tokens, "prefix_cache_gib":
                      engine.prefix_cache_budget / (1 << 30), "prefix_cache_grid": args.prefix_cache_grid,
