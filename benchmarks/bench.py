@@ -464,6 +464,9 @@ def main(argv=None):
     ap.add_argument("--tp", type=int, default=None, help="tensor parallelism over the first N GPUs; the results go "
                     "into the tp<N> object of --out (tp_ratios compares tp1 and tp2 when both are there)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, few runs: check the script on a CPU")
+    ap.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                    help="the drafter drafts only N token ids (its lm_head over the target's first N rows, "
+                         "`Drafter.with_draft_vocab`; issue 41); keys get the suffix _dv<N>; bf16 only (0: all ids)")
     ap.add_argument("--weights", default="bf16", choices=["bf16", "fp8", "both"],
                     help="fp8: random fp8 target weights; writes only the fp8.* keys (see bench_fp8); both: the fp8 keys "
                          "first (its memory peak), then the bf16 sections in the same process")
@@ -497,6 +500,10 @@ def main(argv=None):
     default_kernels = "pallas" if dev.platform == "gpu" else "xla"
     args.kernels = args.kernels or default_kernels
     key = "" if args.kernels == default_kernels else f"_{args.kernels}"
+    if args.draft_vocab:
+        if args.weights != "bf16" or not 0 < args.draft_vocab <= cfg.vocab_size:
+            ap.error(f"--draft-vocab needs --weights bf16 and 1 <= N <= {cfg.vocab_size}")
+        key += f"_dv{args.draft_vocab}"
     res["kernels"] = f"{default_kernels} (default here); keys ending in _xla/_pallas[:variant]: another path"
     res.update({"device": dev.device_kind, "date": datetime.date.today().isoformat(), "jax": jax.__version__})
 
@@ -558,6 +565,8 @@ def main(argv=None):
     dcfg = DrafterConfig(**dflash)
     drafter = random_drafter(dcfg, jnp.bfloat16)
     drafter.params = sharding.replicate(drafter.params, target.mesh)
+    if args.draft_vocab:  # (random weights: which ids does not matter to the time)
+        drafter = drafter.with_draft_vocab(np.arange(args.draft_vocab), target)
 
     if "ar" in sections:
         ar = Rounds(target, drafter, make_plan(target, dcfg, "ar"), L, 4 * n, (runs + 2) * 4 * n)
