@@ -79,8 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-max-tokens", type=int, default=8, help="the step's completion (default: 8)")
     p.add_argument("--decode-tokens", type=int, default=128, metavar="N",
                    help="the decode-speed check's completion length (0: skip it; default: 128)")
-    p.add_argument("--decode-repeats", type=int, default=3, metavar="R",
-                   help="the decode-speed check's rounds of (hit, off, miss) (the median is reported; default: 3)")
+    p.add_argument("--decode-repeats", type=int, default=5, metavar="R",
+                   help="the decode-speed check's rounds of (hit, off, miss), order rotated (the median of the "
+                   "rounds' off / on ratios is reported; default: 5)")
     p.add_argument("--pause", type=float, default=0.0, metavar="S", help="seconds between the previous request's "
                    "end and the step (the agent's tool time; default 0: the snapshot's prefill may be in the TTFT)")
     p.add_argument("--repeats", type=int, default=1, help="runs per history and kind (the median is reported)")
@@ -294,13 +295,22 @@ def decode_check(complete, base, engine, H: int, args, seed: int) -> dict:
     prev = rand(H - args.max_tokens)
     runs = {"on_hit": [], "off": [], "on_miss": []}
     pc = engine.prefix_cache
-    for _ in range(args.decode_repeats):  # interleaved, so that a drift of the machine hits all three alike
+    def hit():
         first = complete(base, engine.name, send(prev), args.max_tokens)
-        runs["on_hit"].append(rate(prev + encode_text(tok, first["text"]) + rand(args.new_tokens)))
+        return rate(prev + encode_text(tok, first["text"]) + rand(args.new_tokens))
+
+    def off():
         engine.prefix_cache = engine.pool.prefix_cache = None
-        runs["off"].append(rate(rand(H + args.new_tokens)))
-        engine.prefix_cache = engine.pool.prefix_cache = pc
-        runs["on_miss"].append(rate(rand(H + args.new_tokens)))
+        try:
+            return rate(rand(H + args.new_tokens))
+        finally:
+            engine.prefix_cache = engine.pool.prefix_cache = pc
+
+    kinds = {"on_hit": hit, "off": off, "on_miss": lambda: rate(rand(H + args.new_tokens))}
+    order = list(kinds)
+    for i in range(args.decode_repeats):  # interleaved, the order rotated: a drift of the machine hits all alike
+        for k in order[i % 3:] + order[:i % 3]:
+            runs[k].append(kinds[k]())
         prev = rand(H - args.max_tokens)
     out = {"history": H, "runs": runs}
     for k, rs in runs.items():
@@ -308,8 +318,8 @@ def decode_check(complete, base, engine, H: int, args, seed: int) -> dict:
                   for m in ("ms_per_token", "ms_per_round")}
     m = "ms_per_round" if all(out[k]["ms_per_round"] for k in runs) else "ms_per_token"
     out["ratio_of"] = m
-    out["off_over_on_hit"] = out["off"][m] / out["on_hit"][m]
-    out["off_over_on_miss"] = out["off"][m] / out["on_miss"][m]
+    for k in ("on_hit", "on_miss"):  # the median of the repeats' paired ratios (each repeat's three runs adjacent)
+        out["off_over_" + k] = statistics.median(o[m] / r[m] for o, r in zip(runs["off"], runs[k]))
     return out
 
 
@@ -342,8 +352,8 @@ def main(argv=None) -> int:
         if args.decode_tokens and engine.prefix_cache is not None:
             decode = decode_check(complete, base, engine, min(args.histories), args, seed=999)
             m = decode["ratio_of"]
-            print(f"decode at {decode['history']} ({m}): {decode['on_hit'][m]:.2f} served from the cache, "
-                  f"{decode['on_miss'][m]:.2f} cache on (miss), {decode['off'][m]:.2f} cache off (off / hit "
+            print(f"decode at {decode['history']} ({m}, medians): {decode['on_hit'][m]:.2f} served from the cache, "
+                  f"{decode['on_miss'][m]:.2f} cache on (miss), {decode['off'][m]:.2f} cache off (paired off / hit "
                   f"{decode['off_over_on_hit']:.3f}, off / miss {decode['off_over_on_miss']:.3f})", flush=True)
     finally:
         stop()
