@@ -62,7 +62,8 @@ def first_calls(target, drafter, prompt_len=40, new=24):
     return out
 
 
-def random_27b_first_token(cache_dir: str | None, smoke: bool = False, prompt_len: int = 64, new: int = 32) -> dict:
+def random_27b_first_token(cache_dir: str | None, smoke: bool = False, prompt_len: int = 64, new: int = 32,
+                           precompile: bool = True) -> dict:
     """generate.py's start at 27B shapes (module docstring) -> seconds from the process start per stage."""
     import numpy as np
     from jaxddtree import compile_cache
@@ -81,7 +82,8 @@ def random_27b_first_token(cache_dir: str | None, smoke: bool = False, prompt_le
     ids = np.random.default_rng(0).integers(target.config.vocab_size // 4, target.config.vocab_size, prompt_len)
     cache_len = cache_positions(target, drafter, "ddtree", "auto", len(ids), new)
     kw = dict(drafter=drafter, method="ddtree", max_new_tokens=new, tree_budget="auto", loop="host",
-              cache_len=cache_len)
+              cache_len=cache_len, precompile=precompile)
+    out["precompile"] = precompile
     jd.generate(target, ids[:warmup_length(len(ids))], **kw, stop_ids=range(target.config.vocab_size))
     out["warmup_done_s"] = time.perf_counter() - T_START
     first = []
@@ -100,9 +102,11 @@ def main(argv=None) -> int:
     p.add_argument("--compile-cache", default=None, metavar="DIR", help="--random-27b: the persistent compilation "
                    "cache (an empty directory: a cold start; default: none)")
     p.add_argument("--smoke", action="store_true", help="--random-27b at bench.py's tiny shapes (checks the script)")
+    p.add_argument("--no-precompile", action="store_true", help="--random-27b: each program compiled at its first "
+                   "call, in turn (the A/B of `speculative.precompile`)")
     args = p.parse_args(argv)
     if args.random_27b:
-        res = random_27b_first_token(args.compile_cache, args.smoke)
+        res = random_27b_first_token(args.compile_cache, args.smoke, precompile=not args.no_precompile)
         import jax
         res.update(date=time.strftime("%Y-%m-%d"), device=jax.devices()[0].device_kind)
         print(json.dumps(res), flush=True)

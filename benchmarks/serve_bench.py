@@ -123,6 +123,7 @@ def random_27b_engine(args):
     import bench
     from jaxddtree.checkpoint.builtin import ByteTokenizer
     from jaxddtree.serving import Engine
+    from jaxddtree.speculative.batch import SlotPool
     from jaxddtree.text import encode_text
 
     class PrintableTokenizer(ByteTokenizer):
@@ -136,7 +137,8 @@ def random_27b_engine(args):
     engine = Engine(target, drafter, tok, name="random-27b", method=args.method or "ddtree", budget=args.budget,
                     max_context=args.max_context or 8192, queue_size=args.queue,
                     default_max_tokens=args.default_max_tokens, max_batch=args.max_batch,
-                    prefill_tokens=args.prefill_tokens)
+                    prefill_tokens=args.prefill_tokens,
+                    pool_factory=functools.partial(SlotPool, precompile=False) if args.no_precompile else None)
     t = time.perf_counter()
     from jaxddtree.serving.engine import warmup_printer
     if args.warmup_only:  # serve.py's own warm-up (every prefill width, sampling too), timed from the start
@@ -195,6 +197,8 @@ def main(argv=None) -> int:
                    "(the pair made on the device instead of a checkpoint read, then serve.py's full warm-up: every "
                    "prefill width, greedy and sampled) and exit; with an empty --compile-cache DIR it is the cold "
                    "start")
+    p.add_argument("--no-precompile", action="store_true", help="with --random-27b: the warm-up compiles each "
+                   "program at its first call, in turn (the A/B of `speculative.precompile`: its programs side by side)")
     args = p.parse_args(argv)
     missing = [m for m in ("uvicorn", "openai", "fastapi") if importlib.util.find_spec(m) is None]
     if missing:  # before the model is built and compiled (minutes at 27B), not after
@@ -207,7 +211,7 @@ def main(argv=None) -> int:
     engine = random_27b_engine(args) if args.random_27b else serve.load_engine(args)
     if args.warmup_only:
         import jax
-        record = dict(engine.startup, max_batch=engine.max_batch, max_context=engine.max_context,
+        record = dict(engine.startup, precompile=not args.no_precompile, max_batch=engine.max_batch, max_context=engine.max_context,
                       compile_cache=args.compile_cache, date=time.strftime("%Y-%m-%d"),
                       device=jax.devices()[0].device_kind)
         print(json.dumps(record), flush=True)

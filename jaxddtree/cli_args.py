@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 
 def checked(cast, ok, rule: str):
@@ -36,3 +37,17 @@ def auto_or_positive_int(text: str):
     if text.strip().lower() == "auto":
         return "auto"
     return positive_int(text)
+
+
+def draft_vocab(text: str):
+    """--draft-vocab: an integer N >= 1, or the path of an existing file (of token ids)."""
+    try:
+        n = int(text)
+    except ValueError:
+        if not os.path.isfile(text):
+            raise argparse.ArgumentTypeError(f"expected an integer N >= 1 or a file of token ids, got '{text}' "
+                                             "(no such file)") from None
+        return text
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return n

@@ -62,22 +62,8 @@ min_p_value = cli_args.checked(float, lambda v: 0 <= v < 1, "in [0, 1) (0 = off)
 
 
 budget_arg = cli_args.auto_or_positive_int
+draft_vocab_arg = cli_args.draft_vocab
 COUNTS_FILE = "token_counts.json"  # a drafter directory's token frequency table (jaxddtree.model.draft_vocab)
-
-
-def draft_vocab_arg(text: str):
-    """--draft-vocab: an integer N >= 1, or the path of an existing file (of token ids)."""
-    try:
-        n = int(text)
-    except ValueError:
-        if not os.path.isfile(text):
-            raise argparse.ArgumentTypeError(f"expected an integer N >= 1 or a file of token ids, got '{text}' "
-                                             "(no such file)") from None
-        return text
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return n
-
 
 def id_list(text: str) -> list[int]:
     parts = [p for p in text.replace(" ", ",").split(",") if p]

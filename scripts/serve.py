@@ -91,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-cache-grid", type=positive_int, default=8192, metavar="N", help="the prefix cache "
                    "also snapshots every N tokens inside long prompts (a GDN state, ~147 MiB at 27B, per point; "
                    "default: 8192)")
+    p.add_argument("--draft-vocab", type=cli_args.draft_vocab, default=None, metavar="N|FILE", help="draft only "
+                   "a subset of the token ids (see generate.py --help): N, the N most frequent ids of the drafter "
+                   "directory's token_counts.json, or FILE, a JSON list or .npy array of ids; changes the acceptance, "
+                   "never the output (default: off, every id)")
     p.add_argument("--queue", type=positive_int, default=64, metavar="N", help="requests waiting for a slot at "
                    "most; more get 503 (default: 64)")
     p.add_argument("--model-name", default=None, help="the model id clients use (default: the target "
@@ -162,6 +166,16 @@ def load_engine(args):
     dtype = args.dtype or ("float32" if backend == "cpu" else "bfloat16")
     if args.target is None and args.drafter is not None:
         raise SystemExit("serve.py: error: --drafter needs --target (the demo pair brings its own drafter)")
+    vocab = args.draft_vocab
+    if vocab is not None and args.method == "ar":
+        raise SystemExit("serve.py: error: --draft-vocab restricts what the drafter drafts: it needs --method dflash "
+                         "or ddtree")
+    if isinstance(vocab, str):  # a file of ids
+        from jaxddtree.model import draft_vocab
+        try:
+            vocab = draft_vocab.load(vocab)
+        except ValueError as e:
+            raise SystemExit(f"serve.py: error: argument --draft-vocab: {e}") from None
     demo = builtin.demo_dirs() if args.target is None else None
     if args.target is None and demo is None:  # the random pair built in code
         pair = builtin.load_random(dtype)
@@ -172,6 +186,17 @@ def load_engine(args):
             drafter = None
         else:
             drafter.params = replicate(drafter.params, target.mesh)
+            if vocab is not None:
+                if isinstance(vocab, int):
+                    raise SystemExit("serve.py: error: argument --draft-vocab: N needs a token frequency table (the "
+                                     "built-in random pair has none); give a FILE of token ids")
+                from jaxddtree.model import draft_vocab
+                try:
+                    ids = draft_vocab.check_ids(vocab, target.config.vocab_size)
+                except ValueError as e:
+                    raise SystemExit(f"serve.py: error: argument --draft-vocab: "
+                                     f"{str(e).removeprefix('draft_vocab: ')}") from None
+                drafter = drafter.with_draft_vocab(ids, target)
     else:
         tdir, ddir = demo or (args.target, args.drafter)
         name = "demo" if demo else os.path.basename(os.path.normpath(tdir))
@@ -185,7 +210,15 @@ def load_engine(args):
             raise SystemExit(f"serve.py: error: {e}") from None
         check(jd.load_config(tdir))
         target = jd.load_target(tdir, dtype, tp=args.tp)
-        drafter = jd.load_drafter(ddir, target, dtype) if ddir else None
+        if vocab is not None and not ddir:
+            raise SystemExit("serve.py: error: --draft-vocab needs a drafter (--drafter DIR)")
+        try:
+            drafter = jd.load_drafter(ddir, target, dtype, draft_vocab=vocab) if ddir else None
+        except ValueError as e:
+            if vocab is None or "draft_vocab" not in str(e):
+                raise
+            raise SystemExit(f"serve.py: error: argument --draft-vocab: {str(e).removeprefix('draft_vocab: ')}") \
+                from None
     target.kernels = args.kernels or ("xla" if backend == "cpu" else "pallas")
     method = args.method or ("ddtree" if drafter is not None else "ar")
     if method != "ar" and drafter is None:
@@ -203,7 +236,9 @@ def load_engine(args):
         f"{engine.memory['fits']} slots would fit)" if engine.memory else "")
         + (f"; joining prompts prefill in groups of up to {engine.prefill_group}" if engine.prefill_group > 1 else "")
         + (f"; prefix cache {engine.prefix_cache_budget / (1 << 30):.1f} GiB" if engine.prefix_cache else
-           "; prefix cache off"),
+           "; prefix cache off")
+        + (f"; draft vocabulary of {drafter.draft_vocab.size} ids" if drafter is not None and method != "ar"
+           and drafter.draft_vocab is not None else ""),
         file=sys.stderr, flush=True)
     if not args.no_warmup:
         print("serve.py: warm-up: compiling every prefill width and slot count before listening, one line per "

@@ -215,3 +215,32 @@ def test_api_key_argument():
     assert serve.api_keys(p.parse_args([]), environ={serve.API_KEY_ENV: ""}) == []
     with pytest.raises(SystemExit, match="--api-key: an empty key"):
         serve.api_keys(p.parse_args(["--api-key", " "]), environ={})
+
+
+def test_draft_vocab_argument(tmp_path):
+    """--draft-vocab N|FILE: the demo pair's drafter drafts only those ids (N from its frequency table); a bad
+    value, a file of bad ids or --method ar is one line before any request (no warm-up here: nothing compiles)."""
+    import importlib.util
+    import json
+
+    import numpy as np
+
+    spec = importlib.util.spec_from_file_location("serve_script", SCRIPT)
+    serve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve)
+    p = serve.build_parser()
+    for bad in (["--draft-vocab", "0"], ["--draft-vocab", "nofile.json"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(bad)
+    base = ["--max-batch", "1", "--prefix-cache-gb", "0", "--max-context", "256"]
+    engine = serve.load_engine(p.parse_args(base + ["--draft-vocab", "64"]))
+    assert engine.drafter.draft_vocab.size == 64
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps([3, 5, 7, 11]))
+    got = serve.load_engine(p.parse_args(base + ["--draft-vocab", str(ids)])).drafter.draft_vocab
+    assert sorted(np.asarray(got.ids)[np.asarray(got.ids) >= 0].tolist()) == [3, 5, 7, 11]
+    ids.write_text(json.dumps([3, 3]))
+    with pytest.raises(SystemExit, match=r"^serve.py: error: argument --draft-vocab: ids \[3\] given more than once"):
+        serve.load_engine(p.parse_args(base + ["--draft-vocab", str(ids)]))
+    with pytest.raises(SystemExit, match="needs --method dflash or ddtree"):
+        serve.load_engine(p.parse_args(base + ["--draft-vocab", "64", "--method", "ar"]))

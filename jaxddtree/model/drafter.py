@@ -250,11 +250,23 @@ class Drafter:
         """Jitted `drafter_forward`; `cache` is donated (do not reuse it)."""
         return _forward_jit(self.params, self.config, cache, target_hidden, num_ctx, block_embeds)
 
+    @staticmethod
+    def forward_fn():
+        """The jitted function `forward` calls: fn(params, config, cache, target_hidden, num_ctx, block_embeds)
+        (config static; e.g. to compile it ahead)."""
+        return _forward_jit
+
     def forward_many(self, caches, target_hidden, num_ctx, block_embeds):
         """`forward` of k requests in one pass (caches stacked on a leading k axis, target_hidden [k, ...],
         num_ctx [k]; block_embeds shared); `caches` is donated."""
         return _forward_many_jit(self.params, self.config, caches, target_hidden, jnp.asarray(num_ctx, jnp.int32),
                                  block_embeds)
+
+    @staticmethod
+    def forward_many_fn():
+        """The jitted function `forward_many` calls: fn(params, config, caches, target_hidden, num_ctx [k],
+        block_embeds)."""
+        return _forward_many_jit
 
     @property
     def draft_vocab(self) -> draft_vocab_lib.DraftVocab | None:

@@ -125,22 +125,29 @@ class Target:
         cache, features, None); the cache is donated. One compilation per (T, feature_layers, logits); the
         static parts are bound once per target (`bind`), so a call passes only arrays."""
         nv = jnp.int32(tokens.shape[1] if num_valid is None else num_valid)
+        return self.prefill_fn(feature_layers, logits)(self.leaves, cache, tokens, nv)
+
+    def prefill_fn(self, feature_layers=(), logits="last"):
+        """The jitted prefill `prefill` calls: fn(leaves, cache, tokens, num_valid) (e.g. to compile it ahead)."""
         fl = tuple(feature_layers)
-        fn = self.bind(("prefill", fl, logits), lambda: jax.jit(functools.partial(
+        return self.bind(("prefill", fl, logits), lambda: jax.jit(functools.partial(
             _prefill, graphdef=self.graphdef, treedef=self.treedef, feature_layers=fl, logits=logits,
             kernels=self.kernels), donate_argnames=("cache",)))
-        return fn(self.leaves, cache, tokens, nv)
 
     def prefill_many(self, caches, tokens, num_valid, feature_layers=(), logits="last"):
         """`prefill` of k requests in one pass: caches = k batch-1 caches stacked on a new leading axis, tokens
         [k, 1, T], num_valid [k] -> (logits, caches, features, None), each with the leading k axis; the caches are
         donated. jax.vmap over the k requests: each projection is one GEMM of k·T rows (`ops.fold_rows`), every
         request keeps its own positions and state. One compilation per (k, T, feature_layers, logits)."""
+        fn = self.prefill_many_fn(feature_layers, logits)
+        return fn(self.leaves, caches, tokens, jnp.asarray(num_valid, jnp.int32))
+
+    def prefill_many_fn(self, feature_layers=(), logits="last"):
+        """The jitted pass `prefill_many` calls: fn(leaves, caches, tokens, num_valid)."""
         fl = tuple(feature_layers)
-        fn = self.bind(("prefill_many", fl, logits), lambda: jax.jit(jax.vmap(functools.partial(
+        return self.bind(("prefill_many", fl, logits), lambda: jax.jit(jax.vmap(functools.partial(
             _prefill, graphdef=self.graphdef, treedef=self.treedef, feature_layers=fl, logits=logits,
             kernels=self.kernels), in_axes=(None, 0, 0, 0)), donate_argnums=(1,)))
-        return fn(self.leaves, caches, tokens, jnp.asarray(num_valid, jnp.int32))
 
 
 PAD_COLUMNS = 64  # bf16 stacked projections are stored with their output columns padded to a multiple of this

@@ -32,6 +32,7 @@ from jaxddtree.model.prefill import PREFILL_CHUNK, check_ids, check_vocab, chunk
 from jaxddtree.model.target import Target
 from jaxddtree.speculative import budget as budget_lib
 from jaxddtree.speculative import loop as loop_lib
+from jaxddtree.speculative import precompile as precompile_lib
 from jaxddtree.speculative import tree as tree_lib
 
 BUDGETS = (7, 15, 31, 63)  # the DDTree budgets of the batched buckets (per slot), largest first that fits slot_rows
@@ -233,7 +234,8 @@ class SlotPool:
 
     def __init__(self, target: Target, drafter, *, method: str = "ddtree", max_batch: int = 1, cache_len: int,
                  tree_budget="auto", budget_costs=None, slot_rows: int = 128, sync_every: int = 1,
-                 max_group: int = 1, group_rows: int = GROUP_ROWS, prefix_cache=None, _oracle_len: int = 0):
+                 max_group: int = 1, group_rows: int = GROUP_ROWS, prefix_cache=None, precompile: bool = True,
+                 _oracle_len: int = 0):
         if method not in loop_lib.METHODS:
             raise ValueError(f"unknown method '{method}' (choose one of {', '.join(loop_lib.METHODS)})")
         if method != "ar" and drafter is None:
@@ -281,6 +283,7 @@ class SlotPool:
         self._slot_fns: dict[int, Any] = {}  # B -> the bound batched round
         # a speculative.prefix_cache.PrefixCache (prompts resume from their longest cached prefix) or None
         self.prefix_cache = prefix_cache
+        self.precompile = bool(precompile)  # warmup(): its heavy programs compiled side by side first (one device)
 
     @property
     def prefix_cache_bytes(self) -> int:
@@ -589,6 +592,37 @@ class SlotPool:
         return self._read(prev) if prev is not None else {}
 
     # ------------------------------------------------------------------------------------------- warmup
+    def programs(self, pendings) -> list:
+        """(jitted function, abstract arguments) of the heavy programs a warm-up runs, for `precompile.compile_all`:
+        per prepared request (`prefill`, not advanced; one per prefill width) its prefill, drafter pass and start and
+        its width's group passes; the single-slot round of the first one's budget; every bucket's batched round."""
+        A, shape_of = precompile_lib.abstract, precompile_lib.shape_of
+        tgt, i32 = self.target, jax.ShapeDtypeStruct((), jnp.int32)
+        jobs, start = [], None
+        for p in pendings:
+            js, start = p._pre.programs()
+            jobs += js
+            for k in self.group_sizes_of(p.width):
+                jobs += loop_lib.PrefillGroup.programs(p._pre, k)
+        p = pendings[0]
+        with_budget = _bound(tgt, "with_budget", _with_budget, donate_argnums=(0,))
+        as_single = _bound(tgt, ("as_single", self.out_len), functools.partial(_as_single, out_len=self.out_len),
+                           donate_argnums=(0,))
+        single = shape_of(as_single, shape_of(with_budget, start, None), A(self.costs) if p.budget == "auto" else None)
+        L = self.oracle_len or 1
+        jobs.append((loop_lib.loop_fn(tgt, self.dcfg, self._single_plan(p.req, p.budget), self.sync_every),
+                     (tgt.leaves, self.dparams, single, jax.ShapeDtypeStruct((L,), jnp.int32))))
+        if self.buckets:
+            slot = shape_of(with_budget, start, i32 if self.method == "ddtree" else None)
+            resize = _bound(tgt, "resize", _resize)
+            state = shape_of(_bound(tgt, "stack1", _stack1), slot)
+            for B in self.buckets:
+                state = shape_of(resize, state, jax.ShapeDtypeStruct((B,), jnp.int32))
+                plan = batch_plan(tgt, self.dcfg, self.method, self.bucket_budgets[B], inject=self.oracle_len > 0)
+                jobs.append((slots_fn(tgt, self.dcfg, plan, B, self.sync_every),
+                             (tgt.leaves, self.dparams, state, jax.ShapeDtypeStruct((B, L), jnp.int32))))
+        return jobs
+
     def warmup(self, prompt_ids, progress=None, lengths=None) -> None:
         """Compile what a request can run: every prefill width (prompts up to the cache capacity), the single-slot
         round, every slot-count bucket and its joins / resizes (greedy, sampled and truncated requests share each
@@ -622,7 +656,8 @@ class SlotPool:
             self.drain()
 
         stages = list(self.buckets)
-        total, done = len(widths) + len(stages), 0
+        pre = self.target.mesh is None and self.precompile
+        total, done = len(widths) + len(stages) + pre, 0
 
         def tick(what):
             nonlocal done
@@ -630,6 +665,15 @@ class SlotPool:
             if progress is not None:
                 progress(done, total, what)
 
+        if pre:  # the heavy programs side by side in threads; what follows finds them compiled
+            ps = []
+            for w, n in widths:
+                try:
+                    ps.append(self.prefill(Request(prompt(n), 2)))
+                except ValueError:
+                    pass
+            n = precompile_lib.compile_all(self.programs(ps)) if ps else 0
+            tick(f"the prefill and round programs ({n}, side by side)")
         for w, n in widths:
             try:
                 run_all([Request(prompt(n), 2)])

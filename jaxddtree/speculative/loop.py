@@ -31,6 +31,7 @@ from flax import nnx, struct
 from jaxddtree.model import layout as layout_lib
 from jaxddtree.model import sharding
 from jaxddtree.speculative import budget as budget_lib
+from jaxddtree.speculative import precompile as precompile_lib
 from jaxddtree.speculative import tree as tree_lib
 from jaxddtree.model.prefill import (PREFILL_CHUNK, check_ids, check_vocab, chunk_bounds, chunk_size, padded_chunks,
                                      round_up)
@@ -432,6 +433,33 @@ class Prefill:
         self._cache = self._dcache = self._logits = None
         return True
 
+    def programs(self) -> list:
+        """(jitted function, abstract arguments) of each program `advance` will run, in order: the target's
+        prefill of a chunk, the drafter's context pass, the start (`precompile.compile_all`). Call before the
+        first `advance`. -> (jobs, the start's output state, abstract)."""
+        A = precompile_lib.abstract
+        target, drafter = self.target, self.drafter
+        i32 = jax.ShapeDtypeStruct((), jnp.int32)
+        if self._start_caches is not None:
+            cache, dcache = A(self._start_caches)
+        else:
+            cache = jax.eval_shape(lambda: target.init_cache(self._S))
+            dcache = jax.eval_shape(lambda: drafter.init_cache(1, self._S)) if drafter is not None else None
+        pf = target.prefill_fn(self.plan.feature_layers, "last")
+        args = (target.leaves, cache, jax.ShapeDtypeStruct((1, self.shape[0]), jnp.int32), i32)
+        logits, cache, feats, _ = precompile_lib.shape_of(pf, *args)
+        jobs = [(pf, args)]
+        if drafter is not None:
+            blank = jax.ShapeDtypeStruct((1, drafter.config.block_size, target.config.hidden_size), drafter.dtype)
+            args = (drafter.params, drafter.config, dcache, feats, i32, blank)
+            _, dcache = precompile_lib.shape_of(drafter.forward_fn(), *args)
+            jobs.append((drafter.forward_fn(), args))
+        sf = start_fn(target, self.plan, self.P, max(self.F, 1), self.out_len)
+        args = (jax.ShapeDtypeStruct(logits.shape[:1] + logits.shape[2:], logits.dtype), cache, dcache,
+                *A(self._start_args))
+        jobs.append((sf, args))
+        return jobs, precompile_lib.shape_of(sf, *args)
+
     @property
     def prefilled(self) -> bool:
         """Every chunk enqueued (the next advance() would run the start)."""
@@ -503,6 +531,23 @@ class PrefillGroup:
         self._caches = self._dcaches = self._logits = m0._blank = None
         self.done = True
         return True
+
+
+    @staticmethod
+    def programs(m0: Prefill, k: int) -> list:
+        """(jitted function, abstract arguments) of the passes a group of k prompts of m0's shape runs (the
+        members' starts are `Prefill.programs`'): for `precompile.compile_all`."""
+        target, drafter = m0.target, m0.drafter
+        i32k = jax.ShapeDtypeStruct((k,), jnp.int32)
+        caches, dcaches = jax.eval_shape(lambda: init_many(target, drafter, m0._S, k))
+        fn = target.prefill_many_fn(m0.plan.feature_layers, "last")
+        args = (target.leaves, caches, jax.ShapeDtypeStruct((k, 1, m0.shape[0]), jnp.int32), i32k)
+        _, _, feats, _ = precompile_lib.shape_of(fn, *args)
+        jobs = [(fn, args)]
+        if drafter is not None:
+            blank = jax.ShapeDtypeStruct((1, drafter.config.block_size, target.config.hidden_size), drafter.dtype)
+            jobs.append((drafter.forward_many_fn(), (drafter.params, drafter.config, dcaches, feats, i32k, blank)))
+        return jobs
 
 
 def init_many(target: Target, drafter, S: int, k: int):
@@ -621,7 +666,7 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
              min_p: float = 0.0, seed: int = 0, stop_ids=None,
              loop: str = "host", sync_every: int = 1, on_tokens: Callable[[list[int]], None] | None = None,
              cache_len: int | None = None, budget_costs=None,
-             on_prefill: Callable[[int, int], None] | None = None, prefix_cache=None,
+             on_prefill: Callable[[int, int], None] | None = None, prefix_cache=None, precompile: bool = True,
              _oracle_tokens=None) -> Generation:
     """Generate up to `max_new_tokens` new tokens after `prompt_ids`.
 
@@ -645,6 +690,8 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     and its end (and grid points) are snapshotted for later calls; `stats["cached_tokens"]`: the prompt tokens
     taken from it (0 without one). A call whose prompt extends an earlier call's prompt (e.g. prompt + its tokens +
     new ones) skips that prefix's prefill; at temperature 0 in fp32 it returns what a call without the cache does.
+    `precompile`: a first call (its rounds not compiled yet; one device) compiles its programs side by side in
+    threads before running them (`speculative.precompile`); False: each compiles at its first call, in turn.
     """
     if method not in METHODS:
         raise ValueError(f"unknown method '{method}' (choose one of {', '.join(METHODS)})")
@@ -697,6 +744,15 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
                   costs=budget_lib.padded(table) if auto else None, start=start,
                   start_len=hit.p if hit is not None else None,
                   grid=pc.grid if pc is not None else 0, on_chunk=on_chunk)
+    oracle = (jnp.asarray(np.asarray(_oracle_tokens, np.int32)) if _oracle_tokens is not None
+              else jnp.zeros((1,), jnp.int32))
+    rounds = loop_fn(target, dcfg, plan, None if loop == "device" else int(sync_every))
+    fresh = getattr(rounds, "_cache_size", lambda: 1)() == 0  # (a jitted function never called)
+    if precompile and target.mesh is None and fresh:  # a first call: its programs side by side
+        jobs, state = pre.programs()
+        extra = (jax.ShapeDtypeStruct((), jnp.int32),) if loop == "device" else ()
+        jobs.append((rounds, (target.leaves, dparams, state, precompile_lib.abstract(oracle), *extra)))
+        precompile_lib.compile_all(jobs)
     while not pre.advance():  # enqueued back to back: nothing is read until the first token
         if on_prefill is not None:
             pre.wait()
@@ -707,14 +763,12 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     ttft = time.perf_counter() - t0
     if on_tokens:
         on_tokens([first_np])
-    oracle = (jnp.asarray(np.asarray(_oracle_tokens, np.int32)) if _oracle_tokens is not None
-              else jnp.zeros((1,), jnp.int32))
 
     t1 = time.perf_counter()
     if loop == "device":
-        state, prog = loop_fn(target, dcfg, plan)(target.leaves, dparams, state, oracle, jnp.int32(NO_LIMIT))
+        state, prog = rounds(target.leaves, dparams, state, oracle, jnp.int32(NO_LIMIT))
     else:
-        run = functools.partial(loop_fn(target, dcfg, plan, int(sync_every)), target.leaves, dparams)
+        run = functools.partial(rounds, target.leaves, dparams)
         state, prog = _host_loop(run, state, oracle, int(sync_every), max_new, on_tokens)
     n_out, n_rounds = (int(x) for x in jax.device_get((prog.n_out, prog.n_rounds)))
     tokens = np.asarray(prog.out)[0, :n_out].tolist()

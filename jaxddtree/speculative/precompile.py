@@ -1,0 +1,82 @@
+"""Compile the programs a call will run side by side, before it runs them (issue 40: start-up).
+
+A jitted program's first call traces, lowers and compiles it, and the next program waits: a `generate` call's
+prefill, drafter context pass, start and rounds compile one after the other (at 27B on the H200, 10-60 s each).
+`compile_all` lowers and compiles them in threads from abstract arguments (shapes, dtypes, shardings): XLA's
+compilation releases the GIL, and jax keeps each executable in its in-process cache, so the real calls that follow
+(same function, same argument shapes and shardings) only trace and find it (tests/test_generate.py counts the
+compilations). A job that fails is left to its real call, which raises the error where it belongs.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+
+import jax
+
+
+def abstract(tree):
+    """A pytree's arrays as ShapeDtypeStructs (a committed array's sharding kept: an uncommitted one lowers
+    unspecified, as its real call does); other leaves (ShapeDtypeStructs, None, Python scalars) as they are."""
+    def one(x):
+        if isinstance(x, jax.Array):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if x.committed else None)
+        return x
+    return jax.tree.map(one, tree)
+
+
+def shape_of(fn, *args):
+    """`jax.eval_shape(fn, *args)` placed as the real call places its outputs: a call with a committed argument
+    (an array or a ShapeDtypeStruct with a sharding: one device) returns committed arrays on that device, else
+    uncommitted ones (no sharding), so that the next program lowers as its real call does."""
+    out = jax.eval_shape(fn, *args)
+    placed = [x.sharding for x in jax.tree.leaves(args) if (x.committed if isinstance(x, jax.Array) else
+              isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None)]
+    if not placed:
+        return out
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed[0]), out)
+
+
+def _signature(fn, args):
+    """What a program's compilation depends on: the function and its arguments' shapes, dtypes and placements
+    (static arguments by value)."""
+    def key(x):
+        if isinstance(x, jax.Array):
+            x = abstract(x)
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x.shape, str(x.dtype), x.sharding
+        try:
+            hash(x)
+        except TypeError:
+            return id(x)
+        return x
+    leaves, treedef = jax.tree.flatten(args)
+    return id(fn), treedef, tuple(key(x) for x in leaves)
+
+
+def compile_all(jobs, workers: int | None = None) -> int:
+    """jobs: (jitted function, args) pairs, args as the function takes them (arrays or ShapeDtypeStructs; static
+    arguments as values), each distinct one lowered and compiled in a pool of `workers` threads (default: one per
+    job, at most one per CPU core). -> how many compiled (a failed job is dropped: its real call raises)."""
+    jobs = list({_signature(fn, args): (fn, args) for fn, args in jobs}.values())  # each program once
+    if not jobs:
+        return 0
+    workers = workers or min(len(jobs), os.cpu_count() or 1)
+
+    def one(job):
+        fn, args = job
+        fn.lower(*args).compile()
+
+    if workers == 1:
+        done = 0
+        for job in jobs:
+            try:
+                one(job)
+                done += 1
+            except Exception:  # noqa: BLE001 (the real call raises it)
+                pass
+        return done
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="precompile") as pool:
+        futures = [pool.submit(one, job) for job in jobs]
+    return sum(f.exception() is None for f in futures)

@@ -1,0 +1,102 @@
+"""speculative/precompile.py (issue 40): a first `generate` call and a SlotPool's warm-up compile their heavy
+programs side by side in threads, from abstract arguments, before running them; the real calls then compile none
+of them (jax's in-process cache: same function, shapes and placements) and the tokens are AR's (fp32, T = 0).
+
+A tiny 12-layer pair of its own shapes, so that no other test in the process has compiled its programs."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxddtree.checkpoint import builtin
+from jaxddtree.model.config import ATTENTION, GDN
+from jaxddtree.model.drafter import Drafter
+from jaxddtree.model.target import random_target
+from jaxddtree.speculative import loop as loop_lib
+from jaxddtree.speculative import precompile
+from jaxddtree.speculative.batch import Request, SlotPool, generate_many
+
+HEAVY = ("_prefill", "drafter_forward", "_forward_many_jit", "_start", "run_rounds", "run_slots")
+LAYERS = 12
+
+
+@pytest.fixture(scope="module")
+def pair():
+    cfg = dataclasses.replace(builtin.target_config(), num_hidden_layers=LAYERS,
+                              layer_types=tuple(ATTENTION if (i + 1) % 4 == 0 else GDN for i in range(LAYERS)))
+    target = random_target(cfg, "float32")
+    dcfg = dataclasses.replace(builtin.drafter_config(), num_target_layers=LAYERS, target_layer_ids=(1, LAYERS - 2))
+    return target, Drafter(config=dcfg, params=builtin.random_drafter_params(dcfg, jnp.float32, 3), path="test")
+
+
+@contextlib.contextmanager
+def compiles():
+    """Backend compilations while the block runs, as {(thread kind, function name): count}."""
+    seen = collections.Counter()
+
+    def listen(event, secs, fun_name=None, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            thread = "precompile" if threading.current_thread().name.startswith("precompile") else "main"
+            seen[(thread, (fun_name or "").removeprefix("jit(").removesuffix(")"))] += 1
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def heavy(seen, thread):
+    return {name: n for (t, name), n in seen.items() if t == thread and name in HEAVY}
+
+
+PROMPT = (np.arange(30) * 7 % 250 + 1).tolist()
+
+
+def test_first_generate_compiles_side_by_side(pair):
+    target, drafter = pair
+    ar = loop_lib.generate(target, PROMPT, method="ar", max_new_tokens=24, precompile=False)
+    with compiles() as seen:
+        g = loop_lib.generate(target, PROMPT, drafter=drafter, method="ddtree", tree_budget=8, max_new_tokens=24)
+    assert heavy(seen, "main") == {}, seen  # every heavy program was ready when its call came
+    assert set(heavy(seen, "precompile")) == {"_prefill", "drafter_forward", "_start", "run_rounds"}, seen
+    assert g.tokens == ar.tokens
+    with compiles() as seen:  # a second call: nothing compiled, nothing precompiled
+        loop_lib.generate(target, PROMPT[:20], drafter=drafter, method="ddtree", tree_budget=8, max_new_tokens=24)
+    assert heavy(seen, "main") == heavy(seen, "precompile") == {}, seen
+
+
+def test_pool_warmup_compiles_side_by_side(pair):
+    target, drafter = pair
+    pool = SlotPool(target, drafter, method="ddtree", max_batch=2, cache_len=512, tree_budget=6, max_group=2)
+    stages = []
+    with compiles() as seen:
+        pool.warmup(PROMPT, progress=lambda d, n, what: stages.append(what), lengths=[len(PROMPT)])
+    assert heavy(seen, "main") == {}, seen
+    assert {"_prefill", "_forward_many_jit", "run_rounds", "run_slots"} <= set(heavy(seen, "precompile")), seen
+    assert stages[0].startswith("the prefill and round programs (") and "side by side" in stages[0], stages
+    # two requests joining (a batched round of 2 slots), the tokens AR's
+    reqs = [Request(PROMPT, 20), Request(PROMPT[:25], 20)]
+    with compiles() as seen:
+        out = generate_many(target, reqs, drafter=drafter, method="ddtree", pool=pool)
+    assert heavy(seen, "main") == {}, seen
+    for r, g in zip(reqs, out):
+        assert g.tokens == loop_lib.generate(target, r.ids, method="ar", max_new_tokens=20).tokens
+
+
+def test_compile_all_drops_failures_and_duplicates():
+    f = jax.jit(lambda x: x * 2)
+    bad = jax.jit(lambda x: x.reshape(7))  # fails to trace for 6 elements: left to its real call
+    a = jax.ShapeDtypeStruct((6,), jnp.float32)
+    assert precompile.compile_all([(f, (a,)), (f, (a,)), (bad, (a,))]) == 1
+    x = jnp.ones(6)
+    with compiles() as seen:
+        f(x)
+    assert sum(seen.values()) == 0  # the duplicate was compiled once, and its real call found it
