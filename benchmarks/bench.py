@@ -342,12 +342,14 @@ def bench_fp8(args, cfg, dcfg: DrafterConfig, res: dict, save, log):
     target.kernels = args.kernels
     n_fp8 = sum(x.dtype == FP8 for x in target.leaves)
     streamed = sum(x.size * x.dtype.itemsize for x in target.leaves) - cfg.vocab_size * cfg.hidden_size * 2
-    out = res.setdefault("fp8", {})
+    out = res.setdefault("fp8_dfp8" if args.drafter_fp8 else "fp8", {})
     out["weights_streamed_gb"] = round(streamed / 1e9, 3)
     out["memory_gb_in_use_peak"] = mem
     memory("target")
     log(f"fp8 target built in {time.time() - t0:.1f}s: {n_fp8} fp8 arrays, {streamed / 1e9:.2f} GB streamed/token")
     drafter = random_drafter(dcfg, jnp.bfloat16)
+    if args.drafter_fp8:
+        drafter = drafter.to_fp8()
     memory("drafter")
     L = args.context
     n = args.rounds_per_call
@@ -467,6 +469,8 @@ def main(argv=None):
     ap.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                     help="the drafter drafts only N token ids (its lm_head over the target's first N rows, "
                          "`Drafter.with_draft_vocab`; issue 41); keys get the suffix _dv<N>; bf16 only (0: all ids)")
+    ap.add_argument("--drafter-fp8", action="store_true", help="the drafter's projections in FP8 W8A8 "
+                    "(`Drafter.to_fp8`; issue 41): bf16 keys get the suffix _dfp8, the fp8 section goes to fp8_dfp8")
     ap.add_argument("--weights", default="bf16", choices=["bf16", "fp8", "both"],
                     help="fp8: random fp8 target weights; writes only the fp8.* keys (see bench_fp8); both: the fp8 keys "
                          "first (its memory peak), then the bf16 sections in the same process")
@@ -504,6 +508,8 @@ def main(argv=None):
         if args.weights != "bf16" or not 0 < args.draft_vocab <= cfg.vocab_size:
             ap.error(f"--draft-vocab needs --weights bf16 and 1 <= N <= {cfg.vocab_size}")
         key += f"_dv{args.draft_vocab}"
+    if args.drafter_fp8:
+        key += "_dfp8"
     res["kernels"] = f"{default_kernels} (default here); keys ending in _xla/_pallas[:variant]: another path"
     res.update({"device": dev.device_kind, "date": datetime.date.today().isoformat(), "jax": jax.__version__})
 
@@ -567,6 +573,8 @@ def main(argv=None):
     drafter.params = sharding.replicate(drafter.params, target.mesh)
     if args.draft_vocab:  # (random weights: which ids does not matter to the time)
         drafter = drafter.with_draft_vocab(np.arange(args.draft_vocab), target)
+    if args.drafter_fp8:
+        drafter = drafter.to_fp8()
 
     if "ar" in sections:
         ar = Rounds(target, drafter, make_plan(target, dcfg, "ar"), L, 4 * n, (runs + 2) * 4 * n)

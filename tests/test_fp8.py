@@ -254,6 +254,56 @@ def test_generate_lossless(everything):
     assert runs["ddtree"] == runs["ar"] and runs["dflash"] == runs["ar"]
 
 
+def test_quantize_is_the_checkpoint_scheme():
+    """`fp8.quantize` (the drafter's bf16 weights made FP8) stores what transformers' quantizer (the torch emulation
+    above) stores: the same e4m3 values and scales, for blocks that do not divide the matrix; a 3-D weight with two
+    contracted axes is its [N, K] matrix; dequantized it is within e4m3's rounding of the weight."""
+    from jaxddtree.model import fp8 as fp8_lib
+    w = torch.randn(70, 45) * torch.linspace(0.01, 3, 45)  # [in, out] in the model's layout (K first)
+    w[:, :16] = 0  # an all-zero block (scale 1)
+    q_ref, inv_ref, deq_ref = quantize(w.T.contiguous(), 32, 32)
+    got = fp8_lib.quantize(w.numpy(), 1, block=32)
+    assert got.shape == (70, 45) and got.q.shape == (45, 70)
+    np.testing.assert_array_equal(np.asarray(got.q).astype(np.float32), q_ref.float().numpy())
+    np.testing.assert_array_equal(np.asarray(got.scale)[:, :inv_ref.shape[1]], inv_ref.numpy())
+    np.testing.assert_array_equal(np.asarray(got.dequantize()), deq_ref.T.numpy())
+    w3 = np.random.RandomState(0).randn(4, 8, 40).astype(np.float32)  # [nh, hd, H]: K = 32 contracted
+    got3 = fp8_lib.quantize(w3, 2, block=16)
+    assert got3.q.shape == (40, 32) and got3.dequantize().shape == (4, 8, 40)
+    np.testing.assert_allclose(np.asarray(got3.dequantize()), w3, rtol=2 ** -4, atol=np.abs(w3).max() / 448 * 2 ** -3)
+
+
+def test_fp8_drafter_lossless(everything):
+    """`Drafter.to_fp8`: the drafter's projections as FP8 W8A8 (fc and every layer's), its output unchanged: DDTree
+    and DFlash tokens == AR's at T = 0 with drafts it proposes from FP8 weights."""
+    import helpers_dflash
+    from jaxddtree.model.fp8 import Fp8Weight
+    fp8_dir, ref_dir = everything
+    target = jaxddtree.load_target(ref_dir, "float32")
+    ddir = os.path.join(os.path.dirname(fp8_dir), "drafter_bf")
+    cfg = helpers_dflash.tiny_config(hidden=64, vocab=97, mask_token_id=96, num_target_layers=4,
+                                     target_layer_ids=(1, 2), block_size=8)
+    helpers_dflash.write_checkpoint(ddir, cfg, helpers_dflash.random_weights(cfg, seed=2))
+    plain = jaxddtree.load_drafter(ddir, target, "float32")
+    drafter = plain.to_fp8(block=16)
+    assert drafter.fp8 and not plain.fp8
+    assert all(isinstance(w, Fp8Weight) for lp in drafter.params.layers
+               for w in (lp.w_qkv, lp.wo, lp.w_gate_up, lp.w_down))
+    prompt = np.random.RandomState(3).randint(0, 96, 20).tolist()
+    ar = jaxddtree.generate(target, prompt, method="ar", max_new_tokens=24).tokens
+    runs = {m: jaxddtree.generate(target, prompt, drafter=drafter, method=m, tree_budget=16,
+                                  max_new_tokens=24) for m in ("dflash", "ddtree")}
+    assert all(g.tokens == ar for g in runs.values())
+    # the drafts differ from the plain drafter's only by FP8 rounding: its first draft logits are close
+    import jax.numpy as jnp
+    from jaxddtree.model.drafter import draft_logits
+    feats = jnp.asarray(np.random.RandomState(4).randn(1, 8, 2 * 64).astype(np.float32))
+    args = (feats, jnp.int32(5), jnp.asarray([7], jnp.int32), target.embedding, target.lm_head)
+    a, _ = draft_logits(plain.params, plain.config, plain.init_cache(1, 64), *args)
+    b, _ = draft_logits(drafter.params, drafter.config, drafter.init_cache(1, 64), *args)
+    assert 0 < float(jnp.max(jnp.abs(a - b))) < 0.1 * float(jnp.max(jnp.abs(a)))
+
+
 # ---------------------------------------------------------------------------------------- malformed
 def _copy(src, dst):
     shutil.copytree(src, dst)

@@ -97,6 +97,24 @@ def make(q, row_scales_compact, *, block_in: int, block_out: int, shape: tuple, 
     return Fp8Weight(q=q, scale=s, tail=tail, block_in=block_in, block_out=block_out, shape=tuple(shape))
 
 
+def quantize(w, nc: int = 1, block: int = 128) -> Fp8Weight:
+    """A plain weight in the model's layout (its first nc axes contracted) stored as the FP8 checkpoints store
+    theirs (transformers' fine-grained FP8, `Fp8Quantize`): the [N, K] matrix in blocks of block × block, each
+    block's scale its largest magnitude / 448 (e4m3's largest value; 1 for an all-zero block), the values times
+    its reciprocal, clamped to ±448 and rounded to e4m3. For weights that ship in bf16 (the DFlash drafter's, `Drafter.to_fp8`)."""
+    shape = tuple(w.shape)
+    K, N = math.prod(shape[:nc]), math.prod(shape[nc:])
+    wt = jnp.asarray(w, jnp.float32).reshape(K, N).T  # [N, K]
+    nbo, nbi = -(-N // block), -(-K // block)
+    blocks = jnp.pad(wt, ((0, nbo * block - N), (0, nbi * block - K))).reshape(nbo, block, nbi, block)
+    import numpy as np  # the scales' divisions on the host: IEEE-exact as torch's (XLA's CPU division is not)
+    amax = np.asarray(jnp.max(jnp.abs(blocks), axis=(1, 3)))  # [nbo, nbi]
+    top = np.float32(jnp.finfo(FP8).max)
+    scale = np.where(amax > 0, amax / top, np.float32(1)).astype(np.float32)  # weight_scale_inv
+    full = jnp.repeat(jnp.repeat(jnp.asarray(np.float32(1) / scale), block, axis=0), block, axis=1)[:N, :K]
+    return make(jnp.clip(wt * full, -top, top).astype(FP8), scale, block_in=block, block_out=block, shape=shape)
+
+
 def compact_scales(rows, max_block: int = 128):
     """A per-row scale grid rows [N, nb] (numpy) -> (compact [ceil(N / g), nb], g): g the widest row group,
     among the divisors of `max_block` (descending), over which every column of `rows` is constant — so
