@@ -341,7 +341,7 @@ def test_warmup_lengths_compiles_only_their_widths(pair):
     seen = []
     p.warmup(PROMPTS[0], lengths=[len(PROMPTS[0]), len(PROMPTS[1])],
              progress=lambda done, total, what: seen.append(what))
-    pre = [w for w in seen if "prefill" in w]
+    pre = [w for w in seen if w.startswith("prefill of")]
     assert len(pre) == 1 and pre[0].startswith(f"prefill of {chunk_size(len(PROMPTS[0]))}-token chunks"), seen
     assert seen[-1] == "2 slots: rounds, joins and leaves"
 
@@ -354,9 +354,11 @@ def test_warmup_compiles_everything(pair, ar_ref):
                            max_group=2)
     seen = []
     p.warmup(PROMPTS[0], progress=lambda done, total, what: seen.append((done, total, what)))
-    # one progress line per stage: each prefill width, then each slot-count bucket (greedy and sampled: one program)
+    # one progress line per stage: the heavy programs side by side, each prefill width, then each slot-count bucket
+    # (greedy and sampled: one program)
     assert [d for d, _, _ in seen] == list(range(1, len(seen) + 1)) and {t for _, t, _ in seen} == {len(seen)}
-    assert seen[-1][2] == "4 slots: rounds, joins and leaves" and "prefill" in seen[0][2]
+    assert seen[0][2].startswith("the prefill and round programs") and "prefill of" in seen[1][2]
+    assert seen[-1][2] == "4 slots: rounds, joins and leaves"
     before = _compiled(target), batch_lib.TRACES["slots"], batch_lib.TRACES["rounds"], batch_lib.TRACES["start"]
     reqs = [Request(PROMPTS[0], 12), Request(PROMPTS[1], 20, temperature=0.8, seed=3),
             Request(PROMPTS[2], 9, temperature=1.0, top_p=0.8, stop_ids=(ar_ref[2][3],)), Request(PROMPTS[3], 30),
