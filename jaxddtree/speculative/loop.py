@@ -433,10 +433,10 @@ class Prefill:
         self._cache = self._dcache = self._logits = None
         return True
 
-    def programs(self) -> list:
+    def programs(self) -> tuple[list, Any]:
         """(jitted function, abstract arguments) of each program `advance` will run, in order: the target's
         prefill of a chunk, the drafter's context pass, the start (`precompile.compile_all`). Call before the
-        first `advance`. -> (jobs, the start's output state, abstract)."""
+        first `advance`. -> (those jobs, the start's output state, abstract)."""
         A = precompile_lib.abstract
         target, drafter = self.target, self.drafter
         i32 = jax.ShapeDtypeStruct((), jnp.int32)
@@ -531,7 +531,6 @@ class PrefillGroup:
         self._caches = self._dcaches = self._logits = m0._blank = None
         self.done = True
         return True
-
 
     @staticmethod
     def programs(m0: Prefill, k: int) -> list:
