@@ -118,6 +118,9 @@ def build_parser() -> Parser:
                    "candidate and AR timed at warm-up, printed, and kept in the --compile-cache directory "
                    "(budget-auto/): a later run with the same model, device and settings reuses it and compiles "
                    "only the method it chose; with --no-warmup a built-in model linear in tree rows and context)")
+    d.add_argument("--drafter-fp8", action="store_true", help="the drafter's projections in FP8 (128 x 128 block "
+                   "scales, as FP8 checkpoints store theirs; the target's W8A8 product): about half of what its "
+                   "layers read; only the acceptance changes, never the output. dflash / ddtree only (default: off)")
     d.add_argument("--draft-vocab", type=draft_vocab_arg, default=None, metavar="N|FILE", help="draft only a "
                    "subset of the token ids: N, the N most frequent ids of the drafter directory's "
                    f"{COUNTS_FILE} (a frequency table: scripts/count_tokens.py writes one, the demo pair ships one), "
@@ -341,6 +344,8 @@ def run(argv=None) -> int:
     method = args.method or ("ddtree" if dcfg is not None else "ar")
     _check_budget(args, cfg, method)
     _check_draft_vocab(args, cfg, method, ddir, tdir)
+    if args.drafter_fp8 and method == "ar":
+        raise UsageError("--drafter-fp8 changes how the drafter drafts: it needs --method dflash or ddtree")
     ids = _prompt_ids(args, tok)
     _check_prompt(args, cfg, ids)
     stops = default_stop_ids(cfg, tok) if stops is None else stops
@@ -394,6 +399,8 @@ def run(argv=None) -> int:
         if ddir:
             say(f"loading {ddir} ...")
             drafter = jd.load_drafter(ddir, target, dtype, draft_vocab=vocab_ids)
+    if drafter is not None and method != "ar" and args.drafter_fp8:
+        drafter = drafter.to_fp8()
     target.kernels = kernels
     load_s = time.perf_counter() - t_load
 
@@ -408,6 +415,7 @@ def run(argv=None) -> int:
     if not args.json:
         log(f"{method}" + (f" (budget {args.budget})" if method == "ddtree" else "") +
             (f", draft vocabulary of {len(vocab_ids)} ids" if vocab_ids is not None else "") +
+            (", FP8 drafter" if args.drafter_fp8 else "") +
             f", {len(ids)} prompt tokens, max {max_new} new, T={args.temperature:g}, {dtype}, kernels={kernels}, "
             f"{backend}" + (f", tp={args.tp}" if args.tp > 1 else "") + f" (loaded in {load_s:.1f} s)")
     measured = None  # tokens/s at warm-up per candidate name, "ar" included
@@ -422,7 +430,8 @@ def run(argv=None) -> int:
     if measure and cache_dir is not None:
         from jaxddtree.speculative import calibration
         known_key = calibration.key(target_dir=tdir, drafter_dir=ddir, settings=dict(
-            dtype=dtype, kernels=kernels, tp=args.tp, probe=[int(i) for i in probe], measure_tokens=min(
+            dtype=dtype, kernels=kernels, tp=args.tp, drafter_fp8=args.drafter_fp8, probe=[int(i) for i in probe],
+            measure_tokens=min(
                 max_new, MEASURE_TOKENS), draft_vocab=None if vocab_ids is None else [int(i) for i in vocab_ids],
             **{k: v for k, v in kw.items() if k not in ("drafter", "method")}))
         known_path = calibration.path_for(cache_dir, known_key)
@@ -472,7 +481,8 @@ def run(argv=None) -> int:
                  top_p=args.top_p, min_p=args.min_p, seed=args.seed,
                  stop_ids=stops, loop=args.loop, target=target.source,
                  drafter=(getattr(drafter, "path", None) if method != "ar" else None),
-                 draft_vocab=len(vocab_ids) if vocab_ids is not None and method != "ar" else None)
+                 draft_vocab=len(vocab_ids) if vocab_ids is not None and method != "ar" else None,
+                 drafter_fp8=bool(args.drafter_fp8 and method != "ar"))
     if args.json:
         out = {"tokens": gen.tokens, "prompt_ids": [int(i) for i in ids]}
         if tok is not None:

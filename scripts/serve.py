@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "a subset of the token ids (see generate.py --help): N, the N most frequent ids of the drafter "
                    "directory's token_counts.json, or FILE, a JSON list or .npy array of ids; changes the acceptance, "
                    "never the output (default: off, every id)")
+    p.add_argument("--drafter-fp8", action="store_true", help="the drafter's projections in FP8 (see generate.py "
+                   "--help): about half of what its layers read; changes the acceptance, never the output (default: "
+                   "off)")
     p.add_argument("--queue", type=positive_int, default=64, metavar="N", help="requests waiting for a slot at "
                    "most; more get 503 (default: 64)")
     p.add_argument("--model-name", default=None, help="the model id clients use (default: the target "
@@ -170,6 +173,9 @@ def load_engine(args):
     if vocab is not None and args.method == "ar":
         raise SystemExit("serve.py: error: --draft-vocab restricts what the drafter drafts: it needs --method dflash "
                          "or ddtree")
+    if args.drafter_fp8 and args.method == "ar":
+        raise SystemExit("serve.py: error: --drafter-fp8 changes how the drafter drafts: it needs --method dflash or "
+                         "ddtree")
     if isinstance(vocab, str):  # a file of ids
         from jaxddtree.model import draft_vocab
         try:
@@ -221,6 +227,8 @@ def load_engine(args):
                 from None
     target.kernels = args.kernels or ("xla" if backend == "cpu" else "pallas")
     method = args.method or ("ddtree" if drafter is not None else "ar")
+    if args.drafter_fp8 and drafter is not None and method != "ar":
+        drafter = drafter.to_fp8()
     if method != "ar" and drafter is None:
         raise SystemExit(f"serve.py: error: --method {method} needs --drafter")
     try:
@@ -238,7 +246,8 @@ def load_engine(args):
         + (f"; prefix cache {engine.prefix_cache_budget / (1 << 30):.1f} GiB" if engine.prefix_cache else
            "; prefix cache off")
         + (f"; draft vocabulary of {drafter.draft_vocab.size} ids" if drafter is not None and method != "ar"
-           and drafter.draft_vocab is not None else ""),
+           and drafter.draft_vocab is not None else "")
+        + ("; FP8 drafter" if drafter is not None and method != "ar" and drafter.fp8 else ""),
         file=sys.stderr, flush=True)
     if not args.no_warmup:
         print("serve.py: warm-up: compiling every prefill width and slot count before listening, one line per "

@@ -263,6 +263,21 @@ def test_cli_draft_vocab(pair, prompts, ar, tmp_path, capsys):
         assert len(lines) == 1 and lines[0].startswith("generate.py: error: ") and needle in lines[0], (args, lines)
 
 
+def test_cli_drafter_fp8(pair, prompts, ar, capsys):
+    """generate.py --drafter-fp8: the drafter's projections in FP8 (`Drafter.to_fp8`); the AR tokens, reported in
+    the stats; with --method ar one error line."""
+    mod = load_generate_script()
+    ids = ",".join(map(str, prompts[0]))
+    rc = mod.main(["--prompt-ids", ids, "--drafter-fp8", "--method", "ddtree", "--budget", "16", "--max-new-tokens",
+                   str(MAX_NEW), "--stop-ids", "none", "--no-warmup", "--json"])
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and res["tokens"] == ar[0] and res["stats"]["drafter_fp8"] is True
+    assert res["stats"]["mean_acceptance_length"] > 1.5  # still drafting well
+    assert mod.main(["--drafter-fp8", "--method", "ar", "--prompt-ids", "1,2"]) == 2
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "--drafter-fp8" in lines[0] and "needs --method dflash or ddtree" in lines[0], lines
+
+
 def test_count_tokens_script(pair, tmp_path):
     text = "def f(x):\n    return x + 1\n"
     (tmp_path / "a.py").write_text(text)

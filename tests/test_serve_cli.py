@@ -244,3 +244,18 @@ def test_draft_vocab_argument(tmp_path):
         serve.load_engine(p.parse_args(base + ["--draft-vocab", str(ids)]))
     with pytest.raises(SystemExit, match="needs --method dflash or ddtree"):
         serve.load_engine(p.parse_args(base + ["--draft-vocab", "64", "--method", "ar"]))
+
+
+def test_drafter_fp8_argument():
+    """--drafter-fp8: the demo pair's drafter with FP8 projections (`Drafter.to_fp8`); with --method ar one line."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("serve_script", SCRIPT)
+    serve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve)
+    p = serve.build_parser()
+    base = ["--max-batch", "1", "--prefix-cache-gb", "0", "--max-context", "256"]
+    assert not p.parse_args(base).drafter_fp8
+    assert serve.load_engine(p.parse_args(base + ["--drafter-fp8"])).drafter.fp8
+    with pytest.raises(SystemExit, match="--drafter-fp8 .* needs --method dflash or ddtree"):
+        serve.load_engine(p.parse_args(base + ["--drafter-fp8", "--method", "ar"]))
