@@ -385,6 +385,7 @@ def run(argv=None) -> int:
     if label:
         log(label)
     t_load = time.perf_counter()
+    early = None  # a thread compiling the warm-up's programs while the weights load
     if tdir is None:
         pair = builtin.load_random(dtype)
         target, drafter = pair.target.shard(args.tp, consume=True), pair.drafter if method != "ar" else None
@@ -393,6 +394,7 @@ def run(argv=None) -> int:
             if vocab_ids is not None:
                 drafter = drafter.with_draft_vocab(vocab_ids, target)
     else:
+        early = _compile_while_loading(args, cfg, dcfg, tdir, dtype, kernels, method, ids, max_new, vocab_ids)
         say(f"loading {tdir} ...")
         target = jd.load_target(tdir, dtype, progress=tty, tp=args.tp)
         drafter = None
@@ -443,6 +445,8 @@ def run(argv=None) -> int:
         # stop id, so only the first is produced
         say("compiling ...")
         t = time.perf_counter()
+        if early is not None:
+            early.join()
         jd.generate(target, probe, **kw, stop_ids=range(cfg.vocab_size))
         compile_s = time.perf_counter() - t
         if not args.json:
@@ -578,6 +582,39 @@ def _check_budget(args, cfg, method: str):
         raise UsageError(f"argument --budget-costs: no such file {args.budget_costs}")
     if method == "ddtree" and args.budget != "auto" and args.budget >= cfg.vocab_size:
         raise UsageError(f"argument --budget: must be < the vocabulary size {cfg.vocab_size}, got {args.budget}")
+
+
+def _compile_while_loading(args, cfg, dcfg, tdir, dtype, kernels, method, ids, max_new, vocab_ids):
+    """A thread compiling the warm-up call's programs for weights of the checkpoint's shapes (`loop.compile_call` on
+    `abstract_target` / `abstract_params`) while the main thread loads them; None where the loaded pair's structure
+    is not predicted (FP8 checkpoints, tensor parallelism, a draft vocabulary, an FP8 drafter) or there is no
+    warm-up. A wrong prediction costs only the thread's work: the warm-up then compiles as usual."""
+    import threading
+
+    from jaxddtree.checkpoint.hf_target import fp8_format
+    if args.no_warmup or args.tp > 1 or vocab_ids is not None or args.drafter_fp8 or fp8_format(tdir) is not None:
+        return None
+    from jaxddtree.model.drafter import Drafter, abstract_params
+    from jaxddtree.model.prefill import warmup_length
+    from jaxddtree.model.target import abstract_target, as_dtype
+    from jaxddtree.speculative.loop import cache_positions, compile_call
+    target = abstract_target(cfg, dtype)
+    target.kernels = kernels
+    drafter = (Drafter(config=dcfg, params=abstract_params(dcfg, as_dtype(dtype)), path="abstract")
+               if dcfg is not None and method != "ar" else None)
+    kw = dict(drafter=drafter, method=method, max_new_tokens=max_new, tree_budget=args.budget,
+              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+              loop=args.loop, sync_every=args.sync_every, budget_costs=args.budget_costs,
+              cache_len=cache_positions(target, drafter, method, args.budget, len(ids), max_new, args.budget_costs))
+
+    def run():
+        try:
+            compile_call(target, ids[:warmup_length(len(ids))], **kw, stop_ids=range(cfg.vocab_size))
+        except Exception:  # noqa: BLE001 (the warm-up compiles what this could not)
+            pass
+    thread = threading.Thread(target=run, name="precompile-early", daemon=True)
+    thread.start()
+    return thread
 
 
 def _check_draft_vocab(args, cfg, method: str, ddir, tdir):

@@ -100,3 +100,35 @@ def test_compile_all_drops_failures_and_duplicates():
     with compiles() as seen:
         f(x)
     assert sum(seen.values()) == 0  # the duplicate was compiled once, and its real call found it
+
+
+def test_generate_script_compiles_while_loading(monkeypatch, capsys):
+    """scripts/generate.py with checkpoint directories compiles its warm-up's programs for the checkpoint's shapes
+    (`loop.compile_call` on `abstract_target` / `abstract_params`) while the weights load: the warm-up then finds
+    every program compiled (its own side-by-side pass has nothing left) and none compiles on the main thread."""
+    import importlib.util
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("generate_script", os.path.join(root, "scripts", "generate.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    real_all, real_call = precompile.compile_all, loop_lib.compile_call
+    calls = []
+
+    def compile_all(jobs, workers=None):
+        n = real_all(jobs, workers)
+        calls.append((threading.current_thread().name, n))
+        return n
+    abstract = []
+    monkeypatch.setattr(precompile, "compile_all", compile_all)
+    monkeypatch.setattr(loop_lib, "compile_call", lambda t, *a, **k: (abstract.append(t.source), real_call(t, *a, **k)))
+    demo = os.path.join(root, "demo")
+    with compiles() as seen:
+        rc = mod.main(["--target", os.path.join(demo, "target"), "--drafter", os.path.join(demo, "drafter"),
+                       "--prompt-ids", "5,6,7,8,9", "--method", "ddtree", "--budget", "5", "--max-new-tokens", "12",
+                       "--compile-cache", "none", "--json"])
+    capsys.readouterr()
+    assert rc == 0 and abstract == ["abstract"]
+    assert calls and calls[0][0] == "precompile-early" and all(n == 0 for _, n in calls[1:]), calls
+    assert heavy(seen, "main") == {}, seen

@@ -75,6 +75,18 @@ class DraftCache:
         return self.k[0].shape[2]
 
 
+def abstract_params(cfg: DrafterConfig, dtype) -> DrafterParams:
+    """DrafterParams of cfg's shapes as ShapeDtypeStructs (every array in `dtype`, as the loaders give them): for
+    compiling a drafter's programs before its weights load."""
+    H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    nh, nkv = cfg.num_heads, cfg.num_kv_heads
+    a = lambda *shape: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
+    layer = DrafterLayer(attn_norm=a(H), w_qkv=a(H, (nh + 2 * nkv) * hd), wo=a(nh, hd, H), q_norm=a(hd),
+                         k_norm=a(hd), mlp_norm=a(H), w_gate_up=a(H, 2, I), w_down=a(I, H))
+    return DrafterParams(fc=a(cfg.num_target_features * H, H), hidden_norm=a(H),
+                         layers=tuple(layer for _ in range(cfg.num_layers)), norm=a(H))
+
+
 def init_draft_cache(cfg: DrafterConfig, batch_size: int, max_len: int, dtype: Any = jnp.bfloat16) -> DraftCache:
     """Empty cache. `max_len` must be >= final context length + the static C of any call (slack for padding)."""
     shape = (batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)

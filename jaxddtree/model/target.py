@@ -170,7 +170,8 @@ def pad_projection_columns(treedef, leaves: list, dtype, mesh=None) -> list:
         if ("['groups']" in path and re.search(r"\['mixer'\]\['w_in'\](\.value)?$", path) and getattr(x, "ndim", 0) == 3
                 and x.dtype == jnp.bfloat16 and x.shape[-1] % PAD_COLUMNS):
             pad = -x.shape[-1] % PAD_COLUMNS
-            out[i] = jnp.pad(x, ((0, 0), (0, 0), (0, pad)))
+            out[i] = (jax.ShapeDtypeStruct(x.shape[:-1] + (x.shape[-1] + pad,), x.dtype)
+                      if isinstance(x, jax.ShapeDtypeStruct) else jnp.pad(x, ((0, 0), (0, 0), (0, pad))))
     return out
 
 
@@ -185,6 +186,17 @@ def _prefill(leaves, cache, tokens, num_valid, *, graphdef, treedef, feature_lay
 # and MLP; GDN w_in's trailing b | a columns (in_proj_b / in_proj_a), embed, lm_head, norms, conv, A_log, dt_bias
 # stay in the compute dtype.
 FP8_PROJECTIONS = ("w_in", "w_out", "w_qkv", "wo", "w_gate_up", "w_down")
+
+
+def abstract_target(cfg: TextConfig, dtype) -> Target:
+    """A target of cfg's shapes without weights (ShapeDtypeStruct leaves, uncommitted as loaded weights are), built as
+    `checkpoint.params.target_from_params` builds a plain (bf16 / fp32) checkpoint's: its jitted programs are that
+    target's (`Target.bind` shares them by graph and tree definition), so they can be compiled while the weights
+    load (`speculative.loop.compile_call`)."""
+    dt = as_dtype(dtype)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Qwen35(cfg, dtype=dt, rngs=nnx.Rngs(0))))
+    leaves, treedef = jax.tree.flatten(state)
+    return Target(config=cfg, graphdef=graphdef, treedef=treedef, leaves=leaves, dtype=dt, source="abstract")
 
 
 def random_target(cfg: TextConfig, dtype="float32", seed: int = 0, weights: str = "bf16", tp: int = 1) -> Target:

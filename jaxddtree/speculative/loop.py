@@ -666,7 +666,7 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
              loop: str = "host", sync_every: int = 1, on_tokens: Callable[[list[int]], None] | None = None,
              cache_len: int | None = None, budget_costs=None,
              on_prefill: Callable[[int, int], None] | None = None, prefix_cache=None, precompile: bool = True,
-             _oracle_tokens=None) -> Generation:
+             _oracle_tokens=None, _compile_only: bool = False) -> Generation | None:
     """Generate up to `max_new_tokens` new tokens after `prompt_ids`.
 
     method: "ar" (autoregressive), "dflash" (chain of the drafter's block) or "ddtree" (best tree of `tree_budget`
@@ -747,11 +747,13 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
               else jnp.zeros((1,), jnp.int32))
     rounds = loop_fn(target, dcfg, plan, None if loop == "device" else int(sync_every))
     fresh = getattr(rounds, "_cache_size", lambda: 1)() == 0  # (a jitted function never called)
-    if precompile and target.mesh is None and fresh:  # a first call: its programs side by side
+    if (precompile and target.mesh is None and fresh) or _compile_only:  # a first call: its programs side by side
         jobs, state = pre.programs()
         extra = (jax.ShapeDtypeStruct((), jnp.int32),) if loop == "device" else ()
         jobs.append((rounds, (target.leaves, dparams, state, precompile_lib.abstract(oracle), *extra)))
         precompile_lib.compile_all(jobs)
+        if _compile_only:
+            return None
     while not pre.advance():  # enqueued back to back: nothing is read until the first token
         if on_prefill is not None:
             pre.wait()
@@ -790,6 +792,15 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
                      budget_predicted_mean=float(np.mean(np.asarray(state.auto.predicted)[:n_rounds]))
                      if n_rounds else 0.0, budget_costs=table.source)
     return Generation(tokens=tokens, acceptance_lengths=acc, stats=stats)
+
+
+def compile_call(target: Target, prompt_ids, **kw) -> None:
+    """Compile, side by side, the programs `generate(target, prompt_ids, **kw)` runs, and run nothing. The target
+    and the drafter may be abstract (`model.target.abstract_target`, `model.drafter.abstract_params`: the weights'
+    shapes only): scripts/generate.py compiles its warm-up's programs this way while the weights load; the
+    `generate` call that follows then finds them compiled (when the loaded pair has the predicted structure;
+    otherwise it compiles as usual)."""
+    generate(target, prompt_ids, **kw, _compile_only=True)
 
 
 def _copy_to_host(prog: Progress, with_out: bool):
