@@ -82,18 +82,29 @@ def median_ms(fn, n=20, warmup=3):
     return statistics.median(ts)
 
 
-def random_pair(smoke: bool, kernels: str | None = None):
-    """(target, drafter) with random weights at the 27B / DFlash shapes (bf16), or at the smoke shapes in fp32:
-    the servers' benchmarks (serve_bench.py, agent_bench.py). kernels: the target's (default "xla" on a CPU, else
-    "pallas")."""
+def pair_configs(smoke: bool):
+    """(target config, drafter config, dtype) of `random_pair`."""
     raw, dflash, dtype = dict(QWEN36_27B), dict(DFLASH_27B), "bfloat16"
     if smoke:  # the tiny shapes (the code path on the CPU)
         raw.update(SMOKE_TARGET)
         dflash.update(SMOKE_DFLASH)
         dtype = "float32"
-    target = random_target(text_config_from_dict(raw, where="Qwen3.6-27B shapes"), dtype)
-    target.kernels = kernels or ("xla" if jax.default_backend() == "cpu" else "pallas")
-    return target, random_drafter(DrafterConfig(**dflash), jnp.dtype(dtype))
+    return text_config_from_dict(raw, where="Qwen3.6-27B shapes"), DrafterConfig(**dflash), dtype
+
+
+def random_pair(smoke: bool, kernels: str | None = None):
+    """(target, drafter) with random weights at the 27B / DFlash shapes (bf16), or at the smoke shapes in fp32:
+    the servers' benchmarks (serve_bench.py, agent_bench.py). kernels: the target's (default "xla" on a CPU, else
+    "pallas")."""
+    cfg, dcfg, dtype = pair_configs(smoke)
+    target = random_target(cfg, dtype)
+    target.kernels = kernels or kernels_here()
+    return target, random_drafter(dcfg, jnp.dtype(dtype))
+
+
+def kernels_here() -> str:
+    """The kernels a target gets by default on this backend."""
+    return "xla" if jax.default_backend() == "cpu" else "pallas"
 
 
 def random_drafter(cfg: DrafterConfig, dtype, seed=0) -> Drafter:

@@ -10,9 +10,11 @@ compiled once per model) and a second one (what remains: running), in one proces
 compilation cache. The goal is the depth ratio of the first call, 64 / 8 layers ≤ 1.25 (one scanned layer group,
 not every layer, is compiled).
 --random-27b: scripts/generate.py's path at 27B shapes (random bf16 weights made on the device instead of a
-checkpoint read: the load is not timed), from this process's start: imports, the pair, generate.py's warm-up
-call (the same programs: every token a stop id) and its real call (ddtree, --budget auto, a 64-token prompt,
-loop "host"), up to the first token streamed; with an empty --compile-cache DIR it is the cold start.
+checkpoint read: the load is not timed), from this process's start: imports, the pair (while it is made, the
+warm-up's programs compile for its shapes, as generate.py compiles them while a checkpoint loads; --no-precompile:
+neither that nor the side-by-side compile), generate.py's warm-up call (the same programs: every token a stop id)
+and its real call (ddtree, --budget auto, a 64-token prompt, loop "host"), up to the first token streamed; with an
+empty --compile-cache DIR it is the cold start.
 At 27B shapes, bench.py prints each program's first call with compilation ("AR step ... (8.3s with compilation)").
 """
 
@@ -75,16 +77,37 @@ def random_27b_first_token(cache_dir: str | None, smoke: bool = False, prompt_le
 
     out = {"imports_s": time.perf_counter() - T_START}
     out["compile_cache"] = compile_cache.enable(cache_dir if cache_dir is not None else "none", "bench_startup.py")
+    cfg, dcfg, dtype = bench.pair_configs(smoke)
+    ids = np.random.default_rng(0).integers(cfg.vocab_size // 4, cfg.vocab_size, prompt_len)
+    probe = ids[:warmup_length(len(ids))]
+    early = None
+    if precompile:  # as generate.py: the warm-up's programs compiled (for the pair's shapes) while the pair is made
+        import threading
+
+        import jax.numpy as jnp
+        from jaxddtree.model.drafter import Drafter, abstract_params
+        from jaxddtree.model.target import abstract_target
+        from jaxddtree.speculative.loop import compile_call
+        at = abstract_target(cfg, dtype)
+        at.kernels = bench.kernels_here()
+        ad = Drafter(config=dcfg, params=abstract_params(dcfg, jnp.dtype(dtype)), path="abstract")
+        akw = dict(drafter=ad, method="ddtree", max_new_tokens=new, tree_budget="auto", loop="host",
+                   cache_len=cache_positions(at, ad, "ddtree", "auto", len(ids), new))
+        early = threading.Thread(target=compile_call, args=(at, probe), kwargs=dict(akw, stop_ids=range(cfg.vocab_size)),
+                                 name="precompile-early", daemon=True)
+        early.start()
     target, drafter = bench.random_pair(smoke)
     import jax
     jax.block_until_ready(jax.tree.leaves(target.leaves)[:1])
     out["pair_s"] = time.perf_counter() - T_START
-    ids = np.random.default_rng(0).integers(target.config.vocab_size // 4, target.config.vocab_size, prompt_len)
     cache_len = cache_positions(target, drafter, "ddtree", "auto", len(ids), new)
     kw = dict(drafter=drafter, method="ddtree", max_new_tokens=new, tree_budget="auto", loop="host",
               cache_len=cache_len, precompile=precompile)
     out["precompile"] = precompile
-    jd.generate(target, ids[:warmup_length(len(ids))], **kw, stop_ids=range(target.config.vocab_size))
+    if early is not None:
+        early.join()
+        out["early_compile_done_s"] = time.perf_counter() - T_START
+    jd.generate(target, probe, **kw, stop_ids=range(target.config.vocab_size))
     out["warmup_done_s"] = time.perf_counter() - T_START
     first = []
     g = jd.generate(target, ids, **kw, on_tokens=lambda t: first or first.append(time.perf_counter() - T_START))
