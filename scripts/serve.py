@@ -137,6 +137,44 @@ def require_server_extra() -> None:
         raise SystemExit(2)
 
 
+def _compile_while_loading(args, cfg, tdir, ddir, dtype, backend, costs, prompt_ids):
+    """A thread compiling the warm-up's programs that do not depend on the slot count (every prefill width alone,
+    the start, the single-slot round: `batch.single_slot_programs`) for weights of the checkpoint's shapes while the
+    main thread loads them; None without a warm-up or where the loaded pair's structure is not predicted (FP8
+    checkpoints, tensor parallelism, a draft vocabulary, an FP8 drafter). The warm-up then compiles only the rest
+    (groups, batched rounds); a wrong prediction costs only the thread's work."""
+    import threading
+
+    from jaxddtree.checkpoint.hf_target import fp8_format
+    if (args.no_warmup or args.tp > 1 or args.draft_vocab is not None or args.drafter_fp8
+            or fp8_format(tdir) is not None):
+        return None
+    from jaxddtree.model.drafter import Drafter, DrafterConfig, abstract_params
+    from jaxddtree.model.target import abstract_target, as_dtype
+    from jaxddtree.speculative import precompile
+    from jaxddtree.speculative.batch import single_slot_programs
+    from jaxddtree.speculative.loop import capacity, resolve_budget
+    method = args.method or ("ddtree" if ddir else "ar")
+    target = abstract_target(cfg, dtype)
+    target.kernels = args.kernels or ("xla" if backend == "cpu" else "pallas")
+    dcfg = DrafterConfig.from_pretrained(ddir) if ddir and method != "ar" else None
+    drafter = Drafter(config=dcfg, params=abstract_params(dcfg, as_dtype(dtype)), path="abstract") if dcfg else None
+    max_context = min(args.max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
+
+    def run():
+        try:  # as the Engine sizes its slots (serving/engine.py)
+            widest, table = resolve_budget(args.budget, method, cfg.vocab_size, dcfg, costs)
+            cache_len = capacity(target, dcfg, method, widest, max_context, 0)[1]
+            precompile.compile_all(single_slot_programs(target, drafter, prompt_ids, method=method,
+                                                        cache_len=cache_len, tree_budget=args.budget,
+                                                        budget_costs=table))
+        except Exception:  # noqa: BLE001 (the warm-up compiles what this could not)
+            pass
+    thread = threading.Thread(target=run, name="precompile-early", daemon=True)
+    thread.start()
+    return thread
+
+
 def load_engine(args):
     """Load the pair and build the Engine (also used by tests and benchmarks with parsed args)."""
     try:
@@ -183,6 +221,7 @@ def load_engine(args):
         except ValueError as e:
             raise SystemExit(f"serve.py: error: argument --draft-vocab: {e}") from None
     demo = builtin.demo_dirs() if args.target is None else None
+    early = None  # a thread compiling the warm-up's single-slot programs while the weights load
     if args.target is None and demo is None:  # the random pair built in code
         pair = builtin.load_random(dtype)
         target, drafter, tok, name = pair.target, pair.drafter, pair.tokenizer, "demo"
@@ -214,7 +253,9 @@ def load_engine(args):
             tok = load_hf_tokenizer(tdir)
         except ValueError as e:
             raise SystemExit(f"serve.py: error: {e}") from None
-        check(jd.load_config(tdir))
+        cfg = jd.load_config(tdir)
+        check(cfg)
+        early = _compile_while_loading(args, cfg, tdir, ddir, dtype, backend, costs, encode_text(tok, "Hello"))
         target = jd.load_target(tdir, dtype, tp=args.tp)
         if vocab is not None and not ddir:
             raise SystemExit("serve.py: error: --draft-vocab needs a drafter (--drafter DIR)")
@@ -255,6 +296,8 @@ def load_engine(args):
               file=sys.stderr, flush=True)
         t = time.perf_counter()
         from jaxddtree.serving.engine import warmup_printer
+        if early is not None:
+            early.join()
         engine.warmup(encode_text(tok, "Hello"), progress=warmup_printer("serve.py"))
         print(f"serve.py: compiled (every prefill width, slot count, greedy and sampled) in "
               f"{time.perf_counter() - t:.1f} s" + (f" (compilation cache: {cache_dir})" if cache_dir else ""),

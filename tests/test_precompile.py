@@ -132,3 +132,33 @@ def test_generate_script_compiles_while_loading(monkeypatch, capsys):
     assert rc == 0 and abstract == ["abstract"]
     assert calls and calls[0][0] == "precompile-early" and all(n == 0 for _, n in calls[1:]), calls
     assert heavy(seen, "main") == {}, seen
+
+
+def test_serve_compiles_while_loading(monkeypatch):
+    """serve.py compiles the warm-up's single-slot programs (every prefill width, the start, the single-slot round)
+    for the checkpoint's shapes while the weights load (`batch.single_slot_programs` on the abstract pair); its
+    warm-up then compiles only the rest (groups, batched rounds), and nothing heavy on the main thread."""
+    import importlib.util
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("serve_script", os.path.join(root, "scripts", "serve.py"))
+    serve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve)
+    real_all = precompile.compile_all
+    calls = []
+
+    def compile_all(jobs, workers=None):
+        jobs = list(jobs)
+        n = real_all(jobs, workers)
+        calls.append((threading.current_thread().name, len(jobs), n))
+        return n
+    monkeypatch.setattr(precompile, "compile_all", compile_all)
+    args = serve.build_parser().parse_args(["--max-batch", "2", "--prefix-cache-gb", "0", "--max-context", "320",
+                                            "--budget", "4", "--compile-cache", "none"])
+    with compiles() as seen:
+        serve.load_engine(args)
+    assert [c[0] for c in calls] == ["precompile-early", "MainThread"], calls
+    assert calls[0][1] >= 3, calls  # widths, start, single-slot round (already compiled if another test ran them)
+    assert calls[1][2] < calls[1][1], calls  # the warm-up found the early ones compiled
+    assert heavy(seen, "main") == {}, seen

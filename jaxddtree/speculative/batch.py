@@ -623,6 +623,19 @@ class SlotPool:
                              (tgt.leaves, self.dparams, state, jax.ShapeDtypeStruct((B, L), jnp.int32))))
         return jobs
 
+    def warmup_widths(self, lengths=None) -> list[tuple[int, int]]:
+        """The prefill widths `warmup` compiles, as (chunk width, a prompt length that uses it): every width a prompt
+        that fits the caches can take, or (lengths) only those prompts' widths (and, with a prefix cache,
+        PREFILL_CHUNK's); ValueError when none of `lengths` fits."""
+        fits = lambda n: loop_lib.capacity(self.target, self.dcfg, self.method, self.budget, n, 2)[1] <= self.cache_len
+        widths = [(w, n) for w, n in chunk_widths(self.target.config.max_position_embeddings - 2) if fits(n)]
+        if lengths is not None:
+            used = {chunk_size(int(n)) for n in lengths} | ({PREFILL_CHUNK} if self.prefix_cache is not None else set())
+            widths = [(w, n) for w, n in widths if w in used]
+            if not widths:
+                raise ValueError(f"no prompt of lengths {sorted(set(lengths))} fits the cache ({self.cache_len} rows)")
+        return widths
+
     def warmup(self, prompt_ids, progress=None, lengths=None) -> None:
         """Compile what a request can run: every prefill width (prompts up to the cache capacity), the single-slot
         round, every slot-count bucket and its joins / resizes (greedy, sampled and truncated requests share each
@@ -632,18 +645,11 @@ class SlotPool:
         on the H200 each width's prefill programs, alone and in groups of 2 / 4 / 8, take ≈ 4 × 50 s).
         progress(done, total, what): called after each stage (a prefill width, a bucket), e.g. to print it."""
         ids = check_ids(prompt_ids, "prompt_ids").tolist()
-        cfg = self.target.config
         pc = self.prefix_cache
-        fits = lambda n: loop_lib.capacity(self.target, self.dcfg, self.method, self.budget, n, 2)[1] <= self.cache_len
-        widths = [(w, n) for w, n in chunk_widths(cfg.max_position_embeddings - 2) if fits(n)]  # (chunk, prompt)
-        if lengths is not None:
-            used = {chunk_size(int(n)) for n in lengths} | ({PREFILL_CHUNK} if pc is not None else set())
-            widths = [(w, n) for w, n in widths if w in used]
-            if not widths:
-                raise ValueError(f"no prompt of lengths {sorted(set(lengths))} fits the cache ({self.cache_len} rows)")
+        widths = self.warmup_widths(lengths)
 
         def prompt(n):
-            return (ids * (n // len(ids) + 1))[:n]
+            return _repeat(ids, n)
 
         def run_all(reqs=(), pending=()):
             hs = [self.admit(p) for p in [self.prefill(r) for r in reqs] + list(pending)]
@@ -706,6 +712,20 @@ class SlotPool:
             tick(f"{B} slots: rounds, joins and leaves")
         if pc is not None:  # the warm-up's prompts are nobody's prefixes
             pc.clear()
+
+
+def _repeat(ids: list, n: int) -> list:
+    return (ids * (n // len(ids) + 1))[:n]
+
+
+def single_slot_programs(target: Target, drafter, prompt_ids, **pool_kw) -> list:
+    """The heavy programs of a warm-up that do not depend on the slot count (every prefill width alone, the start,
+    the single-slot round) of a pool made with `pool_kw` (SlotPool's keyword arguments; max_batch and max_group
+    ignored), for `precompile.compile_all`: what a server can compile while its weights load, before the device
+    memory they leave fixes its slots (target and drafter may be abstract: `model.target.abstract_target`)."""
+    pool = SlotPool(target, drafter, **dict(pool_kw, max_batch=1, max_group=1, precompile=False))
+    ids = check_ids(prompt_ids, "prompt_ids").tolist()
+    return pool.programs([pool.prefill(Request(_repeat(ids, n), 2)) for _, n in pool.warmup_widths()])
 
 
 def generate_many(target: Target, requests, *, drafter=None, method: str = "ar", max_batch: int = 4, join_at=None,
