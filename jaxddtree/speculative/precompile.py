@@ -38,9 +38,6 @@ def shape_of(fn, *args):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed[0]), out)
 
 
-_DONE: set = set()  # the signatures compiled in this process (jax holds their executables)
-
-
 def _signature(fn, args):
     """What a program's compilation depends on: the function and its arguments' shapes, dtypes and placements
     (static arguments by value)."""
@@ -62,19 +59,19 @@ def compile_all(jobs, workers: int | None = None) -> int:
     """jobs: (jitted function, args) pairs, args as the function takes them (arrays or ShapeDtypeStructs; static
     arguments as values), each distinct one lowered and compiled in a pool of `workers` threads (default: one per
     job, at most one per CPU core). -> how many compiled (a failed job is dropped: its real call raises)."""
-    jobs = {_signature(fn, args): (fn, args) for fn, args in jobs}  # each program once
-    jobs = [(key, job) for key, job in jobs.items() if key not in _DONE]  # (e.g. while the weights loaded)
+    # each program once; one compiled before is lowered again and found in jax's cache (whose entries live as long
+    # as their lowering: a record of our own could outlive them)
+    jobs = list({_signature(fn, args): (fn, args) for fn, args in jobs}.values())
     if not jobs:
         return 0
     workers = workers or min(len(jobs), os.cpu_count() or 1)
 
-    def one(item):
-        key, (fn, args) = item
+    def one(job):
+        fn, args = job
         try:
             fn.lower(*args).compile()
         except Exception:  # noqa: BLE001 (the real call raises it)
             return False
-        _DONE.add(key)
         return True
 
     if workers == 1:
