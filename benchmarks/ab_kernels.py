@@ -6,7 +6,7 @@ and one cache, the variants taking turns for --passes passes (so a drift of the 
 difference, not as a variant's). One process, one machine: the comparison bench.py's two-process runs cannot give
 when two calls land on two machines.
 
-    python benchmarks/ab_kernels.py --variants pallas,pallas:materialised --out ab.json     # H200
+    python benchmarks/ab_kernels.py --variants pallas,pallas:unfused --out ab.json     # H200
     JAX_PLATFORMS=cpu python benchmarks/ab_kernels.py --smoke    # the script (off a GPU every variant runs as xla)
 """
 
@@ -35,7 +35,7 @@ from kernels_pallas import ops  # noqa: E402
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variants", default="pallas,pallas:materialised",
+    ap.add_argument("--variants", default="pallas,pallas:unfused",
                     help=f"comma list of kernel paths: xla or one of {', '.join(ops.VARIANTS)}")
     ap.add_argument("--budgets", default="chain,64", help="rounds to time besides the AR step ('chain' = DFlash)")
     ap.add_argument("--context", type=int, default=4096, help="committed context length")

@@ -114,7 +114,10 @@ def random_27b_first_token(cache_dir: str | None, smoke: bool = False, prompt_le
     out["first_token_s"] = first[0]
     out["done_s"] = time.perf_counter() - T_START
     out["tokens"] = len(g.tokens)
-    return {k: round(v, 2) if isinstance(v, float) else v for k, v in out.items()}
+    from jaxddtree.speculative import precompile as precompile_lib
+    out = {k: round(v, 2) if isinstance(v, float) else v for k, v in out.items()}
+    out["slowest_programs"] = precompile_lib.slowest(since=T_START)  # the compile's critical path
+    return out
 
 
 def main(argv=None) -> int:

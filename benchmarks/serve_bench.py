@@ -143,8 +143,10 @@ def random_27b_engine(args):
     from jaxddtree.serving.engine import warmup_printer
     if args.warmup_only:  # serve.py's own warm-up (every prefill width, sampling too), timed from the start
         engine.warmup(encode_text(tok, "Hello"), progress=warmup_printer("serve_bench.py"))
+        from jaxddtree.speculative import precompile as precompile_lib
         engine.startup = {"pair_s": round(t - T_START, 2), "warmup_s": round(time.perf_counter() - t, 2),
-                          "serve_ready_s": round(time.perf_counter() - T_START, 2)}
+                          "serve_ready_s": round(time.perf_counter() - T_START, 2),
+                          "slowest_programs": precompile_lib.slowest(since=T_START)}
         return engine
     # this benchmark sends temperature 0 only, and its clients' prompts: only their prefill widths are compiled
     lengths = [len(encode_text(tok, prompt_text(i, args.prompt_tokens, tok))) for i in range(max(args.clients))]

@@ -24,19 +24,16 @@ class Fusions(NamedTuple):
     parts: bool = True  # the gate in the GEMV's prologue, the residual in its epilogue; the attention layer's q/k
     #                     norm + RoPE + gate + KV-cache write as one kernel (`attention_decode_prep`)
     partials: bool = True  # the GEMV's split-K partials unsummed into the GDN / attention decode kernels
-    materialise: bool = False  # (benchmark A/B) an XLA GEMM's output of > 1 row written once, behind an
-    #                            optimization barrier, so that its consumers read it rather than each summing
-    #                            XLA's split-K fp32 partials again (the 65-row verify: session 15's profile)
 
 
-# kernels="pallas" and its benchmark-only variants: decode-step fusions off, or the XLA GEMMs' outputs materialised
-# (pallas:materialised, unmeasured: benchmarks/ab_kernels.py decides it) (A/B timing: benchmarks/
-# ab_decode_fusions.py, profile_gpu.py --decode-fusions, decode_hlo.py; the same kernels otherwise). Both lost on
-# the H200 (AR step, 27B, 4K, 2026-11-30: 17.68 ms default, 17.97 no_partials, 18.14 unfused; BENCHMARKS.md
-# session 4, run B). Removed (git history), lost too: the RMSNorm in the GEMV prologue and the MLP as two GEMVs
-# with the SwiGLU in the down GEMV's prologue (20.63 ms with the MLP chain): both delay the weight stream.
+# kernels="pallas" and its benchmark-only variants: decode-step fusions off (A/B timing: benchmarks/ab_kernels.py;
+# the same kernels otherwise). Both lost on the H200 (AR step, 27B, 4K, 2026-11-30: 17.68 ms default, 17.97
+# no_partials, 18.14 unfused; BENCHMARKS.md session 4, run B). Removed (git history), lost too: the RMSNorm in the
+# GEMV prologue and the MLP as two GEMVs with the SwiGLU in the down GEMV's prologue (20.63 ms with the MLP chain):
+# both delay the weight stream; the verify's XLA GEMM outputs behind an optimization barrier ("pallas:materialised":
+# round(64) 21.771 vs 21.738 ms, AR 14.166 vs 13.964, 2026-12-04, BENCHMARKS.md session 21).
 VARIANTS = {"pallas": Fusions(), "pallas:no_partials": Fusions(partials=False),
-            "pallas:unfused": Fusions(parts=False, partials=False), "pallas:materialised": Fusions(materialise=True)}
+            "pallas:unfused": Fusions(parts=False, partials=False)}
 
 
 def _fusions(kernels: str) -> Fusions | None:
@@ -226,12 +223,10 @@ class Choice(NamedTuple):
     "w8a8" (the Pallas-Triton W8A8 kernel, kernels_pallas/w8a8.py: other GPUs) or "w8a8_ref" (their jnp reference:
     the same function on XLA). For "gemv": `fused`, the gate in its prologue and the residual in its
     epilogue (else the same ops as XLA kernels around it); `partials`, its split-K partials go unsummed to the
-    consumer kernel of a decode step's first projection (`decode_row`). For "xla": `materialise` (the benchmark
-    variant "pallas:materialised"), its output passes an optimization barrier, written once for every consumer."""
+    consumer kernel of a decode step's first projection (`decode_row`)."""
     kernel: str
     fused: bool = False
     partials: bool = False
-    materialise: bool = False
 
 
 @jax.tree_util.register_dataclass
@@ -358,7 +353,7 @@ def pick(fmt: str, rows: int, cols: int, kernels: str = "xla", *, block_in: int 
         if _hopper() and dense_mgpu.supports(rows, depth, cols) is None:
             return Choice("dense_mgpu")
         return Choice("gemv", fused=fusions.parts)
-    return Choice("xla", materialise=fusions is not None and fusions.materialise and rows > 1)
+    return Choice("xla")
 
 
 def _problem(spec: str, x, w_shape) -> tuple[int, int, int, int]:
@@ -513,8 +508,6 @@ def _project(spec: str, x, w, kernels: str, norm, gate, residual, partial: bool 
         prec = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
         y = jnp.einsum(spec, x, plain(w).astype(x.dtype), precision=prec,
                        preferred_element_type=jnp.float32 if partial else x.dtype)
-        if choice.materialise:
-            y = jax.lax.optimization_barrier(y)
     if residual is not None:
         y = rounded(f32(residual) + f32(rounded(y, x.dtype)), residual.dtype)
     return f32(y) if partial else y

@@ -10,6 +10,7 @@ import collections
 import contextlib
 import dataclasses
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -95,7 +96,15 @@ def test_compile_all_drops_failures_and_duplicates():
     f = jax.jit(lambda x: x * 2)
     bad = jax.jit(lambda x: x.reshape(7))  # fails to trace for 6 elements: left to its real call
     a = jax.ShapeDtypeStruct((6,), jnp.float32)
+    t0, n0 = time.perf_counter(), len(precompile.timings)
     assert precompile.compile_all([(f, (a,)), (f, (a,)), (bad, (a,))]) == 1
+    recs = precompile.timings[n0:]  # each distinct job timed once, the failure too
+    assert sorted(r["ok"] for r in recs) == [False, True]
+    good = next(r for r in recs if r["ok"])
+    assert good["name"] == "<lambda>" and good["compile_s"] > 0 and good["lower_s"] > 0 and good["ints"] == []
+    assert next(r for r in recs if not r["ok"])["compile_s"] is None
+    top = precompile.slowest(len(precompile.timings), since=t0)
+    assert len(top) == len(precompile.timings) and any(r["start_s"] >= 0 for r in top)
     x = jnp.ones(6)
     with compiles() as seen:
         f(x)

@@ -11,9 +11,19 @@ compilations). A job that fails is left to its real call, which raises the error
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
+import time
 
 import jax
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+# every job compile_all ran in this process, in the order they finished: {"name", "ints" (the shapes of its int
+# arguments: the token widths that tell one program of a function from another), "start_s" (process clock),
+# "lower_s", "compile_s", "ok"}. Benchmarks record the slowest (`slowest`): the critical path of a start-up.
+timings: list[dict] = []
 
 
 def abstract(tree):
@@ -55,6 +65,24 @@ def _signature(fn, args):
     return id(fn), treedef, tuple(key(x) for x in leaves)
 
 
+def _int_shapes(args, most: int = 4) -> list:
+    """The shapes of up to `most` integer arrays among args' leaves (token ids, lengths: what tells the programs of
+    one function apart in `timings`)."""
+    out = []
+    for x in jax.tree.leaves(args):
+        dt = getattr(x, "dtype", None)
+        if dt is not None and np.issubdtype(np.dtype(dt), np.integer) and len(out) < most:
+            out.append(list(x.shape))
+    return out
+
+
+def slowest(n: int = 8, since: float = 0.0) -> list[dict]:
+    """The n jobs of `timings` that took longest (lowering + compilation), slowest first; start_s counted from the
+    process clock's `since` (a benchmark's start)."""
+    top = sorted(timings, key=lambda r: -((r["lower_s"] or 0) + (r["compile_s"] or 0)))[:n]
+    return [dict(r, start_s=round(r["start_s"] - since, 2)) for r in top]
+
+
 def compile_all(jobs, workers: int | None = None) -> int:
     """jobs: (jitted function, args) pairs, args as the function takes them (arrays or ShapeDtypeStructs; static
     arguments as values), each distinct one lowered and compiled in a pool of `workers` threads (default: one per
@@ -68,11 +96,21 @@ def compile_all(jobs, workers: int | None = None) -> int:
 
     def one(job):
         fn, args = job
+        t0 = time.perf_counter()
+        rec = {"name": getattr(fn, "__name__", type(fn).__name__), "ints": _int_shapes(args),
+               "start_s": round(t0, 3), "lower_s": None, "compile_s": None, "ok": False}
         try:
-            fn.lower(*args).compile()
+            lowered = fn.lower(*args)
+            t1 = time.perf_counter()
+            rec["lower_s"] = round(t1 - t0, 3)
+            lowered.compile()
+            rec["compile_s"], rec["ok"] = round(time.perf_counter() - t1, 3), True
         except Exception:  # noqa: BLE001 (the real call raises it)
-            return False
-        return True
+            pass
+        timings.append(rec)
+        log.info("precompile %s %s: lowered in %s s, compiled in %s s", rec["name"], rec["ints"], rec["lower_s"],
+                 rec["compile_s"])
+        return rec["ok"]
 
     if workers == 1:
         return sum(one(item) for item in jobs)

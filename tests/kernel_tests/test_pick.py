@@ -11,26 +11,23 @@ ROWS = (0, 1, 4, 17, 65, 4096)  # empty, decode step, batched decode (4 slots), 
 COLS = (1024, 2048, 5120)  # output widths: narrow, the GEMV's threshold, every fused 27B projection
 # per row class (space-separated), the kernel at each width: P the Pallas GEMV with the gate / residual inside it and
 # its split-K partials into the decode consumer; F the same without partials; U the plain GEMV, its parts as XLA
-# ops; X XLA's einsum; M the same, its output behind an optimization barrier; W the Pallas W8A8 kernel; R its jnp
+# ops; X XLA's einsum; W the Pallas W8A8 kernel; R its jnp
 # reference
 TABLE = {
     ("bf16", "pallas"): "XXX XPP XXX XXX XXX XXX",
     ("bf16", "pallas:no_partials"): "XXX XFF XXX XXX XXX XXX",
     ("bf16", "pallas:unfused"): "XXX XUU XXX XXX XXX XXX",
-    ("bf16", "pallas:materialised"): "XXX XPP MMM MMM MMM MMM",
     ("bf16", "xla"): "XXX XXX XXX XXX XXX XXX",
     ("fp32", "pallas"): "XXX XXX XXX XXX XXX XXX",
     ("fp32", "pallas:unfused"): "XXX XXX XXX XXX XXX XXX",
-    ("fp32", "pallas:materialised"): "XXX XXX MMM MMM MMM MMM",
     ("fp32", "xla"): "XXX XXX XXX XXX XXX XXX",
     ("w8a8", "pallas"): "RRR WWW WWW WWW WWW WWW",
     ("w8a8", "pallas:unfused"): "RRR WWW WWW WWW WWW WWW",
     ("w8a8", "xla"): "RRR RRR RRR RRR RRR RRR",
     ("w8a8/24", "pallas"): "RRR RRR RRR RRR RRR RRR",  # input block 24: no power-of-two K chunk >= 16 divides it
 }
-LETTER = {("gemv", True, True, False): "P", ("gemv", True, False, False): "F", ("gemv", False, False, False): "U",
-          ("xla", False, False, False): "X", ("xla", False, False, True): "M", ("w8a8", False, False, False): "W",
-          ("w8a8_ref", False, False, False): "R"}
+LETTER = {("gemv", True, True): "P", ("gemv", True, False): "F", ("gemv", False, False): "U",
+          ("xla", False, False): "X", ("w8a8", False, False): "W", ("w8a8_ref", False, False): "R"}
 
 
 def _row(fmt: str, kernels: str) -> str:
@@ -43,8 +40,7 @@ def _row(fmt: str, kernels: str) -> str:
 def test_table():
     got = {key: _row(*key) for key in TABLE}
     assert got == TABLE
-    assert set(ops.VARIANTS) == {"pallas", "pallas:no_partials", "pallas:unfused",
-                                 "pallas:materialised"}  # a new variant: add its rows
+    assert set(ops.VARIANTS) == {"pallas", "pallas:no_partials", "pallas:unfused"}  # a new variant: add its rows
 
 
 def test_gemv_thresholds_are_the_only_override():
