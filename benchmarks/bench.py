@@ -283,8 +283,8 @@ def decode_step(gd, td, K: int, kernels: str):
 
 
 def make_decode(target, kernels: str):
-    """`decode_step` jitted, cache donated: only for benchmarks/ab_decode_fusions.py (kernels: a variant of
-    "pallas", ops.VARIANTS); the AR figures of this script are `loop.loop_fn` rounds, as generate runs them."""
+    """`decode_step` jitted, cache donated: for profile_gpu.py's decode-fusion A/B (kernels: a variant of "pallas",
+    ops.VARIANTS); the AR figures of this script are `loop.loop_fn` rounds, as generate runs them."""
     step = decode_step(target.graphdef, target.treedef, target.config.linear_conv_kernel_dim, kernels)
     return jax.jit(step, donate_argnames=("cache",))
 

@@ -4,7 +4,6 @@
     PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/long.json --sections attn_long,prefill_attn
     PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/slots.json --sections tree_slots  # issue 28
     PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/c.json --sections conv,commit,tree  # issue 26
-    PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/s.json --sections compile  # compile s per call site
     JAX_PLATFORMS=cpu python benchmarks/bench_kernels.py --dry     # tiny shapes, interpret mode: checks the script
     --select REGEX runs only the variants whose 'section:variant' matches (the reference always runs)
 
@@ -64,7 +63,7 @@ GDN_LAYERS, ATTN_LAYERS = 48, 16
 TREE_N, PREFIX, PREFILL_T = 65, 4096, 8192
 DRY = False  # --dry: tiny shapes, interpret mode, CPU (checks this script, not the kernels' speed)
 LONG_CONTEXTS, PREFILL_CHUNKS, PREFILL_STARTS = (4096, 32768, 131072), (1024, 2048, 4096), (0, 32768, 122880)
-BUDGET = {"commit": 40, "conv": 30, "compile": 150, "tree": 75, "tree_slots": 120, "attn": 50, "decode_attn": 15, "prefill": 60, "decode_fused": 60, "attn_long": 100,
+BUDGET = {"commit": 40, "conv": 30, "tree": 75, "tree_slots": 120, "attn": 50, "decode_attn": 15, "prefill": 60, "decode_fused": 60, "attn_long": 100,
           "prefill_attn": 130}  # seconds per section (scaled by --budget-scale)
 
 RESULTS: dict = {}
@@ -536,79 +535,9 @@ def section_conv(deadline):
         RESULTS[f"gdn_conv_{name}"] = recs
 
 
-def section_compile(deadline):
-    """Compile time (wall, `jax.jit(f).lower(...).compile()` on abstract inputs) of one program that calls a
-    kernel n times on n distinct inputs (the 27B's layers are a Python loop: 48 GDN and 16 attention call sites
-    per program), and of the same n calls as one `lax.scan` over stacked inputs (one call site). On the H200 a
-    27B `_prefill` program took 38-60 s to compile and a round 34-45 s (serve_bench warm-up, 2026-12-02): if the
-    unrolled time grows by a kernel's compile per call site, its slope (s per call site) says what a scan over
-    the layers would save. "again_1": a second program around the same single call, compiled after the first:
-    what a kernel costs each further program that holds it (the serve warm-up compiles ≈ 20 programs; jaxlib
-    compiles a Mosaic GPU kernel once per kernel hash, `kernels_pallas/mgpu_kernel_hash.py`). Kernels: the GDN
-    tree (Triton), the GDN chunked prefill (Triton), the tree and prefill attention (Mosaic GPU on the H200; the
-    Triton kernels under --dry)."""
-    rng = np.random.default_rng(9)
-    T = 2048 if not DRY else 64
-    S = PREFIX + 64
-    sds = lambda xs: tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs)
-    mask, valid = random_tree_mask(rng, 1, TREE_N, n_pad=3)
-    tree_in = sds(gdn_inputs(jax.random.PRNGKey(1), 1, TREE_N, HK, HV, DK, DV, valid=valid)) + (
-        jax.ShapeDtypeStruct(mask.shape, mask.dtype),)
-    pre_in = sds(gdn_inputs(jax.random.PRNGKey(2), 1, T, HK, HV, DK, DV))
-    att = attention_inputs(jax.random.PRNGKey(3), rng, 1, TREE_N, H, HKV, HD, S, PREFIX, dtype=jnp.bfloat16, n_pad=3)
-    att_in = sds(att)
-    patt = attention_inputs(jax.random.PRNGKey(4), None, 1, 1, H, HKV, HD, S, PREFIX, dtype=jnp.bfloat16)
-    q = jax.ShapeDtypeStruct((1, T, H, HD), jnp.bfloat16)
-    kv_new = jax.ShapeDtypeStruct((1, T, HKV, HD), jnp.bfloat16)
-    patt_in = (q,) + sds(patt[1:4]) + (kv_new, kv_new)
-    if DRY:
-        tree_attn, pre_attn = (functools.partial(tree_attention.tree_attention, interpret=True),
-                               functools.partial(prefill_attention.prefill_attention, interpret=True))
-    else:
-        from kernels_pallas import prefill_attention_mgpu, tree_attention_mgpu
-        tree_attn, pre_attn = tree_attention_mgpu.tree_attention, prefill_attention_mgpu.prefill_attention
-    gdn_t = lambda q, k, v, g, b, st, m: gdn_tree.gdn_masked_block(q, k, v, g, b, m, st, **IKW())
-    gdn_p = lambda *a: gdn_prefill.gdn_chunked(*a, **IKW())
-    kernels = {"gdn_tree": (gdn_t, tree_in), "gdn_prefill_2048": (gdn_p, pre_in),
-               "tree_attention": (tree_attn, att_in), "prefill_attention_2048": (pre_attn, patt_in)}
-    total = lambda out: sum(jnp.sum(o.astype(jnp.float32)) for o in jax.tree.leaves(out))
-    ns = (1, 4, 16) if not DRY else (1, 2)
-    out = {}
-    for name, (kern, one) in kernels.items():
-        rec = {}
-        for n in ns:
-            for form in ("unrolled", "again", "scan"):
-                if time.perf_counter() > deadline or {"again": n != 1, "scan": n == 1}.get(form, False):
-                    continue
-                if form == "again":  # another program around the same kernel call (n = 1): its compile, cached?
-                    def f(*xs, kern=kern):
-                        return 2.0 * total(kern(*xs))
-                    args = one
-                elif form == "unrolled":
-                    def f(*xs, kern=kern, n=n):
-                        return sum(total(kern(*xs[i * len(one):(i + 1) * len(one)])) for i in range(n))
-                    args = one * n
-                else:
-                    def f(*xs, kern=kern):
-                        return jax.lax.scan(lambda c, a: (c + total(kern(*a)), None), jnp.float32(0), xs)[0]
-                    args = tuple(jax.ShapeDtypeStruct((n,) + x.shape, x.dtype) for x in one)
-                t0 = time.perf_counter()
-                try:
-                    jax.jit(f).lower(*args).compile()
-                    rec[f"{form}_{n}"] = round(time.perf_counter() - t0, 2)
-                except Exception as e:  # a kernel that does not lower here (e.g. Mosaic GPU off the H200)
-                    rec[f"{form}_{n}"] = f"{type(e).__name__}: {str(e)[:200]}"
-                log(f"  [compile] {name:24s} {form:8s} n={n:2d}  {rec[f'{form}_{n}']} s")
-        a, b = rec.get(f"unrolled_{ns[0]}"), rec.get(f"unrolled_{ns[-1]}")
-        if isinstance(a, float) and isinstance(b, float):
-            rec["s_per_call_site"] = round((b - a) / (ns[-1] - ns[0]), 3)
-        out[name] = rec
-    RESULTS["compile_s"] = out
-
-
 # the sections that take only their deadline ("attn" runs two parts of its own in main)
 SECTIONS = {"tree": section_tree, "tree_slots": section_tree_slots, "prefill": section_prefill,
-            "commit": section_commit, "conv": section_conv, "compile": section_compile,
+            "commit": section_commit, "conv": section_conv,
             "decode_fused": section_decode_fused, "attn_long": section_attn_long, "prefill_attn": section_prefill_attn}
 
 

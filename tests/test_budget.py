@@ -108,6 +108,13 @@ def test_choose_and_scale():
 
 
 # ----------------------------------------------------------------------------------------- cost tables
+def test_verify_groups():
+    """The auto round's switch: one branch per verify width; the chain shares the 16-row tree's (block 16)."""
+    assert B.verify_groups(B.CANDIDATES, 16) == [[0, 1], [2], [3], [4]]
+    assert B.verify_groups((B.CHAIN, 2, 7), 8) == [[0, 2], [1]]  # (the end-to-end tests below run this one)
+    assert B.verify_groups((15, B.CHAIN), 8) == [[0], [1]]
+
+
 def test_interpolation():
     t = B.from_dict({"chain": {"1000": 10.0, "3000": 14.0}, "64": {"1000": 20.0, "3000": 30.0}})
     assert t.candidates == (0, 64) and t.contexts == (1000, 3000)

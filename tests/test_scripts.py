@@ -127,12 +127,11 @@ def test_profile_fusion_bodies_from_the_optimized_hlo(tmp_path):
 
 
 def test_kernel_benches_dry(tmp_path):
-    _run(["benchmarks/bench_kernels.py", "--dry", "--sections", "tree,attn,prefill,decode_fused,tree_slots,commit,conv,compile",
+    _run(["benchmarks/bench_kernels.py", "--dry", "--sections", "tree,attn,prefill,decode_fused,tree_slots,commit,conv",
           "--out", str(tmp_path / "k.json")])
     k = json.loads((tmp_path / "k.json").read_text())
     assert k["gdn_tree_slots_2x8_best_variant"] is not None  # the vmapped GDN tree kernel ran and matched
     assert all("error" not in k[s]["xla_reference"] for s in ("gdn_commit", "gdn_conv_tree", "gdn_conv_prefill"))  # they ran
-    assert all(isinstance(r.get("scan_2"), float) for r in k["compile_s"].values()), k["compile_s"]  # all compiled
     assert k["dry"] is True and "decode_fused_section_error" not in k
     fused = k["gdn_decode_fused"]
     assert all("error" not in r and "rel_err" in r for r in fused.values()), fused

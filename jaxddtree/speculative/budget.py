@@ -299,6 +299,15 @@ def truncate(tree: tree_lib.Tree, n: int) -> tree_lib.Tree:
                          valid=tree.valid[:n], max_depth=tree.max_depth)
 
 
+def verify_groups(candidates, chain_rows: int) -> list[list[int]]:
+    """The indices of `candidates` grouped by the rows their verify takes (a tree budget b: b + 1; the chain:
+    `chain_rows`, the drafter's block), in order of first appearance: one `lax.switch` branch per group. The chain
+    and the tree of as many rows (budget 15 beside a 16-token block) share one verify, their trees picked as data:
+    a branch fewer to compile, the same work when it runs."""
+    rows = [chain_rows if b == CHAIN else b + 1 for b in candidates]
+    return [[i for i, r in enumerate(rows) if r == n] for n in dict.fromkeys(rows)]
+
+
 def expectations(candidates, tree, mask, draft_logits) -> jax.Array:
     """[K] uncalibrated expected tokens per round of each candidate."""
     e_tree = tree_expectation(tree, draft_logits, mask)

@@ -247,13 +247,27 @@ def _spec_round(model, dparams, dcfg, embed, lm_head, state: DecodeState, plan: 
         chain = chain_tree(state.root[0], dl)
         chain_mask = tree_lib.ancestor_mask(chain)
 
-    def branch(b):
+    def one(b):
         if b == budget_lib.CHAIN:
-            return lambda st: verify_commit(st, chain, chain_mask)
-        return lambda st: verify_commit(st, budget_lib.truncate(tree, b + 1), mask[:b + 1, :b + 1])
+            return chain, chain_mask
+        return budget_lib.truncate(tree, b + 1), mask[:b + 1, :b + 1]
 
+    groups = budget_lib.verify_groups(plan.budgets, chain.num_nodes)
+
+    def branch(members):
+        def run(st):
+            t, m = one(plan.budgets[members[0]])
+            for i in members[1:]:
+                pick = decision.k == i
+                ti, mi = one(plan.budgets[i])
+                t, m = jax.tree.map(lambda a, b: jnp.where(pick, a, b), (ti, mi), (t, m))
+            return verify_commit(st, t, m)
+        return run
+
+    group_of = jnp.asarray([next(g for g, ms in enumerate(groups) if i in ms) for i in range(len(plan.budgets))],
+                           jnp.int32)
     r = state.n_rounds
-    state = jax.lax.switch(decision.k, [branch(b) for b in plan.budgets], state)
+    state = jax.lax.switch(group_of[decision.k], [branch(ms) for ms in groups], state)
     return state.replace(auto=budget_lib.record(state.auto, r, state.acc[r], plan.budgets, decision))
 
 

@@ -71,7 +71,7 @@ def _int_shapes(args, most: int = 4) -> list:
     out = []
     for x in jax.tree.leaves(args):
         dt = getattr(x, "dtype", None)
-        if dt is not None and np.issubdtype(np.dtype(dt), np.integer) and len(out) < most:
+        if dt is not None and jax.dtypes.issubdtype(dt, np.integer) and len(out) < most:  # (not PRNG keys)
             out.append(list(x.shape))
     return out
 
