@@ -10,12 +10,20 @@ pass is not XLA:GPU's: read the numbers as the structure (which ops can share a 
 
     python benchmarks/decode_hlo.py [--out decode_hlo.json] [--show]
     python benchmarks/decode_hlo.py --hashes [--out hashes.json]
+    python benchmarks/decode_hlo.py --mosaic-kernels auto,63 [--out mosaic.json]
 
 --hashes: instead, a short sha256 of the StableHLO text (`jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`
 for an abstract H200, Pallas kernels included) of the AR decode step (alone and vmapped over 2 slots) and of a
 17-node verify, kernels "pallas" and "xla", bf16 / fp8 weights at 27B widths (4 layers, vocab 8192) and fp32 /
 bf16 at bench.py's smoke shapes: equal hashes before / after a refactor = byte-identical programs. The Triton IR
 names its source files: the checkout root is masked (compare checkouts whose root paths have the same length).
+
+--mosaic-kernels BUDGETS: per tree budget (or "auto"), the distinct Mosaic GPU kernels (custom calls' kernel_hash)
+in each program of a first `generate` call (its prefill, drafter pass, start and rounds, as `speculative.precompile`
+gets them) at 27B widths (4 layers: the kernels do not depend on the depth), lowered for an abstract H200. jaxlib
+compiles a Mosaic GPU kernel under one process-wide mutex (jaxlib/mosaic/gpu/custom_call.cc, `CachedCompile`), cold
+or when an executable comes back from the persistent cache: the distinct kernels' count times a kernel's LLVM O3 +
+ptxas time is a start-up floor that compiling side by side cannot overlap.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ from jaxddtree.model.cache import init_cache
 from jaxddtree.model.config import text_config_from_dict
 from jaxddtree.model.qwen35 import Qwen35
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import QWEN36_27B, SMOKE_TARGET, decode_step  # noqa: E402
+from bench import DFLASH_27B, QWEN36_27B, SMOKE_TARGET, decode_step  # noqa: E402
 
 FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "reshape", "after-all"}
 
@@ -154,12 +162,62 @@ def hashes() -> dict:
     return out
 
 
+def mosaic_kernels(budget, layers: int = 4, prompt: int = 64, vocab: int = 248320) -> dict:
+    """{program name: distinct kernel hashes} of generate's first call at `budget` ("auto" or an int), plus "all"
+    (the distinct kernels over the programs) (module docstring)."""
+    from jaxddtree.model.drafter import Drafter, abstract_params
+    from jaxddtree.model.drafter_config import DrafterConfig
+    from jaxddtree.model.target import abstract_target
+    from jaxddtree.speculative import loop, precompile
+    from kernels_pallas import mgpu_kernel_hash
+    from kernels_pallas._common import abstract_h200
+    mgpu_kernel_hash.install()  # (as the kernels' modules do on a GPU: identical kernels, identical hashes)
+    raw = dict(QWEN36_27B, num_hidden_layers=layers, vocab_size=vocab,
+               layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4))
+    raw.pop("full_attention_interval")
+    cfg = text_config_from_dict(raw)
+    dcfg = DrafterConfig(**dict(DFLASH_27B, num_target_layers=layers, target_layer_ids=(1, layers - 1), vocab_size=vocab,
+                                 mask_token_id=min(DFLASH_27B["mask_token_id"], vocab - 1)))
+    jobs = []
+    real, precompile.compile_all = precompile.compile_all, lambda js, workers=None: jobs.extend(js) or 0
+    try:
+        with abstract_h200():
+            target = abstract_target(cfg, "bfloat16")
+            target.kernels = "pallas"
+            drafter = Drafter(config=dcfg, params=abstract_params(dcfg, jnp.bfloat16), path="abstract")
+            loop.compile_call(target, list(range(1, prompt + 1)), drafter=drafter, method="ddtree", max_new_tokens=32,
+                              tree_budget=budget, stop_ids=range(cfg.vocab_size), cache_len=4096)
+    finally:
+        precompile.compile_all = real
+    out, every = {}, set()
+    for fn, args in jobs:
+        with abstract_h200():
+            txt = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        hashes = sorted(set(re.findall(r'kernel_hash = "([^"]+)"', txt)))
+        name = getattr(fn, "__name__", "program")
+        out[name if name not in out else f"{name}_{len(out)}"] = hashes
+        every.update(hashes)
+    out["all"] = sorted(every)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
     ap.add_argument("--show", action="store_true", help="print the ENTRY computations")
     ap.add_argument("--hashes", action="store_true", help="hash the lowered programs instead (module docstring)")
+    ap.add_argument("--mosaic-kernels", default=None, metavar="BUDGETS",
+                    help="comma list of budgets (or auto): Mosaic GPU kernels per program (module docstring)")
     args = ap.parse_args()
+    if args.mosaic_kernels:
+        res = {}
+        for b in args.mosaic_kernels.split(","):
+            got = mosaic_kernels(b if b == "auto" else int(b))
+            res[b] = {k: len(v) for k, v in got.items()}
+            print(f"budget {b}: distinct Mosaic GPU kernels {json.dumps(res[b])}", flush=True)
+        if args.out:
+            json.dump(res, open(args.out, "w"), indent=1)
+        return
     if args.hashes:
         res = hashes()
         if args.out:

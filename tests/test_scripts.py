@@ -1,5 +1,6 @@
 """The benchmark scripts (run on the H200 by hand) still run end to end: tiny shapes on the CPU."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -40,6 +41,21 @@ def test_bench_context_sweep_times_the_auto_round_forced(tmp_path):
     by_chunk = res["prefill_s_by_chunk_context"]
     assert set(by_chunk) == {"16", "32"} and all(set(v) == {"64", "128"} for v in by_chunk.values()), by_chunk
     assert res["prefill_chunk_by_context"] == 16 and res["prefill_s_by_context"] == by_chunk["16"]
+
+
+def test_mosaic_kernels_per_program():
+    """decode_hlo.mosaic_kernels: the distinct Mosaic GPU kernels of a first generate call's programs at 27B widths
+    (lowered for an abstract H200): the auto round holds one set of verify GEMM kernels per tree width, a fixed
+    budget's round one set (the start-up cost NOTES.md names: jaxlib compiles them one at a time)."""
+    spec = importlib.util.spec_from_file_location("decode_hlo", os.path.join(ROOT, "benchmarks", "decode_hlo.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    got = mod.mosaic_kernels("auto", vocab=8192)
+    assert set(got) == {"_prefill", "drafter_forward", "_start", "run_rounds", "all"}, got.keys()
+    pre, rounds = set(got["_prefill"]), set(got["run_rounds"])
+    assert len(pre) >= 4  # the stacked GEMMs on wgmma, 64 rows
+    assert len(rounds) >= 3 * len(pre)  # a set per verify width (rows 16 / 32 / 64 / 128)
+    assert pre & rounds and set(got["all"]) == pre | rounds  # 64-row kernels shared: one compile per process
 
 
 def test_ab_kernels_smoke(tmp_path):
