@@ -46,7 +46,7 @@ def test_bench_context_sweep_times_the_auto_round_forced(tmp_path):
 def test_mosaic_kernels_per_program():
     """decode_hlo.mosaic_kernels: the distinct Mosaic GPU kernels of a first generate call's programs at 27B widths
     (lowered for an abstract H200): the auto round holds one set of verify GEMM kernels per tree width, a fixed
-    budget's round one set (the start-up cost NOTES.md names: jaxlib compiles them one at a time)."""
+    budget's round one set (each lowered in Python per program, compiled once per process: NOTES.md)."""
     spec = importlib.util.spec_from_file_location("decode_hlo", os.path.join(ROOT, "benchmarks", "decode_hlo.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
