@@ -179,7 +179,7 @@ def mosaic_kernels(budget, layers: int = 4, prompt: int = 64, vocab: int = 24832
     dcfg = DrafterConfig(**dict(DFLASH_27B, num_target_layers=layers, target_layer_ids=(1, layers - 1), vocab_size=vocab,
                                  mask_token_id=min(DFLASH_27B["mask_token_id"], vocab - 1)))
     jobs = []
-    real, precompile.compile_all = precompile.compile_all, lambda js, workers=None: jobs.extend(js) or 0
+    real, precompile.compile_all = precompile.compile_all, lambda js, **_: jobs.extend(js) or 0
     try:
         with abstract_h200():
             target = abstract_target(cfg, "bfloat16")

@@ -10,6 +10,9 @@ Every program is written now, however fast it compiles: generate.py's warm demo 
 Where: `--compile-cache DIR`, else $JAXDDTREE_COMPILE_CACHE, else $XDG_CACHE_HOME/jaxddtree/xla (~/.cache/...); the
 value "none" turns it off. JAX keys each entry by the program, the compile options, the devices and the jax/jaxlib
 versions, so a stale entry is never used; past 8 GiB the least recently used entries are deleted. The cache is trusted code: keep it in a directory only you can write.
+DIR/executables holds the heavy programs (prefills, starts, rounds) as whole executables with keys of their own
+(`jaxddtree.model.executables`): a second start loads them without tracing or lowering them. Its entries are
+never evicted; a new version of the source makes new ones (delete the directory to reclaim the old).
 """
 
 from __future__ import annotations
@@ -52,7 +55,10 @@ def enable(arg: str | None, prog: str) -> str | None:
               flush=True)
         return None
     import jax
+
+    from jaxddtree.model import executables
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECS)
     jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
+    executables.enable(os.path.join(path, "executables"))  # the heavy programs, loaded without tracing
     return path

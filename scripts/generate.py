@@ -442,7 +442,8 @@ def run(argv=None) -> int:
             method, measured = _use_measured(args, kw, budget_lib, *known, f"measured by an earlier run ({known_path})")
     compile_s = None
     if not args.no_warmup:  # same programs (a prompt of the same chunk width, the same caches); every token is a
-        # stop id, so only the first is produced
+        # stop id, so only the first is produced (on one device no round runs: the rounds go on compiling in the
+        # background, and the real call streams its first token before it waits for them)
         say("compiling ...")
         t = time.perf_counter()
         if early is not None:
@@ -450,7 +451,8 @@ def run(argv=None) -> int:
         jd.generate(target, probe, **kw, stop_ids=range(cfg.vocab_size))
         compile_s = time.perf_counter() - t
         if not args.json:
-            log(f"compiled in {compile_s:.1f} s")
+            from jaxddtree.speculative import precompile
+            log(f"compiled in {compile_s:.1f} s" + (" (the rounds still compiling)" if precompile.in_flight() else ""))
     if measure and known is None:
         say("measuring the candidates ...")
         t = time.perf_counter()

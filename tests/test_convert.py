@@ -247,10 +247,11 @@ def test_converted_round_compiles_once(hf, converted, tmp_path, monkeypatch):
     before = loop.TRACES["rounds"]
     first = jaxddtree.generate(targets["conv"], IDS, drafter=drafters["conv"], **kw)
     assert first.stats["rounds"] >= 3  # several round calls
-    assert loop.TRACES["rounds"] - before == 1
+    once = loop.TRACES["rounds"]
+    assert once - before <= 1  # (0 when another test file's pair of these shapes ran first in this process)
     for t, d in (("conv", "hf"), ("hf", "conv"), ("hf", "hf")):
         assert jaxddtree.generate(targets[t], IDS, drafter=drafters[d], **kw).tokens == first.tokens, (t, d)
-    assert loop.TRACES["rounds"] - before == 1
+    assert loop.TRACES["rounds"] == once
 
 
 def test_direct_reader_matches_ocp_load(converted, monkeypatch):

@@ -61,14 +61,25 @@ def heavy(seen, thread):
 PROMPT = (np.arange(30) * 7 % 250 + 1).tolist()
 
 
-def test_first_generate_compiles_side_by_side(pair):
+def test_first_generate_compiles_side_by_side(pair, monkeypatch):
+    """... and the rounds compile in the background: the first token is streamed before the first round waits for
+    them (`precompile.ready`)."""
     target, drafter = pair
     ar = loop_lib.generate(target, PROMPT, method="ar", max_new_tokens=24, precompile=False)
+    streamed, waits, real_ready = [], [], precompile.ready
+
+    def ready(fn=None):
+        waits.append((list(streamed), getattr(fn, "__name__", None), id(fn) in precompile._pending))
+        real_ready(fn)
+    monkeypatch.setattr(precompile, "ready", ready)
     with compiles() as seen:
-        g = loop_lib.generate(target, PROMPT, drafter=drafter, method="ddtree", tree_budget=8, max_new_tokens=24)
+        g = loop_lib.generate(target, PROMPT, drafter=drafter, method="ddtree", tree_budget=8, max_new_tokens=24,
+                              on_tokens=streamed.extend)
     assert heavy(seen, "main") == {}, seen  # every heavy program was ready when its call came
     assert set(heavy(seen, "precompile")) == {"_prefill", "drafter_forward", "_start", "run_rounds"}, seen
-    assert g.tokens == ar.tokens
+    assert g.tokens == ar.tokens == streamed
+    assert waits == [([ar.tokens[0]], "run_rounds", True)], waits  # streamed, then waited for the background job
+    assert g.stats["compile_wait_s"] >= 0
     with compiles() as seen:  # a second call: nothing compiled, nothing precompiled
         loop_lib.generate(target, PROMPT[:20], drafter=drafter, method="ddtree", tree_budget=8, max_new_tokens=24)
     assert heavy(seen, "main") == heavy(seen, "precompile") == {}, seen
@@ -125,8 +136,8 @@ def test_generate_script_compiles_while_loading(monkeypatch, capsys):
     real_all, real_call = precompile.compile_all, loop_lib.compile_call
     calls = []
 
-    def compile_all(jobs, workers=None):
-        n = real_all(jobs, workers)
+    def compile_all(jobs, workers=None, **kw):
+        n = real_all(jobs, workers, **kw)
         calls.append((threading.current_thread().name, n))
         return n
     abstract = []
@@ -157,9 +168,9 @@ def test_serve_compiles_while_loading(monkeypatch):
     real_all = precompile.compile_all
     calls = []
 
-    def compile_all(jobs, workers=None):
+    def compile_all(jobs, workers=None, **kw):
         jobs = list(jobs)
-        n = real_all(jobs, workers)
+        n = real_all(jobs, workers, **kw)
         calls.append((threading.current_thread().name, len(jobs), n))
         return n
     monkeypatch.setattr(precompile, "compile_all", compile_all)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxddtree.model import executables
 from jaxddtree.model import layout as layout_lib
 from jaxddtree.model import sharding
 from jaxddtree.model.cache import ModelCache, init_cache
@@ -66,7 +67,11 @@ class Target:
             shared = (self.graphdef, self.treedef, jnp.dtype(self.dtype).name, self.mesh, key)
             fn = _SHARED.get(shared)
             if fn is None:
-                fn = _SHARED[shared] = make()
+                fn = make()
+                if hasattr(fn, "lower") and hasattr(fn, "_cache_size"):  # a jitted function: a storable Program
+                    fn = executables.Program(fn, None if self.mesh is not None else repr(
+                        (repr(self.graphdef), repr(self.treedef), jnp.dtype(self.dtype).name, key)))
+                _SHARED[shared] = fn
             self._bound[key] = fn
         return fn
 

@@ -595,15 +595,17 @@ class SlotPool:
     def programs(self, pendings) -> list:
         """(jitted function, abstract arguments) of the heavy programs a warm-up runs, for `precompile.compile_all`:
         per prepared request (`prefill`, not advanced; one per prefill width) its prefill, drafter pass and start and
-        its width's group passes; the single-slot round of the first one's budget; every bucket's batched round."""
+        its width's group passes; the single-slot round of the first one's budget; every bucket's batched round. The
+        rounds come first (the longest compilations: `compile_all` starts each as soon as it is lowered)."""
         A, shape_of = precompile_lib.abstract, precompile_lib.shape_of
         tgt, i32 = self.target, jax.ShapeDtypeStruct((), jnp.int32)
-        jobs, start = [], None
+        prefills, start = [], None
         for p in pendings:
             js, start = p._pre.programs()
-            jobs += js
+            prefills += js
             for k in self.group_sizes_of(p.width):
-                jobs += loop_lib.PrefillGroup.programs(p._pre, k)
+                prefills += loop_lib.PrefillGroup.programs(p._pre, k)
+        jobs = []
         p = pendings[0]
         with_budget = _bound(tgt, "with_budget", _with_budget, donate_argnums=(0,))
         as_single = _bound(tgt, ("as_single", self.out_len), functools.partial(_as_single, out_len=self.out_len),
@@ -621,7 +623,7 @@ class SlotPool:
                 plan = batch_plan(tgt, self.dcfg, self.method, self.bucket_budgets[B], inject=self.oracle_len > 0)
                 jobs.append((slots_fn(tgt, self.dcfg, plan, B, self.sync_every),
                              (tgt.leaves, self.dparams, state, jax.ShapeDtypeStruct((B, L), jnp.int32))))
-        return jobs
+        return jobs + prefills
 
     def warmup_widths(self, lengths=None) -> list[tuple[int, int]]:
         """The prefill widths `warmup` compiles, as (chunk width, a prompt length that uses it): every width a prompt

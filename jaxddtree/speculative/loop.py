@@ -704,7 +704,10 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     taken from it (0 without one). A call whose prompt extends an earlier call's prompt (e.g. prompt + its tokens +
     new ones) skips that prefix's prefill; at temperature 0 in fp32 it returns what a call without the cache does.
     `precompile`: a first call (its rounds not compiled yet; one device) compiles its programs side by side in
-    threads before running them (`speculative.precompile`); False: each compiles at its first call, in turn.
+    threads (`speculative.precompile`); the rounds go on compiling while the prefill runs and the first token is
+    streamed (`stats["compile_wait_s"]`: how long the first round then waited for them; `decode_s` starts after);
+    False: each compiles at its first call, in turn (a call whose rounds run, even if its first token ends it:
+    generate.py's warm-up on several devices).
     """
     if method not in METHODS:
         raise ValueError(f"unknown method '{method}' (choose one of {', '.join(METHODS)})")
@@ -761,11 +764,14 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
               else jnp.zeros((1,), jnp.int32))
     rounds = loop_fn(target, dcfg, plan, None if loop == "device" else int(sync_every))
     fresh = getattr(rounds, "_cache_size", lambda: 1)() == 0  # (a jitted function never called)
-    if (precompile and target.mesh is None and fresh) or _compile_only:  # a first call: its programs side by side
+    early = (precompile and target.mesh is None and fresh) or _compile_only
+    if early:  # a first call: its programs side by side
         jobs, state = pre.programs()
         extra = (jax.ShapeDtypeStruct((), jnp.int32),) if loop == "device" else ()
-        jobs.append((rounds, (target.leaves, dparams, state, precompile_lib.abstract(oracle), *extra)))
-        precompile_lib.compile_all(jobs)
+        # the rounds first: the longest compilation (the auto round's most), started as soon as it is lowered, and
+        # not waited for: the prefill runs and its token is streamed while it compiles
+        jobs.insert(0, (rounds, (target.leaves, dparams, state, precompile_lib.abstract(oracle), *extra)))
+        precompile_lib.compile_all(jobs, background=(rounds,))
         if _compile_only:
             return None
     while not pre.advance():  # enqueued back to back: nothing is read until the first token
@@ -779,22 +785,27 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     if on_tokens:
         on_tokens([first_np])
 
+    t_wait = time.perf_counter()
+    precompile_lib.ready(rounds)  # a first call: its rounds may still be compiling
     t1 = time.perf_counter()
-    if loop == "device":
-        state, prog = rounds(target.leaves, dparams, state, oracle, jnp.int32(NO_LIMIT))
+    if early and (max_new == 1 or stop_mask[first_np]):  # the first token ends it: no round runs (compiled above)
+        n_out, n_rounds, tokens = 1, 0, [first_np]
     else:
-        run = functools.partial(rounds, target.leaves, dparams)
-        state, prog = _host_loop(run, state, oracle, int(sync_every), max_new, on_tokens)
-    n_out, n_rounds = (int(x) for x in jax.device_get((prog.n_out, prog.n_rounds)))
-    tokens = np.asarray(prog.out)[0, :n_out].tolist()
-    if on_tokens and loop == "device" and n_out > 1:
-        on_tokens(tokens[1:])
+        if loop == "device":
+            state, prog = rounds(target.leaves, dparams, state, oracle, jnp.int32(NO_LIMIT))
+        else:
+            run = functools.partial(rounds, target.leaves, dparams)
+            state, prog = _host_loop(run, state, oracle, int(sync_every), max_new, on_tokens)
+        n_out, n_rounds = (int(x) for x in jax.device_get((prog.n_out, prog.n_rounds)))
+        tokens = np.asarray(prog.out)[0, :n_out].tolist()
+        if on_tokens and loop == "device" and n_out > 1:
+            on_tokens(tokens[1:])
     t2 = time.perf_counter()
     acc = np.asarray(state.acc)[:n_rounds].tolist()
     decode_s = t2 - t1
     stats = {
         "method": method, "rounds": n_rounds, "new_tokens": n_out,
-        "time_to_first_token_s": ttft, "decode_s": decode_s,
+        "time_to_first_token_s": ttft, "decode_s": decode_s, "compile_wait_s": t1 - t_wait,
         "tokens_per_s": (n_out - 1) / decode_s if decode_s > 0 and n_out > 1 else 0.0,
         "mean_acceptance_length": float(np.mean(acc)) if acc else 0.0,
         "tree_budget": ("auto" if auto else budget) if method == "ddtree" else None,
