@@ -253,22 +253,45 @@ def _spec_round(model, dparams, dcfg, embed, lm_head, state: DecodeState, plan: 
         return budget_lib.truncate(tree, b + 1), mask[:b + 1, :b + 1]
 
     groups = budget_lib.verify_groups(plan.budgets, chain.num_nodes)
+    n_max = max(one(b)[0].num_nodes for b in plan.budgets)
 
-    def branch(members):
-        def run(st):
+    def branch(members):  # one verify per width; its outputs padded to n_max rows, so that one accept + commit
+        def run(cache):   # follows the switch (compiled once, not once per branch)
             t, m = one(plan.budgets[members[0]])
             for i in members[1:]:
                 pick = decision.k == i
                 ti, mi = one(plan.budgets[i])
                 t, m = jax.tree.map(lambda a, b: jnp.where(pick, a, b), (ti, mi), (t, m))
-            return verify_commit(st, t, m)
+            with jax.named_scope("verify"):
+                logits, feats, stashes = verify_stage(model, cache, t, m, plan)
+            return pad_rows(t, m, logits, feats, stashes, n_max)
         return run
 
     group_of = jnp.asarray([next(g for g, ms in enumerate(groups) if i in ms) for i in range(len(plan.budgets))],
                            jnp.int32)
     r = state.n_rounds
-    state = jax.lax.switch(group_of[decision.k], [branch(ms) for ms in groups], state)
+    tree, mask, logits, feats, stashes = jax.lax.switch(group_of[decision.k], [branch(ms) for ms in groups],
+                                                        state.cache)
+    with jax.named_scope("accept_commit"):
+        state = commit_stage(state, dcache, tree, mask, logits, feats, stashes, plan, mode)
     return state.replace(auto=budget_lib.record(state.auto, r, state.acc[r], plan.budgets, decision))
+
+
+def pad_rows(tree: tree_lib.Tree, mask, logits, feats, stashes, n: int):
+    """A verify's tree, mask [N, N], logits [1, N, V], features [1, N, F] and stashes ([G, B, N, ...] per group
+    position) padded to n nodes: padding nodes are invalid (never accepted: each is its own only ancestor, and not
+    good) and their rows zero."""
+    p = n - tree.num_nodes
+    if p == 0:
+        return tree, mask, logits, feats, stashes
+
+    def pad(x, axis, value=0):
+        return jnp.pad(x, [(0, p) if a == axis else (0, 0) for a in range(x.ndim)], constant_values=value)
+    tree = tree_lib.Tree(tokens=pad(tree.tokens, 0, -1), parents=pad(tree.parents, 0), depths=pad(tree.depths, 0, 1),
+                         valid=pad(tree.valid, 0, False), max_depth=tree.max_depth)
+    mask = pad(pad(mask, 0, False), 1, False) | (jnp.eye(n, dtype=bool) & (jnp.arange(n) >= n - p)[:, None])
+    feats = None if feats is None else pad(feats, 1)
+    return tree, mask, pad(logits, 1), feats, jax.tree.map(lambda x: pad(x, 2), stashes)
 
 
 def _round(leaves, dparams, state, oracle, mode, *, graphdef, treedef, dcfg, plan):
