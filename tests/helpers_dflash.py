@@ -88,3 +88,22 @@ def tiny_pair(tmp_path_factory, name: str, vocab: int = 97, block: int = 8):
                       block_size=block)
     write_checkpoint(ddir, cfg, random_weights(cfg, seed=1))
     return target, jaxddtree.load_drafter(ddir, target, "float32")
+
+
+def builtin_pair(layers: int, seed: int, last_tap: int):
+    """The built-in demo pair's shapes at `layers` target layers (the 27B's 3 GDN + 1 attention pattern), random fp32
+    weights: a pair of its own shapes, so that no other test in the process has compiled its programs. The drafter
+    taps target layers (1, last_tap)."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from jaxddtree.checkpoint import builtin
+    from jaxddtree.model.config import ATTENTION, GDN
+    from jaxddtree.model.drafter import Drafter
+    from jaxddtree.model.target import random_target
+    cfg = dataclasses.replace(builtin.target_config(), num_hidden_layers=layers,
+                              layer_types=tuple(ATTENTION if (i + 1) % 4 == 0 else GDN for i in range(layers)))
+    dcfg = dataclasses.replace(builtin.drafter_config(), num_target_layers=layers, target_layer_ids=(1, last_tap))
+    return random_target(cfg, "float32"), Drafter(
+        config=dcfg, params=builtin.random_drafter_params(dcfg, jnp.float32, seed), path="test")

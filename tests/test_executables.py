@@ -13,12 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxddtree.checkpoint import builtin
+import helpers_dflash
 from jaxddtree.model import executables
 from jaxddtree.model import target as target_mod
-from jaxddtree.model.config import ATTENTION, GDN
-from jaxddtree.model.drafter import Drafter
-from jaxddtree.model.target import random_target
 from jaxddtree.speculative import loop as loop_lib
 from jaxddtree.speculative import precompile
 
@@ -28,11 +25,7 @@ PROMPT = (np.arange(21) * 5 % 200 + 3).tolist()
 
 @pytest.fixture(scope="module")
 def pair():
-    cfg = dataclasses.replace(builtin.target_config(), num_hidden_layers=LAYERS,
-                              layer_types=tuple(ATTENTION if (i + 1) % 4 == 0 else GDN for i in range(LAYERS)))
-    target = random_target(cfg, "float32")
-    dcfg = dataclasses.replace(builtin.drafter_config(), num_target_layers=LAYERS, target_layer_ids=(1, LAYERS - 2))
-    return target, Drafter(config=dcfg, params=builtin.random_drafter_params(dcfg, jnp.float32, 5), path="test")
+    return helpers_dflash.builtin_pair(LAYERS, seed=5, last_tap=LAYERS - 2)
 
 
 @pytest.fixture

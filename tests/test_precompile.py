@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import threading
 import time
 
@@ -17,10 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxddtree.checkpoint import builtin
-from jaxddtree.model.config import ATTENTION, GDN
-from jaxddtree.model.drafter import Drafter
-from jaxddtree.model.target import random_target
+import helpers_dflash
 from jaxddtree.speculative import loop as loop_lib
 from jaxddtree.speculative import precompile
 from jaxddtree.speculative.batch import Request, SlotPool, generate_many
@@ -31,11 +27,7 @@ LAYERS = 12
 
 @pytest.fixture(scope="module")
 def pair():
-    cfg = dataclasses.replace(builtin.target_config(), num_hidden_layers=LAYERS,
-                              layer_types=tuple(ATTENTION if (i + 1) % 4 == 0 else GDN for i in range(LAYERS)))
-    target = random_target(cfg, "float32")
-    dcfg = dataclasses.replace(builtin.drafter_config(), num_target_layers=LAYERS, target_layer_ids=(1, LAYERS - 2))
-    return target, Drafter(config=dcfg, params=builtin.random_drafter_params(dcfg, jnp.float32, 3), path="test")
+    return helpers_dflash.builtin_pair(LAYERS, seed=3, last_tap=LAYERS - 2)
 
 
 @contextlib.contextmanager
