@@ -75,6 +75,12 @@ def test_first_generate_compiles_side_by_side(pair, monkeypatch):
     with compiles() as seen:  # a second call: nothing compiled, nothing precompiled
         loop_lib.generate(target, PROMPT[:20], drafter=drafter, method="ddtree", tree_budget=8, max_new_tokens=24)
     assert heavy(seen, "main") == heavy(seen, "precompile") == {}, seen
+    waits.clear()  # a first call whose first token ends it (generate.py's warm-up) runs no round: it does not wait
+    w = loop_lib.generate(target, PROMPT, drafter=drafter, method="ddtree", tree_budget=4, max_new_tokens=24,
+                          stop_ids=range(target.config.vocab_size))
+    assert w.tokens == ar.tokens[:1] and waits == [], waits
+    assert precompile.in_flight() <= 1  # (its rounds, still compiling or done)
+    real_ready()
 
 
 def test_pool_warmup_compiles_side_by_side(pair):

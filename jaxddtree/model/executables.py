@@ -95,6 +95,16 @@ def signature(args) -> tuple:
     return treedef, tuple((x.shape, x.dtype) for x in leaves)  # (≈ 40 µs for a round's 100 leaves; str(dtype): 800)
 
 
+def _mosaic_runtime() -> None:
+    """Make a loaded program's Mosaic GPU kernels linkable: jaxlib JIT-links a kernel's host code against the library
+    named by MOSAIC_GPU_RUNTIME_LIB_PATH, which `jax.experimental.mosaic.gpu` sets when imported. A process that loads
+    before it builds any kernel has not imported it (measured, H200: "Symbols not found: mosaic_gpu_launch_kernel")."""
+    try:
+        import jax.experimental.mosaic.gpu  # noqa: F401 (sets the variable)
+    except ImportError:  # (no Mosaic GPU in this jaxlib: nothing to link)
+        pass
+
+
 class Program:
     """A jitted function (`Target.bind`) that also runs executables compiled or loaded for given argument shapes
     (`precompile.compile_all`); any other call is the jitted function's. key: the static parts' repr (None: never
@@ -171,6 +181,7 @@ class Program:
         entry = self.stored(args)
         if entry is None:
             return False
+        _mosaic_runtime()
         try:
             exe = serialize_executable.deserialize_and_load(entry.pop("exe"), entry["in_tree"], entry["out_tree"])
         except Exception as e:  # noqa: BLE001

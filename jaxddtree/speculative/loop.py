@@ -791,9 +791,10 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     if early:  # a first call: its programs side by side
         jobs, state = pre.programs()
         extra = (jax.ShapeDtypeStruct((), jnp.int32),) if loop == "device" else ()
-        # the rounds first: the longest compilation (the auto round's most), started as soon as it is lowered, and
-        # not waited for: the prefill runs and its token is streamed while it compiles
-        jobs.insert(0, (rounds, (target.leaves, dparams, state, precompile_lib.abstract(oracle), *extra)))
+        # the rounds last and not waited for: the first token needs only the prefill's programs, lowered first (one
+        # GIL: the rounds' 7-9 s of lowering at 27B would delay theirs); the rounds compile while the prefill runs
+        # and its token is streamed
+        jobs.append((rounds, (target.leaves, dparams, state, precompile_lib.abstract(oracle), *extra)))
         precompile_lib.compile_all(jobs, background=(rounds,))
         if _compile_only:
             return None
@@ -808,12 +809,12 @@ def generate(target: Target, prompt_ids, *, drafter=None, method: str = "ar", ma
     if on_tokens:
         on_tokens([first_np])
 
-    t_wait = time.perf_counter()
-    precompile_lib.ready(rounds)  # a first call: its rounds may still be compiling
-    t1 = time.perf_counter()
-    if early and (max_new == 1 or stop_mask[first_np]):  # the first token ends it: no round runs (compiled above)
+    t_wait = t1 = time.perf_counter()
+    if early and (max_new == 1 or stop_mask[first_np]):  # the first token ends it: no round runs, none waited for
         n_out, n_rounds, tokens = 1, 0, [first_np]
     else:
+        precompile_lib.ready(rounds)  # a first call: its rounds may still be compiling
+        t1 = time.perf_counter()
         if loop == "device":
             state, prog = rounds(target.leaves, dparams, state, oracle, jnp.int32(NO_LIMIT))
         else:
