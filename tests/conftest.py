@@ -41,6 +41,17 @@ from map_budget import pytest_runtest_teardown  # noqa: E402,F401  (hook: compil
 #                                                                 when the process nears vm.max_map_count)
 
 
+
+@pytest.fixture(autouse=True)
+def _background_compiles_end_with_their_test():
+    """A first `generate` call whose first token ends it leaves its rounds compiling in the background
+    (`speculative.precompile`): wait for them, so that no test's compilation counts see another test's."""
+    yield
+    pre = sys.modules.get("jaxddtree.speculative.precompile")
+    if pre is not None and pre.in_flight():
+        pre.ready()
+
+
 class Zoo:
     """Lazily built, cached: transformers models, their saved checkpoints, and our targets."""
 
