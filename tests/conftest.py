@@ -41,7 +41,6 @@ from map_budget import pytest_runtest_teardown  # noqa: E402,F401  (hook: compil
 #                                                                 when the process nears vm.max_map_count)
 
 
-
 @pytest.fixture(autouse=True)
 def _background_compiles_end_with_their_test():
     """A first `generate` call whose first token ends it leaves its rounds compiling in the background

@@ -318,12 +318,16 @@ def test_batched_round_lowers_for_h200(method, B, head_dim, budget, monkeypatch)
     assert ("custom_call @mosaic_gpu" in txt) == (method != "ar" or head_dim == 64)
 
 
-def _compiled(target):
-    """Compilations held by the target's bound jitted functions (rounds, prefill, start, the pool's helpers) and
-    the drafter's forward."""
+def _compiled_by_program(target) -> dict:
+    """Compilations held by each of the target's bound jitted functions (rounds, prefill, start, the pool's helpers)
+    and the drafter's forward."""
     from jaxddtree.model import drafter as drafter_mod
-    fns = list(target._bound.values()) + [drafter_mod._forward_jit]
-    return sum(f._cache_size() for f in fns if hasattr(f, "_cache_size"))
+    fns = list(target._bound.items()) + [("drafter_forward", drafter_mod._forward_jit)]
+    return {str(k)[:100]: f._cache_size() for k, f in fns if hasattr(f, "_cache_size")}
+
+
+def _compiled(target):
+    return sum(_compiled_by_program(target).values())
 
 
 def test_warmup_lengths_compiles_only_their_widths(pair):
@@ -360,13 +364,16 @@ def test_warmup_compiles_everything(pair, ar_ref):
     assert seen[0][2].startswith("the prefill and round programs") and "prefill of" in seen[1][2]
     assert seen[-1][2] == "4 slots: rounds, joins and leaves"
     before = _compiled(target), batch_lib.TRACES["slots"], batch_lib.TRACES["rounds"], batch_lib.TRACES["start"]
+    by_program = _compiled_by_program(target)
     reqs = [Request(PROMPTS[0], 12), Request(PROMPTS[1], 20, temperature=0.8, seed=3),
             Request(PROMPTS[2], 9, temperature=1.0, top_p=0.8, stop_ids=(ar_ref[2][3],)), Request(PROMPTS[3], 30),
             Request(PROMPTS[1][:5], 7, temperature=0.5, top_k=3)]
     gens = batch_lib.generate_many(target, reqs, pool=p, join_at=[0, 0, 1, 1, 3])
     assert gens[0].tokens == ar_ref[0][:12] and gens[3].tokens == ar_ref[3][:30]
     after = _compiled(target), batch_lib.TRACES["slots"], batch_lib.TRACES["rounds"], batch_lib.TRACES["start"]
-    assert after == before and before[0] > 0
+    now = _compiled_by_program(target)
+    assert after == before and before[0] > 0, {k: (by_program.get(k, 0), n) for k, n in now.items()
+                                               if n != by_program.get(k, 0)}
     # three running in the bucket of 4, two leave at once: the last one goes single through the compiled resizes
     hs = [p.admit(p.prefill(Request(PROMPTS[i], 40))) for i in range(3)]
     p.step()
