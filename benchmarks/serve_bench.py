@@ -116,7 +116,7 @@ async def level(base, model, clients, max_tokens, chat=True, prompt_tokens=0, to
             "mean_acceptance_length": statistics.median(s.get("mean_acceptance_length", 0.0) for s in specs)}
 
 
-def random_27b_engine(args):
+def random_27b_engine(args, serve):
     """An Engine over random Qwen3.6-27B / DFlash-shaped bf16 weights (benchmarks/bench.py's shapes)."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     sys.path.insert(0, ROOT)
@@ -129,13 +129,20 @@ def random_27b_engine(args):
     class PrintableTokenizer(ByteTokenizer):
         def decode(self, ids, **_) -> str:
             return "".join(chr(32 + int(i) % 95) for i in ids)
+    tok = PrintableTokenizer()
 
     from jaxddtree import compile_cache  # as serve.py: reuse compilations across runs
     compile_cache.enable(args.compile_cache, "serve_bench.py")
+    args.max_context = args.max_context or 8192
+    early = None
+    if args.warmup_only and not args.no_precompile:  # as serve.py: the single-slot programs while the pair is made
+        import jax
+        cfg, dcfg, dtype = bench.pair_configs(args.smoke)
+        early = serve.compile_while_loading(args, cfg, dcfg, dtype, jax.default_backend(), None,
+                                            encode_text(tok, "Hello"))
     target, drafter = bench.random_pair(args.smoke, args.kernels)
-    tok = PrintableTokenizer()
     engine = Engine(target, drafter, tok, name="random-27b", method=args.method or "ddtree", budget=args.budget,
-                    max_context=args.max_context or 8192, queue_size=args.queue,
+                    max_context=args.max_context, queue_size=args.queue,
                     default_max_tokens=args.default_max_tokens, max_batch=args.max_batch,
                     prefill_tokens=args.prefill_tokens,
                     pool_factory=functools.partial(SlotPool, precompile=False) if args.no_precompile else None)
@@ -143,9 +150,12 @@ def random_27b_engine(args):
     from jaxddtree.serving.engine import warmup_printer
     if args.warmup_only:  # serve.py's own warm-up (every prefill width, sampling too), timed from the start
         engine.warmup(encode_text(tok, "Hello"), progress=warmup_printer("serve_bench.py"))
+        if early is not None:
+            early.join()
         from jaxddtree.speculative import precompile as precompile_lib
         engine.startup = {"pair_s": round(t - T_START, 2), "warmup_s": round(time.perf_counter() - t, 2),
                           "serve_ready_s": round(time.perf_counter() - T_START, 2),
+                          "cpu_s": round(time.process_time(), 1), "cores": os.cpu_count(),
                           "slowest_programs": precompile_lib.slowest(since=T_START)}
         return engine
     # this benchmark sends temperature 0 only, and its clients' prompts: only their prefill widths are compiled
@@ -210,7 +220,7 @@ def main(argv=None) -> int:
         args.max_batch = 2 if args.max_batch == "auto" else args.max_batch
     if args.warmup_only and not args.random_27b:
         p.error("--warmup-only needs --random-27b (serve.py itself prints its warm-up time)")
-    engine = random_27b_engine(args) if args.random_27b else serve.load_engine(args)
+    engine = random_27b_engine(args, serve) if args.random_27b else serve.load_engine(args)
     if args.warmup_only:
         import jax
         record = dict(engine.startup, precompile=not args.no_precompile, max_batch=engine.max_batch, max_context=engine.max_context,

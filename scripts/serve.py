@@ -137,27 +137,27 @@ def require_server_extra() -> None:
         raise SystemExit(2)
 
 
-def _compile_while_loading(args, cfg, tdir, ddir, dtype, backend, costs, prompt_ids):
+def compile_while_loading(args, cfg, dcfg, dtype, backend, costs, prompt_ids):
     """A thread compiling the warm-up's programs that do not depend on the slot count (every prefill width alone,
-    the start, the single-slot round: `batch.single_slot_programs`) for weights of the checkpoint's shapes while the
-    main thread loads them; None without a warm-up or where the loaded pair's structure is not predicted (FP8
-    checkpoints, tensor parallelism, a draft vocabulary, an FP8 drafter). The warm-up then compiles only the rest
-    (groups, batched rounds); a wrong prediction costs only the thread's work."""
+    the start, the single-slot round: `batch.single_slot_programs`) for a pair of cfg's / dcfg's shapes (dcfg None:
+    no drafter) while the main thread loads or makes the weights; None without a warm-up or where the loaded pair's
+    structure is not predicted (tensor parallelism, a draft vocabulary, an FP8 drafter; the caller leaves out FP8
+    checkpoints). The warm-up does not wait for it: a program it meets in flight here is waited for, not compiled
+    again (`precompile.compile_all`), and the rest (groups, batched rounds) compiles beside it. A wrong prediction
+    costs only the thread's work."""
     import threading
 
-    from jaxddtree.checkpoint.hf_target import fp8_format
-    if (args.no_warmup or args.tp > 1 or args.draft_vocab is not None or args.drafter_fp8
-            or fp8_format(tdir) is not None):
+    if args.no_warmup or args.tp > 1 or args.draft_vocab is not None or args.drafter_fp8:
         return None
-    from jaxddtree.model.drafter import Drafter, DrafterConfig, abstract_params
+    from jaxddtree.model.drafter import Drafter, abstract_params
     from jaxddtree.model.target import abstract_target, as_dtype
     from jaxddtree.speculative import precompile
     from jaxddtree.speculative.batch import single_slot_programs
     from jaxddtree.speculative.loop import capacity, resolve_budget
-    method = args.method or ("ddtree" if ddir else "ar")
+    method = args.method or ("ddtree" if dcfg is not None else "ar")
+    dcfg = dcfg if method != "ar" else None
     target = abstract_target(cfg, dtype)
     target.kernels = args.kernels or ("xla" if backend == "cpu" else "pallas")
-    dcfg = DrafterConfig.from_pretrained(ddir) if ddir and method != "ar" else None
     drafter = Drafter(config=dcfg, params=abstract_params(dcfg, as_dtype(dtype)), path="abstract") if dcfg else None
     max_context = min(args.max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
 
@@ -184,6 +184,8 @@ def load_engine(args):
     import jax
     import jaxddtree as jd
     from jaxddtree.checkpoint import builtin
+    from jaxddtree.checkpoint.hf_target import fp8_format
+    from jaxddtree.model.drafter_config import DrafterConfig
     from jaxddtree.serving import Engine
     from jaxddtree.speculative import budget as budget_lib
     from jaxddtree.model.sharding import check_tp, replicate
@@ -255,7 +257,9 @@ def load_engine(args):
             raise SystemExit(f"serve.py: error: {e}") from None
         cfg = jd.load_config(tdir)
         check(cfg)
-        early = _compile_while_loading(args, cfg, tdir, ddir, dtype, backend, costs, encode_text(tok, "Hello"))
+        if fp8_format(tdir) is None:
+            dcfg = DrafterConfig.from_pretrained(ddir) if ddir else None
+            early = compile_while_loading(args, cfg, dcfg, dtype, backend, costs, encode_text(tok, "Hello"))
         target = jd.load_target(tdir, dtype, tp=args.tp)
         if vocab is not None and not ddir:
             raise SystemExit("serve.py: error: --draft-vocab needs a drafter (--drafter DIR)")
@@ -296,9 +300,9 @@ def load_engine(args):
               file=sys.stderr, flush=True)
         t = time.perf_counter()
         from jaxddtree.serving.engine import warmup_printer
-        if early is not None:
-            early.join()
         engine.warmup(encode_text(tok, "Hello"), progress=warmup_printer("serve.py"))
+        if early is not None:  # (done: the warm-up waited for its programs; a duplicate jitted pass may be ending)
+            early.join()
         print(f"serve.py: compiled (every prefill width, slot count, greedy and sampled) in "
               f"{time.perf_counter() - t:.1f} s" + (f" (compilation cache: {cache_dir})" if cache_dir else ""),
               file=sys.stderr, flush=True)

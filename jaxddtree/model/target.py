@@ -137,7 +137,7 @@ class Target:
         fl = tuple(feature_layers)
         return self.bind(("prefill", fl, logits), lambda: jax.jit(functools.partial(
             _prefill, graphdef=self.graphdef, treedef=self.treedef, feature_layers=fl, logits=logits,
-            kernels=self.kernels), donate_argnames=("cache",)))
+            kernels=self.kernels), donate_argnames=("cache",), compiler_options=prefill_compiler_options()))
 
     def prefill_many(self, caches, tokens, num_valid, feature_layers=(), logits="last"):
         """`prefill` of k requests in one pass: caches = k batch-1 caches stacked on a new leading axis, tokens
@@ -152,7 +152,17 @@ class Target:
         fl = tuple(feature_layers)
         return self.bind(("prefill_many", fl, logits), lambda: jax.jit(jax.vmap(functools.partial(
             _prefill, graphdef=self.graphdef, treedef=self.treedef, feature_layers=fl, logits=logits,
-            kernels=self.kernels), in_axes=(None, 0, 0, 0)), donate_argnums=(1,)))
+            kernels=self.kernels), in_axes=(None, 0, 0, 0)), donate_argnums=(1,),
+            compiler_options=prefill_compiler_options()))
+
+
+def prefill_compiler_options() -> dict | None:
+    """XLA options of the prefill programs: on a GPU, every GEMM on cuBLAS (`xla_gpu_enable_triton_gemm` off), so
+    that their compilation autotunes no Triton GEMM configs (most of a prefill program's compile time; the 2048-row
+    chunks' GEMMs are cuBLAS's either way, BENCHMARKS.md session 17). The decode step and the rounds keep XLA's
+    default (there Triton's small-row GEMMs win: session 19, `--xla_gpu_enable_triton_gemm=false` for every
+    program cost the round 0.15 ms)."""
+    return {"xla_gpu_enable_triton_gemm": False} if jax.default_backend() == "gpu" else None
 
 
 PAD_COLUMNS = 64  # bf16 stacked projections are stored with their output columns padded to a multiple of this

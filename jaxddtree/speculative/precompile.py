@@ -12,6 +12,8 @@ fails is left to its real call, which raises the error where it belongs.
 `background`: functions whose compilation goes on after `compile_all` returns (`generate`'s rounds: the prefill
 runs and its first token is streamed meanwhile); `ready(fn)` waits for them before the first call (a second
 compilation of a program in flight would start from scratch: jax's cache holds finished ones only).
+A `Program` being compiled or loaded by one `compile_all` call (e.g. a server's thread compiling while the weights
+load) is not compiled again by another: that call waits for it (`_in_flight`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import threading
 import time
 
 import jax
@@ -36,6 +39,10 @@ timings: list[dict] = []
 
 # id(jitted function) -> its background compilations still in flight (`compile_all(background=...)`, `ready`)
 _pending: dict[int, list[concurrent.futures.Future]] = {}
+
+# (id(Program), signature) -> the Future of the compile_all call compiling or loading it now (any thread)
+_in_flight: dict[tuple, concurrent.futures.Future] = {}
+_in_flight_lock = threading.Lock()
 
 
 def abstract(tree):
@@ -178,11 +185,28 @@ def compile_all(jobs, workers: int | None = None, background=()) -> int:
     try:
         futures = []
         for job in jobs:
-            rec, lowered, t1 = lower(job)
-            if lowered is None:
+            key, mine = None, None
+            if isinstance(job[0], Program):  # compiled or loaded elsewhere right now: wait for that, not again
+                key = (id(job[0]), executables.signature(job[1]))
+                with _in_flight_lock:
+                    other = _in_flight.get(key)
+                    if other is None:
+                        mine = _in_flight[key] = concurrent.futures.Future()
+                if other is not None:
+                    f = _when_done_elsewhere(other, *job)
+                    (_pending.setdefault(id(job[0]), []) if id(job[0]) in later else futures).append(f)
+                    continue
+            try:
+                rec, lowered, t1 = lower(job)
+                f = None
+                if lowered is not None:
+                    f = (pool.submit(load_one, rec, *job) if isinstance(lowered, str) else
+                         pool.submit(compile_one, rec, lowered, t1, *job))
+            finally:
+                if mine is not None:
+                    _settle(key, mine, f)
+            if f is None:
                 continue
-            f = (pool.submit(load_one, rec, *job) if isinstance(lowered, str) else
-                 pool.submit(compile_one, rec, lowered, t1, *job))
             if id(job[0]) in later:
                 _pending.setdefault(id(job[0]), []).append(f)
             else:
@@ -190,3 +214,24 @@ def compile_all(jobs, workers: int | None = None, background=()) -> int:
         return sum(f.result() for f in futures)
     finally:
         pool.shutdown(wait=False)  # the background jobs finish in its threads
+
+
+def _settle(key, mine: concurrent.futures.Future, f) -> None:
+    """`mine` (the in-flight entry of `key`) follows f's outcome (False without one) and leaves `_in_flight` then."""
+    def done(result):
+        with _in_flight_lock:
+            if _in_flight.get(key) is mine:
+                del _in_flight[key]
+        mine.set_result(result)
+    if f is None:
+        done(False)
+    else:
+        f.add_done_callback(lambda f: done(not f.exception() and bool(f.result())))
+
+
+def _when_done_elsewhere(other: concurrent.futures.Future, fn, args) -> concurrent.futures.Future:
+    """A job another compile_all call is compiling or loading: a Future of whether fn has it once that one is done
+    (no thread waits; if that one failed, this call's real call compiles it)."""
+    f = concurrent.futures.Future()
+    other.add_done_callback(lambda _: f.set_result(fn.has(args)))
+    return f
