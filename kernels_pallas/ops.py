@@ -24,6 +24,7 @@ class Fusions(NamedTuple):
     parts: bool = True  # the gate in the GEMV's prologue, the residual in its epilogue; the attention layer's q/k
     #                     norm + RoPE + gate + KV-cache write as one kernel (`attention_decode_prep`)
     partials: bool = True  # the GEMV's split-K partials unsummed into the GDN / attention decode kernels
+    unroll: int = 1  # layer groups per iteration of the model's scan (`scan_unroll`)
 
 
 # kernels="pallas" and its benchmark-only variants: decode-step fusions off (A/B timing: benchmarks/ab_kernels.py;
@@ -33,7 +34,16 @@ class Fusions(NamedTuple):
 # both delay the weight stream; the verify's XLA GEMM outputs behind an optimization barrier ("pallas:materialised":
 # round(64) 21.771 vs 21.738 ms, AR 14.166 vs 13.964, 2026-12-04, BENCHMARKS.md session 21).
 VARIANTS = {"pallas": Fusions(), "pallas:no_partials": Fusions(partials=False),
-            "pallas:unfused": Fusions(parts=False, partials=False)}
+            "pallas:unfused": Fusions(parts=False, partials=False),
+            "pallas:unroll2": Fusions(unroll=2), "pallas:unroll4": Fusions(unroll=4),
+            "pallas:unroll16": Fusions(unroll=16)}
+
+
+def scan_unroll(kernels: str) -> int:
+    """How many layer groups one iteration of the model's `lax.scan` runs (`jax.lax.scan(unroll=...)`): 1, except in
+    the benchmark variants "pallas:unrollN" (the scan's own cost, A/B on the H200)."""
+    f = _fusions(kernels)
+    return 1 if f is None else f.unroll
 
 
 def _fusions(kernels: str) -> Fusions | None:

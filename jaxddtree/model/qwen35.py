@@ -22,7 +22,7 @@ from jaxddtree.model.layout import TokenLayout
 from jaxddtree.model.linear import dense, init_weight
 from jaxddtree.model.mlp import MLP
 from jaxddtree.model.norms import RMSNorm
-from kernels_pallas.ops import Layer
+from kernels_pallas.ops import Layer, scan_unroll
 
 
 class DecoderLayer(nnx.Module):
@@ -102,7 +102,8 @@ class Qwen35(nnx.Module):
                     feats = jax.lax.dynamic_update_index_in_dim(feats, x, jnp.asarray(slots[j])[g], 0)
             return (x, tuple(out), feats), (tuple(stashes) if layout.is_tree else None)
 
-        (x, groups, feats), stashes = jax.lax.scan(body, (x, cache.groups, feats0), jnp.arange(G, dtype=jnp.int32))
+        (x, groups, feats), stashes = jax.lax.scan(body, (x, cache.groups, feats0), jnp.arange(G, dtype=jnp.int32),
+                                                   unroll=scan_unroll(layout.kernels))
         features = jnp.concatenate(list(feats[:nF]), axis=-1) if nF else None
         length = cache.length if layout.is_tree else layout.start + layout.num_valid
         new_cache = ModelCache(groups=groups, length=length)
