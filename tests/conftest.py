@@ -44,8 +44,13 @@ from map_budget import pytest_runtest_teardown  # noqa: E402,F401  (hook: compil
 @pytest.fixture(autouse=True)
 def _background_compiles_end_with_their_test():
     """A first `generate` call whose first token ends it leaves its rounds compiling in the background
-    (`speculative.precompile`): wait for them, so that no test's compilation counts see another test's."""
+    (`speculative.precompile`), a script may leave its early compile thread running (an error after it started):
+    wait for them, so that no test's compilation counts see another test's."""
     yield
+    import threading
+    for t in threading.enumerate():  # a script's thread compiling while its weights load (serve.py, generate.py)
+        if t.name.startswith("precompile-early"):
+            t.join()
     pre = sys.modules.get("jaxddtree.speculative.precompile")
     if pre is not None and pre.in_flight():
         pre.ready()
