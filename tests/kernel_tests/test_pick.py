@@ -17,6 +17,9 @@ TABLE = {
     ("bf16", "pallas"): "XXX XPP XXX XXX XXX XXX",
     ("bf16", "pallas:no_partials"): "XXX XFF XXX XXX XXX XXX",
     ("bf16", "pallas:unfused"): "XXX XUU XXX XXX XXX XXX",
+    ("bf16", "pallas:unroll2"): "XXX XPP XXX XXX XXX XXX",  # (the unroll variants pick as "pallas")
+    ("bf16", "pallas:unroll4"): "XXX XPP XXX XXX XXX XXX",
+    ("bf16", "pallas:unroll16"): "XXX XPP XXX XXX XXX XXX",
     ("bf16", "xla"): "XXX XXX XXX XXX XXX XXX",
     ("fp32", "pallas"): "XXX XXX XXX XXX XXX XXX",
     ("fp32", "pallas:unfused"): "XXX XXX XXX XXX XXX XXX",
@@ -40,7 +43,9 @@ def _row(fmt: str, kernels: str) -> str:
 def test_table():
     got = {key: _row(*key) for key in TABLE}
     assert got == TABLE
-    assert set(ops.VARIANTS) == {"pallas", "pallas:no_partials", "pallas:unfused"}  # a new variant: add its rows
+    assert set(ops.VARIANTS) == {"pallas", "pallas:no_partials", "pallas:unfused", "pallas:unroll2", "pallas:unroll4",
+                                 "pallas:unroll16"}  # a new variant: add its rows
+    assert [ops.scan_unroll(k) for k in ("xla", "pallas", "pallas:unfused", "pallas:unroll4")] == [1, 1, 1, 4]
 
 
 def test_gemv_thresholds_are_the_only_override():
