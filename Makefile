@@ -32,7 +32,7 @@ STAMP_DEPS := pyproject.toml .ci/find-python $(wildcard jaxddtree/__init__.py ke
 
 # Bytecode of every imported module (jax, torch, transformers, the project) cached under $(VENV)/pycache, never
 # next to the sources: the venv is installed without .pyc files, and with PYTHONDONTWRITEBYTECODE=1 in the
-# environment each of the suite's ~100 Python processes (2 workers, the CLI / script / converter subprocesses)
+# environment each of the suite's Python processes (2 workers, the CLI / script / converter subprocesses)
 # compiled every module it imported from source again (2-core VM, 2026-12-06: `import torch, transformers` 17.5 s
 # -> 7 s, `import jax, jaxddtree` 3.2 s -> 1 s once cached).
 PYCACHE  := $(abspath $(VENV))/pycache
