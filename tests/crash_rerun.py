@@ -59,6 +59,18 @@ def pytest_xdist_make_scheduler(config, log):
         def mark_test_pending(self, item):
             pass  # remove_node requeued the crashed test's unit, with the crashed test still pending in it
 
+        def _assign_work_unit(self, node):
+            """The longest files first (tests/file_seconds.py), so that no long file starts last and leaves one
+            worker running it alone (xdist orders the scopes by their number of tests: the few-test subprocess
+            files, the longest, went last)."""
+            if not getattr(self, "_longest_first", False):
+                self._longest_first = True
+                from file_seconds import seconds
+                order = sorted(self.workqueue, key=lambda scope: -seconds(scope, len(self.workqueue[scope])))
+                for scope in order:
+                    self.workqueue.move_to_end(scope)
+            super()._assign_work_unit(node)
+
     return Rerun(config, log)
 
 

@@ -157,8 +157,10 @@ def worker() -> dict:
 
 @pytest.fixture(scope="module")
 def tp_run() -> dict:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(ROOT))
+    # XLA's cheap CPU settings (as tests/test_cli.py's FAST_COMPILE; conftest.py's level 0 would be overwritten
+    # here): LLVM optimisation off changes speed, not fp32 results (no fast-math either way)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0 "
+               "--xla_llvm_disable_expensive_passes=true", JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
