@@ -40,7 +40,7 @@ timings: list[dict] = []
 # id(jitted function) -> its background compilations still in flight (`compile_all(background=...)`, `ready`)
 _pending: dict[int, list[concurrent.futures.Future]] = {}
 
-# (id(Program), signature) -> the Future of the compile_all call compiling or loading it now (any thread)
+# (id(Program), signature) -> a Future done when the compile_all call compiling or loading it now is (any thread)
 _in_flight: dict[tuple, concurrent.futures.Future] = {}
 _in_flight_lock = threading.Lock()
 
@@ -217,16 +217,16 @@ def compile_all(jobs, workers: int | None = None, background=()) -> int:
 
 
 def _settle(key, mine: concurrent.futures.Future, f) -> None:
-    """`mine` (the in-flight entry of `key`) follows f's outcome (False without one) and leaves `_in_flight` then."""
-    def done(result):
+    """`mine` (the in-flight entry of `key`) is done, and leaves `_in_flight`, when f is (at once without one)."""
+    def done(_=None):
         with _in_flight_lock:
             if _in_flight.get(key) is mine:
                 del _in_flight[key]
-        mine.set_result(result)
+        mine.set_result(None)
     if f is None:
-        done(False)
+        done()
     else:
-        f.add_done_callback(lambda f: done(not f.exception() and bool(f.result())))
+        f.add_done_callback(done)
 
 
 def _when_done_elsewhere(other: concurrent.futures.Future, fn, args) -> concurrent.futures.Future:
