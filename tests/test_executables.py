@@ -100,3 +100,19 @@ def test_program_runs_its_executable_only_for_its_shapes():
     assert f(jnp.ones(4)).tolist() == [2] * 4  # other shapes: the jitted function
     assert jax.jit(lambda x: f(x))(jnp.ones(3)).tolist() == [2, 2, 2]  # under a trace: the jitted function
     assert f._cache_size() >= 1 and f.__name__ == "<lambda>"
+
+
+def test_prefill_programs_with_compiler_options_run_in_every_path(pair, monkeypatch):
+    """The prefill programs carry XLA options on a GPU (`prefill_compiler_options`); jax refuses options on a jit
+    called inside another trace (`precompile.shape_of`'s eval_shape, an outer program): `OptionedJit` runs the
+    plain jit there. Here with an option the CPU accepts, through generate's precompiled path."""
+    target, drafter = pair
+    first = gen(new_process(target), drafter)
+    monkeypatch.setattr(target_mod, "prefill_compiler_options", lambda: {"xla_embed_ir_in_executable": False})
+    t = new_process(target)
+    fn = t.prefill_fn((), "last")
+    assert isinstance(fn.jitted, executables.OptionedJit) and fn.jitted.nested is not fn.jitted.optioned
+    assert gen(t, drafter).tokens == first.tokens
+    x = jnp.arange(6.0)
+    f = executables.OptionedJit(lambda v: v * 2, {"xla_embed_ir_in_executable": False})
+    assert jax.eval_shape(f, x).shape == (6,) and jax.jit(lambda v: f(v) + 1)(x).tolist() == [1, 3, 5, 7, 9, 11]

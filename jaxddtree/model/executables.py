@@ -105,6 +105,26 @@ def _mosaic_runtime() -> None:
         pass
 
 
+class OptionedJit:
+    """`jax.jit(fun, compiler_options=options, **kw)` called at the top level; called inside another trace (an outer
+    jit, `jax.eval_shape`), the same jit without the options, which jax refuses on a nested jit (the outer program's
+    options are the ones that apply there). lower / trace / eval_shape / _cache_size are the optioned jit's."""
+
+    def __init__(self, fun, options: dict | None, **kw):
+        self.optioned = jax.jit(fun, compiler_options=options, **kw)
+        self.nested = jax.jit(fun, **kw) if options else self.optioned
+        self.__name__ = getattr(self.optioned, "__name__", "program")
+
+    def __call__(self, *args, **kwargs):
+        if self.nested is not self.optioned and any(isinstance(x, jax.core.Tracer)
+                                                    for x in jax.tree.leaves((args, kwargs))):
+            return self.nested(*args, **kwargs)
+        return self.optioned(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.optioned, name)
+
+
 class Program:
     """A jitted function (`Target.bind`) that also runs executables compiled or loaded for given argument shapes
     (`precompile.compile_all`); any other call is the jitted function's. key: the static parts' repr (None: never

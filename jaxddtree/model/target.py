@@ -135,9 +135,9 @@ class Target:
     def prefill_fn(self, feature_layers=(), logits="last"):
         """The jitted prefill `prefill` calls: fn(leaves, cache, tokens, num_valid) (e.g. to compile it ahead)."""
         fl = tuple(feature_layers)
-        return self.bind(("prefill", fl, logits), lambda: jax.jit(functools.partial(
+        return self.bind(("prefill", fl, logits), lambda: executables.OptionedJit(functools.partial(
             _prefill, graphdef=self.graphdef, treedef=self.treedef, feature_layers=fl, logits=logits,
-            kernels=self.kernels), donate_argnames=("cache",), compiler_options=prefill_compiler_options()))
+            kernels=self.kernels), prefill_compiler_options(), donate_argnames=("cache",)))
 
     def prefill_many(self, caches, tokens, num_valid, feature_layers=(), logits="last"):
         """`prefill` of k requests in one pass: caches = k batch-1 caches stacked on a new leading axis, tokens
@@ -150,10 +150,9 @@ class Target:
     def prefill_many_fn(self, feature_layers=(), logits="last"):
         """The jitted pass `prefill_many` calls: fn(leaves, caches, tokens, num_valid)."""
         fl = tuple(feature_layers)
-        return self.bind(("prefill_many", fl, logits), lambda: jax.jit(jax.vmap(functools.partial(
+        return self.bind(("prefill_many", fl, logits), lambda: executables.OptionedJit(jax.vmap(functools.partial(
             _prefill, graphdef=self.graphdef, treedef=self.treedef, feature_layers=fl, logits=logits,
-            kernels=self.kernels), in_axes=(None, 0, 0, 0)), donate_argnums=(1,),
-            compiler_options=prefill_compiler_options()))
+            kernels=self.kernels), in_axes=(None, 0, 0, 0)), prefill_compiler_options(), donate_argnums=(1,)))
 
 
 def prefill_compiler_options() -> dict | None:
