@@ -280,3 +280,23 @@ def test_score_comparison_has_power(hf_base, target_base, name):
     print(f"\nperturbed {name}: rel err {err:.2e} (unperturbed {base_err:.1e}, tolerance {TOL:.0e})")
     assert base_err <= TOL
     assert err >= 10 * TOL
+
+
+def test_a_large_random_target_is_made_leaf_by_leaf_with_the_modules_scales(monkeypatch):
+    """random_target past LEAFWISE_INIT_BYTES (the benchmarks' 27B shapes) makes each leaf by one jitted program:
+    the same shapes and dtypes as the module's init, and each weight's scale (its std: a wrong fan-in is off by a
+    factor >= 2 here). Forced here on tiny shapes."""
+    from jaxddtree.model import target as target_mod
+    from jaxddtree.model.config import text_config_from_dict
+    cfg = text_config_from_dict(dict(hf_models.BASE, model_type="qwen3_5_text"), where="tiny")
+    eager = target_mod.random_target(cfg, "bfloat16", seed=1)
+    monkeypatch.setattr(target_mod, "LEAFWISE_INIT_BYTES", 0)
+    leafwise = target_mod.random_target(cfg, "bfloat16", seed=1)
+    names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+        jax.tree.unflatten(eager.treedef, eager.leaves))[0]]
+    assert leafwise.treedef == eager.treedef
+    for name, a, b in zip(names, eager.leaves, leafwise.leaves):
+        assert (a.shape, a.dtype) == (b.shape, b.dtype), name
+        if any(w in name for w in ("w_in", "w_out", "w_qkv", "wo", "w_gate_up", "w_down", "lm_head", "embed")):
+            ratio = float(np.asarray(b, np.float32).std() / np.asarray(a, np.float32).std())
+            assert 0.8 < ratio < 1.25, (name, ratio)

@@ -213,23 +213,31 @@ def abstract_target(cfg: TextConfig, dtype) -> Target:
     return Target(config=cfg, graphdef=graphdef, treedef=treedef, leaves=leaves, dtype=dt, source="abstract")
 
 
+LEAFWISE_INIT_BYTES = 4 << 30  # random_target: larger (bf16) models are made leaf by leaf
+
+
 def random_target(cfg: TextConfig, dtype="float32", seed: int = 0, weights: str = "bf16", tp: int = 1) -> Target:
     """A target with random weights. weights="fp8": the FP8_PROJECTIONS are `Fp8Weight`s (random e4m3 values,
-    compact 128x128 block scales, GDN w_in's b | a as the plain tail; stacked over the layer groups), made leaf by leaf on the device without
-    ever materialising the model in `dtype` (benchmarks: device memory of the fp8 model). `tp` > 1 splits the
-    (bf16) weights over the first tp devices (model/sharding.py)."""
+    compact 128x128 block scales, GDN w_in's b | a as the plain tail; stacked over the layer groups). Either kind past
+    LEAFWISE_INIT_BYTES (e.g. the 27B shapes) is made leaf by leaf on the device, each leaf by one jitted program,
+    never materialising the model in float32 (H100, 2026-12-06: after the module's eager init of the 27B bf16 target
+    its first program ran out of memory; float32 temporaries between the weights fragment the device allocator). Smaller models are the
+    module's own init (the tests' values). `tp` > 1 splits the (bf16) weights over the first tp devices
+    (model/sharding.py)."""
     sharding.check_tp(cfg, tp)
     dt = as_dtype(dtype)
-    if weights == "bf16":
-        return Target.from_module(Qwen35(cfg, dtype=dt, rngs=nnx.Rngs(seed)), dt).shard(tp, consume=True)
-    if tp > 1:
-        raise ValueError("tensor parallelism of FP8 weights is not supported yet (use tp=1)")
-    if weights != "fp8":
+    if weights not in ("bf16", "fp8"):
         raise ValueError(f"unknown weights '{weights}' (bf16 or fp8)")
+    if weights == "fp8" and tp > 1:
+        raise ValueError("tensor parallelism of FP8 weights is not supported yet (use tp=1)")
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Qwen35(cfg, dtype=dt, rngs=nnx.Rngs(seed))))
+    size = sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(state))
+    if weights == "bf16" and (tp > 1 or size < LEAFWISE_INIT_BYTES):
+        return Target.from_module(Qwen35(cfg, dtype=dt, rngs=nnx.Rngs(seed)), dt).shard(tp, consume=True)
+    fp8 = weights == "fp8"
     from jaxddtree.model import fp8 as fp8_weight
     from kernels_pallas.w8a8_mgpu import scale_cols
 
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Qwen35(cfg, dtype=dt, rngs=nnx.Rngs(seed))))
     pure = nnx.to_pure_dict(state)
     key = jax.random.key(seed)
 
@@ -247,7 +255,7 @@ def random_target(cfg: TextConfig, dtype="float32", seed: int = 0, weights: str 
         k1, k2 = jax.random.split(jax.random.fold_in(key, i))
         name = path[-1]
         normal = lambda shp=shape: jax.random.normal(k1, shp, dt)
-        if path[0] == "groups" and name in FP8_PROJECTIONS:  # stacked over the layer groups: [G, ...]
+        if fp8 and path[0] == "groups" and name in FP8_PROJECTIONS:  # stacked over the layer groups: [G, ...]
             G, shape = shape[0], shape[1:]
             nc = 2 if name in ("wo", "w_out") else 1
             K = math.prod(shape[:nc])
@@ -268,8 +276,9 @@ def random_target(cfg: TextConfig, dtype="float32", seed: int = 0, weights: str 
             node[name] = (1 + 0.1 * normal()).astype(dt)
         elif "norm" in name:  # (1 + w) RMSNorms, q/k norms
             node[name] = (0.1 * normal()).astype(dt)
-        else:  # embed (std 1), lm_head, conv: std 1/sqrt(fan_in) (a stacked leaf's fan-in: its axis 1)
-            fan_in = shape[1] if path[0] == "groups" else shape[0]
+        else:  # embed (std 1), projections, conv: std 1/sqrt(fan_in) as the module's init (a stacked leaf's fan-in:
+            # its axis 1; wo / w_out [G, H, hd, D]: H·hd)
+            fan_in = shape[0] if path[0] != "groups" else math.prod(shape[1:3]) if name in ("wo", "w_out") else shape[1]
             node[name] = scaled_normal(k1, tuple(shape), 1.0 if name == "embed" else float(fan_in ** -0.5))
     nnx.replace_by_pure_dict(state, pure)
     return Target.from_module(nnx.merge(graphdef, state), dt)
