@@ -37,6 +37,7 @@ from flax import nnx
 
 from kernels_pallas import ops
 
+from jaxddtree.model import draft_vocab
 from jaxddtree.model import layout as layout_lib
 from jaxddtree.model import sharding
 from jaxddtree.speculative import budget as budget_lib
@@ -653,7 +654,7 @@ def main(argv=None):
         def draft(consts, st):  # the drafter on the state's context rows + the root; next root from its argmax
             dparams, embed, head = consts
             dl, dcache = loop_lib.draft_stage(dparams, dcfg, st, embed, head, plan)
-            root = jnp.argmax(dl[0]).astype(jnp.int32)[None]
+            root = draft_vocab.ids_of(dparams.vocab, jnp.argmax(dl[0]).astype(jnp.int32))[None]
             # keep the committed context where it was (each call appends ctx_n rows): the capacity is not outgrown
             dcache = dataclasses.replace(dcache, length=st.dcache.length)
             return st.replace(dcache=dcache, root=root)
@@ -664,9 +665,11 @@ def main(argv=None):
         dl0 = jax.jit(lambda dp, st, e, h: loop_lib.draft_stage(dp, dcfg, st, e, h, plan)[0])(
             dparams, state, embed, head)
 
+        vocab = dparams.vocab  # (a draft vocabulary: dl holds its columns; its maps are small constants here)
+
         def build(_, carry):  # the draft logits nudged by the last tree (a data dependence; nothing hoisted)
             dl, root = carry
-            tree, mask = loop_lib.tree_stage(root, dl, plan)
+            tree, mask = loop_lib.tree_stage(root, dl, plan, vocab=vocab)
             nxt = tree.tokens[1] + mask[-1, 0].astype(jnp.int32)
             return dl + jnp.float32(1e-30) * nxt.astype(jnp.float32), nxt
 
@@ -674,7 +677,7 @@ def main(argv=None):
         log(f"tree build (budget 64) {res['tree_build_ms' + key]} ms")
 
         # accept + commit of a verify's outputs (fixed: computed once), the cache carried (length grows)
-        tree, mask = jax.jit(lambda r, d: loop_lib.tree_stage(r, d, plan))(jnp.int32(1), dl0)
+        tree, mask = jax.jit(lambda r, d: loop_lib.tree_stage(r, d, plan, vocab=vocab))(jnp.int32(1), dl0)
         vout = jax.jit(lambda lv, c, t, m: loop_lib.verify_stage(
             nnx.merge(gd, jax.tree.unflatten(td, lv)), c, t, m, plan))(target.leaves, state.cache, tree, mask)
         logits, feats, stashes = vout

@@ -121,6 +121,35 @@ def test_padding_is_never_drafted(pair):
     assert np.array_equal(np.asarray(tree.depths)[:16], np.arange(16))
 
 
+@pytest.mark.parametrize("budget", [16, 64])
+def test_the_tree_over_the_subset_columns_is_the_full_vocabularys(pair, budget):
+    """The round builds its tree, chain and auto-budget expectations from the subset's Vp columns (`draft_stage`,
+    `build_tree(ids=)`): the same trees (every field, padding included) and expectations as from the
+    full-vocabulary logits with -inf outside, also with tied logits (rounded to 0.5: many ties inside the top-K)
+    and with fewer finite prefixes than the budget (3 ids)."""
+    from jaxddtree.speculative import budget as budget_lib
+    from jaxddtree.speculative import loop as loop_lib
+    t = pair.target
+    h = jax.random.normal(jax.random.key(4), (15, t.config.hidden_size), jnp.float32)
+    for ids in (np.random.default_rng(1).choice(t.config.vocab_size, 300, replace=False), [5, 9, 700]):
+        voc = dv.make(ids, t.lm_head, jnp.float32)
+        for sub in (dv.subset_logits(voc, h), jnp.round(dv.subset_logits(voc, h) * 2) / 2):
+            sub = jnp.where(jnp.isfinite(sub), sub, -jnp.inf)
+            full = jnp.take(sub, voc.column, axis=-1, mode="fill", fill_value=-jnp.inf)
+            a = tree_lib.build_tree(jnp.int32(3), full, budget)
+            b = tree_lib.build_tree(jnp.int32(3), sub, budget, ids=voc.ids)
+            for name in ("tokens", "parents", "depths", "valid"):
+                assert np.array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name))), name
+            assert int(np.asarray(a.valid).sum()) > 15
+            ca, cb = loop_lib.chain_tree(jnp.int32(3), full), loop_lib.chain_tree(jnp.int32(3), sub, voc)
+            assert np.array_equal(np.asarray(ca.tokens), np.asarray(cb.tokens))
+            mask = tree_lib.ancestor_mask(a)
+            np.testing.assert_allclose(np.asarray(budget_lib.tree_expectation(b, sub, mask, voc)),
+                                       np.asarray(budget_lib.tree_expectation(a, full, mask)), rtol=1e-6)
+            np.testing.assert_allclose(np.asarray(budget_lib.chain_expectation(sub)),
+                                       np.asarray(budget_lib.chain_expectation(full)), rtol=1e-6)
+
+
 # ------------------------------------------------------------------------------------------------ generation
 def vocabularies(ar_tokens, V):
     """'frequent': the 512 most frequent ids of the demo's table; 'lacking': 500 of the most frequent ids without

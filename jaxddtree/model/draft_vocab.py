@@ -100,6 +100,17 @@ def logits(vocab: DraftVocab, h: Array) -> Array:
     return jnp.take(subset_logits(vocab, h), vocab.column, axis=-1, mode="fill", fill_value=-jnp.inf)
 
 
+def ids_of(vocab: DraftVocab | None, cols: Array) -> Array:
+    """Columns of `subset_logits` -> token ids (a padding column: -1); vocab None: the columns are the ids."""
+    return cols if vocab is None else jnp.take(vocab.ids, cols, axis=0)
+
+
+def columns_of(vocab: DraftVocab | None, ids: Array) -> Array:
+    """Token ids -> their columns of `subset_logits` (an id outside the subset: Vp, one past the last column: read
+    with mode="fill"); vocab None: the ids are the columns."""
+    return ids if vocab is None else jnp.take(vocab.column, ids, axis=0)
+
+
 # ------------------------------------------------------------------------------------------------ host helpers
 def count(token_ids, vocab_size: int, counts=None) -> np.ndarray:
     """Token frequencies [V] int64 of `token_ids` (1-D), added to `counts` when given."""

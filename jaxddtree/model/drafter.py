@@ -226,18 +226,20 @@ def drafter_forward(params: DrafterParams, cfg: DrafterConfig, cache: DraftCache
 
 
 def draft_logits(params: DrafterParams, cfg: DrafterConfig, cache: DraftCache, target_hidden: Array,
-                 num_ctx: Array | int, root_token: Array, embed_table: Array, lm_head: Array, kernels: str = "xla"
-                 ) -> tuple[Array, DraftCache]:
+                 num_ctx: Array | int, root_token: Array, embed_table: Array, lm_head: Array, kernels: str = "xla",
+                 subset: bool = False) -> tuple[Array, DraftCache]:
     """Block [root, MASK x (Bs-1)] -> fp32 logits [B, Bs-1, V] for block slots 1..Bs-1 (slot j predicts the
     token at position length+num_ctx+j). root_token [B] int; embed_table [V, H]; lm_head [H, V] (not read when
-    params.vocab holds a draft vocabulary: its own head scores its ids, every other id gets -inf)."""
+    params.vocab holds a draft vocabulary: its own head scores its ids, every other id gets -inf; with subset=True
+    the logits are the subset's columns only, [B, Bs-1, Vp]: `draft_vocab.ids_of` maps a column to its id)."""
     B, Bs = root_token.shape[0], cfg.block_size
     ids = jnp.concatenate([root_token.astype(jnp.int32)[:, None],
                            jnp.full((B, Bs - 1), cfg.mask_token_id, jnp.int32)], axis=1)  # [B, Bs]
     h, cache = drafter_forward(params, cfg, cache, target_hidden, num_ctx, jnp.take(embed_table, ids, axis=0),
                                kernels)
     if params.vocab is not None:
-        return draft_vocab_lib.logits(params.vocab, h[:, 1:]), cache
+        fn = draft_vocab_lib.subset_logits if subset else draft_vocab_lib.logits
+        return fn(params.vocab, h[:, 1:]), cache
     logits = jnp.einsum("bth,hv->btv", h[:, 1:], lm_head.astype(h.dtype), preferred_element_type=jnp.float32)
     return logits, cache
 

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxddtree.model import draft_vocab as draft_vocab_lib
 from jaxddtree.speculative import tree as tree_lib
 
 CHAIN = 0  # candidate id of chain DFlash (its tree: the drafter's argmax block, block_size rows)
@@ -272,15 +273,17 @@ def log_norm(draft_logits) -> tuple[jax.Array, jax.Array]:
     return m, jnp.log(jnp.sum(jnp.exp(x - m[:, None]), axis=-1))
 
 
-def tree_expectation(tree: tree_lib.Tree, draft_logits, mask) -> jax.Array:
+def tree_expectation(tree: tree_lib.Tree, draft_logits, mask, vocab=None) -> jax.Array:
     """[N-1]: entry b-1 = expected tokens emitted by the tree truncated to its first b drafted nodes
-    (1 + Σ path probabilities), for a tree in `build_tree`'s order; draft_logits [D, V]."""
+    (1 + Σ path probabilities), for a tree in `build_tree`'s order; draft_logits [D, V], or [D, Vp] over the
+    columns of the draft vocabulary `vocab`."""
     n = tree.num_nodes
     idx = jnp.arange(n)
     drafted = tree.valid & (idx > 0)
     m, lse = log_norm(draft_logits)
     d = jnp.clip(tree.depths - 1, 0)
-    x = draft_logits[d, jnp.maximum(tree.tokens, 0)].astype(jnp.float32)  # [N]
+    col = draft_vocab_lib.columns_of(vocab, jnp.maximum(tree.tokens, 0))  # (a drafted node's id is in the subset)
+    x = draft_logits[d, col].astype(jnp.float32)  # [N]
     lp = jnp.where(drafted, (x - m[d]) - lse[d], 0.0)  # [N]
     path = jnp.sum(jnp.where(mask, lp[None, :], 0.0), axis=-1)  # [N]: Σ over the node and its ancestors
     p = jnp.where(drafted, jnp.exp(path), 0.0)
@@ -308,9 +311,9 @@ def verify_groups(candidates, chain_rows: int) -> list[list[int]]:
     return [[i for i, r in enumerate(rows) if r == n] for n in dict.fromkeys(rows)]
 
 
-def expectations(candidates, tree, mask, draft_logits) -> jax.Array:
+def expectations(candidates, tree, mask, draft_logits, vocab=None) -> jax.Array:
     """[K] uncalibrated expected tokens per round of each candidate."""
-    e_tree = tree_expectation(tree, draft_logits, mask)
+    e_tree = tree_expectation(tree, draft_logits, mask, vocab)
     e = [chain_expectation(draft_logits) if b == CHAIN else e_tree[b - 1] for b in candidates]
     return jnp.stack(e)
 
@@ -343,10 +346,11 @@ class Decision:
     cost: jax.Array  # f32: its table ms at this committed length
 
 
-def decide(auto: AutoState, length, candidates, tree, mask, draft_logits) -> Decision:
+def decide(auto: AutoState, length, candidates, tree, mask, draft_logits, vocab=None) -> Decision:
     """The candidate of this round (module docstring, steps 2-5), from the draft and the tree built at
-    max(candidates) (`build_tree`'s order; mask: its ancestor mask) at committed length `length`."""
-    raw = expectations(candidates, tree, mask, draft_logits)  # [K]
+    max(candidates) (`build_tree`'s order; mask: its ancestor mask) at committed length `length`; vocab: the
+    draft vocabulary whose columns draft_logits holds, or None."""
+    raw = expectations(candidates, tree, mask, draft_logits, vocab)  # [K]
     s = scale(auto.sums)
     expected = 1.0 + s * (raw - 1.0)
     cost = interpolate(auto.contexts, auto.ms, length)

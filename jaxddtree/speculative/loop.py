@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from jaxddtree.model import draft_vocab as draft_vocab_lib
 from jaxddtree.model import layout as layout_lib
 from jaxddtree.model import sharding
 from jaxddtree.speculative import budget as budget_lib
@@ -140,41 +141,47 @@ def _ar_round(model, state: DecodeState, plan: Plan, mode) -> DecodeState:
     return _record(state, jnp.asarray(1, jnp.int32))
 
 
-def _oracle_logits(state: DecodeState, oracle: jax.Array, depth: int, vocab: int) -> jax.Array:
-    """Test hook: draft logits that rank the target's own continuation high (often first, sometimes
-    second), plus noise, so that long paths get accepted and side branches exist."""
+def _oracle_logits(state: DecodeState, oracle: jax.Array, depth: int, width: int, vocab=None) -> jax.Array:
+    """Test hook: draft logits [depth, width] that rank the target's own continuation high (often first, sometimes
+    second), plus noise, so that long paths get accepted and side branches exist. vocab (a DraftVocab): over its
+    columns (an id outside it is never boosted)."""
     key = jax.random.fold_in(state.key, 7)
     k1, k2 = jax.random.split(key)
     noise = 2.0 * jax.random.normal(k1, (depth, vocab))
     pos = state.n_out - 1 + jnp.arange(1, depth + 1)
-    want = oracle[jnp.minimum(pos, oracle.shape[0] - 1)]
+    want = draft_vocab_lib.columns_of(vocab, oracle[jnp.minimum(pos, oracle.shape[0] - 1)])
     boost = jnp.where(jax.random.uniform(k2, (depth,)) < 0.8, 12.0, 1.5)
-    return noise.at[jnp.arange(depth), want].add(boost)
+    x = noise.at[jnp.arange(depth), want].add(boost, mode="drop")
+    return x if vocab is None else x + vocab.bias
 
 
 # The four stages of a speculative round, as separate functions so that benchmarks/bench.py times exactly what
 # the round runs (each stage in a jitted loop of its own); `_spec_round` composes them under named scopes (the
 # profile's per-part GPU time, benchmarks/profile_gpu.py).
 def draft_stage(dparams, dcfg, state: DecodeState, embed, lm_head, plan: Plan, oracle=None):
-    """The drafter on the last accepted path's features + the root -> (logits [D, V] fp32, drafter cache)."""
+    """The drafter on the last accepted path's features + the root -> (logits [D, Vc] fp32, drafter cache): Vc the
+    vocabulary's V, or with a draft vocabulary (dparams.vocab) its Vp columns only, which `tree_stage` /
+    `chain_tree` / `budget_lib.decide` take with that vocab (a top-K over Vp, not over V with -inf elsewhere)."""
     dl, dcache = draft_logits(dparams, dcfg, state.dcache, state.ctx, state.ctx_n, state.root, embed, lm_head,
-                              plan.kernels)
-    dl = dl[0]  # [D, V] (batch 1 today)
+                              plan.kernels, subset=True)
+    dl = dl[0]  # [D, Vc] (batch 1 today)
     if plan.inject:
-        dl = _oracle_logits(state, oracle, dl.shape[0], dl.shape[-1])
+        dl = _oracle_logits(state, oracle, dl.shape[0], dl.shape[-1], dparams.vocab)
     return dl, dcache
 
 
-def tree_stage(root, dl, plan: Plan, budget=None):
+def tree_stage(root, dl, plan: Plan, budget=None, vocab=None):
     """DDTree: the best `budget` prefixes of the draft (auto: at the largest candidate); DFlash: its argmax chain
     -> (Tree, ancestor mask). budget (DDTree, optional): a traced int32 <= plan.budget; the tree is built at
-    plan.budget and its nodes past budget + 1 become padding (`limit_tree`)."""
+    plan.budget and its nodes past budget + 1 become padding (`limit_tree`). vocab: the draft vocabulary whose
+    columns dl holds (`draft_stage`), or None."""
     if plan.method == "ddtree":
-        tree = tree_lib.build_tree(root, dl, plan.budget, kernels=plan.kernels)
+        tree = tree_lib.build_tree(root, dl, plan.budget, kernels=plan.kernels,
+                                   ids=None if vocab is None else vocab.ids)
         if budget is not None:
             tree = limit_tree(tree, budget)
     else:  # dflash: the argmax chain of the block
-        tree = chain_tree(root, dl)
+        tree = chain_tree(root, dl, vocab)
     return tree, tree_lib.ancestor_mask(tree)
 
 
@@ -188,11 +195,11 @@ def limit_tree(tree: tree_lib.Tree, budget) -> tree_lib.Tree:
                          valid=keep, max_depth=tree.max_depth)
 
 
-def chain_tree(root, dl) -> tree_lib.Tree:
-    """The argmax chain of the drafter's block dl [D, V] as a degenerate tree of D + 1 rows (chain DFlash's tree;
-    the chain candidate of tree_budget="auto")."""
+def chain_tree(root, dl, vocab=None) -> tree_lib.Tree:
+    """The argmax chain of the drafter's block dl [D, Vc] as a degenerate tree of D + 1 rows (chain DFlash's tree;
+    the chain candidate of tree_budget="auto"); vocab: the draft vocabulary whose columns dl holds, or None."""
     n = dl.shape[0] + 1
-    chain = jnp.argmax(dl, axis=-1).astype(jnp.int32)
+    chain = draft_vocab_lib.ids_of(vocab, jnp.argmax(dl, axis=-1).astype(jnp.int32))
     return tree_lib.Tree(tokens=jnp.concatenate([root[None], chain]), parents=jnp.arange(-1, n - 1, dtype=jnp.int32),
                          depths=jnp.arange(n, dtype=jnp.int32), valid=jnp.ones((n,), bool), max_depth=n - 1)
 
@@ -230,7 +237,7 @@ def _spec_round(model, dparams, dcfg, embed, lm_head, state: DecodeState, plan: 
     with jax.named_scope("draft"):
         dl, dcache = draft_stage(dparams, dcfg, state, embed, lm_head, plan, oracle)
     with jax.named_scope("tree_build"):
-        tree, mask = tree_stage(state.root[0], dl, plan, state.budget)
+        tree, mask = tree_stage(state.root[0], dl, plan, state.budget, dparams.vocab)
 
     def verify_commit(st, tree, mask):
         with jax.named_scope("verify"):
@@ -243,8 +250,8 @@ def _spec_round(model, dparams, dcfg, embed, lm_head, state: DecodeState, plan: 
     # tree_budget="auto": the tree above is built at the largest candidate; its first b + 1 rows are the tree of
     # budget b (budget_lib's docstring); one switch branch per candidate verifies and commits its own tree
     with jax.named_scope("tree_build"):
-        decision = budget_lib.decide(state.auto, state.cache.length, plan.budgets, tree, mask, dl)
-        chain = chain_tree(state.root[0], dl)
+        decision = budget_lib.decide(state.auto, state.cache.length, plan.budgets, tree, mask, dl, dparams.vocab)
+        chain = chain_tree(state.root[0], dl, dparams.vocab)
         chain_mask = tree_lib.ancestor_mask(chain)
 
     def one(b):

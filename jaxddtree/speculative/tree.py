@@ -96,7 +96,7 @@ def top_k_rows(x: jax.Array, k: int, block: int = 128) -> tuple[jax.Array, jax.A
     return vals, jnp.take_along_axis(ids, pos, axis=1).astype(jnp.int32)
 
 
-def build_tree(root_token, draft_logits, budget: int, topk_block: int = 128, kernels: str = "xla") -> Tree:
+def build_tree(root_token, draft_logits, budget: int, topk_block: int = 128, kernels: str = "xla", ids=None) -> Tree:
     """Exact device version of the reference best-first heap (`build_ddtree_tree`).
 
     Returns the `budget` prefixes with the highest summed draft log-probability (per-depth
@@ -107,6 +107,9 @@ def build_tree(root_token, draft_logits, budget: int, topk_block: int = 128, ker
     root_token: [] int; draft_logits: [D, V] (depth d+1 marginals in row d); budget: static int;
     topk_block: block size of the per-depth top-K (`top_k_rows`); kernels: "xla" | "pallas" for the
     selection from the per-depth top-K (`kernels_pallas.tree_build`: the same trees, one kernel).
+    ids [Vp] (optional): draft_logits are a draft vocabulary's columns [D, Vp] (`draft_vocab.subset_logits`, -inf
+    on padding columns) and ids maps a column to its token id: the top-K runs over the Vp columns, so the tree is
+    the one of the full-vocabulary logits with -inf outside the subset (the ids are sorted: ties order alike).
     """
     d_max, vocab = draft_logits.shape
     k = min(int(budget), vocab)
@@ -118,6 +121,8 @@ def build_tree(root_token, draft_logits, budget: int, topk_block: int = 128, ker
     lse = jnp.log(jnp.sum(jnp.exp(x - m), axis=-1, keepdims=True))
     top_x, top_id = top_k_rows(x, k, topk_block)                           # [D, K] sorted desc
     top_lp = (top_x - m) - lse
+    if ids is not None:
+        top_id = jnp.take(ids, top_id, axis=0)
     tokens, parents, depths, valid = ops.tree_select(top_lp, top_id, int(budget), kernels=kernels)  # [B] each
 
     root = jnp.asarray(root_token, jnp.int32).reshape(1)
