@@ -147,7 +147,7 @@ def _oracle_logits(state: DecodeState, oracle: jax.Array, depth: int, width: int
     columns (an id outside it is never boosted)."""
     key = jax.random.fold_in(state.key, 7)
     k1, k2 = jax.random.split(key)
-    noise = 2.0 * jax.random.normal(k1, (depth, vocab))
+    noise = 2.0 * jax.random.normal(k1, (depth, width))
     pos = state.n_out - 1 + jnp.arange(1, depth + 1)
     want = draft_vocab_lib.columns_of(vocab, oracle[jnp.minimum(pos, oracle.shape[0] - 1)])
     boost = jnp.where(jax.random.uniform(k2, (depth,)) < 0.8, 12.0, 1.5)
