@@ -441,6 +441,15 @@ def e2e(args, target, drafter, res, save, log):
         save()
 
 
+def default_out(device_kind: str, smoke: bool) -> str | None:
+    """Where a run's figures go unless --out names a file: the H200's record only from an H200 (a CPU smoke run or
+    another card once overwrote it), another card's under its own name, a smoke run nowhere."""
+    if smoke:
+        return None
+    slug = "".join(c if c.isalnum() else "_" for c in device_kind.lower()).strip("_")
+    return "benchmarks/results/h200.json" if "h200" in slug else f"benchmarks/results/{slug}.json"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sections", default="bandwidth,ar,prefill,verify,parts,round,host,e2e",
@@ -458,7 +467,9 @@ def main(argv=None):
     ap.add_argument("--e2e-methods", default="ar,dflash,ddtree64,auto",
                     help=f"comma list of {', '.join(E2E_METHODS)} for the e2e section")
     ap.add_argument("--e2e-runs", type=int, default=3, help="generate calls per e2e figure (median)")
-    ap.add_argument("--out", default="benchmarks/results/h200.json", help="JSON file to merge results into")
+    ap.add_argument("--out", default=None, help="JSON file to merge results into (default: on an H200 "
+                    "benchmarks/results/h200.json, on another GPU benchmarks/results/<device>.json; --smoke writes "
+                    "nothing unless --out is given)")
     ap.add_argument("--config", default=None, help="HF config.json for other target shapes")
     ap.add_argument("--contexts", default="",
                     help="comma list of context lengths (e.g. 4096,32768,131072): AR step, DDTree round (budget 64) "
@@ -507,7 +518,8 @@ def main(argv=None):
     cfg = text_config_from_dict(raw, where=args.config or "built-in Qwen3.6-27B shapes")
     dev = jax.devices()[0]
     res = top = {}
-    if os.path.exists(args.out):
+    args.out = args.out or default_out(dev.device_kind, args.smoke)
+    if args.out and os.path.exists(args.out):
         res = top = json.load(open(args.out))
     if args.tp is not None:
         res = top.setdefault(f"tp{args.tp}" + ("" if args.allreduce == "nccl" else f"_{args.allreduce}"), {})
@@ -526,6 +538,8 @@ def main(argv=None):
     res.update({"device": dev.device_kind, "date": datetime.date.today().isoformat(), "jax": jax.__version__})
 
     def save():
+        if not args.out:
+            return
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         f8 = res.get("fp8", {})
         if args.weights == "both" and f8:  # issue 38's ratios, fp8 over bf16 of this run

@@ -18,6 +18,17 @@ def _run(args, timeout=600):
     return p
 
 
+def test_bench_writes_the_h200_record_only_from_an_h200():
+    """A CPU smoke run (or an H100's) once overwrote benchmarks/results/h200.json's figures with its own."""
+    spec = importlib.util.spec_from_file_location("bench_out", os.path.join(ROOT, "benchmarks", "bench.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.default_out("NVIDIA H200", smoke=False) == "benchmarks/results/h200.json"
+    assert bench.default_out("NVIDIA H100 80GB HBM3", smoke=False) == "benchmarks/results/nvidia_h100_80gb_hbm3.json"
+    assert bench.default_out("cpu", smoke=False) == "benchmarks/results/cpu.json"
+    assert bench.default_out("NVIDIA H200", smoke=True) is None
+
+
 def test_bench_smoke_writes_every_key(tmp_path):
     out = tmp_path / "bench.json"
     _run(["benchmarks/bench.py", "--smoke", "--sections", "bandwidth,ar,verify,parts,round,host", "--verify-nodes",
