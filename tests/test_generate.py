@@ -398,13 +398,14 @@ def test_a_cache_that_does_not_fit_is_refused_before_any_work(pair):
 
 def test_every_temperature_above_zero_shares_one_compilation(pair):
     """The temperature is data in the jitted loop: a server's requests at 0.3, 0.7, 1.3 reuse one round."""
-    target, drafter = pair
-    kw = dict(drafter=drafter, method="ddtree", tree_budget=4, max_new_tokens=5)
-    jaxddtree.generate(target, [1, 2, 3], temperature=0.5, **kw)
+    # test_one_compilation_per_configuration's ddtree-7 configuration (sampling classes are data too: its greedy
+    # round is the sampled one), so that the first call below compiles nothing new either
+    prompt = PROMPTS[(0, 17)]
+    run(pair, prompt, "ddtree", 7, temperature=0.5)
     before = loop_lib.TRACES["rounds"]
-    outs = [jaxddtree.generate(target, [1, 2, 3], temperature=t, seed=1, **kw).tokens for t in (0.3, 0.7, 1.3)]
+    outs = [run(pair, prompt, "ddtree", 7, temperature=t, seed=1).tokens for t in (0.3, 0.7, 1.3)]
     assert loop_lib.TRACES["rounds"] == before
-    assert all(len(o) == 5 for o in outs)
+    assert all(len(o) == MAX_NEW for o in outs)
 
 
 def test_round_calls_pass_only_arrays(pair, ar_ref, monkeypatch):
