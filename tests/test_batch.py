@@ -93,16 +93,17 @@ def test_exact_per_slot_join_and_leave(pair, ar_ref, method):
 
 
 def test_sampling_per_slot(pair, ar_ref):
-    """DDTree at budgets 5 and 31 per slot (bucket 4: 31): a sampled slot's tokens (own seed, temperature, top_k /
+    """DDTree at budgets 5 and 31 per slot (bucket 3: 31): a sampled slot's tokens (own seed, temperature, top_k /
     top_p) are exactly generate's alone at its budget whatever shares the batch (so the per-slot budget shapes its
     tree); a T = 0 slot in the sampling batch is greedy; two
-    seeds differ."""
+    seeds differ. (3 slots: test_exact_per_slot_join_and_leave's ddtree pool compiled the bucket of 3 already;
+    sampling is data in the batched round.)"""
     o = [padded(a) for a in ar_ref]
     hot = [Request(PROMPTS[0], MAX_NEW, temperature=1.0, seed=5, tree_budget=5, oracle=o[0]),  # inside bucket 31
            Request(PROMPTS[1], MAX_NEW, temperature=0.7, top_k=5, top_p=0.9, seed=9, tree_budget=31, oracle=o[1])]
     cold = Request(PROMPTS[2], MAX_NEW, tree_budget=31, oracle=o[2])
     other = Request(PROMPTS[3], MAX_NEW, temperature=1.0, seed=6, tree_budget=31, oracle=o[3])
-    p = pool(pair, "ddtree", max_batch=4)
+    p = pool(pair, "ddtree", max_batch=3)
     g1 = batch_lib.generate_many(pair[0], hot + [cold], pool=p)
     g2 = batch_lib.generate_many(pair[0], [other, hot[1], hot[0]], pool=p)  # other neighbours, other slots
     assert g1[2].tokens == ar_ref[2]
@@ -116,15 +117,17 @@ def test_sampling_per_slot(pair, ar_ref):
 
 def test_one_compilation_per_bucket_and_release(pair, ar_ref):
     """Joins one by one (single -> bucket 2 -> bucket 4), a running slot released, leaves (4 -> 2 -> single): every
-    remaining request keeps its AR tokens; a second pass through the same buckets compiles nothing."""
-    o = [padded(a) for a in ar_ref]
-    p = pool(pair, "dflash", max_batch=4, sync_every=2)
+    remaining request keeps its AR tokens; a second pass through the same buckets compiles nothing. (The pool of
+    test_warmup_compiles_everything, no oracle: one set of round programs for both tests.)"""
+    target, drafter = pair
+    p = batch_lib.SlotPool(target, drafter, method="dflash", max_batch=4, cache_len=CACHE_LEN, sync_every=2,
+                           max_group=2)
 
     def run():
         hs = {}
         got = {}
         for i in range(4):  # join one per step
-            hs[p.admit(p.prefill(Request(PROMPTS[i], MAX_NEW - 3 * i, oracle=o[i])))] = i
+            hs[p.admit(p.prefill(Request(PROMPTS[i], MAX_NEW - 3 * i)))] = i
             for h, u in p.step().items():
                 got.setdefault(hs[h], []).extend(u.tokens)
         victim = next(h for h, i in hs.items() if i == 1)
