@@ -34,12 +34,8 @@ if os.environ.get("JAX_PLATFORMS") == "cpu" and "xla_backend_optimization_level"
         "XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
-# Pallas registers a jax option that is part of every jit's cache key (`pallas_fuser_disable_nested_fuse`) when
-# jax.experimental.pallas.fuser is first imported, which Pallas's einshape does lazily, the first time a kernel is
-# traced: every program compiled before that moment (the session's and the file's fixtures', earlier tests') missed
-# the cache after it and compiled again (test_batch.py: the tests after test_pallas_batched_round_interpret
-# recompiled each round, prefill and start program). Imported here, before anything compiles.
-import jax.experimental.pallas.fuser  # noqa: E402,F401
+# Before anything compiles: registers Pallas's jit-key option (kernels_pallas/__init__.py says why).
+import kernels_pallas  # noqa: E402,F401
 
 import hf_models  # noqa: E402
 from crash_rerun import (  # noqa: E402,F401  (hooks: a crashed xdist worker's test runs once more)

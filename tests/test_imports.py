@@ -129,3 +129,26 @@ def test_the_gpu_allocator_fraction_defaults_to_what_a_27b_model_needs():
     assert run(env) == "0.92"
     assert run(dict(env, XLA_CLIENT_MEM_FRACTION="0.5")) == "0.5"
     assert run(dict(env, XLA_PYTHON_CLIENT_MEM_FRACTION="0.6")) == "None"
+
+
+def test_a_kernel_trace_does_not_recompile_earlier_programs():
+    """A program compiled before the process's first Pallas kernel trace still hits the jit cache after it
+    (importing kernels_pallas registers the fuser's jit-key option up front; without it: 2 compilations)."""
+    import subprocess
+    import sys
+    code = """
+import jax, jax.numpy as jnp
+import kernels_pallas  # noqa: F401  (what every model module imports first)
+from jax.experimental import pallas as pl
+f = jax.jit(lambda x: x * 2)
+x = jnp.ones((8, 128), jnp.float32)
+f(x)
+def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + 1
+pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True)(x)
+f(x)
+print(f._cache_size())
+"""
+    env = dict(__import__("os").environ, JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "1", out.stdout + out.stderr
