@@ -379,6 +379,10 @@ def run(argv=None) -> int:
         except ValueError as e:
             raise UsageError(f"argument --draft-vocab: {str(e).removeprefix('draft_vocab: ')}") from None
 
+    for flag, path in (("--target", tdir), ("--drafter", ddir)):
+        if path is not None:
+            _check_converted(flag, path)
+
     # ---- the weights
     tty = sys.stderr.isatty() and not args.json
     say = status if tty else (lambda msg: None)
@@ -577,6 +581,22 @@ def _check_weights(flag: str, path: str):
                 pass
         except Exception as e:
             raise UsageError(f"{flag} {os.path.join(path, f)}: not a readable safetensors file ({e})") from None
+
+
+def _check_converted(flag: str, path: str):
+    """A `python -m convert` output's parameter directory exists (after the argument checks, before the weights
+    load and the warm-up's compile thread starts: a missing one once started it for nothing); its restore checks
+    the rest."""
+    meta_file = os.path.join(path, "jaxddtree_checkpoint.json")
+    if not os.path.isfile(meta_file):
+        return
+    try:
+        with open(meta_file) as f:
+            params_dir = os.path.join(path, str(json.load(f).get("params", "params")))
+    except (OSError, ValueError, AttributeError):  # the loader reports an unreadable file
+        return
+    if not os.path.isdir(params_dir):
+        raise UsageError(f"{flag} {params_dir}: missing (the converted checkpoint is incomplete)")
 
 
 def _check_budget(args, cfg, method: str):

@@ -5,8 +5,8 @@ counts half a second a test. Only the order uses these: a stale figure costs bal
 from __future__ import annotations
 
 FILE_SECONDS = {
-    "tests/test_scripts.py": 300, "tests/test_verify.py": 280, "tests/test_generate.py": 280, "tests/test_serve.py": 250,
-    "tests/test_batch.py": 215, "tests/test_fp8.py": 160, "tests/test_cli.py": 145, "tests/test_budget.py": 130,
+    "tests/test_scripts.py": 300, "tests/test_verify.py": 150, "tests/test_generate.py": 280, "tests/test_serve.py": 250,
+    "tests/test_batch.py": 215, "tests/test_fp8.py": 160, "tests/test_cli.py": 135, "tests/test_budget.py": 130,
     "tests/kernel_tests/test_gdn_tree.py": 115, "tests/kernel_tests/test_dense.py": 95, "tests/test_precompile.py": 85,
     "tests/test_convert.py": 85, "tests/test_draft_vocab.py": 80, "tests/kernel_tests/test_attention_decode.py": 70,
     "tests/kernel_tests/mgpu/test_tree_attention_mgpu.py": 70, "tests/kernel_tests/test_w8a8.py": 65,

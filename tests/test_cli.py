@@ -296,7 +296,8 @@ def test_errors_before_loading(dirs, tmp_path, capsys):
     """What the configs and the tokenizer can show is reported before any weights load: these target
     directories have none (the demo target without its safetensors, and as a converted directory without
     params), yet each run fails with its argument error (one line, exit code 2). In process: no weights,
-    no compilation."""
+    no compilation (a converted directory without params once started the warm-up's compile thread first)."""
+    import threading
     hf, conv = tmp_path / "hf", tmp_path / "conv"
     shutil.copytree(os.path.join(DEMO, "target"), hf, ignore=shutil.ignore_patterns("*.safetensors"))
     shutil.copytree(hf, conv)
@@ -329,6 +330,7 @@ def test_errors_before_loading(dirs, tmp_path, capsys):
     mod = load_script()
     for args, needle in cases:
         assert mod.main([str(a) for a in args]) == 2, args
+        assert not [t for t in threading.enumerate() if t.name.startswith("precompile-early")], args
         lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
         assert len(lines) == 1 and lines[0].startswith("generate.py: error: ") and needle in lines[0], (args, lines)
 

@@ -114,6 +114,8 @@ def test_round_runs_without_host_transfers(pair, ar_ref, monkeypatch):
     prepared state inside transfer_guard("disallow"): any host<->device transfer inside a round (or a Python scalar smuggled into the call) would raise."""
     calls = []
     bound = loop_lib.loop_fn
+    probe = jax.jit(lambda x: x + 1)  # one program for every call's check that the guard bites (its argument's
+    #                                   transfer is refused on every call, compiled or not)
 
     def guarded(*a, **k):
         fn = bound(*a, **k)
@@ -121,7 +123,7 @@ def test_round_runs_without_host_transfers(pair, ar_ref, monkeypatch):
         def wrapper(*args, **kw):
             with jax.transfer_guard("disallow"):
                 with pytest.raises(Exception, match="[Dd]isallowed"):  # the guard bites
-                    jax.jit(lambda x: x + 1)(np.ones(2, np.float32))
+                    probe(np.ones(2, np.float32))
                 out = fn(*args, **kw)
                 jax.block_until_ready(out)
             calls.append("rounds")
