@@ -586,17 +586,19 @@ def _check_weights(flag: str, path: str):
 def _check_converted(flag: str, path: str):
     """A `python -m convert` output's parameter directory exists (after the argument checks, before the weights
     load and the warm-up's compile thread starts: a missing one once started it for nothing); its restore checks
-    the rest."""
-    meta_file = os.path.join(path, "jaxddtree_checkpoint.json")
-    if not os.path.isfile(meta_file):
+    the rest (an unreadable marker included)."""
+    from jaxddtree.checkpoint import orbax_format
+    from jaxddtree.checkpoint.params import CheckpointError
+    if not orbax_format.is_converted(path):
         return
     try:
-        with open(meta_file) as f:
-            params_dir = os.path.join(path, str(json.load(f).get("params", "params")))
-    except (OSError, ValueError, AttributeError):  # the loader reports an unreadable file
+        meta = orbax_format.read_marker(path)
+    except CheckpointError:
         return
-    if not os.path.isdir(params_dir):
-        raise UsageError(f"{flag} {params_dir}: missing (the converted checkpoint is incomplete)")
+    try:
+        orbax_format.params_dir_of(path, meta)
+    except CheckpointError as e:
+        raise UsageError(f"{flag} {e}") from None
 
 
 def _check_budget(args, cfg, method: str):

@@ -134,6 +134,7 @@ def test_the_gpu_allocator_fraction_defaults_to_what_a_27b_model_needs():
 def test_a_kernel_trace_does_not_recompile_earlier_programs():
     """A program compiled before the process's first Pallas kernel trace still hits the jit cache after it
     (importing kernels_pallas registers the fuser's jit-key option up front; without it: 2 compilations)."""
+    import os
     import subprocess
     import sys
     code = """
@@ -149,6 +150,6 @@ pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpr
 f(x)
 print(f._cache_size())
 """
-    env = dict(__import__("os").environ, JAX_PLATFORMS="cpu")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "1", out.stdout + out.stderr

@@ -481,7 +481,8 @@ def _check_names(where: str, abstract: dict, got: dict) -> None:
                                   f"{list(x.shape)}, expected {np.dtype(want.dtype)}{list(want.shape)}")
 
 
-def _params_dir(path: str, meta: dict) -> str:
+def params_dir_of(path: str, meta: dict) -> str:
+    """The parameter directory a converted checkpoint's marker `meta` names; CheckpointError when it is missing."""
     params_dir = os.path.join(path, meta.get("params", PARAMS_DIR))
     if not os.path.isdir(params_dir):
         raise CheckpointError(f"{params_dir}: missing (the converted checkpoint is incomplete)")
@@ -491,7 +492,7 @@ def _params_dir(path: str, meta: dict) -> str:
 def plan_restore(path: str, meta: dict) -> dict[tuple, _Entry] | None:
     """The direct reader's layout of a converted directory, or None (with the reason in `last_restore`)
     where it does not apply and `ocp.load` will be used."""
-    params_dir = _params_dir(path, meta)
+    params_dir = params_dir_of(path, meta)
     last_restore.clear()
     if os.environ.get(READER_ENV, "direct") == "orbax":
         last_restore.update(reader="orbax", reason=f"{READER_ENV}=orbax")
@@ -511,7 +512,7 @@ def restore_flat(path: str, abstract: dict[tuple, Any], meta: dict, layout=False
     changes placement after one call and every jitted loop compiles twice."""
     import jax
 
-    params_dir = _params_dir(path, meta)
+    params_dir = params_dir_of(path, meta)
     if layout is False:
         layout = plan_restore(path, meta)
     device = jax.devices()[0]
