@@ -23,12 +23,12 @@ for p in (ROOT, HERE, os.path.join(ROOT, "benchmarks")):
 # subprocesses, which stay hermetic (a test that wants it passes --compile-cache DIR).
 os.environ.setdefault("JAXDDTREE_COMPILE_CACHE", "none")
 
-# torch (the transformers reference; OpenMP + MKL) on one intra-op thread, set before it is imported: with its
-# default of one OpenMP thread per core, its threads spin-wait after every parallel region and take the CPU from
-# XLA (the other xdist worker's compiles, this process's own threads). 2-core VM, 2026-12-06, tests/test_verify.py
-# alone beside a one-core busy loop (the other worker's stand-in), back to back, twice: 256 s wall / 194 CPU-s and 84 s / 109 CPU-s
-# with torch's default, 98 s / 71 CPU-s and 63 s / 81 CPU-s with one thread (quiet machine: 47 / 49 s, the same).
-# Also the test subprocesses' (and numpy's BLAS); XLA's CPU thread pool does not read it.
+# torch (the transformers reference; OpenMP + MKL) on one intra-op thread, set before it is imported: with its default
+# of one OpenMP thread per core, its threads spin-wait after every parallel region and take the CPU from XLA (the
+# other xdist worker's compiles, this process's own threads). 2-core VM, 2026-12-06, tests/test_verify.py alone beside
+# a one-core busy loop (the other worker's stand-in), back to back, twice: 256 s wall / 194 CPU-s and 84 s / 109 CPU-s
+# with torch's default, 98 s / 71 CPU-s and 63 s / 81 CPU-s with one thread (quiet machine: 47 / 49 s, the same). Also
+# the test subprocesses' (and numpy's BLAS); XLA's CPU thread pool does not read it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # transformers logs a fallback notice for every GDN layer without fla / causal_conv1d: silence it.
