@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kernels_pallas import ops
 from jaxddtree.model import layout as layout_lib
 from jaxddtree.model import sharding
 from jaxddtree.model.config import text_config_from_dict
@@ -257,7 +258,8 @@ def summarise(trace_dir, n_steps, names: dict | None = None, ops: dict | None = 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="prof.json")
-    ap.add_argument("--kernels", default="pallas", choices=["xla", "pallas"])
+    ap.add_argument("--kernels", default="pallas", choices=["xla", *ops.VARIANTS],
+                    help="the target's kernels: xla, pallas or one of its benchmark variants (kernels_pallas.ops)")
     ap.add_argument("--nodes", type=int, default=65, help="tree nodes of the verify pass")
     ap.add_argument("--budget", type=int, default=64, help="DDTree budget of the profiled round")
     ap.add_argument("--context", type=int, default=4096, help="committed context length")
