@@ -25,7 +25,7 @@ cost n = 8..256, not a 64-row tile)
     [Mc, block_n] (which reuses the ring's shared memory: the pipeline's scope has ended) and written to y by TMA
     stores of the real rows only (M split into powers of two): no padding row reaches global memory, no slice
     follows the kernel. x is passed with its rows padded to a multiple of 8 (one small XLA pad when M % 8: the
-    TMA's (8, 64) tiles need whole 8-row groups in memory); the TMA zero-fills the rows of a tile past them and
+    TMA's (8, 64) tiles need whole 8-row groups in memory; none with `rows=` where the producer wrote them); the TMA zero-fills the rows of a tile past them and
     the K tail of both operands (K a multiple of 64, not of block_k), per dimension, so a K tail never reads
     the next layer.
 
@@ -84,10 +84,10 @@ class Config:
     row_tile: int | None = None
 
 
-def dense_mgpu_reference(x, w, *, layer=None):
+def dense_mgpu_reference(x, w, *, layer=None, rows=None):
     """y = x @ w (or x @ w[layer]) with fp32 accumulation, in x.dtype: `dense.dense_reference` without gate /
-    residual (the kernel's signature)."""
-    return dense_reference(x, w, layer=layer)
+    residual (the kernel's signature). rows: only x's first `rows` rows (x [R, K], rows ≤ R) -> [rows, N]."""
+    return dense_reference(x if rows is None else x[:rows], w, layer=layer)
 
 
 def supports(M: int, K: int, N: int, dtype=jnp.bfloat16, w_dtype=jnp.bfloat16) -> str | None:
@@ -205,13 +205,19 @@ def _dense_wgmma(*refs, M: int, Mc: int, nr: int, bn: int, bk: int, n_per: int, 
     store_rows(y, dst, j=j, r=r, bn=bn, M=M, Mc=Mc, nr=nr)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "config"))
-def dense_mgpu(x, w, *, layer=None, interpret=False, config: Config | None = None):
+@functools.partial(jax.jit, static_argnames=("rows", "interpret", "config"))
+def dense_mgpu(x, w, *, layer=None, rows=None, interpret=False, config: Config | None = None):
     """y = x @ w (or x @ w[layer], read in place) in x's dtype on bf16 wgmma (module docstring). x [..., K] bf16,
-    w [K, N] bf16, or w [L, K, N] with layer an int32 scalar (traced)."""
+    w [K, N] bf16, or w [L, K, N] with layer an int32 scalar (traced). rows: x is [R, K] and only its first `rows`
+    rows are the problem's -> [rows, N]; with R = rows rounded up to 8 (a producer that wrote whole 8-row groups,
+    e.g. `rms_norm.rms_norm_rows`) no pad runs before the kernel (the rows past `rows` are never stored)."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
-    M = x2.shape[0]
+    if rows is not None:
+        assert x.ndim == 2 and 0 < rows <= x2.shape[0], (x.shape, rows)
+        lead = (rows,)
+        x2 = x2[:round_up(rows, 8)]  # (a no-op slice when R is rows rounded up to 8)
+    M = x2.shape[0] if rows is None else rows
     N = w.shape[-1]
     assert w.shape[-2] == K and w.ndim == (2 if layer is None else 3), (x.shape, w.shape, layer)
     why = supports(M, K, N, x.dtype, w.dtype)
@@ -233,8 +239,8 @@ def dense_mgpu(x, w, *, layer=None, interpret=False, config: Config | None = Non
         raise ValueError(f"dense_mgpu: {cfg} needs {need} bytes of shared memory > {SMEM_LIMIT}")
     kern = functools.partial(_dense_wgmma, M=M, Mc=Mc, nr=nr, bn=bn, bk=bk, n_per=n_per, split=split,
                              stages=stages, has_layer=layer is not None, out_dtype=out_dtype)
-    if M % 8:  # the TMA's (8, 64) tiles need whole 8-row groups of x in memory; rows past them are zero-filled
-        x2 = jnp.pad(x2, ((0, round_up(M, 8) - M), (0, 0)))
+    if x2.shape[0] % 8:  # the TMA's (8, 64) tiles need whole 8-row groups of x in memory; rows past them are
+        x2 = jnp.pad(x2, ((0, round_up(M, 8) - M), (0, 0)))  # zero-filled
     args = (x2, w) if layer is None else (jnp.asarray(layer, jnp.int32).reshape(1), x2, w)
     y = launch(kern, args, M=M, N=N, bn=bn, nr=nr, split=split, out_dtype=x.dtype, interpret=interpret)
     return y.reshape(*lead, N)

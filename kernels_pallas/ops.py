@@ -25,6 +25,8 @@ class Fusions(NamedTuple):
     #                     norm + RoPE + gate + KV-cache write as one kernel (`attention_decode_prep`)
     partials: bool = True  # the GEMV's split-K partials unsummed into the GDN / attention decode kernels
     unroll: int = 1  # layer groups per iteration of the model's scan (`scan_unroll`)
+    norm_kernel: bool = True  # a Mosaic GPU GEMM's input RMSNorm as one kernel (`rms_norm.rms_norm_rows`: the weight
+    #                           read from its stack, the rows written in 8-row groups) instead of XLA's slice, norm, pad
 
 
 # kernels="pallas" and its benchmark-only variants: decode-step fusions off (A/B timing: benchmarks/ab_kernels.py;
@@ -36,7 +38,7 @@ class Fusions(NamedTuple):
 VARIANTS = {"pallas": Fusions(), "pallas:no_partials": Fusions(partials=False),
             "pallas:unfused": Fusions(parts=False, partials=False),
             "pallas:unroll2": Fusions(unroll=2), "pallas:unroll4": Fusions(unroll=4),
-            "pallas:unroll16": Fusions(unroll=16)}
+            "pallas:unroll16": Fusions(unroll=16), "pallas:xla_norm": Fusions(norm_kernel=False)}
 
 
 def scan_unroll(kernels: str) -> int:
@@ -437,7 +439,7 @@ def decode_row(x, w, kernels="xla", *, norm=None, fp8: Fp8 | None = None):
         x_, = acts
         w_, nw_ = weights
         if nw_ is not None:
-            x_ = rms_norm_1p(x_, nw_, eps)
+            x_ = rms_norm_1p(x_, plain(nw_), eps)
         from kernels_pallas import dense as dense_kernel
         w2, layer = _gemv_weight(w_, K)
         return dense_kernel.dense(x_.reshape(-1, K), w2, reduce=False, **layer)
@@ -493,15 +495,25 @@ def _project(spec: str, x, w, kernels: str, norm, gate, residual, partial: bool 
     summed before its rounding): the unrounded fp32 product instead."""
     nc, rows, K, N = _problem(spec, x, w.shape)
     choice = pick(weight_format(x.dtype, w.dtype), rows, N, kernels, depth=K, stacked=isinstance(w, Layer))
-    if norm is not None:
-        x = rms_norm_1p(x, *norm)
     if choice.kernel == "dense_mgpu":
         from kernels_pallas import dense_mgpu
+        out_shape = x.shape[:x.ndim - nc] + w.shape[nc:]
+        x2 = x.reshape(rows, K)
+        if norm is not None and _fusions(kernels).norm_kernel and gate is None:
+            from kernels_pallas import rms_norm
+            nw, eps = norm  # the norm's weight: a Layer (a stack read in place) or an array
+            lw = dict(layer=nw.index) if isinstance(nw, Layer) else {}
+            x2 = rms_norm.rms_norm_rows(x2, nw.stacked if lw else nw, eps=eps, rows_to=8, **lw)
+        elif norm is not None:
+            x2 = rms_norm_1p(x2, plain(norm[0]), norm[1])
         if gate is not None:
-            x = rounded(f32(x) * f32(gate), x.dtype)
+            x2 = rounded(f32(x2) * f32(gate.reshape(rows, K)), x2.dtype)
         w2, layer = _gemv_weight(w, K)
-        y = dense_mgpu.dense_mgpu(x.reshape(rows, K), w2, **layer).reshape(x.shape[:x.ndim - nc] + w.shape[nc:])
-    elif choice.kernel == "gemv":
+        y = dense_mgpu.dense_mgpu(x2, w2, rows=rows, **layer).reshape(out_shape)
+        return _finish(y, x.dtype, residual, partial)
+    if norm is not None:
+        x = rms_norm_1p(x, plain(norm[0]), norm[1])
+    if choice.kernel == "gemv":
         from kernels_pallas import dense as dense_kernel
         out_shape = x.shape[:x.ndim - nc] + w.shape[nc:]
         w2, layer = _gemv_weight(w, K)
@@ -518,8 +530,13 @@ def _project(spec: str, x, w, kernels: str, norm, gate, residual, partial: bool 
         prec = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
         y = jnp.einsum(spec, x, plain(w).astype(x.dtype), precision=prec,
                        preferred_element_type=jnp.float32 if partial else x.dtype)
+    return _finish(y, x.dtype, residual, partial)
+
+
+def _finish(y, dtype, residual, partial: bool):
+    """A projection's output y: with residual the rounded sum rounded(residual + rounded(y)); partial: as fp32."""
     if residual is not None:
-        y = rounded(f32(residual) + f32(rounded(y, x.dtype)), residual.dtype)
+        y = rounded(f32(residual) + f32(rounded(y, dtype)), residual.dtype)
     return f32(y) if partial else y
 
 
@@ -531,7 +548,7 @@ def _dense_fp8(spec: str, x, q, fp8: Fp8, kernels: str, *, norm, gate, residual,
     if any(isinstance(a, Layer) != isinstance(q, Layer) for a in (fp8.scale, fp8.tail) if a is not None):
         raise TypeError("an FP8 weight's q, scale and tail are all Layers (one layer of stacks) or none is")
     if norm is not None:
-        x = rms_norm_1p(x, *norm)
+        x = rms_norm_1p(x, plain(norm[0]), norm[1])
     if gate is not None:
         x = rounded(f32(x) * f32(gate), x.dtype)
     if _check(kernels) == "pallas":

@@ -117,11 +117,13 @@ class Qwen35(nnx.Module):
 
 
 # the projection weights: their kernels read one layer of the stack in place (`ops.Layer`); every other parameter
-# (norms, conv taps, gates: a few KB) is sliced, except the small parameters a fused decode kernel reads from the
-# stack at the layer too (KERNEL_SMALL: XLA materialises a slice feeding a custom call, one copy kernel each)
+# (norms, conv taps, gates: a few KB) is sliced, except the small parameters a kernel reads from the stack at the
+# layer too (KERNEL_SMALL: XLA materialises a slice feeding a custom call, one copy kernel each; XLA's fusions take
+# the slice, `ops.plain`)
 PROJECTIONS = ("w_in", "w_out", "w_qkv", "wo", "w_gate_up", "w_down")
 KERNEL_SMALL = (("q_norm",), ("k_norm",),  # attention_decode_prep
-                ("conv",), ("A_log",), ("dt_bias",), ("mixer", "norm"))  # gdn_decode_fused (not the RMSNorms' weight)
+                ("conv",), ("A_log",), ("dt_bias",), ("mixer", "norm"),  # gdn_decode_fused (not the RMSNorms' weight)
+                ("input_norm", "weight"), ("post_norm", "weight"))  # rms_norm_rows (the Mosaic GPU GEMMs' input)
 
 
 def layer_view(state, g):
