@@ -25,8 +25,6 @@ class Fusions(NamedTuple):
     #                     norm + RoPE + gate + KV-cache write as one kernel (`attention_decode_prep`)
     partials: bool = True  # the GEMV's split-K partials unsummed into the GDN / attention decode kernels
     unroll: int = 1  # layer groups per iteration of the model's scan (`scan_unroll`)
-    norm_kernel: bool = True  # a Mosaic GPU GEMM's input RMSNorm as one kernel (`rms_norm.rms_norm_rows`: the weight
-    #                           read from its stack, the rows written in 8-row groups) instead of XLA's slice, norm, pad
 
 
 # kernels="pallas" and its benchmark-only variants: decode-step fusions off (A/B timing: benchmarks/ab_kernels.py;
@@ -34,11 +32,13 @@ class Fusions(NamedTuple):
 # no_partials, 18.14 unfused; BENCHMARKS.md session 4, run B). Removed (git history), lost too: the RMSNorm in the
 # GEMV prologue and the MLP as two GEMVs with the SwiGLU in the down GEMV's prologue (20.63 ms with the MLP chain):
 # both delay the weight stream; the verify's XLA GEMM outputs behind an optimization barrier ("pallas:materialised":
-# round(64) 21.771 vs 21.738 ms, AR 14.166 vs 13.964, 2026-12-04, BENCHMARKS.md session 21).
+# round(64) 21.771 vs 21.738 ms, AR 14.166 vs 13.964, 2026-12-04, BENCHMARKS.md session 21); a Mosaic GPU GEMM's
+# input norm as XLA's slice, norm and pad fusions instead of `rms_norm.rms_norm_rows` ("pallas:xla_norm": round(64)
+# 21.722 vs 21.502 ms, AR 13.918 vs 13.928, 2026-12-06, BENCHMARKS.md session 29).
 VARIANTS = {"pallas": Fusions(), "pallas:no_partials": Fusions(partials=False),
             "pallas:unfused": Fusions(parts=False, partials=False),
             "pallas:unroll2": Fusions(unroll=2), "pallas:unroll4": Fusions(unroll=4),
-            "pallas:unroll16": Fusions(unroll=16), "pallas:xla_norm": Fusions(norm_kernel=False)}
+            "pallas:unroll16": Fusions(unroll=16)}
 
 
 def scan_unroll(kernels: str) -> int:
@@ -499,15 +499,13 @@ def _project(spec: str, x, w, kernels: str, norm, gate, residual, partial: bool 
         from kernels_pallas import dense_mgpu
         out_shape = x.shape[:x.ndim - nc] + w.shape[nc:]
         x2 = x.reshape(rows, K)
-        if norm is not None and _fusions(kernels).norm_kernel and gate is None:
+        if norm is not None:  # one kernel: the weight read from its stack, the rows written in whole 8-row groups
             from kernels_pallas import rms_norm
-            nw, eps = norm  # the norm's weight: a Layer (a stack read in place) or an array
+            nw, eps = norm  # the norm's weight: a Layer (one layer of a stack) or an array
             lw = dict(layer=nw.index) if isinstance(nw, Layer) else {}
             x2 = rms_norm.rms_norm_rows(x2, nw.stacked if lw else nw, eps=eps, rows_to=8, **lw)
-        elif norm is not None:
-            x2 = rms_norm_1p(x2, plain(norm[0]), norm[1])
         if gate is not None:
-            x2 = rounded(f32(x2) * f32(gate.reshape(rows, K)), x2.dtype)
+            x2 = rounded(f32(x2[:rows]) * f32(gate.reshape(rows, K)), x2.dtype)
         w2, layer = _gemv_weight(w, K)
         y = dense_mgpu.dense_mgpu(x2, w2, rows=rows, **layer).reshape(out_shape)
         return _finish(y, x.dtype, residual, partial)
