@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from kernels_pallas import gdn_reference
 from kernels_pallas.numerics import f32, rms_norm_1p, rounded
+from kernels_pallas._common import is_pow2
 
 KERNELS = ("xla", "pallas")
 
@@ -25,6 +26,7 @@ class Fusions(NamedTuple):
     #                     norm + RoPE + gate + KV-cache write as one kernel (`attention_decode_prep`)
     partials: bool = True  # the GEMV's split-K partials unsummed into the GDN / attention decode kernels
     unroll: int = 1  # layer groups per iteration of the model's scan (`scan_unroll`)
+    gated_norm_kernel: bool = True  # a Mosaic GPU GEMM's gated input norm (GDN out_proj) as `gated_rms_norm_rows`
 
 
 # kernels="pallas" and its benchmark-only variants: decode-step fusions off (A/B timing: benchmarks/ab_kernels.py;
@@ -38,7 +40,7 @@ class Fusions(NamedTuple):
 VARIANTS = {"pallas": Fusions(), "pallas:no_partials": Fusions(partials=False),
             "pallas:unfused": Fusions(parts=False, partials=False),
             "pallas:unroll2": Fusions(unroll=2), "pallas:unroll4": Fusions(unroll=4),
-            "pallas:unroll16": Fusions(unroll=16)}
+            "pallas:unroll16": Fusions(unroll=16), "pallas:xla_gated_norm": Fusions(gated_norm_kernel=False)}
 
 
 def scan_unroll(kernels: str) -> int:
@@ -383,7 +385,7 @@ def _problem(spec: str, x, w_shape) -> tuple[int, int, int, int]:
 
 
 def dense(spec: str, x, w, kernels="xla", *, norm=None, gate=None, residual=None, reduce=None,
-          fp8: Fp8 | None = None):
+          fp8: Fp8 | None = None, gated_norm=None):
     """einsum(spec, x, W) accumulated in fp32, rounded once to x's dtype, for specs that contract x's trailing
     axes with W's leading ones (every projection of the model: "btd,dc->btc", "bthe,hed->btd", ...). W = w (bf16 /
     fp32), or the FP8 weight of e4m3 values w and `fp8` (scales, tail), with transformers' W8A8 block FP8
@@ -392,6 +394,9 @@ def dense(spec: str, x, w, kernels="xla", *, norm=None, gate=None, residual=None
     Parts of a decoder layer around the projection (the same ops and roundings on every kernel):
       norm = (w_n, eps): x -> rms_norm_1p(x, w_n, eps) first (the layer's input / post / final norm);
       gate (x's shape): x -> rounded(x · gate) first (attention's output gate);
+      gated_norm = (z, w_n, eps): x -> gated_rms_norm(rounded(x, z.dtype), z, w_n, eps) first, over x's last axis
+        (the GDN mixer's norm of its core's output x [..., H, E], any float dtype, with its gate z [..., H, E]; the
+        activations' dtype is then z's);
       residual (the output's shape): y -> rounded(residual + y);
       reduce: a mesh axis (tensor parallelism): the fp32 partial products are summed over it (`psum`: one
         all-reduce) before the rounding and the residual add (plain weights only).
@@ -402,23 +407,27 @@ def dense(spec: str, x, w, kernels="xla", *, norm=None, gate=None, residual=None
 
     Under jax.vmap (the slot axis of batched rounds, speculative/batch.py) with kernels="pallas": one call on the
     rows of all slots (`fold_rows`), its kernel picked for them, so the weights are streamed once."""
+    if fp8 is not None and gated_norm is not None:
+        x, gated_norm = _gated_norm(x, gated_norm), None
     if fp8 is not None:
         return _dense_fp8(spec, x, w, fp8, kernels, norm=norm, gate=gate, residual=residual, reduce=reduce)
+    act = x.dtype if gated_norm is None else gated_norm[0].dtype
     res = None if reduce is not None else residual  # tensor parallelism: added once, after the sum
     if _check(kernels) == "pallas":
         nw, eps = norm if norm is not None else (None, None)
+        z, gw, geps = gated_norm if gated_norm is not None else (None, None, None)
 
         def f(acts, weights):
-            x_, gate_, residual_ = acts
-            w_, nw_ = weights
+            x_, gate_, residual_, z_ = acts
+            w_, nw_, gw_ = weights
             return _project(spec, x_, w_, kernels, None if nw_ is None else (nw_, eps), gate_, residual_,
-                            partial=reduce is not None)
-        y = fold_rows(f, (x, gate, res), (w, nw))
+                            partial=reduce is not None, gated_norm=None if z_ is None else (z_, gw_, geps))
+        y = fold_rows(f, (x, gate, res, z), (w, nw, gw))
     else:
-        y = _project(spec, x, w, kernels, norm, gate, res, partial=reduce is not None)
+        y = _project(spec, x, w, kernels, norm, gate, res, partial=reduce is not None, gated_norm=gated_norm)
     if reduce is None:
-        return rounded(y, x.dtype)
-    y = rounded(jax.lax.psum(y, reduce), x.dtype)
+        return rounded(y, act)
+    y = rounded(jax.lax.psum(y, reduce), act)
     return y if residual is None else rounded(f32(residual) + f32(y), residual.dtype)
 
 
@@ -488,27 +497,45 @@ def fold_rows(f, acts, weights, out_axis: int = 0, rule=None):
     return fn(acts, weights)
 
 
-def _project(spec: str, x, w, kernels: str, norm, gate, residual, partial: bool = False):
-    """A plain-weight projection with its parts on `pick`'s kernel -> y rounded once to x's dtype (an XLA GEMM
-    writes it from its fp32 accumulator: round to nearest even, the value `rounded` gives, without a fusion of its
-    own), or with residual the rounded sum rounded(residual + y). partial (tensor parallelism: a partial product,
-    summed before its rounding): the unrounded fp32 product instead."""
+def _stack_of(w) -> tuple[jax.Array, dict]:
+    """A small parameter as a kernel reads it: a Layer's whole stack and layer= (read in place), else w."""
+    return (w.stacked, dict(layer=w.index)) if isinstance(w, Layer) else (w, {})
+
+
+def _gated_norm(x, gated_norm):
+    """`dense`'s gated_norm part on XLA's ops (module docstring of `dense`)."""
+    z, gw, eps = gated_norm
+    return gdn_reference.gated_rms_norm(rounded(x, z.dtype), z, plain(gw), eps)
+
+
+def _project(spec: str, x, w, kernels: str, norm, gate, residual, partial: bool = False, gated_norm=None):
+    """A plain-weight projection with its parts on `pick`'s kernel -> y rounded once to the activations' dtype (x's,
+    or with gated_norm z's; an XLA GEMM writes it from its fp32 accumulator: round to nearest even, the value
+    `rounded` gives, without a fusion of its own), or with residual the rounded sum rounded(residual + y). partial
+    (tensor parallelism: a partial product, summed before its rounding): the unrounded fp32 product instead."""
+    act = x.dtype if gated_norm is None else gated_norm[0].dtype
     nc, rows, K, N = _problem(spec, x, w.shape)
-    choice = pick(weight_format(x.dtype, w.dtype), rows, N, kernels, depth=K, stacked=isinstance(w, Layer))
-    if choice.kernel == "dense_mgpu":
-        from kernels_pallas import dense_mgpu
+    choice = pick(weight_format(act, w.dtype), rows, N, kernels, depth=K, stacked=isinstance(w, Layer))
+    if choice.kernel == "dense_mgpu":  # the input norms as one kernel each: the weight read from its stack, the
+        from kernels_pallas import dense_mgpu, rms_norm  # rows written in whole 8-row groups (no pad before the GEMM)
         out_shape = x.shape[:x.ndim - nc] + w.shape[nc:]
         x2 = x.reshape(rows, K)
-        if norm is not None:  # one kernel: the weight read from its stack, the rows written in whole 8-row groups
-            from kernels_pallas import rms_norm
-            nw, eps = norm  # the norm's weight: a Layer (one layer of a stack) or an array
-            lw = dict(layer=nw.index) if isinstance(nw, Layer) else {}
-            x2 = rms_norm.rms_norm_rows(x2, nw.stacked if lw else nw, eps=eps, rows_to=8, **lw)
+        if norm is not None:
+            nw, lw = _stack_of(norm[0])
+            x2 = rms_norm.rms_norm_rows(x2, nw, eps=norm[1], rows_to=8, **lw)
+        if gated_norm is not None and is_pow2(gated_norm[1].shape[-1]) and _fusions(kernels).gated_norm_kernel:
+            z, gw, geps = gated_norm
+            gw, lw = _stack_of(gw)
+            x2 = rms_norm.gated_rms_norm_rows(x2, z.reshape(rows, K), gw, eps=geps, rows_to=8, **lw)
+        elif gated_norm is not None:
+            x2 = _gated_norm(x, gated_norm).reshape(rows, K)
         if gate is not None:
             x2 = rounded(f32(x2[:rows]) * f32(gate.reshape(rows, K)), x2.dtype)
         w2, layer = _gemv_weight(w, K)
         y = dense_mgpu.dense_mgpu(x2, w2, rows=rows, **layer).reshape(out_shape)
-        return _finish(y, x.dtype, residual, partial)
+        return _finish(y, act, residual, partial)
+    if gated_norm is not None:
+        x = _gated_norm(x, gated_norm)
     if norm is not None:
         x = rms_norm_1p(x, plain(norm[0]), norm[1])
     if choice.kernel == "gemv":

@@ -1,15 +1,20 @@
-"""A projection's input RMSNorm (1 + w) over rows, as ONE Pallas-Triton kernel that writes the rows the GEMM after it
-reads: whole 8-row groups (the Mosaic GPU GEMM's TMA tiles, `dense_mgpu`), the norm weight read in place from its
-layer stack.
+"""A projection's input norm over rows, as ONE Pallas-Triton kernel that writes the rows the GEMM after it reads:
+whole 8-row groups (the Mosaic GPU GEMM's TMA tiles, `dense_mgpu`), the norm weight read in place from its layer
+stack. Two norms:
 
-Same function as `rms_norm_rows_reference` (the model's `numerics.rms_norm_1p`, then the rows padded with zeros). In
-XLA, inside the model's scan over layer groups, the same work was three kernels per projection (H100, DDTree(64)
-round, 2026-12-06, 128 per round): the weight's dynamic slice (a fusion of its own: the norm's fusion takes no
-dynamic slice of a loop operand), the norm and the pad to 72 rows.
+  * `rms_norm_rows`: the layers' input / post-attention RMSNorm (1 + w) (`numerics.rms_norm_1p`);
+  * `gated_rms_norm_rows`: the GDN mixer's gated RMSNorm over each head's E values before its out projection
+    (`gdn_reference.gated_rms_norm` of the core's output rounded to the activations' dtype).
 
-Grid (rows_out,): program r normalises row r (fp32: the sum of squares over the row, rsqrt(sum / K + eps), times
-(1 + w), one rounding to x's dtype) or, for r ≥ M, writes zeros. K need not be a power of two (the row is loaded
-masked into the next power of two). With `layer`, w is the stack [L, K] of every layer and row `layer` is read.
+Same functions as `rms_norm_rows_reference` / `gated_rms_norm_rows_reference` (the model's ops, then the rows padded
+with zeros). In XLA, inside the model's scan over layer groups, the same work was three kernels per projection (H100,
+DDTree(64) round, 2026-12-06): the weight's dynamic slice (a fusion of its own: the norm's fusion takes no dynamic
+slice of a loop operand), the norm and the pad to 72 rows.
+
+rms_norm_rows: grid (rows_out,): program r normalises row r (fp32: the sum of squares over the row, rsqrt(sum / K +
+eps), times (1 + w), one rounding to x's dtype) or, for r ≥ M, writes zeros. K need not be a power of two (the row is
+loaded masked into the next power of two). gated_rms_norm_rows: grid (rows_out, H), program (r, h) one head's E
+values (E a power of two). With `layer`, w is the stack [L, ...] of every layer and row `layer` is read.
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.gdn_reference import gated_rms_norm
 from kernels_pallas.numerics import rms_norm_1p, rounded
-from kernels_pallas._common import SharedMemoryError, compiler_params, next_pow2, pl, pltr
+from kernels_pallas._common import SharedMemoryError, compiler_params, is_pow2, next_pow2, pl, pltr
 from kernels_pallas._common import smem_limit as _limit
 
-__all__ = ["rms_norm_rows", "rms_norm_rows_reference", "rows_out", "smem_bytes"]
+__all__ = ["rms_norm_rows", "rms_norm_rows_reference", "gated_rms_norm_rows", "gated_rms_norm_rows_reference",
+           "rows_out", "smem_bytes"]
 
 
 def rows_out(M: int, rows_to: int) -> int:
@@ -84,4 +91,69 @@ def rms_norm_rows(x, w, *, eps: float, layer=None, rows_to: int = 8, interpret: 
         compiler_params=compiler_params(num_warps, 1),
         interpret=interpret,
         name="rms_norm_rows",
+    )(*args)
+
+
+def gated_rms_norm_rows_reference(x, z, w, *, eps: float, layer=None, rows_to: int = 8, interpret: bool = False):
+    """x [M, H·E] (the GDN core's output, any float dtype) rounded to z's dtype, then per head of E values
+    `gated_rms_norm(x, z, w, eps)` -> [rows_out(M, rows_to), H·E] in z's dtype, rows ≥ M zero. z [M, H·E]; w [E], or
+    with layer (an int32 scalar, traced) the stack [L, E] read at row layer."""
+    del interpret
+    M, C = x.shape
+    E = w.shape[-1]
+    wl = w if layer is None else jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
+    xr = rounded(x, z.dtype).reshape(M, C // E, E)
+    y = gated_rms_norm(xr, z.reshape(M, C // E, E), wl, eps).reshape(M, C)
+    return jnp.pad(y, ((0, rows_out(M, rows_to) - M), (0, 0)))
+
+
+def _gated_kernel(*refs, M: int, E: int, eps: float, has_layer: bool, wprod, interpret: bool):
+    if has_layer:
+        lay_ref, x_ref, z_ref, w_ref, o_ref = refs
+        wl = (lay_ref[0],)
+    else:
+        x_ref, z_ref, w_ref, o_ref = refs
+        wl = ()
+    f32, act = jnp.float32, o_ref.dtype
+    r, h = pl.program_id(0), pl.program_id(1)
+
+    def rnd(v, dt):  # fp32 v rounded once to dt, as fp32
+        if jnp.dtype(dt) == jnp.float32:
+            return v
+        return rounded(v, dt).astype(f32) if interpret else v.astype(dt).astype(f32)
+
+    row = jnp.minimum(r, M - 1)
+    idx = h * E + jnp.arange(E, dtype=jnp.int32)
+    x = rnd(pltr.load(x_ref.at[row, idx]).astype(f32), act)
+    z = pltr.load(z_ref.at[row, idx]).astype(f32)
+    w = pltr.load(w_ref.at[(*wl, jnp.arange(E, dtype=jnp.int32))]).astype(f32)
+    inv = jax.lax.rsqrt(jnp.sum(x * x) / E + eps)
+    y = rnd(x * inv, act)
+    y = rnd(w * y, wprod)
+    y = rnd(y * (z / (1.0 + jnp.exp(-z))), act)
+    pltr.store(o_ref.at[r, idx], jnp.where(r < M, y, 0.0).astype(act))
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "rows_to", "interpret", "num_warps", "smem_limit"))
+def gated_rms_norm_rows(x, z, w, *, eps: float, layer=None, rows_to: int = 8, interpret: bool = False,
+                        num_warps: int = 4, smem_limit: int | None = None):
+    """`gated_rms_norm_rows_reference` as one kernel (module docstring)."""
+    M, C = x.shape
+    E = w.shape[-1]
+    assert z.shape == (M, C) and C % E == 0 and is_pow2(E), (x.shape, z.shape, w.shape)
+    assert w.ndim == (1 if layer is None else 2), (w.shape, layer)
+    if smem_bytes(num_warps) > _limit(smem_limit):
+        raise SharedMemoryError(f"gated_rms_norm_rows: {smem_bytes(num_warps)} bytes of shared memory needed, "
+                                f"{_limit(smem_limit)} available")
+    R = rows_out(M, rows_to)
+    kern = functools.partial(_gated_kernel, M=M, E=E, eps=float(eps), has_layer=layer is not None,
+                             wprod=jnp.promote_types(w.dtype, z.dtype), interpret=interpret)
+    args = (x, z, w) if layer is None else (jnp.asarray(layer, jnp.int32).reshape(1), x, z, w)
+    return pl.pallas_call(
+        kern,
+        grid=(R, C // E),
+        out_shape=jax.ShapeDtypeStruct((R, C), z.dtype),
+        compiler_params=compiler_params(num_warps, 1),
+        interpret=interpret,
+        name="gated_rms_norm_rows",
     )(*args)

@@ -1,7 +1,8 @@
-"""A GEMM's input RMSNorm as one kernel (kernels_pallas.rms_norm): the Pallas kernel (interpret mode) vs its jnp
-reference on fresh random inputs (rows not a multiple of 8, K not a power of two, one layer of a stacked weight, also
-under a `lax.scan`), the Mosaic GPU GEMM taking its padded rows (`dense_mgpu(rows=)`), `ops.dense`'s dense_mgpu path
-with the norm kernel against the one without it, and the CUDA lowering for an abstract H200 at the 27B width."""
+"""A GEMM's input norms as one kernel each (kernels_pallas.rms_norm: the RMSNorm (1 + w) and the GDN mixer's gated
+RMSNorm): the Pallas kernels (interpret mode) vs their jnp references on fresh random inputs (rows not a multiple of 8,
+K not a power of two, one layer of a stacked weight, also under a `lax.scan`), the Mosaic GPU GEMM taking their padded
+rows (`dense_mgpu(rows=)`), `ops.dense`'s dense_mgpu path with them against the XLA path, and their CUDA lowering for
+an abstract H200 at the 27B widths."""
 
 import functools
 
@@ -39,6 +40,7 @@ def _agree(out, ref, dtype):
 
 def test_signature_matches_reference():
     assert_kernel_signature(R.rms_norm_rows, R.rms_norm_rows_reference)
+    assert_kernel_signature(R.gated_rms_norm_rows, R.gated_rms_norm_rows_reference)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
@@ -53,6 +55,25 @@ def test_kernel_matches_reference(dtype, M, K, L, rows_to):
     assert not np.asarray(out[M:]).any()  # the padding rows: zeros
     if L is not None:  # the layer read is the one named: another layer's weight gives other values
         other = R.rms_norm_rows_reference(x, w, eps=EPS, layer=jnp.int32(0), rows_to=rows_to)
+        assert np.asarray(jnp.abs(other.astype(jnp.float32) - out.astype(jnp.float32))).max() > 0
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("M,H,E,L", [(65, 6, 32, 4), (3, 2, 16, None), (16, 3, 64, 2)])
+def test_gated_kernel_matches_reference(dtype, M, H, E, L):
+    """The GDN core's fp32 output rounded to the activations' dtype, normalised per head, gated by silu(z)."""
+    kx, kz, kw = jax.random.split(jax.random.PRNGKey(M * 31 + H * 7 + E), 3)
+    x = 2.0 * jax.random.normal(kx, (M, H * E))  # fp32, as the core writes it
+    z = (2.0 * jax.random.normal(kz, (M, H * E))).astype(dtype)
+    w = (1.0 + 0.1 * jax.random.normal(kw, ((L,) if L else ()) + (E,))).astype(dtype)
+    layer = None if L is None else jnp.int32(L - 1)
+    out = R.gated_rms_norm_rows(x, z, w, eps=EPS, layer=layer, interpret=True)
+    ref = R.gated_rms_norm_rows_reference(x, z, w, eps=EPS, layer=layer)
+    assert out.shape == (R.rows_out(M, 8), H * E) and out.dtype == z.dtype
+    _agree(out, ref, dtype)
+    assert not np.asarray(out[M:]).any()
+    if L is not None:
+        other = R.gated_rms_norm_rows_reference(x, z, w, eps=EPS, layer=jnp.int32(0))
         assert np.asarray(jnp.abs(other.astype(jnp.float32) - out.astype(jnp.float32))).max() > 0
 
 
@@ -92,6 +113,7 @@ def test_ops_dense_mgpu_path_with_the_norm_kernel(monkeypatch):
     monkeypatch.setattr(ops, "_hopper", lambda: True)
     monkeypatch.setattr(dense_mgpu, "dense_mgpu", functools.partial(dense_mgpu.dense_mgpu, interpret=True))
     monkeypatch.setattr(R, "rms_norm_rows", functools.partial(R.rms_norm_rows, interpret=True))
+    monkeypatch.setattr(R, "gated_rms_norm_rows", functools.partial(R.gated_rms_norm_rows, interpret=True))
     L, T, K, N = 3, 13, 128, 192
     kx, kw, kn, kr = jax.random.split(jax.random.PRNGKey(5), 4)
     x = (2.0 * jax.random.normal(kx, (1, T, K))).astype(jnp.bfloat16)
@@ -111,6 +133,22 @@ def test_ops_dense_mgpu_path_with_the_norm_kernel(monkeypatch):
     assert a.shape == (1, T, N)
     np.testing.assert_allclose(a, c, rtol=2.0 ** -6, atol=2.0 ** -6)
     assert np.mean(a != c) < 0.05
+    # the GDN out projection: the gated norm of the core's fp32 output with z, then the GEMM
+    E, H = 32, K // 32
+    o = 2.0 * jax.random.normal(kx, (1, T, H, E))
+    zg = (2.0 * jax.random.normal(kn, (1, T, H, E))).astype(jnp.bfloat16)
+    gw = (1.0 + 0.1 * jax.random.normal(kr, (L, E))).astype(jnp.bfloat16)
+    wo = (jax.random.normal(kw, (L, H, E, N)) * K ** -0.5).astype(jnp.bfloat16)
+
+    def run_out(kernels):
+        return ops.dense("bthe,hed->btd", o, ops.Layer(wo, layer), kernels, residual=res,
+                         gated_norm=(zg, ops.Layer(gw, layer), EPS))
+    jaxpr = str(jax.make_jaxpr(functools.partial(run_out, "pallas"))())
+    assert "gated_rms_norm_rows" in jaxpr and "dynamic_slice" not in jaxpr
+    g, gx = np.asarray(run_out("pallas"), np.float32), np.asarray(run_out("xla"), np.float32)
+    assert g.shape == (1, T, N) and run_out("pallas").dtype == jnp.bfloat16
+    np.testing.assert_allclose(g, gx, rtol=2.0 ** -6, atol=2.0 ** -6)
+    assert np.mean(g != gx) < 0.05
     xs, rs = jnp.stack([x, x[:, ::-1]]), jnp.stack([res, res[:, ::-1]])
     v = np.asarray(jax.vmap(functools.partial(run, "pallas"))(xs, rs), np.float32)
     np.testing.assert_allclose(v[0], a, rtol=2.0 ** -6, atol=2.0 ** -6)
@@ -125,3 +163,11 @@ def test_lowers_for_h200_at_27b_width():
                          S((), jnp.int32))
     assert "rms_norm_rows" in txt
     assert "dynamic_slice" not in txt  # the stacked weight read in place
+
+
+def test_gated_lowers_for_h200_at_27b_width():
+    S = jax.ShapeDtypeStruct
+    f = functools.partial(R.gated_rms_norm_rows, eps=EPS)
+    txt = lower_for_h200(lambda x, z, w, l: f(x, z, w, layer=l), S((65, 6144), jnp.float32),
+                         S((65, 6144), jnp.bfloat16), S((16, 128), jnp.bfloat16), S((), jnp.int32))
+    assert "gated_rms_norm_rows" in txt and "dynamic_slice" not in txt
