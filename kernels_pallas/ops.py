@@ -14,7 +14,6 @@ import jax.numpy as jnp
 
 from kernels_pallas import gdn_reference
 from kernels_pallas.numerics import f32, rms_norm_1p, rounded
-from kernels_pallas._common import is_pow2
 
 KERNELS = ("xla", "pallas")
 
@@ -524,7 +523,8 @@ def _project(spec: str, x, w, kernels: str, norm, gate, residual, partial: bool 
         if norm is not None:
             nw, lw = _stack_of(norm[0])
             x2 = rms_norm.rms_norm_rows(x2, nw, eps=norm[1], rows_to=8, **lw)
-        if gated_norm is not None and is_pow2(gated_norm[1].shape[-1]) and _fusions(kernels).gated_norm_kernel:
+        E = gated_norm[1].shape[-1] if gated_norm is not None else 0
+        if gated_norm is not None and E & (E - 1) == 0 and _fusions(kernels).gated_norm_kernel:  # (E a power of 2)
             z, gw, geps = gated_norm
             gw, lw = _stack_of(gw)
             x2 = rms_norm.gated_rms_norm_rows(x2, z.reshape(rows, K), gw, eps=geps, rows_to=8, **lw)

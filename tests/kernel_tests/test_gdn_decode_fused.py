@@ -197,8 +197,8 @@ def test_lowers_for_h200_with_stacked_small_params():
 
 def test_model_scan_passes_stacked_small_params():
     """The scanned model's decode step: the GDN layer's conv / A_log / dt_bias / norm reach the fused op as the
-    layer group's stacks with the caches' layer (`qwen35.layer_view`: `ops.Layer` views), not as slices; the
-    input / post RMSNorm weights stay slices."""
+    layer group's stacks with the caches' layer (`qwen35.layer_view`: `ops.Layer` views), not as slices; so do the
+    input / post RMSNorm weights (`rms_norm.rms_norm_rows` reads them from the stack on the verify's GEMMs)."""
     from kernels_pallas import gdn_reference
     from jaxddtree.model.qwen35 import layer_view
     from kernels_pallas.ops import Layer
@@ -209,7 +209,7 @@ def test_model_scan_passes_stacked_small_params():
     v = layer_view(st, jnp.int32(1))
     # (q_norm: attention_decode_prep reads it from the stack too)
     assert all(isinstance(v["mixer"][n], Layer) for n in ("norm", "conv", "A_log", "dt_bias", "q_norm"))
-    assert not any(isinstance(a, Layer) for a in (v["input_norm"]["weight"], v["post_norm"]["weight"]))
+    assert all(isinstance(a, Layer) for a in (v["input_norm"]["weight"], v["post_norm"]["weight"]))
     seen = []
     real = gdn_reference.gdn_decode_fused
 
