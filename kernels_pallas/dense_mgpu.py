@@ -25,9 +25,9 @@ cost n = 8..256, not a 64-row tile)
     [Mc, block_n] (which reuses the ring's shared memory: the pipeline's scope has ended) and written to y by TMA
     stores of the real rows only (M split into powers of two): no padding row reaches global memory, no slice
     follows the kernel. x is passed with its rows padded to a multiple of 8 (one small XLA pad when M % 8: the
-    TMA's (8, 64) tiles need whole 8-row groups in memory; none with `rows=` where the producer wrote them); the TMA zero-fills the rows of a tile past them and
-    the K tail of both operands (K a multiple of 64, not of block_k), per dimension, so a K tail never reads
-    the next layer.
+    TMA's (8, 64) tiles need whole 8-row groups in memory; none with `rows=` where the producer wrote them); the
+    TMA zero-fills the rows of a tile past them and the K tail of both operands (K a multiple of 64, not of
+    block_k), per dimension, so a K tail never reads the next layer.
 
 Shapes: N a multiple of 64 (the TMA's (8, 64) tiles of w span the whole array: the 27B's fused w_in, 16480 =
 257·64 + 32 columns, is refused as it is stored: pad it to 16512 or split off its 96 b|a columns), K a multiple of

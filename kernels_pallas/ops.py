@@ -516,29 +516,28 @@ def _project(spec: str, x, w, kernels: str, norm, gate, residual, partial: bool 
     act = x.dtype if gated_norm is None else gated_norm[0].dtype
     nc, rows, K, N = _problem(spec, x, w.shape)
     choice = pick(weight_format(act, w.dtype), rows, N, kernels, depth=K, stacked=isinstance(w, Layer))
-    if choice.kernel == "dense_mgpu":  # the input norms as one kernel each: the weight read from its stack, the
-        from kernels_pallas import dense_mgpu, rms_norm  # rows written in whole 8-row groups (no pad before the GEMM)
+    mgpu = choice.kernel == "dense_mgpu"  # its input norms run as one kernel each (module `rms_norm`)
+    E = 0 if gated_norm is None else gated_norm[1].shape[-1]
+    if gated_norm is not None and not (mgpu and E & (E - 1) == 0 and _fusions(kernels).gated_norm_kernel):
+        x, gated_norm = _gated_norm(x, gated_norm), None  # XLA's ops (the kernel takes E a power of two)
+    if norm is not None and not mgpu:
+        x = rms_norm_1p(x, plain(norm[0]), norm[1])
+    if mgpu:  # the norm weights read from their stacks, the rows written in whole 8-row groups (no pad before it)
+        from kernels_pallas import dense_mgpu, rms_norm
         out_shape = x.shape[:x.ndim - nc] + w.shape[nc:]
         x2 = x.reshape(rows, K)
         if norm is not None:
             nw, lw = _stack_of(norm[0])
             x2 = rms_norm.rms_norm_rows(x2, nw, eps=norm[1], rows_to=8, **lw)
-        E = gated_norm[1].shape[-1] if gated_norm is not None else 0
-        if gated_norm is not None and E & (E - 1) == 0 and _fusions(kernels).gated_norm_kernel:  # (E a power of 2)
+        if gated_norm is not None:
             z, gw, geps = gated_norm
             gw, lw = _stack_of(gw)
             x2 = rms_norm.gated_rms_norm_rows(x2, z.reshape(rows, K), gw, eps=geps, rows_to=8, **lw)
-        elif gated_norm is not None:
-            x2 = _gated_norm(x, gated_norm).reshape(rows, K)
         if gate is not None:
             x2 = rounded(f32(x2[:rows]) * f32(gate.reshape(rows, K)), x2.dtype)
         w2, layer = _gemv_weight(w, K)
         y = dense_mgpu.dense_mgpu(x2, w2, rows=rows, **layer).reshape(out_shape)
         return _finish(y, act, residual, partial)
-    if gated_norm is not None:
-        x = _gated_norm(x, gated_norm)
-    if norm is not None:
-        x = rms_norm_1p(x, plain(norm[0]), norm[1])
     if choice.kernel == "gemv":
         from kernels_pallas import dense as dense_kernel
         out_shape = x.shape[:x.ndim - nc] + w.shape[nc:]

@@ -28,14 +28,13 @@ from kernels_pallas.gdn_reference import gated_rms_norm
 from kernels_pallas.numerics import rms_norm_1p, rounded
 from kernels_pallas._common import SharedMemoryError, compiler_params, is_pow2, next_pow2, pl, pltr
 from kernels_pallas._common import smem_limit as _limit
+from kernels_pallas.swap_ab import round_up
 
 __all__ = ["rms_norm_rows", "rms_norm_rows_reference", "gated_rms_norm_rows", "gated_rms_norm_rows_reference",
            "rows_out", "smem_bytes"]
 
 
-def rows_out(M: int, rows_to: int) -> int:
-    """The rows written for M input rows: M rounded up to a multiple of rows_to."""
-    return -(-M // rows_to) * rows_to
+rows_out = round_up  # rows_out(M, rows_to): the rows written for M input rows
 
 
 def smem_bytes(num_warps: int) -> int:
@@ -53,13 +52,18 @@ def rms_norm_rows_reference(x, w, *, eps: float, layer=None, rows_to: int = 8, i
     return jnp.pad(y, ((0, rows_out(x.shape[0], rows_to) - x.shape[0]), (0, 0)))
 
 
+def _operands(layer, *arrays) -> tuple:
+    """A call's operands: with a layer, a [1] int32 array of it first (read by `_layer_of`)."""
+    return arrays if layer is None else (jnp.asarray(layer, jnp.int32).reshape(1), *arrays)
+
+
+def _layer_of(refs, has_layer: bool) -> tuple[tuple, tuple]:
+    """(the index prefix of a stacked weight: (layer,) or (), the other refs)."""
+    return ((refs[0][0],), refs[1:]) if has_layer else ((), refs)
+
+
 def _kernel(*refs, M: int, K: int, eps: float, has_layer: bool, interpret: bool):
-    if has_layer:
-        lay_ref, x_ref, w_ref, o_ref = refs
-        wl = (lay_ref[0],)
-    else:
-        x_ref, w_ref, o_ref = refs
-        wl = ()
+    wl, (x_ref, w_ref, o_ref) = _layer_of(refs, has_layer)
     f32 = jnp.float32
     r = pl.program_id(0)
     idx = jnp.arange(next_pow2(K), dtype=jnp.int32)
@@ -83,7 +87,6 @@ def rms_norm_rows(x, w, *, eps: float, layer=None, rows_to: int = 8, interpret: 
                                 f"{_limit(smem_limit)} available")
     R = rows_out(M, rows_to)
     kern = functools.partial(_kernel, M=M, K=K, eps=float(eps), has_layer=layer is not None, interpret=interpret)
-    args = (x, w) if layer is None else (jnp.asarray(layer, jnp.int32).reshape(1), x, w)
     return pl.pallas_call(
         kern,
         grid=(R,),
@@ -91,7 +94,7 @@ def rms_norm_rows(x, w, *, eps: float, layer=None, rows_to: int = 8, interpret: 
         compiler_params=compiler_params(num_warps, 1),
         interpret=interpret,
         name="rms_norm_rows",
-    )(*args)
+    )(*_operands(layer, x, w))
 
 
 def gated_rms_norm_rows_reference(x, z, w, *, eps: float, layer=None, rows_to: int = 8, interpret: bool = False):
@@ -108,12 +111,7 @@ def gated_rms_norm_rows_reference(x, z, w, *, eps: float, layer=None, rows_to: i
 
 
 def _gated_kernel(*refs, M: int, E: int, eps: float, has_layer: bool, wprod, interpret: bool):
-    if has_layer:
-        lay_ref, x_ref, z_ref, w_ref, o_ref = refs
-        wl = (lay_ref[0],)
-    else:
-        x_ref, z_ref, w_ref, o_ref = refs
-        wl = ()
+    wl, (x_ref, z_ref, w_ref, o_ref) = _layer_of(refs, has_layer)
     f32, act = jnp.float32, o_ref.dtype
     r, h = pl.program_id(0), pl.program_id(1)
 
@@ -148,7 +146,6 @@ def gated_rms_norm_rows(x, z, w, *, eps: float, layer=None, rows_to: int = 8, in
     R = rows_out(M, rows_to)
     kern = functools.partial(_gated_kernel, M=M, E=E, eps=float(eps), has_layer=layer is not None,
                              wprod=jnp.promote_types(w.dtype, z.dtype), interpret=interpret)
-    args = (x, z, w) if layer is None else (jnp.asarray(layer, jnp.int32).reshape(1), x, z, w)
     return pl.pallas_call(
         kern,
         grid=(R, C // E),
@@ -156,4 +153,4 @@ def gated_rms_norm_rows(x, z, w, *, eps: float, layer=None, rows_to: int = 8, in
         compiler_params=compiler_params(num_warps, 1),
         interpret=interpret,
         name="gated_rms_norm_rows",
-    )(*args)
+    )(*_operands(layer, x, z, w))
