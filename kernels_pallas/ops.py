@@ -27,6 +27,8 @@ class Fusions(NamedTuple):
     unroll: int = 1  # layer groups per iteration of the model's scan (`scan_unroll`)
     gated_norm_kernel: bool = False  # a Mosaic GPU GEMM's gated input norm (GDN out_proj) as `gated_rms_norm_rows`
     #                                  (built in session 29, not yet timed on the H200: variant "pallas:gated_norm")
+    tree_prep_kernel: bool = False  # the GDN tree verify's conv ... grams as one kernel (`gdn_tree_prep`; session 30,
+    #                                 not yet timed on the H200: variant "pallas:tree_prep")
 
 
 # kernels="pallas" and its benchmark-only variants: decode-step fusions off (A/B timing: benchmarks/ab_kernels.py;
@@ -40,7 +42,8 @@ class Fusions(NamedTuple):
 VARIANTS = {"pallas": Fusions(), "pallas:no_partials": Fusions(partials=False),
             "pallas:unfused": Fusions(parts=False, partials=False),
             "pallas:unroll2": Fusions(unroll=2), "pallas:unroll4": Fusions(unroll=4),
-            "pallas:unroll16": Fusions(unroll=16), "pallas:gated_norm": Fusions(gated_norm_kernel=True)}
+            "pallas:unroll16": Fusions(unroll=16), "pallas:gated_norm": Fusions(gated_norm_kernel=True),
+            "pallas:tree_prep": Fusions(tree_prep_kernel=True)}
 
 
 def scan_unroll(kernels: str) -> int:
@@ -156,16 +159,38 @@ def gdn_chunked(q, k, v, g, beta, state, kernels="xla", *, layer=None):
     return gdn_reference.gdn_chunked(q, k, v, g, beta, state, layer=layer)
 
 
-def gdn_masked_block(q, k, v, g, beta, mask, state, kernels="xla", max_depth: int | None = None, *, layer=None):
+def gdn_masked_block(q, k, v, g, beta, mask, state, kernels="xla", max_depth: int | None = None, *, layer=None,
+                     grams=None):
     """max_depth (optional, static): no root path of `mask` has more nodes (DDTree: the drafter's block
     size); the Pallas kernel uses it only to bound its solve loop. The result does not depend on it.
-    layer (an int32 scalar): state is the layers' stacked states [L,B,Hv,dk,dv], of which layer `layer` is read."""
+    layer (an int32 scalar): state is the layers' stacked states [L,B,Hv,dk,dv], of which layer `layer` is read.
+    grams: K Kᵀ, Q Kᵀ [B, 2, Hk, N, N] already formed (`gdn_tree_prep`), or None."""
     if _check(kernels) == "pallas":
         from kernels_pallas import gdn_tree
-        return _pallas_or(lambda: gdn_reference.gdn_masked_block(q, k, v, g, beta, mask, state, layer=layer),
-                          lambda: gdn_tree.gdn_masked_block(q, k, v, g, beta, mask, state, layer=layer,
-                                                            max_depth=max_depth))
-    return gdn_reference.gdn_masked_block(q, k, v, g, beta, mask, state, layer=layer)
+        return _pallas_or(
+            lambda: gdn_reference.gdn_masked_block(q, k, v, g, beta, mask, state, layer=layer, grams=grams),
+            lambda: gdn_tree.gdn_masked_block(q, k, v, g, beta, mask, state, layer=layer, grams=grams,
+                                              max_depth=max_depth))
+    return gdn_reference.gdn_masked_block(q, k, v, g, beta, mask, state, layer=layer, grams=grams)
+
+
+def tree_prep_fused(kernels: str) -> bool:
+    """The GDN tree verify's inputs come from `gdn_tree_prep` (one kernel per layer, the grams included)."""
+    f = _fusions(kernels)
+    return f is not None and f.tree_prep_kernel
+
+
+def gdn_tree_prep(proj, conv_state, conv_src, conv_w, A_log, dt_bias, kernels="xla", *, num_k_heads: int,
+                  num_v_heads: int, head_k_dim: int, head_v_dim: int, layer=None):
+    """A GDN layer's tree-verify inputs from its fused projection -> (q, k, v, g, beta, grams)
+    (`gdn_reference.gdn_tree_prep`). The small parameters: plain, or with layer their stacks (`stack_at`)."""
+    dims = dict(num_k_heads=num_k_heads, num_v_heads=num_v_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim,
+                layer=layer)
+    args = (proj, conv_state, conv_src, conv_w, A_log, dt_bias)
+    if _check(kernels) == "pallas":
+        from kernels_pallas import gdn_tree_prep as prep
+        return _pallas_or(lambda: gdn_reference.gdn_tree_prep(*args, **dims), lambda: prep.gdn_tree_prep(*args, **dims))
+    return gdn_reference.gdn_tree_prep(*args, **dims)
 
 
 def gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, kernels="xla", *,
