@@ -210,14 +210,15 @@ def _layer_at(a, layer, ndim: int):
 
 
 def gdn_tree_prep(proj, conv_state, conv_src, conv_w, A_log, dt_bias, *, num_k_heads: int,
-                            num_v_heads: int, head_k_dim: int, head_v_dim: int, layer=None):
+                            num_v_heads: int, head_k_dim: int, head_v_dim: int, layer=None, grams: bool = True):
     """A GDN layer's tree-verify inputs from its fused projection (the kernel: `kernels_pallas.gdn_tree_prep`).
 
     proj [B, T, P] = [q|k|v pre-conv | z | b | a (| a padded w_in's zero columns, ignored)]; conv_state [B, K-1, C];
     conv_src [B, T, K-1] each node's predecessors as rows of concat(conv_state, proj's q|k|v) (`tree_conv`) ->
     q = l2norm(q)·dk^-1/2, k = l2norm(k) [B, T, Hk, dk], v [B, T, Hv, dv], g, beta [B, T, Hv], grams [B, 2, Hk, T, T]
     (K Kᵀ, Q Kᵀ: `gdn_masked_block(grams=)`), all fp32. layer (an int32 scalar): conv_state is the stack
-    [L, B, K-1, C] and conv_w / A_log / dt_bias the layer's own or (one more leading axis) the stacks, read at it."""
+    [L, B, K-1, C] and conv_w / A_log / dt_bias the layer's own or (one more leading axis) the stacks, read at it.
+    grams=False: None for the grams (the tree block forms them)."""
     hk, hv, dk, dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
     B, T, _ = proj.shape
     key_dim, cd = hk * dk, 2 * hk * dk + hv * dv
@@ -232,9 +233,11 @@ def gdn_tree_prep(proj, conv_state, conv_src, conv_w, A_log, dt_bias, *, num_k_h
     v = f32(xc[..., 2 * key_dim:]).reshape(B, T, hv, dv)
     beta = f32(rounded(sigmoid32(b), proj.dtype))
     g = -jnp.exp(f32(A_log)) * softplus_torch(f32(a) + f32(dt_bias))
-    grams = jnp.einsum("bsihd,bjhd->bshij", jnp.stack([k, q], axis=1), k, precision=jax.lax.Precision.HIGHEST,
-                       preferred_element_type=jnp.float32)  # [B, 2, Hk, T, T]
-    return q, k, v, g, beta, grams
+    if not grams:
+        return q, k, v, g, beta, None
+    gr = jnp.einsum("bsihd,bjhd->bshij", jnp.stack([k, q], axis=1), k, precision=jax.lax.Precision.HIGHEST,
+                    preferred_element_type=jnp.float32)  # [B, 2, Hk, T, T]
+    return q, k, v, g, beta, gr
 
 
 

@@ -46,11 +46,13 @@ def smem_bytes(tp: int, dkp: int) -> int:
 
 
 def _kernel(*refs, T: int, tp: int, hk: int, hv: int, dk: int, dv: int, K: int, dkp: int, dvp: int, act,
-            has_layer: bool, stacked: tuple, mm, interpret: bool):
+            has_layer: bool, stacked: tuple, mm, grams: bool, interpret: bool):
     it = iter(refs)
     lw = (next(it)[0],) if has_layer else ()
     proj_ref, cs_ref, src_ref, cw_ref, alog_ref, dtb_ref = (next(it) for _ in range(6))
-    q_ref, k_ref, v_ref, g_ref, beta_ref, gr_ref = (next(it) for _ in range(6))
+    q_ref, k_ref, v_ref, g_ref, beta_ref = (next(it) for _ in range(5))
+    gr_ref = next(it) if grams else None
+    nkp = hk if grams else 2 * hk  # key-head programs: (q and k) per head, or q heads then k heads
     pcw, palog, pdtb = (lw if s else () for s in stacked)
     f32_ = jnp.float32
     i32 = jnp.int32
@@ -96,8 +98,25 @@ def _kernel(*refs, T: int, tp: int, hk: int, hv: int, dk: int, dv: int, K: int, 
     def l2n(x):  # rows of [tp, npad]
         return x * jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + L2NORM_EPS)
 
-    @pl.when(j < hk)
-    def _():
+    def qk_heads():  # grams=False: program j < 2 Hk convolves and normalises one head of q (j < Hk) or of k
+        is_k = j >= hk
+        ik = is_k.astype(i32)
+        kh = j - ik * hk
+        off = ik * key_dim + kh * dk
+        x, c, cm = conv(off, dk, dkp)
+        x = l2n(x) * jnp.where(is_k, jnp.float32(1.0), jnp.float32(dk ** -0.5))
+        m2 = rok[:, None] & cm
+        cl = c - off
+
+        @pl.when(is_k)
+        def _():
+            pltr.store(k_ref.at[b, ri[:, None], kh, cl], x, mask=m2)
+
+        @pl.when(~is_k)
+        def _():
+            pltr.store(q_ref.at[b, ri[:, None], kh, cl], x, mask=m2)
+
+    def qk_grams():  # program j < Hk: head j of q and k, and its grams
         kh = j
         q, c, cm = conv(kh * dk, dk, dkp)
         k, _, _ = conv(key_dim + kh * dk, dk, dkp)
@@ -113,9 +132,11 @@ def _kernel(*refs, T: int, tp: int, hk: int, hv: int, dk: int, dv: int, K: int, 
         pltr.store(gr_ref.at[b, i32(0), kh, ri[:, None], ri[None, :]], kk, mask=gm)
         pltr.store(gr_ref.at[b, i32(1), kh, ri[:, None], ri[None, :]], qk, mask=gm)
 
-    @pl.when(j >= hk)
+    pl.when(j < nkp)(qk_heads if not grams else qk_grams)
+
+    @pl.when(j >= nkp)
     def _():
-        h = j - hk
+        h = j - nkp
         v, c, cm = conv(2 * key_dim + h * dv, dv, dvp)
         pltr.store(v_ref.at[b, ri[:, None], h, c - (2 * key_dim + h * dv)], v, mask=rok[:, None] & cm)
         bb = pltr.load(proj_ref.at[b, rc, boff + h], mask=rok, other=0).astype(f32_)
@@ -130,14 +151,15 @@ def _kernel(*refs, T: int, tp: int, hk: int, hv: int, dk: int, dv: int, K: int, 
 
 
 @functools.partial(jax.jit, static_argnames=("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "interpret",
-                                             "num_warps", "num_stages", "smem_limit"))
+                                             "num_warps", "num_stages", "smem_limit", "grams"))
 def gdn_tree_prep(proj, conv_state, conv_src, conv_w, A_log, dt_bias, *, num_k_heads: int, num_v_heads: int,
-                  head_k_dim: int, head_v_dim: int, layer=None, interpret: bool = False, num_warps: int = 8,
-                  num_stages: int = 1, smem_limit: int | None = None):
+                  head_k_dim: int, head_v_dim: int, layer=None, grams: bool = True, interpret: bool = False,
+                  num_warps: int = 8, num_stages: int = 1, smem_limit: int | None = None):
     """One GDN layer's tree-verify inputs (see `gdn_tree_prep_reference` and the module docstring).
 
     layer (an int32 scalar): conv_state is the layers' stacked conv states [L, B, K-1, C], read at `layer` in place
-    (a scan over layers copies no slice); conv_w [K, C] / A_log / dt_bias [Hv] each the layer's own or the stack."""
+    (a scan over layers copies no slice); conv_w [K, C] / A_log / dt_bias [Hv] each the layer's own or the stack.
+    grams=False: None for the grams, and a program per q head and per k head (no tensor-core work)."""
     hk, hv, dk, dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
     B, T, P = proj.shape
     cd = 2 * hk * dk + hv * dv
@@ -151,23 +173,24 @@ def gdn_tree_prep(proj, conv_state, conv_src, conv_w, A_log, dt_bias, *, num_k_h
     for (a, shp), st in zip(small, stacked):
         assert a.shape == ((*lead, *shp) if st else shp), (a.shape, shp, lead)
     tp, dkp, dvp = max(16, next_pow2(T)), feature_pad(dk), feature_pad(dv)
-    if smem_bytes(tp, dkp) > _limit(smem_limit):
+    if grams and smem_bytes(tp, dkp) > _limit(smem_limit):
         raise SharedMemoryError(f"gdn_tree_prep: {smem_bytes(tp, dkp)} bytes of shared memory needed for {T} nodes, "
                                 f"{_limit(smem_limit)} available")
     kern = functools.partial(_kernel, T=T, tp=tp, hk=hk, hv=hv, dk=dk, dv=dv, K=K, dkp=dkp, dvp=dvp, act=proj.dtype,
                              has_layer=layer is not None, stacked=stacked, mm=matmul_fns("bf16x3m", interpret),
-                             interpret=interpret)
+                             grams=grams, interpret=interpret)
     f32_ = jnp.float32
     args = [proj, conv_state, conv_src.astype(jnp.int32), conv_w, A_log, dt_bias]
     if layer is not None:
         args = [jnp.asarray(layer, jnp.int32).reshape(1)] + args
-    return tuple(pl.pallas_call(
+    outs = pl.pallas_call(
         kern,
-        grid=(B, hk + hv),
+        grid=(B, (hk if grams else 2 * hk) + hv),
         out_shape=[jax.ShapeDtypeStruct((B, T, hk, dk), f32_), jax.ShapeDtypeStruct((B, T, hk, dk), f32_),
                    jax.ShapeDtypeStruct((B, T, hv, dv), f32_), jax.ShapeDtypeStruct((B, T, hv), f32_),
-                   jax.ShapeDtypeStruct((B, T, hv), f32_), jax.ShapeDtypeStruct((B, 2, hk, T, T), f32_)],
+                   jax.ShapeDtypeStruct((B, T, hv), f32_)] + [jax.ShapeDtypeStruct((B, 2, hk, T, T), f32_)] * grams,
         compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="gdn_tree_prep",
-    )(*args))
+    )(*args)
+    return tuple(outs) + (() if grams else (None,))

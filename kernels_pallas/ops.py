@@ -25,10 +25,8 @@ class Fusions(NamedTuple):
     #                     norm + RoPE + gate + KV-cache write as one kernel (`attention_decode_prep`)
     partials: bool = True  # the GEMV's split-K partials unsummed into the GDN / attention decode kernels
     unroll: int = 1  # layer groups per iteration of the model's scan (`scan_unroll`)
-    gated_norm_kernel: bool = False  # a Mosaic GPU GEMM's gated input norm (GDN out_proj) as `gated_rms_norm_rows`
-    #                                  (built in session 29, not yet timed on the H200: variant "pallas:gated_norm")
-    tree_prep_kernel: bool = False  # the GDN tree verify's conv ... grams as one kernel (`gdn_tree_prep`; session 30,
-    #                                 not yet timed on the H200: variant "pallas:tree_prep")
+    tree_prep_kernel: bool = False  # the GDN tree verify's conv, l2norms, beta / g as one kernel (`gdn_tree_prep`,
+    #                                 grams=False; variant "pallas:tree_prep"; with the grams it lost: +0.86 ms a round, H100)
 
 
 # kernels="pallas" and its benchmark-only variants: decode-step fusions off (A/B timing: benchmarks/ab_kernels.py;
@@ -38,12 +36,14 @@ class Fusions(NamedTuple):
 # both delay the weight stream; the verify's XLA GEMM outputs behind an optimization barrier ("pallas:materialised":
 # round(64) 21.771 vs 21.738 ms, AR 14.166 vs 13.964, 2026-12-04, BENCHMARKS.md session 21); a Mosaic GPU GEMM's
 # input norm as XLA's slice, norm and pad fusions instead of `rms_norm.rms_norm_rows` ("pallas:xla_norm": round(64)
-# 21.722 vs 21.502 ms, AR 13.918 vs 13.928, 2026-12-06, BENCHMARKS.md session 29).
+# 21.722 vs 21.502 ms, AR 13.918 vs 13.928, 2026-12-06, BENCHMARKS.md session 29). Made defaults after an A/B (H100,
+# 4K, 2026-12-07, BENCHMARKS.md session 30: round(64) 27.66 ms "pallas"): the GDN out_proj's gated input norm as
+# `gated_rms_norm_rows` (was "pallas:gated_norm", 27.55) and the tree selection's depth scan unrolled (was
+# "pallas:tree_unroll", 27.59).
 VARIANTS = {"pallas": Fusions(), "pallas:no_partials": Fusions(partials=False),
             "pallas:unfused": Fusions(parts=False, partials=False),
             "pallas:unroll2": Fusions(unroll=2), "pallas:unroll4": Fusions(unroll=4),
-            "pallas:unroll16": Fusions(unroll=16), "pallas:gated_norm": Fusions(gated_norm_kernel=True),
-            "pallas:tree_prep": Fusions(tree_prep_kernel=True)}
+            "pallas:unroll16": Fusions(unroll=16), "pallas:tree_prep": Fusions(tree_prep_kernel=True)}
 
 
 def scan_unroll(kernels: str) -> int:
@@ -175,17 +175,17 @@ def gdn_masked_block(q, k, v, g, beta, mask, state, kernels="xla", max_depth: in
 
 
 def tree_prep_fused(kernels: str) -> bool:
-    """The GDN tree verify's inputs come from `gdn_tree_prep` (one kernel per layer, the grams included)."""
+    """The GDN tree verify's inputs come from `gdn_tree_prep` (one kernel per layer, without the grams)."""
     f = _fusions(kernels)
     return f is not None and f.tree_prep_kernel
 
 
 def gdn_tree_prep(proj, conv_state, conv_src, conv_w, A_log, dt_bias, kernels="xla", *, num_k_heads: int,
-                  num_v_heads: int, head_k_dim: int, head_v_dim: int, layer=None):
-    """A GDN layer's tree-verify inputs from its fused projection -> (q, k, v, g, beta, grams)
+                  num_v_heads: int, head_k_dim: int, head_v_dim: int, layer=None, grams: bool = True):
+    """A GDN layer's tree-verify inputs from its fused projection -> (q, k, v, g, beta, grams or None)
     (`gdn_reference.gdn_tree_prep`). The small parameters: plain, or with layer their stacks (`stack_at`)."""
     dims = dict(num_k_heads=num_k_heads, num_v_heads=num_v_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim,
-                layer=layer)
+                layer=layer, grams=grams)
     args = (proj, conv_state, conv_src, conv_w, A_log, dt_bias)
     if _check(kernels) == "pallas":
         from kernels_pallas import gdn_tree_prep as prep
@@ -543,7 +543,7 @@ def _project(spec: str, x, w, kernels: str, norm, gate, residual, partial: bool 
     choice = pick(weight_format(act, w.dtype), rows, N, kernels, depth=K, stacked=isinstance(w, Layer))
     mgpu = choice.kernel == "dense_mgpu"  # its input norms run as one kernel each (module `rms_norm`)
     E = 0 if gated_norm is None else gated_norm[1].shape[-1]
-    if gated_norm is not None and not (mgpu and E & (E - 1) == 0 and _fusions(kernels).gated_norm_kernel):
+    if gated_norm is not None and not (mgpu and E & (E - 1) == 0):
         x, gated_norm = _gated_norm(x, gated_norm), None  # XLA's ops (the kernel takes E a power of two)
     if norm is not None and not mgpu:
         x = rms_norm_1p(x, plain(norm[0]), norm[1])

@@ -92,7 +92,7 @@ class GatedDeltaNet(nnx.Module):
             small = (ops.stack_at(p[...], li) for p in (self.conv, self.A_log, self.dt_bias))
             q, k, v, g, beta, grams = ops.gdn_tree_prep(
                 full, conv_c, layout.conv_src, *small, layout.kernels, num_k_heads=hk, num_v_heads=hv, head_k_dim=dk,
-                head_v_dim=dv, layer=li)
+                head_v_dim=dv, layer=li, grams=False)
         else:
             xc = tree_conv(conv_l, xin, layout.conv_src if layout.is_tree else None, ops.plain(self.conv[...]))
             q, k, v = jnp.split(xc, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)

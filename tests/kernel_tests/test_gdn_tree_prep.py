@@ -90,7 +90,8 @@ def test_tree_block_takes_the_grams():
     assert rel_err(np.asarray(bad[0]), np.asarray(want[0])) > 1e-3
 
 
-def test_lowers_for_h200_at_27b():
+@pytest.mark.parametrize("grams", [True, False])
+def test_lowers_for_h200_at_27b(grams):
     """27B widths (Hk 16, Hv 48, 128-dim heads, K 4), 65 nodes (DDTree(64)), bf16, stacked caches and parameters."""
     hk, hv, dk, dv, T, L = 16, 48, 128, 128, 65, 16
     cd = 2 * hk * dk + hv * dv
@@ -98,7 +99,8 @@ def test_lowers_for_h200_at_27b():
     bf = jnp.bfloat16
     structs = (S((1, T, 16512), bf), S((L, 1, K - 1, cd), bf), S((1, T, K - 1), jnp.int32), S((L, K, cd), bf),
                S((L, hv), bf), S((L, hv), bf), S((), jnp.int32))
-    text = lower_for_h200(lambda *a: P.gdn_tree_prep(*a[:-1], **dims(hk, hv, dk, dv), layer=a[-1]), *structs)
+    text = lower_for_h200(lambda *a: P.gdn_tree_prep(*a[:-1], **dims(hk, hv, dk, dv), layer=a[-1], grams=grams),
+                          *structs)
     assert "gdn_tree_prep" in text
 
 
@@ -138,3 +140,32 @@ def test_model_tree_verify_with_the_kernel(monkeypatch):
     assert calls.count("gdn_tree_prep") >= 1 and "gdn_masked_block" in calls
     assert rel_err(out["pallas:tree_prep"], out["pallas"]) < 1e-5, rel_err(out["pallas:tree_prep"], out["pallas"])
     assert rel_err(out["pallas:tree_prep"], out["xla"]) < 1e-5
+
+
+def test_vmapped_slots():
+    """Under jax.vmap (a batched round's slots, each with its own tree and conv state): each slot's own result."""
+    B, T, hk, hv, dk, dv = 1, 12, 2, 4, 16, 16
+    slots = [prep_inputs(s, B, T, hk, hv, dk, dv, jnp.float32) for s in (11, 12)]
+    proj, cs, src = (jnp.stack([a[i] for a in slots]) for i in range(3))
+    params = slots[0][3:]
+    f = functools.partial(P.gdn_tree_prep, **dims(hk, hv, dk, dv), interpret=True)
+    got = jax.vmap(lambda p, c, s: f(p, c, s, *params))(proj, cs, src)
+    for i, a in enumerate(slots):
+        want = P.gdn_tree_prep_reference(*a[:3], *params, **dims(hk, hv, dk, dv))
+        for x, y in zip(got, want):
+            assert rel_err(np.asarray(x[i]), np.asarray(y)) < 1e-5
+
+
+@pytest.mark.parametrize("L", [None, 3])
+def test_without_grams(L):
+    """grams=False (a program per q head and per k head, no grams): the same q, k, v, g, beta, and None."""
+    B, T, hk, hv, dk, dv = 2, 19, 2, 4, 16, 32
+    args = prep_inputs(40 + T, B, T, hk, hv, dk, dv, jnp.float32, L)
+    kw = dict(dims(hk, hv, dk, dv), layer=None if L is None else jnp.int32(2))
+    got = P.gdn_tree_prep(*args, **kw, grams=False, interpret=True)
+    ref = P.gdn_tree_prep_reference(*args, **kw, grams=False)
+    assert got[5] is None and ref[5] is None
+    full = P.gdn_tree_prep_reference(*args, **kw)
+    for name, a, b, c in zip(("q", "k", "v", "g", "beta"), got, ref, full):
+        assert rel_err(np.asarray(a), np.asarray(b)) < 1e-5, name
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(c))
