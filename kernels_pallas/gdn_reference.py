@@ -51,14 +51,13 @@ def gdn_step(q, k, v, g, beta, state):
     return o, s
 
 
-def gdn_masked_block(q, k, v, g, beta, mask, state, *, layer=None, grams=None):
+def gdn_masked_block(q, k, v, g, beta, mask, state, *, layer=None):
     """The WY form over one block of N tokens related by `mask` (ancestor-or-self, [B,N,N] bool).
 
     q,k [B,N,Hk,dk]; v [B,N,Hv,dv]; g,beta [B,N,Hv]; state [B,Hv,dk,dv] (or, with `layer`, an int32 scalar, the
     layers' stacked states [L,B,Hv,dk,dv], of which layer `layer` is read: the kernel reads it in place).
     Returns o [B,N,Hv,dv], W (pseudo-values) [B,N,Hv,dv], G (path cumsum of g) [B,N,Hv].
-    Nothing of size N·dk·dv is formed. grams (optional): K Kᵀ and Q Kᵀ per key head [B, 2, Hk, N, N] fp32, formed
-    by the caller (`gdn_tree_prep`), used instead of forming them here.
+    Nothing of size N·dk·dv is formed.
     """
     if layer is not None:
         state = state[layer]
@@ -72,11 +71,8 @@ def gdn_masked_block(q, k, v, g, beta, mask, state, *, layer=None, grams=None):
                      precision=HIGHEST)  # [B,N,N,Hv]
     gamma = jnp.exp(jnp.where(mask[..., None], seg, -jnp.inf))  # 0 off the ancestor relation
     strict = mask & ~jnp.eye(mask.shape[-1], dtype=bool)[None]
-    if grams is None:
-        kk = jnp.einsum("bihd,bjhd->bijh", k, k, precision=HIGHEST)  # [B,N,N,Hk]
-        qk = jnp.einsum("bihd,bjhd->bijh", q, k, precision=HIGHEST)
-    else:
-        kk, qk = (jnp.moveaxis(grams[:, s], 1, 3) for s in (0, 1))
+    kk = jnp.einsum("bihd,bjhd->bijh", k, k, precision=HIGHEST)  # [B,N,N,Hk]
+    qk = jnp.einsum("bihd,bjhd->bijh", q, k, precision=HIGHEST)
     kk, qk = jnp.repeat(kk, r, axis=3), jnp.repeat(qk, r, axis=3)  # -> Hv
     L = jnp.where(strict[..., None], beta[:, :, None, :] * gamma * kk, 0.0)  # [B,N,N,Hv]
     ke = expand_kv_heads(k, hv)
@@ -202,43 +198,6 @@ def gated_rms_norm(x: jax.Array, z: jax.Array, w: jax.Array, eps: float) -> jax.
     y = rounded(xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps), x.dtype)
     y = rounded(f32(w) * f32(y), jnp.promote_types(w.dtype, x.dtype))
     return rounded(f32(y) * silu32(z), x.dtype)
-
-
-def _layer_at(a, layer, ndim: int):
-    """A small parameter as the layer's own: a stack (one more axis than ndim) read at `layer`."""
-    return jax.lax.dynamic_index_in_dim(a, layer, keepdims=False) if a.ndim == ndim + 1 else a
-
-
-def gdn_tree_prep(proj, conv_state, conv_src, conv_w, A_log, dt_bias, *, num_k_heads: int,
-                            num_v_heads: int, head_k_dim: int, head_v_dim: int, layer=None, grams: bool = True):
-    """A GDN layer's tree-verify inputs from its fused projection (the kernel: `kernels_pallas.gdn_tree_prep`).
-
-    proj [B, T, P] = [q|k|v pre-conv | z | b | a (| a padded w_in's zero columns, ignored)]; conv_state [B, K-1, C];
-    conv_src [B, T, K-1] each node's predecessors as rows of concat(conv_state, proj's q|k|v) (`tree_conv`) ->
-    q = l2norm(q)·dk^-1/2, k = l2norm(k) [B, T, Hk, dk], v [B, T, Hv, dv], g, beta [B, T, Hv], grams [B, 2, Hk, T, T]
-    (K Kᵀ, Q Kᵀ: `gdn_masked_block(grams=)`), all fp32. layer (an int32 scalar): conv_state is the stack
-    [L, B, K-1, C] and conv_w / A_log / dt_bias the layer's own or (one more leading axis) the stacks, read at it.
-    grams=False: None for the grams (the tree block forms them)."""
-    hk, hv, dk, dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
-    B, T, _ = proj.shape
-    key_dim, cd = hk * dk, 2 * hk * dk + hv * dv
-    if layer is not None:
-        conv_state = jax.lax.dynamic_index_in_dim(conv_state, layer, keepdims=False)
-        conv_w, A_log, dt_bias = (_layer_at(a, layer, n) for a, n in ((conv_w, 2), (A_log, 1), (dt_bias, 1)))
-    boff = cd + hv * dv
-    xin, b, a = proj[..., :cd], proj[..., boff:boff + hv], proj[..., boff + hv:boff + 2 * hv]
-    xc = tree_conv(conv_state, xin, conv_src, conv_w)
-    q = l2norm(f32(xc[..., :key_dim]).reshape(B, T, hk, dk)) * dk ** -0.5
-    k = l2norm(f32(xc[..., key_dim:2 * key_dim]).reshape(B, T, hk, dk))
-    v = f32(xc[..., 2 * key_dim:]).reshape(B, T, hv, dv)
-    beta = f32(rounded(sigmoid32(b), proj.dtype))
-    g = -jnp.exp(f32(A_log)) * softplus_torch(f32(a) + f32(dt_bias))
-    if not grams:
-        return q, k, v, g, beta, None
-    gr = jnp.einsum("bsihd,bjhd->bshij", jnp.stack([k, q], axis=1), k, precision=jax.lax.Precision.HIGHEST,
-                    preferred_element_type=jnp.float32)  # [B, 2, Hk, T, T]
-    return q, k, v, g, beta, gr
-
 
 
 # ----------------------------------------------------------------------------- one fused decode step

@@ -196,7 +196,7 @@ def key_grams(q, k):
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_v", "block_t", "head_block", "max_depth",
                                              "num_warps", "num_stages", "precision", "smem_limit"))
-def gdn_masked_block(q, k, v, g, beta, mask, state, *, layer=None, grams=None, interpret: bool = False,
+def gdn_masked_block(q, k, v, g, beta, mask, state, *, layer=None, interpret: bool = False,
                      block_v: int | None = None, block_t: int = 16, head_block: int | None = None,
                      max_depth: int | None = None, num_warps: int | None = None, num_stages: int = 1,
                      precision: str = "bf16x3m", smem_limit: int | None = None):
@@ -216,7 +216,7 @@ def gdn_masked_block(q, k, v, g, beta, mask, state, *, layer=None, grams=None, i
 
     K Kᵀ and Q Kᵀ are formed once per key head by one batched fp32 XLA dot (`key_grams`, shared by the
     Hv/Hk value heads and every dv tile) and read by the kernel, which does the decay masking, the solve
-    and the products with S0 / W; grams (optional): those [B, 2, Hk, N, N] formed by the caller (`gdn_tree_prep`).
+    and the products with S0 / W.
     """
     B, N, Hk, dk = k.shape
     Hv, dv = v.shape[2], v.shape[3]
@@ -247,7 +247,7 @@ def gdn_masked_block(q, k, v, g, beta, mask, state, *, layer=None, grams=None, i
     kern = functools.partial(_kernel, n=N, bh=bh, bt=block_t, bv=bv, ntail=ntail, npc=next_pow2(N),
                              max_depth=max_depth, mm_w=matmul_fns(pw, interpret), mm_o=matmul_fns(po, interpret),
                              same=pw == po, has_layer=layer is not None, barrier=barrier)
-    kkqk = key_grams(q, k) if grams is None else grams  # [B, 2, Hk, N, N] (given: `gdn_tree_prep`'s)
+    kkqk = key_grams(q, k)  # [B, 2, Hk, N, N]
     args = [q, k, v, g, beta, mask_i8, state, kkqk, kkqk]
     state_spec = pl.BlockSpec((None, None, dkp, bv), lambda b, h, t: (b, h, 0, t))
     layer_specs = []

@@ -25,8 +25,7 @@ class Fusions(NamedTuple):
     #                     norm + RoPE + gate + KV-cache write as one kernel (`attention_decode_prep`)
     partials: bool = True  # the GEMV's split-K partials unsummed into the GDN / attention decode kernels
     unroll: int = 1  # layer groups per iteration of the model's scan (`scan_unroll`)
-    tree_prep_kernel: bool = False  # the GDN tree verify's conv, l2norms, beta / g as one kernel (`gdn_tree_prep`,
-    #                                 grams=False; variant "pallas:tree_prep"; with the grams it lost: +0.86 ms a round, H100)
+    tree_unroll: int = 0  # the same in a tree verify only (0: `unroll`; variant "pallas:tree_unroll2", session 30)
 
 
 # kernels="pallas" and its benchmark-only variants: decode-step fusions off (A/B timing: benchmarks/ab_kernels.py;
@@ -39,18 +38,21 @@ class Fusions(NamedTuple):
 # 21.722 vs 21.502 ms, AR 13.918 vs 13.928, 2026-12-06, BENCHMARKS.md session 29). Made defaults after an A/B (H100,
 # 4K, 2026-12-07, BENCHMARKS.md session 30: round(64) 27.66 ms "pallas"): the GDN out_proj's gated input norm as
 # `gated_rms_norm_rows` (was "pallas:gated_norm", 27.55) and the tree selection's depth scan unrolled (was
-# "pallas:tree_unroll", 27.59).
+# "pallas:tree_unroll", 27.59). Lost and removed (H100, 2026-12-07, session 30): the GDN tree verify's conv, l2norms,
+# beta / g and key grams as one Pallas-Triton kernel per layer (`gdn_tree_prep`, "pallas:tree_prep": round(64)
+# +0.86 ms with the grams in it, 33 µs a call vs XLA's 20; −0.01 ms without them).
 VARIANTS = {"pallas": Fusions(), "pallas:no_partials": Fusions(partials=False),
             "pallas:unfused": Fusions(parts=False, partials=False),
             "pallas:unroll2": Fusions(unroll=2), "pallas:unroll4": Fusions(unroll=4),
-            "pallas:unroll16": Fusions(unroll=16), "pallas:tree_prep": Fusions(tree_prep_kernel=True)}
+            "pallas:unroll16": Fusions(unroll=16), "pallas:tree_unroll2": Fusions(tree_unroll=2)}
 
 
-def scan_unroll(kernels: str) -> int:
-    """How many layer groups one iteration of the model's `lax.scan` runs (`jax.lax.scan(unroll=...)`): 1, except in
-    the benchmark variants "pallas:unrollN" (the scan's own cost, A/B on the H200)."""
+def scan_unroll(kernels: str, tree: bool = False) -> int:
+    """How many layer groups one iteration of the model's `lax.scan` runs (`jax.lax.scan(unroll=...)`) in a pass
+    (tree: a tree verify's): 1, except in the benchmark variants "pallas:unrollN" and "pallas:tree_unroll2" (the
+    scan's own cost, A/B on the H200)."""
     f = _fusions(kernels)
-    return 1 if f is None else f.unroll
+    return 1 if f is None else (f.tree_unroll or f.unroll) if tree else f.unroll
 
 
 def _fusions(kernels: str) -> Fusions | None:
@@ -159,38 +161,16 @@ def gdn_chunked(q, k, v, g, beta, state, kernels="xla", *, layer=None):
     return gdn_reference.gdn_chunked(q, k, v, g, beta, state, layer=layer)
 
 
-def gdn_masked_block(q, k, v, g, beta, mask, state, kernels="xla", max_depth: int | None = None, *, layer=None,
-                     grams=None):
+def gdn_masked_block(q, k, v, g, beta, mask, state, kernels="xla", max_depth: int | None = None, *, layer=None):
     """max_depth (optional, static): no root path of `mask` has more nodes (DDTree: the drafter's block
     size); the Pallas kernel uses it only to bound its solve loop. The result does not depend on it.
-    layer (an int32 scalar): state is the layers' stacked states [L,B,Hv,dk,dv], of which layer `layer` is read.
-    grams: K Kᵀ, Q Kᵀ [B, 2, Hk, N, N] already formed (`gdn_tree_prep`), or None."""
+    layer (an int32 scalar): state is the layers' stacked states [L,B,Hv,dk,dv], of which layer `layer` is read."""
     if _check(kernels) == "pallas":
         from kernels_pallas import gdn_tree
-        return _pallas_or(
-            lambda: gdn_reference.gdn_masked_block(q, k, v, g, beta, mask, state, layer=layer, grams=grams),
-            lambda: gdn_tree.gdn_masked_block(q, k, v, g, beta, mask, state, layer=layer, grams=grams,
-                                              max_depth=max_depth))
-    return gdn_reference.gdn_masked_block(q, k, v, g, beta, mask, state, layer=layer, grams=grams)
-
-
-def tree_prep_fused(kernels: str) -> bool:
-    """The GDN tree verify's inputs come from `gdn_tree_prep` (one kernel per layer, without the grams)."""
-    f = _fusions(kernels)
-    return f is not None and f.tree_prep_kernel
-
-
-def gdn_tree_prep(proj, conv_state, conv_src, conv_w, A_log, dt_bias, kernels="xla", *, num_k_heads: int,
-                  num_v_heads: int, head_k_dim: int, head_v_dim: int, layer=None, grams: bool = True):
-    """A GDN layer's tree-verify inputs from its fused projection -> (q, k, v, g, beta, grams or None)
-    (`gdn_reference.gdn_tree_prep`). The small parameters: plain, or with layer their stacks (`stack_at`)."""
-    dims = dict(num_k_heads=num_k_heads, num_v_heads=num_v_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim,
-                layer=layer, grams=grams)
-    args = (proj, conv_state, conv_src, conv_w, A_log, dt_bias)
-    if _check(kernels) == "pallas":
-        from kernels_pallas import gdn_tree_prep as prep
-        return _pallas_or(lambda: gdn_reference.gdn_tree_prep(*args, **dims), lambda: prep.gdn_tree_prep(*args, **dims))
-    return gdn_reference.gdn_tree_prep(*args, **dims)
+        return _pallas_or(lambda: gdn_reference.gdn_masked_block(q, k, v, g, beta, mask, state, layer=layer),
+                          lambda: gdn_tree.gdn_masked_block(q, k, v, g, beta, mask, state, layer=layer,
+                                                            max_depth=max_depth))
+    return gdn_reference.gdn_masked_block(q, k, v, g, beta, mask, state, layer=layer)
 
 
 def gdn_decode_fused(proj, conv_state, conv_w, A_log, dt_bias, norm_w, state, kernels="xla", *,

@@ -81,32 +81,25 @@ class GatedDeltaNet(nnx.Module):
             out = dense("bthe,hed->btd", o[:, None], self.w_out[...], layout.kernels, residual=residual,
                         reduce=cfg.tp_axis)
             return out, GDNState(conv=restack(conv, li), recurrent=restack(state, li)), None
-        full = dense("btd,dc->btc", x, w_in, layout.kernels, norm=norm)  # one GEMM for qkv|z|b|a
-        proj = full[..., :in_proj_width(cfg)]  # (a bf16 stacked w_in's padding columns: target.pad_projection_columns)
+        proj = dense("btd,dc->btc", x, w_in, layout.kernels, norm=norm)  # one GEMM for qkv|z|b|a
+        proj = proj[..., :in_proj_width(cfg)]  # (a bf16 stacked w_in's padding columns: target.pad_projection_columns)
         xin, z, b, a = jnp.split(proj, in_proj_split(cfg), axis=-1)  # xin [B,T,conv_dim] pre-conv
         z = z.reshape(B, T, hv, dv)  # b, a: [B,T,Hv]
 
         conv_l = conv_c if li is None else jax.lax.dynamic_index_in_dim(conv_c, li, keepdims=False)  # small
-        grams = None
-        if layout.is_tree and ops.tree_prep_fused(layout.kernels):  # conv ... grams: one kernel (reads `full` whole)
-            small = (ops.stack_at(p[...], li) for p in (self.conv, self.A_log, self.dt_bias))
-            q, k, v, g, beta, grams = ops.gdn_tree_prep(
-                full, conv_c, layout.conv_src, *small, layout.kernels, num_k_heads=hk, num_v_heads=hv, head_k_dim=dk,
-                head_v_dim=dv, layer=li, grams=False)
-        else:
-            xc = tree_conv(conv_l, xin, layout.conv_src if layout.is_tree else None, ops.plain(self.conv[...]))
-            q, k, v = jnp.split(xc, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
-            q = l2norm(q.reshape(B, T, hk, dk).astype(jnp.float32)) * dk ** -0.5
-            k = l2norm(k.reshape(B, T, hk, dk).astype(jnp.float32))
-            v = v.reshape(B, T, hv, dv).astype(jnp.float32)
-            # transformers: `beta = b.sigmoid()` in the activations' dtype (fp32 math, rounded), fp32 in the rule
-            beta = f32(rounded(sigmoid32(b), x.dtype))
-            g = -jnp.exp(ops.plain(self.A_log[...]).astype(jnp.float32)) * softplus_torch(
-                a.astype(jnp.float32) + ops.plain(self.dt_bias[...]).astype(jnp.float32))
+        xc = tree_conv(conv_l, xin, layout.conv_src if layout.is_tree else None, ops.plain(self.conv[...]))
+        q, k, v = jnp.split(xc, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
+        q = l2norm(q.reshape(B, T, hk, dk).astype(jnp.float32)) * dk ** -0.5
+        k = l2norm(k.reshape(B, T, hk, dk).astype(jnp.float32))
+        v = v.reshape(B, T, hv, dv).astype(jnp.float32)
+        # transformers: `beta = b.sigmoid()` in the activations' dtype (fp32 math, rounded), fp32 in the rule
+        beta = f32(rounded(sigmoid32(b), x.dtype))
+        g = -jnp.exp(ops.plain(self.A_log[...]).astype(jnp.float32)) * softplus_torch(
+            a.astype(jnp.float32) + ops.plain(self.dt_bias[...]).astype(jnp.float32))
 
         stash = None
         if layout.is_tree:
-            o, W, _ = ops.gdn_masked_block(q, k, v, g, beta, layout.mask, rec, layout.kernels, layer=li, grams=grams)
+            o, W, _ = ops.gdn_masked_block(q, k, v, g, beta, layout.mask, rec, layout.kernels, layer=li)
             stash = GDNStash(k=k, W=W, g=g, x=xin)
             new_cache = cache
         else:

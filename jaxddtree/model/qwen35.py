@@ -103,7 +103,7 @@ class Qwen35(nnx.Module):
             return (x, tuple(out), feats), (tuple(stashes) if layout.is_tree else None)
 
         (x, groups, feats), stashes = jax.lax.scan(body, (x, cache.groups, feats0), jnp.arange(G, dtype=jnp.int32),
-                                                   unroll=scan_unroll(layout.kernels))
+                                                   unroll=scan_unroll(layout.kernels, layout.is_tree))
         features = jnp.concatenate(list(feats[:nF]), axis=-1) if nF else None
         length = cache.length if layout.is_tree else layout.start + layout.num_valid
         new_cache = ModelCache(groups=groups, length=length)

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas import (_common, attention_decode, dense, gdn_decode_fused, gdn_prefill, gdn_tree, gdn_tree_prep,
-                            ops, prefill_attention, tree_attention)
+from kernels_pallas import (_common, attention_decode, dense, gdn_decode_fused, gdn_prefill, gdn_tree, ops,
+                            prefill_attention, tree_attention)
 from kernels_pallas._testing import attention_inputs, check_attention, gdn_inputs, rel_err
 
 f32, bf16, i32 = jnp.float32, jnp.bfloat16, jnp.int32
@@ -66,11 +66,6 @@ def cases(dt):
         out.append((f"gdn_prefill T={T}", est, gdn_prefill.gdn_chunked, _gdn_structs(T, False)))
     for N in (17, 65, 257):
         out.append((f"gdn_tree N={N}", gdn_tree.plan(N, DK, DV)["smem"], gdn_tree.gdn_masked_block, _gdn_structs(N, True)))
-    for N in (17, 65):  # (129 nodes: over the limit, SharedMemoryError -> the xla path)
-        fn = functools.partial(gdn_tree_prep.gdn_tree_prep, num_k_heads=HK, num_v_heads=HV, head_k_dim=DK, head_v_dim=DV)
-        out.append((f"gdn_tree_prep N={N}", gdn_tree_prep.smem_bytes(max(16, 1 << (N - 1).bit_length()), DK), fn,
-                    [Sd((1, N, CD + HV * DV + 2 * HV), dt), Sd((1, 3, CD), dt), Sd((1, N, 3), i32), Sd((4, CD), dt),
-                     Sd((HV,), dt), Sd((HV,), dt)]))
     fn = functools.partial(attention_decode.decode_attention_prep, num_heads=H, num_kv_heads=HKV, head_dim=HD, eps=1e-6)
     out.append(("attention_decode", attention_decode.smem_bytes(4), fn,
                 [Sd((1, (2 * H + 2 * HKV) * HD), dt), Sd((HD,), dt), Sd((HD,), dt), Sd((1, 64), dt), Sd((1, 64), dt),
