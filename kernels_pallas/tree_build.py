@@ -55,7 +55,7 @@ def tree_select(top_lp, top_id, budget: int):
         score, sel = jax.lax.top_k(cand, b)               # [B] sorted desc, [B]
         return score, (score, cand_i[sel], id_d[cand_r[sel]])
 
-    # unrolled (rolled, the H200 profile showed ≈ 10 carried copies per depth step ; unrolled: −0.07 ms a round, H100)
+    # unrolled (rolled, the H200 profile showed ≈ 10 carried copies per depth step; unrolled: −0.07 ms a round, H100)
     _, (score_r, slot_r, token_r) = jax.lax.scan(step, score1, (top_lp[1:], top_id[1:]), unroll=True)
     score = jnp.concatenate([score1[None], score_r])  # [D, B]
     slot = jnp.concatenate([slot1[None], slot_r])     # [D, B] parent's slot at depth d-1
