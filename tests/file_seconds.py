@@ -1,6 +1,7 @@
 """Seconds each long test file takes on the 2-core CI VM (one xdist worker, the other busy; sums of a full run's
 --durations=0, 2026-12-07: 1,778 worker-seconds, 905 s of wall), for the longest-first order of
-tests/crash_rerun.py's scheduler. A file not listed counts half a second a test. Only the order uses these: a stale figure costs balance, never a test."""
+tests/crash_rerun.py's scheduler. A file not listed counts half a second a test. Only the order uses these: a
+stale figure costs balance, never a test."""
 
 from __future__ import annotations
 
