@@ -52,7 +52,9 @@ def scan_unroll(kernels: str, tree: bool = False) -> int:
     (tree: a tree verify's): 1, except in the benchmark variants "pallas:unrollN" and "pallas:tree_unroll2" (the
     scan's own cost, A/B on the H200)."""
     f = _fusions(kernels)
-    return 1 if f is None else (f.tree_unroll or f.unroll) if tree else f.unroll
+    if f is None:
+        return 1
+    return (f.tree_unroll or f.unroll) if tree else f.unroll
 
 
 def _fusions(kernels: str) -> Fusions | None:
