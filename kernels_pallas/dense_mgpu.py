@@ -57,13 +57,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernels_pallas import mgpu_kernel_hash
 from kernels_pallas._common import SMEM_LIMIT
 from kernels_pallas.dense import dense_reference
+from kernels_pallas.numerics import swiglu as swiglu_reference_ops
 from kernels_pallas.swap_ab import MAX_ROW_TILE, launch, load_configs, rows_plan, store_rows, table_key
 from kernels_pallas.swap_ab import cdiv, round_up, split_for
 
 mgpu_kernel_hash.install()
 
-__all__ = ["Config", "dense_mgpu", "dense_mgpu_reference", "supports", "default_config", "smem_bytes", "plan",
-           "rows_plan", "table_key", "MAX_ROW_TILE", "CONFIGS"]
+__all__ = ["Config", "dense_mgpu", "dense_mgpu_reference", "swiglu_mgpu", "swiglu_mgpu_reference", "supports",
+           "swiglu_supports", "default_config", "smem_bytes", "plan", "rows_plan", "table_key", "MAX_ROW_TILE",
+           "CONFIGS"]
 
 SMEM_PER_SM = 233472  # the H200's shared memory per SM (228 KiB): two CTAs of ≤ 114 KiB share one
 N_SM = 132
@@ -244,3 +246,115 @@ def dense_mgpu(x, w, *, layer=None, rows=None, interpret=False, config: Config |
     args = (x2, w) if layer is None else (jnp.asarray(layer, jnp.int32).reshape(1), x2, w)
     y = launch(kern, args, M=M, N=N, bn=bn, nr=nr, split=split, out_dtype=x.dtype, interpret=interpret)
     return y.reshape(*lead, N)
+
+
+# ------------------------------------------------------------------ the MLP's gate|up GEMM with its SwiGLU epilogue
+SWIGLU_MAX_ROWS = 144  # two fp32 accumulators [64, Mc]: Mc registers per thread (the dense rule's bound)
+
+
+def swiglu_mgpu_reference(x, w, *, layer=None):
+    """h = swiglu(y[:, :F], y[:, F:]) with y = x @ w (or x @ w[layer]) rounded to x's dtype, F = w's columns / 2
+    (the MLP's fused gate | up weight; `numerics.swiglu`: silu in fp32 rounded, the product rounded): x [R, K],
+    w [K, 2F] or [L, K, 2F] -> [R, F], every row of x (a caller whose rows past its own are zero gets zeros)."""
+    y = dense_reference(x, w, layer=layer)
+    F = y.shape[-1] // 2
+    return swiglu_reference_ops(y[..., :F], y[..., F:], x.dtype)
+
+
+def swiglu_supports(R: int, K: int, N: int) -> str | None:
+    """None when `swiglu_mgpu` runs the SwiGLU in its epilogue for x [R, K] and w [K, N], else why not (then it
+    computes the same as dense_mgpu followed by XLA's SwiGLU)."""
+    why = supports(R, K, N)
+    if why:
+        return why
+    if R % 8 or R > SWIGLU_MAX_ROWS:
+        return f"{R} rows (the epilogue takes whole 8-row groups up to {SWIGLU_MAX_ROWS})"
+    if (N // 2) % 64:
+        return f"F = {N // 2} not a multiple of 64"
+    return None
+
+
+def swiglu_config(R: int, K: int, N: int) -> Config:
+    """The dense GEMM's config for (R, K, N) with each CTA's block_n columns split between gate and up (64 each at
+    least), its ring made shallower where two weight tiles per step do not fit."""
+    cfg = default_config(R, K, N)
+    bh = max(64, cfg.block_n // 2)
+    while (N // 2) % bh:
+        bh //= 2
+    cfg = dataclasses.replace(cfg, block_n=2 * bh)
+    while cfg.num_stages > 2 and _swiglu_smem(R, cfg) > SMEM_LIMIT:
+        cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+    return cfg
+
+
+def _swiglu_smem(Mc: int, cfg: Config) -> int:
+    """Shared memory of one CTA of the SwiGLU GEMM: block_n weight columns (gate and up halves) and the token tile
+    per stage, or the epilogue tile [Mc, block_n / 2]."""
+    return smem_bytes(Mc, cfg, 2)
+
+
+def _swiglu_wgmma(*refs, Mc: int, bh: int, bk: int, n_per: int, stages: int, up: int, has_layer: bool,
+                  out_dtype):
+    if has_layer:
+        l_ref, x_ref, w_ref, o_ref = refs
+        lw = (l_ref[0],)
+    else:
+        x_ref, w_ref, o_ref = refs
+        lw = ()
+    j = lax.axis_index("n")  # gate column tile j, up column tile j + up
+    tr = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
+    delay = 1 if stages > 1 else 0
+    in_specs = [
+        plgpu.BlockSpec((*(None,) * len(lw), bk, bh), lambda k: (*lw, k, j), transforms=tr, delay_release=delay),
+        plgpu.BlockSpec((*(None,) * len(lw), bk, bh), lambda k: (*lw, k, j + up), transforms=tr,
+                        delay_release=delay),
+        plgpu.BlockSpec((Mc, bk), lambda k: (0, k), transforms=tr, delay_release=delay),
+    ]
+
+    def compute(acc_g, acc_u):
+        def step(_, g_s, u_s, x_s):
+            plgpu.wgmma(acc_g, g_s.T, x_s.T)  # ACC[bh, Mc] += w_gateᵀ · xᵀ
+            plgpu.wgmma(acc_u, u_s.T, x_s.T)  # ACC[bh, Mc] += w_upᵀ · xᵀ
+            plgpu.wgmma_wait(2 * delay)  # (one commit group per wgmma) the previous step's done: its slots refill
+
+        plgpu.emit_pipeline(step, grid=(n_per,), in_specs=in_specs, max_concurrent_steps=stages)(w_ref, w_ref,
+                                                                                                 x_ref)
+        return acc_g[...], acc_u[...]
+
+    g, u = pl.run_scoped(compute, plgpu.ACC((bh, Mc), jnp.float32), plgpu.ACC((bh, Mc), jnp.float32))
+    f32 = jnp.float32
+    g = g.astype(out_dtype).astype(f32)  # the projection's rounding, then numerics.swiglu
+    act = (g / (1.0 + jnp.exp(-g))).astype(out_dtype).astype(f32)
+    h = (act * u.astype(out_dtype).astype(f32)).astype(out_dtype)
+    store_rows(h, o_ref, j=j, r=0, bn=bh, M=Mc, Mc=Mc, nr=1)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "config"))
+def swiglu_mgpu(x, w, *, layer=None, interpret=False, config: Config | None = None):
+    """`swiglu_mgpu_reference` on bf16 wgmma: x [R, K] bf16 (R a multiple of 8, e.g. `rms_norm.rms_norm_rows`'
+    rows; every row is computed and written), w [K, 2F] or the stack [L, K, 2F] with layer an int32 scalar (read
+    in place) -> [R, F]. Each CTA streams block_n / 2 gate columns and the matching up columns (two weight
+    copies and two accumulators per K step), rounds both and writes silu(gate) · up: the MLP's down GEMM
+    (`dense_mgpu(h, w_down, rows=M)`) reads the rows as they are (no SwiGLU, pad or slice between the GEMMs).
+    Where the epilogue does not apply (`swiglu_supports`; a split-K config) dense_mgpu runs and XLA's SwiGLU
+    follows: the same values."""
+    R, K = x.shape
+    N = w.shape[-1]
+    F = N // 2
+    cfg = config or swiglu_config(R, K, N)
+    nsteps = cdiv(K, cfg.block_k)
+    if swiglu_supports(R, K, N) or split_for(nsteps, cfg.split_k) > 1:
+        y = dense_mgpu(x, w, layer=layer, interpret=interpret, config=config)
+        return swiglu_reference_ops(y[:, :F], y[:, F:], x.dtype)
+    bh, bk = cfg.block_n // 2, cfg.block_k
+    if bh % 64 or F % bh or bk % 64:
+        raise ValueError(f"swiglu_mgpu: block_n {cfg.block_n} must be twice a multiple of 64 dividing F {F}, "
+                         f"block_k {bk} a multiple of 64")
+    stages = max(1, min(cfg.num_stages, nsteps))
+    need = _swiglu_smem(R, dataclasses.replace(cfg, num_stages=stages))
+    if need > SMEM_LIMIT:
+        raise ValueError(f"swiglu_mgpu: {cfg} needs {need} bytes of shared memory > {SMEM_LIMIT}")
+    kern = functools.partial(_swiglu_wgmma, Mc=R, bh=bh, bk=bk, n_per=nsteps, stages=stages, up=F // bh,
+                             has_layer=layer is not None, out_dtype=x.dtype)
+    args = (x, w) if layer is None else (jnp.asarray(layer, jnp.int32).reshape(1), x, w)
+    return launch(kern, args, M=R, N=F, bn=bh, nr=1, split=1, out_dtype=x.dtype, interpret=interpret)

@@ -26,6 +26,7 @@ class Fusions(NamedTuple):
     partials: bool = True  # the GEMV's split-K partials unsummed into the GDN / attention decode kernels
     unroll: int = 1  # layer groups per iteration of the model's scan (`scan_unroll`)
     tree_unroll: int = 0  # the same in a tree verify only (0: `unroll`; variant "pallas:tree_unroll2", session 30)
+    swiglu: bool = True  # the MLP's SwiGLU in its gate|up GEMM's epilogue (`mlp`; variant "pallas:split_mlp": off)
 
 
 # kernels="pallas" and its benchmark-only variants: decode-step fusions off (A/B timing: benchmarks/ab_kernels.py;
@@ -44,7 +45,8 @@ class Fusions(NamedTuple):
 VARIANTS = {"pallas": Fusions(), "pallas:no_partials": Fusions(partials=False),
             "pallas:unfused": Fusions(parts=False, partials=False),
             "pallas:unroll2": Fusions(unroll=2), "pallas:unroll4": Fusions(unroll=4),
-            "pallas:unroll16": Fusions(unroll=16), "pallas:tree_unroll2": Fusions(tree_unroll=2)}
+            "pallas:unroll16": Fusions(unroll=16), "pallas:tree_unroll2": Fusions(tree_unroll=2),
+            "pallas:split_mlp": Fusions(swiglu=False)}
 
 
 def scan_unroll(kernels: str, tree: bool = False) -> int:
@@ -469,6 +471,63 @@ def decode_row(x, w, kernels="xla", *, norm=None, fp8: Fp8 | None = None):
         y = rounded(y[0], x_.dtype)
         return jnp.zeros(like.shape[:1] + y.shape, like.dtype).at[0].set(y.astype(like.dtype))
     return fold_rows(f, (x,), (w, nw), out_axis=1, rule=folded)
+
+
+def swiglu_fuses(x, w_gate_up, w_down, kernels="xla") -> bool:
+    """`mlp` runs the MLP of x [..., D] with the SwiGLU in its gate|up GEMM's epilogue: the Pallas path, plain
+    bf16 weights of a stack (`Layer`s, the model's scan) and `pick` choosing dense_mgpu for x's rows (the verify's
+    65; not a decode step's one row, whose GEMVs keep the MLP as `dense`, SwiGLU, `dense`)."""
+    f = _fusions(kernels)
+    if not (f is not None and f.swiglu and isinstance(w_gate_up, Layer) and isinstance(w_down, Layer)):
+        return False
+    _, rows, K, N = _problem("btd,dgf->btgf", x.reshape((1, -1, x.shape[-1])), w_gate_up.shape)
+    return _swiglu_mgpu(x.dtype, w_gate_up.dtype, rows, K, N, kernels)
+
+
+def _swiglu_mgpu(dtype, w_dtype, rows: int, K: int, N: int, kernels: str) -> bool:
+    """The gate|up projection of `rows` rows runs on dense_mgpu's SwiGLU GEMM (`dense_mgpu.swiglu_supports`)."""
+    if pick(weight_format(dtype, w_dtype), rows, N, kernels, depth=K, stacked=True).kernel != "dense_mgpu":
+        return False
+    from kernels_pallas import dense_mgpu
+    return dense_mgpu.swiglu_supports(-(-rows // 8) * 8, K, N) is None
+
+
+def mlp(x, w_gate_up, w_down, kernels="xla", *, norm=None, residual=None):
+    """The SwiGLU MLP down(swiglu(gate_up(x))) of x [..., D] (jaxddtree/model/mlp.py; `swiglu_fuses` says when
+    the model calls it): w_gate_up a `Layer` of [D, 2, F] weights, w_down of [F, D]; norm = (w_n, eps) and
+    residual as in `dense`. On dense_mgpu the input norm writes whole 8-row groups (`rms_norm.rms_norm_rows`),
+    the gate|up GEMM rounds both halves and writes silu(gate) · up in its epilogue (`dense_mgpu.swiglu_mgpu`) and
+    the down GEMM reads those rows as they are: no XLA kernel between the GEMMs (the SwiGLU + pad fusion was
+    64 × 4.0 µs of an H100 round, session 30). Where `pick` chooses another kernel for the rows (a batched
+    round's folded slots past the kernel's rows), `dense`, SwiGLU, `dense`: the same values either way."""
+    from kernels_pallas.numerics import swiglu
+    nw, eps = norm if norm is not None else (None, None)
+    act = x.dtype
+
+    def f(acts, weights):
+        x_, res_ = acts
+        wgu, wd, nw_ = weights
+        lead, D = x_.shape[:-1], x_.shape[-1]
+        rows, F = math.prod(lead), wd.shape[0]
+        norm_ = None if nw_ is None else (nw_, eps)
+        if not _swiglu_mgpu(act, wgu.dtype, rows, D, 2 * F, kernels):
+            gu = dense("btd,dgf->btgf", x_.reshape(1, rows, D), wgu, kernels, norm=norm_)
+            h = swiglu(gu[..., 0, :], gu[..., 1, :], act)
+            res2 = None if res_ is None else res_.reshape(1, rows, D)
+            return dense("btf,fd->btd", h, wd, kernels, residual=res2).reshape(x_.shape)
+        from kernels_pallas import dense_mgpu, rms_norm
+        x2 = x_.reshape(rows, D)
+        if nw_ is not None:
+            s, lw = _stack_of(nw_)
+            x2 = rms_norm.rms_norm_rows(x2, s, eps=eps, rows_to=8, **lw)
+        elif rows % 8:
+            x2 = jnp.pad(x2, ((0, -rows % 8), (0, 0)))
+        wgu2, lg = _gemv_weight(wgu, D)
+        h = dense_mgpu.swiglu_mgpu(x2, wgu2, **lg)  # [rows rounded up to 8, F]
+        wd2, ld = _gemv_weight(wd, F)
+        y = dense_mgpu.dense_mgpu(h, wd2, rows=rows, **ld)
+        return _finish(y, act, None if res_ is None else res_.reshape(rows, D), False).reshape(x_.shape)
+    return rounded(fold_rows(f, (x, residual), (w_gate_up, w_down, nw)), act)
 
 
 def fold_rows(f, acts, weights, out_axis: int = 0, rule=None):

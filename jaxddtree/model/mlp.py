@@ -1,12 +1,14 @@
 """SwiGLU MLP: down(silu(gate(x)) * up(x)), rounded like transformers' `Qwen3_5MLP` in the activations'
 dtype: silu computed in fp32 and rounded, the product rounded (no-ops in fp32). gate and up are one fused
-projection `w_gate_up [D, 2, F]` (gate = [:, 0], up = [:, 1]; the explicit F axis can be sharded)."""
+projection `w_gate_up [D, 2, F]` (gate = [:, 0], up = [:, 1]; the explicit F axis can be sharded). On the Pallas
+path of a Hopper GPU the verify's MLP runs as `ops.mlp` (the SwiGLU in the gate|up GEMM's epilogue)."""
 
 from __future__ import annotations
 
 import jax
 from flax import nnx
 
+from kernels_pallas import ops
 from kernels_pallas.numerics import swiglu
 from jaxddtree.model.linear import dense, init_weight
 
@@ -20,6 +22,9 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array, kernels: str = "xla", norm=None, residual=None) -> jax.Array:
         """norm = (w, eps): the pre-MLP RMSNorm of x before the gate|up projection; residual: added to the output
         inside the down projection (`linear.dense`)."""
-        gu = dense("btd,dgf->btgf", x, self.w_gate_up[...], kernels, norm=norm)  # [B,T,2,F], one GEMM / GEMV
+        w_gate_up, w_down = self.w_gate_up[...], self.w_down[...]
+        if self.reduce is None and ops.swiglu_fuses(x, w_gate_up, w_down, kernels):
+            return ops.mlp(x, w_gate_up, w_down, kernels, norm=norm, residual=residual)  # SwiGLU in the GEMM
+        gu = dense("btd,dgf->btgf", x, w_gate_up, kernels, norm=norm)  # [B,T,2,F], one GEMM / GEMV
         h = swiglu(gu[..., 0, :], gu[..., 1, :], x.dtype)
-        return dense("btf,fd->btd", h, self.w_down[...], kernels, residual=residual, reduce=self.reduce)
+        return dense("btf,fd->btd", h, w_down, kernels, residual=residual, reduce=self.reduce)

@@ -21,6 +21,7 @@ TABLE = {
     ("bf16", "pallas:unroll4"): "XXX XPP XXX XXX XXX XXX",
     ("bf16", "pallas:unroll16"): "XXX XPP XXX XXX XXX XXX",
     ("bf16", "pallas:tree_unroll2"): "XXX XPP XXX XXX XXX XXX",  # (picks as "pallas"; the verify's scan differs)
+    ("bf16", "pallas:split_mlp"): "XXX XPP XXX XXX XXX XXX",  # (picks as "pallas"; the MLP's SwiGLU apart)
     ("bf16", "xla"): "XXX XXX XXX XXX XXX XXX",
     ("fp32", "pallas"): "XXX XXX XXX XXX XXX XXX",
     ("fp32", "pallas:unfused"): "XXX XXX XXX XXX XXX XXX",
@@ -45,7 +46,8 @@ def test_table():
     got = {key: _row(*key) for key in TABLE}
     assert got == TABLE
     assert set(ops.VARIANTS) == {"pallas", "pallas:no_partials", "pallas:unfused", "pallas:unroll2", "pallas:unroll4",
-                                 "pallas:unroll16", "pallas:tree_unroll2"}  # a new variant: add its rows
+                                 "pallas:unroll16", "pallas:tree_unroll2", "pallas:split_mlp"}  # a new variant:
+    # add its rows
     assert [ops.scan_unroll(k) for k in ("xla", "pallas", "pallas:unfused", "pallas:unroll4")] == [1, 1, 1, 4]
     assert [ops.scan_unroll(k, tree=True) for k in ("xla", "pallas", "pallas:unroll4", "pallas:tree_unroll2")] == [
         1, 1, 4, 2] and ops.scan_unroll("pallas:tree_unroll2") == 1

@@ -143,3 +143,112 @@ def test_default_configs_fit():
     for key, c in km.CONFIGS.items():
         Mc, K, N = (int(v[2:] if v[0] == "M" else v[1:]) for v in key.split(":"))
         assert isinstance(c, km.Config) and km._fits(c, Mc, K, N), key
+
+
+# ------------------------------------------------------------------ the gate|up GEMM with its SwiGLU epilogue
+def _swiglu_check(out, x, w, layer=None):
+    """swiglu_mgpu vs its reference: the two halves' bf16 sums equal or 1 ulp apart (as `_check`), so silu(gate) ·
+    up within 2 ulps of the reference (rarely more than 0: a flipped rounding of gate or up moves the product by
+    its spacing at most, the silu's rounding in between adding one more), exactly equal in most places."""
+    ref = np.asarray(km.swiglu_mgpu_reference(x, w, layer=layer), np.float32)
+    out = np.asarray(out, np.float32)
+    assert out.shape == ref.shape and np.isfinite(out).all()
+    u = _ulps(out, ref)
+    assert u.max() <= 2.0, u.max()
+    assert np.mean(u > 0) < 0.02, np.mean(u > 0)
+
+
+def test_swiglu_signature_matches_reference():
+    assert_kernel_signature(km.swiglu_mgpu, km.swiglu_mgpu_reference)
+
+
+SWIGLU_CASES = [  # R (a multiple of 8), K, F, L, config
+    (72, 256, 128, 3, km.Config(block_n=128, block_k=64, num_stages=2)),  # verify's 65 rows as 72, layer 1 of 3
+    (16, 192, 64, None, km.Config(block_n=128, block_k=128, num_stages=3)),  # a K tail, a 2-D weight
+    (136, 128, 192, 2, None),  # 129 rows as 136, the default config, 3 column tiles per half
+    (8, 512, 64, 2, km.Config(block_n=128, block_k=64, split_k=2, num_stages=2)),  # split-K: dense_mgpu + XLA
+]
+
+
+@pytest.mark.parametrize("R,K,F,L,cfg", SWIGLU_CASES)
+def test_swiglu_kernel_matches_reference(R, K, F, L, cfg):
+    x, w = _inputs(R, K, 2 * F, L, seed=4)
+    x = (2.0 * x.astype(jnp.float32)).astype(jnp.bfloat16)  # gate values across silu's curve
+    layer = None if L is None else jnp.int32(L // 2)
+    out = km.swiglu_mgpu(x, w, layer=layer, config=cfg, interpret=True)
+    assert out.shape == (R, F) and out.dtype == jnp.bfloat16
+    _swiglu_check(out, x, w, layer)
+
+
+def test_swiglu_refuses_and_falls_back():
+    assert km.swiglu_supports(72, 5120, 34816) is None
+    assert "rows" in km.swiglu_supports(65, 5120, 34816) and "rows" in km.swiglu_supports(256, 5120, 34816)
+    assert "F = 96" in km.swiglu_supports(72, 5120, 192)
+    x, w = _inputs(65, 128, 128, seed=5)  # 65 rows: dense_mgpu (its own pad), then XLA's SwiGLU
+    out = km.swiglu_mgpu(x, w, interpret=True)
+    assert out.shape == (65, 64)
+    _swiglu_check(out, x, w)
+
+
+@pytest.mark.parametrize("R", [72, 136])
+def test_swiglu_lowers_for_h200_at_27b_shapes(R):
+    """The 27B MLP's gate|up (one layer of a 16-layer stack, a traced layer) at the verify's 72 rows and two slots'
+    136: one Mosaic GPU kernel, the stack read whole, shared memory within the limit."""
+    S = jax.ShapeDtypeStruct
+    K, N = SHAPES_27B["w_gate_up"]
+    cfg = km.swiglu_config(R, K, N)
+    assert km._swiglu_smem(R, cfg) <= km.SMEM_LIMIT and km.swiglu_supports(R, K, N) is None
+    txt = lower_for_h200(lambda x, w, l: km.swiglu_mgpu(x, w, layer=l), S((R, K), jnp.bfloat16),
+                         S((16, K, N), jnp.bfloat16), S((), jnp.int32))
+    assert txt.count("mosaic_gpu") >= 1 and "dynamic_slice" not in txt and f"16x{K}x{N}xbf16" in txt
+
+
+def test_ops_mlp_swiglu_in_the_gemm(monkeypatch):
+    """The model's MLP (`ops.mlp`, called where `ops.swiglu_fuses`) on the dense_mgpu path (a Hopper GPU's verify;
+    here the interpreters) with stacked weights (`ops.Layer`s): the norm kernel, the SwiGLU GEMM and the down GEMM
+    with nothing between them, against the XLA path (bf16: the GEMMs' sums in another order); a decode step's one
+    row keeps the old path; under jax.vmap (a batched round's slots, folded) too."""
+    from kernels_pallas import ops
+    from kernels_pallas import rms_norm as R
+    monkeypatch.setattr(ops, "_hopper", lambda: True)
+    monkeypatch.setattr(km, "dense_mgpu", functools.partial(km.dense_mgpu, interpret=True))
+    monkeypatch.setattr(km, "swiglu_mgpu", functools.partial(km.swiglu_mgpu, interpret=True))
+    monkeypatch.setattr(R, "rms_norm_rows", functools.partial(R.rms_norm_rows, interpret=True))
+    L, T, D, F = 3, 13, 128, 192
+    kx, kg, kd, kn, kr = jax.random.split(jax.random.PRNGKey(7), 5)
+    x = (2.0 * jax.random.normal(kx, (1, T, D))).astype(jnp.bfloat16)
+    wgu = (jax.random.normal(kg, (L, D, 2, F)) * D ** -0.5).astype(jnp.bfloat16)
+    wd = (jax.random.normal(kd, (L, F, D)) * F ** -0.5).astype(jnp.bfloat16)
+    nw = (0.1 * jax.random.normal(kn, (L, D))).astype(jnp.bfloat16)
+    res = jax.random.normal(kr, (1, T, D)).astype(jnp.bfloat16)
+    layer = jnp.int32(2)
+    Lw = lambda a: ops.Layer(a, layer)  # noqa: E731
+
+    def run(kernels, x_, r_):
+        return ops.mlp(x_, Lw(wgu), Lw(wd), kernels, norm=(Lw(nw), 1e-6), residual=r_)
+
+    def old(x_, r_):  # the model's MLP on XLA: dense, SwiGLU, dense
+        from kernels_pallas.numerics import swiglu
+        gu = ops.dense("btd,dgf->btgf", x_, Lw(wgu), "xla", norm=(Lw(nw), 1e-6))
+        return ops.dense("btf,fd->btd", swiglu(gu[..., 0, :], gu[..., 1, :], x_.dtype), Lw(wd), "xla",
+                         residual=r_)
+    assert ops.swiglu_fuses(x, Lw(wgu), Lw(wd), "pallas") and not ops.swiglu_fuses(x, Lw(wgu), Lw(wd), "xla")
+    assert not ops.swiglu_fuses(x, Lw(wgu), Lw(wd), "pallas:split_mlp")  # the A/B variant: dense, SwiGLU, dense
+    S = jax.ShapeDtypeStruct  # the 27B MLP: a decode step's one row stays on the GEMVs, the verify's 65 fuse
+    w27 = [ops.Layer(S((16, 5120, 2, 17408), jnp.bfloat16), layer),
+           ops.Layer(S((16, 17408, 5120), jnp.bfloat16), layer)]
+    x27 = jnp.zeros((1, 65, 5120), jnp.bfloat16)
+    assert ops.swiglu_fuses(x27, *w27, "pallas") and not ops.swiglu_fuses(x27[:, :1], *w27, "pallas")
+    assert not ops.swiglu_fuses(x, wgu[1], wd[1], "pallas")  # no stack: XLA's GEMMs
+    jaxpr = str(jax.make_jaxpr(functools.partial(run, "pallas"))(x, res))
+    assert "name=swiglu_mgpu" in jaxpr and "dynamic_slice" not in jaxpr
+    a, c = np.asarray(run("pallas", x, res), np.float32), np.asarray(old(x, res), np.float32)
+    assert a.shape == (1, T, D) and run("pallas", x, res).dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(run("xla", x, res), np.float32), c)
+    np.testing.assert_allclose(a, c, rtol=2.0 ** -6, atol=2.0 ** -6)
+    assert np.mean(a != c) < 0.05
+    xs, rs = jnp.stack([x, x[:, ::-1]]), jnp.stack([res, res[:, ::-1]])
+    v = np.asarray(jax.vmap(functools.partial(run, "pallas"))(xs, rs), np.float32)
+    np.testing.assert_allclose(v[0], a, rtol=2.0 ** -6, atol=2.0 ** -6)
+    np.testing.assert_allclose(v[1], np.asarray(old(x[:, ::-1], res[:, ::-1]), np.float32), rtol=2.0 ** -6,
+                               atol=2.0 ** -6)
