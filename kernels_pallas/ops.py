@@ -25,7 +25,7 @@ class Fusions(NamedTuple):
     #                     norm + RoPE + gate + KV-cache write as one kernel (`attention_decode_prep`)
     partials: bool = True  # the GEMV's split-K partials unsummed into the GDN / attention decode kernels
     unroll: int = 1  # layer groups per iteration of the model's scan (`scan_unroll`)
-    tree_unroll: int = 2  # the same in a tree verify only (variant "pallas:tree_scan": 1)
+    tree_unroll: int = 1  # the same in a tree verify only (variant "pallas:tree_unroll2": 2)
     swiglu: bool = True  # the MLP's SwiGLU in its gate|up GEMM's epilogue (`mlp`; variant "pallas:split_mlp": off)
 
 
@@ -43,20 +43,21 @@ class Fusions(NamedTuple):
 # beta / g and key grams as one Pallas-Triton kernel per layer (`gdn_tree_prep`, "pallas:tree_prep": round(64)
 # +0.86 ms with the grams in it, 33 µs a call vs XLA's 20; −0.01 ms without them). Made defaults after an A/B (H100,
 # 4K, 2026-12-07, BENCHMARKS.md session 31; round(64) 26.94 ms "pallas"): the MLP's SwiGLU in the gate|up GEMM's
-# epilogue ("pallas:split_mlp": 27.25) and the verify's layer-group scan unrolled by 2 (26.67 against 26.94 rolled,
-# "pallas:tree_scan"; the decode step's scan stays rolled: "pallas:unroll2", both unrolled, moved the AR step by
-# +0.19 ms on the H200, session 29, and was removed).
+# epilogue ("pallas:split_mlp": 27.25). Pending: the verify's layer-group scan unrolled by 2 ("pallas:tree_unroll2":
+# 26.67; the decode step's scan stays rolled) until the serve's cold start is timed with it (its critical path is
+# the auto round's compile, whose verify bodies it doubles). Removed: "pallas:unroll2", both scans unrolled (round
+# −0.28 ms, AR step +0.19 on the H200, session 29).
 VARIANTS = {"pallas": Fusions(), "pallas:no_partials": Fusions(partials=False),
             "pallas:unfused": Fusions(parts=False, partials=False),
             "pallas:unroll4": Fusions(unroll=4, tree_unroll=4), "pallas:unroll16": Fusions(unroll=16, tree_unroll=16),
-            "pallas:tree_scan": Fusions(tree_unroll=1),
+            "pallas:tree_unroll2": Fusions(tree_unroll=2),
             "pallas:split_mlp": Fusions(swiglu=False)}
 
 
 def scan_unroll(kernels: str, tree: bool = False) -> int:
     """How many layer groups one iteration of the model's `lax.scan` runs (`jax.lax.scan(unroll=...)`) in a pass
-    (tree: a tree verify's): `Fusions.unroll` / `tree_unroll` of the Pallas path (the verify's 2: the scan's copies
-    and slices cost more round time than a second group's compile; the decode step's 1), 1 on XLA's."""
+    (tree: a tree verify's): `Fusions.unroll` / `tree_unroll` of the Pallas path (1, except in the benchmark variants
+    "pallas:unrollN" and "pallas:tree_unroll2": the scan's own cost, A/B), 1 on XLA's."""
     f = _fusions(kernels)
     if f is None:
         return 1
