@@ -36,17 +36,23 @@ def _ulps(a, b):
     return np.abs(a - b) / _spacing(np.maximum(np.abs(a), np.abs(b)))
 
 
+def _close(out, ref, max_ulps: float, frac: float) -> np.ndarray:
+    """out and ref (bf16 values) of one shape, finite, at most max_ulps apart and apart at all in < frac of the
+    places; -> out as fp32."""
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert out.shape == ref.shape and np.isfinite(out).all()
+    u = _ulps(out, ref)
+    assert u.max() <= max_ulps, u.max()
+    assert np.mean(u > 0) < frac, np.mean(u > 0)
+    return out
+
+
 def _check(out, x, w, layer=None):
     """The interpreter's fp32 sums (exact products, summed over the K steps in order; split-K partials added in
     order) against the reference's (XLA's CPU dot, another order): the bf16 results are equal or 1 ulp apart (the
     fp32 sums differ in their last bits; where one lies next to a bf16 rounding boundary the roundings differ),
     and within 0.5 ulp of the exact (float64) product plus the fp32 summation's worst-case error K·2⁻²⁴·Σ|x||w|."""
-    ref = np.asarray(km.dense_mgpu_reference(x, w, layer=layer), np.float32)
-    out = np.asarray(out, np.float32)
-    assert out.shape == ref.shape and np.isfinite(out).all()
-    u = _ulps(out, ref)
-    assert u.max() <= 1.0, u.max()
-    assert np.mean(u > 0) < 0.01, np.mean(u > 0)
+    out = _close(out, km.dense_mgpu_reference(x, w, layer=layer), 1.0, 0.01)
     w64 = np.asarray(w if layer is None else w[layer], np.float64)
     x64 = np.asarray(x, np.float64)
     exact = x64 @ w64
@@ -150,12 +156,7 @@ def _swiglu_check(out, x, w, layer=None):
     """swiglu_mgpu vs its reference: the two halves' bf16 sums equal or 1 ulp apart (as `_check`), so silu(gate) ·
     up within 2 ulps of the reference (rarely more than 0: a flipped rounding of gate or up moves the product by
     its spacing at most, the silu's rounding in between adding one more), exactly equal in most places."""
-    ref = np.asarray(km.swiglu_mgpu_reference(x, w, layer=layer), np.float32)
-    out = np.asarray(out, np.float32)
-    assert out.shape == ref.shape and np.isfinite(out).all()
-    u = _ulps(out, ref)
-    assert u.max() <= 2.0, u.max()
-    assert np.mean(u > 0) < 0.02, np.mean(u > 0)
+    _close(out, km.swiglu_mgpu_reference(x, w, layer=layer), 2.0, 0.02)
 
 
 def test_swiglu_signature_matches_reference():
