@@ -39,6 +39,10 @@ thread: ≤ 144), 64 beyond; the deepest ring ≤ 4 stages that fits; split-K (a
 ≥ 4 per CTA, ≤ 16) chosen by a bytes model: the weight stream in waves of CTAs, a short last wave costing its
 CTAs' own streaming time, plus the fp32 partials' write and read (`_split_cost`).
 
+`swiglu_mgpu` (the MLP's gate|up projection, w [K, 2F]): the same GEMM with each CTA streaming block_n / 2 gate
+columns and the matching up columns into two accumulators; its epilogue rounds both and writes silu(gate) · up
+(`numerics.swiglu`) for every row of x, [R, F]: the down GEMM reads them with `rows=` (session 31, issue 41).
+
 Interpret mode (CPU, `interpret=True`): the Mosaic GPU interpreter runs the same code (its wgmma is an exact fp32
 dot, summed over the K steps in order).
 """

@@ -2,7 +2,8 @@
 without gate / residual) on the Mosaic GPU interpreter (CPU, fresh random inputs: 1 / 5 / 16 / 65 / 129 / 256 / 300
 rows, split-K, a K tail, row tiles, one layer of a stacked weight [L, K, N] — also under a `lax.scan` over layers),
 and its CUDA lowering for an abstract H200 at the 27B shapes with a layer operand (no weight slice in the HLO, shared
-memory within the limit)."""
+memory within the limit); the same for the gate|up GEMM with its SwiGLU epilogue (`swiglu_mgpu`) and the model's
+MLP on it (`ops.mlp`)."""
 
 import functools
 
