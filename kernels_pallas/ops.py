@@ -485,8 +485,8 @@ def swiglu_fuses(x, w_gate_up, w_down, kernels="xla") -> bool:
     f = _fusions(kernels)
     if not (f is not None and f.swiglu and isinstance(w_gate_up, Layer) and isinstance(w_down, Layer)):
         return False
-    _, rows, K, N = _problem("btd,dgf->btgf", x.reshape((1, -1, x.shape[-1])), w_gate_up.shape)
-    return _swiglu_mgpu(x.dtype, w_gate_up.dtype, rows, K, N, kernels)
+    D, _, F = w_gate_up.shape
+    return _swiglu_mgpu(x.dtype, w_gate_up.dtype, math.prod(x.shape[:-1]), D, 2 * F, kernels)
 
 
 def _swiglu_mgpu(dtype, w_dtype, rows: int, K: int, N: int, kernels: str) -> bool:
@@ -520,12 +520,9 @@ def mlp(x, w_gate_up, w_down, kernels="xla", *, norm=None, residual=None):
             h = swiglu(gu[..., 0, :], gu[..., 1, :], act)
             res2 = None if res_ is None else res_.reshape(1, rows, D)
             return dense("btf,fd->btd", h, wd, kernels, residual=res2).reshape(x_.shape)
-        from kernels_pallas import dense_mgpu, rms_norm
-        x2 = x_.reshape(rows, D)
-        if nw_ is not None:
-            s, lw = _stack_of(nw_)
-            x2 = rms_norm.rms_norm_rows(x2, s, eps=eps, rows_to=8, **lw)
-        elif rows % 8:
+        from kernels_pallas import dense_mgpu
+        x2 = _norm_rows(x_.reshape(rows, D), norm_)
+        if x2.shape[0] % 8:  # (no norm) the SwiGLU GEMM takes whole 8-row groups
             x2 = jnp.pad(x2, ((0, -rows % 8), (0, 0)))
         wgu2, lg = _gemv_weight(wgu, D)
         h = dense_mgpu.swiglu_mgpu(x2, wgu2, **lg)  # [rows rounded up to 8, F]
@@ -568,6 +565,16 @@ def fold_rows(f, acts, weights, out_axis: int = 0, rule=None):
     return fn(acts, weights)
 
 
+def _norm_rows(x2, norm):
+    """A dense_mgpu GEMM's input x2 [rows, K]: with norm = (w_n, eps) the norm kernel's output, whole 8-row groups
+    (`rms_norm.rms_norm_rows`, w_n read from its stack: no slice, no pad before the GEMM), else x2."""
+    if norm is None:
+        return x2
+    from kernels_pallas import rms_norm
+    nw, lw = _stack_of(norm[0])
+    return rms_norm.rms_norm_rows(x2, nw, eps=norm[1], rows_to=8, **lw)
+
+
 def _stack_of(w) -> tuple[jax.Array, dict]:
     """A small parameter as a kernel reads it: a Layer's whole stack and layer= (read in place), else w."""
     return (w.stacked, dict(layer=w.index)) if isinstance(w, Layer) else (w, {})
@@ -596,10 +603,7 @@ def _project(spec: str, x, w, kernels: str, norm, gate, residual, partial: bool 
     if mgpu:  # the norm weights read from their stacks, the rows written in whole 8-row groups (no pad before it)
         from kernels_pallas import dense_mgpu, rms_norm
         out_shape = x.shape[:x.ndim - nc] + w.shape[nc:]
-        x2 = x.reshape(rows, K)
-        if norm is not None:
-            nw, lw = _stack_of(norm[0])
-            x2 = rms_norm.rms_norm_rows(x2, nw, eps=norm[1], rows_to=8, **lw)
+        x2 = _norm_rows(x.reshape(rows, K), norm)
         if gated_norm is not None:
             z, gw, geps = gated_norm
             gw, lw = _stack_of(gw)
