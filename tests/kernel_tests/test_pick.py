@@ -19,7 +19,6 @@ TABLE = {
     ("bf16", "pallas:unfused"): "XXX XUU XXX XXX XXX XXX",
     ("bf16", "pallas:unroll4"): "XXX XPP XXX XXX XXX XXX",  # (the unroll variants pick as "pallas")
     ("bf16", "pallas:unroll16"): "XXX XPP XXX XXX XXX XXX",
-    ("bf16", "pallas:tree_unroll2"): "XXX XPP XXX XXX XXX XXX",  # (picks as "pallas"; the verify's scan differs)
     ("bf16", "pallas:split_mlp"): "XXX XPP XXX XXX XXX XXX",  # (picks as "pallas"; the MLP's SwiGLU apart)
     ("bf16", "xla"): "XXX XXX XXX XXX XXX XXX",
     ("fp32", "pallas"): "XXX XXX XXX XXX XXX XXX",
@@ -45,10 +44,9 @@ def test_table():
     got = {key: _row(*key) for key in TABLE}
     assert got == TABLE
     assert set(ops.VARIANTS) == {"pallas", "pallas:no_partials", "pallas:unfused", "pallas:unroll4", "pallas:unroll16",
-                                 "pallas:tree_unroll2", "pallas:split_mlp"}  # a new variant: add its rows
+                                 "pallas:split_mlp"}  # a new variant: add its rows
     assert [ops.scan_unroll(k) for k in ("xla", "pallas", "pallas:unfused", "pallas:unroll4")] == [1, 1, 1, 4]
-    assert [ops.scan_unroll(k, tree=True) for k in ("xla", "pallas", "pallas:unroll4", "pallas:tree_unroll2")] == [
-        1, 1, 4, 2] and ops.scan_unroll("pallas:tree_unroll2") == 1
+    assert [ops.scan_unroll(k, tree=True) for k in ("xla", "pallas", "pallas:unfused", "pallas:unroll4")] == [1, 2, 2, 4]
 
 
 def test_gemv_thresholds_are_the_only_override():
