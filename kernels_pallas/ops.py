@@ -43,10 +43,10 @@ class Fusions(NamedTuple):
 # beta / g and key grams as one Pallas-Triton kernel per layer (`gdn_tree_prep`, "pallas:tree_prep": round(64)
 # +0.86 ms with the grams in it, 33 µs a call vs XLA's 20; −0.01 ms without them). Made defaults after an A/B (H100,
 # 4K, 2026-12-07, BENCHMARKS.md session 31; round(64) 26.94 ms "pallas"): the MLP's SwiGLU in the gate|up GEMM's
-# epilogue ("pallas:split_mlp": 27.25) and, after the serve's cold start was timed with it, the tree verify's layer-group
-# scan unrolled by 2 (Fusions.tree_unroll; H100, 4K, 2026-12-07, session 32: round(64) 26.60 vs 26.85 ms rolled, AR
-# step the same; serve ready cold 89.7 vs 83.4 s at --max-batch 11: it doubles the auto round's verify bodies, the
-# cold start's critical path). Removed: "pallas:unroll2", both scans unrolled (round −0.28 ms, AR step +0.19 on the
+# epilogue ("pallas:split_mlp": 27.25) and, once the serve's cold start was timed with it, the tree verify's
+# layer-group scan unrolled by 2 (Fusions.tree_unroll; H100, 4K, 2026-12-07, session 32: round(64) 26.60 vs 26.85 ms
+# rolled, AR step the same; serve ready cold 89.7 vs 83.4 s at --max-batch 11: it doubles the auto round's verify
+# bodies, the cold start's critical path). Removed: "pallas:unroll2", both scans unrolled (round −0.28 ms, AR step +0.19 on the
 # H200, session 29).
 VARIANTS = {"pallas": Fusions(), "pallas:no_partials": Fusions(partials=False),
             "pallas:unfused": Fusions(parts=False, partials=False),
@@ -56,8 +56,8 @@ VARIANTS = {"pallas": Fusions(), "pallas:no_partials": Fusions(partials=False),
 
 def scan_unroll(kernels: str, tree: bool = False) -> int:
     """How many layer groups one iteration of the model's `lax.scan` runs (`jax.lax.scan(unroll=...)`) in a pass
-    (tree: a tree verify's): `Fusions.unroll` / `tree_unroll` of the Pallas path (1 and 2 by default; the benchmark variants
-    "pallas:unrollN" time the scan's own cost), 1 on XLA's."""
+    (tree: a tree verify's): `Fusions.unroll` / `tree_unroll` of the Pallas path (by default 1 /
+    2; the benchmark variants "pallas:unrollN" time the scan's own cost), 1 on XLA's."""
     f = _fusions(kernels)
     if f is None:
         return 1
