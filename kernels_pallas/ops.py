@@ -46,8 +46,8 @@ class Fusions(NamedTuple):
 # epilogue ("pallas:split_mlp": 27.25) and, once the serve's cold start was timed with it, the tree verify's
 # layer-group scan unrolled by 2 (Fusions.tree_unroll; H100, 4K, 2026-12-07, session 32: round(64) 26.60 vs 26.85 ms
 # rolled, AR step the same; serve ready cold 89.7 vs 83.4 s at --max-batch 11: it doubles the auto round's verify
-# bodies, the cold start's critical path). Removed: "pallas:unroll2", both scans unrolled (round −0.28 ms, AR step +0.19 on the
-# H200, session 29).
+# bodies, the cold start's critical path). Removed: "pallas:unroll2", both scans unrolled (round −0.28 ms, AR step
+# +0.19 on the H200, session 29).
 VARIANTS = {"pallas": Fusions(), "pallas:no_partials": Fusions(partials=False),
             "pallas:unfused": Fusions(parts=False, partials=False),
             "pallas:unroll4": Fusions(unroll=4, tree_unroll=4), "pallas:unroll16": Fusions(unroll=16, tree_unroll=16),
