@@ -56,8 +56,8 @@ VARIANTS = {"pallas": Fusions(), "pallas:no_partials": Fusions(partials=False),
 
 def scan_unroll(kernels: str, tree: bool = False) -> int:
     """How many layer groups one iteration of the model's `lax.scan` runs (`jax.lax.scan(unroll=...)`) in a pass
-    (tree: a tree verify's): `Fusions.unroll` / `tree_unroll` of the Pallas path (by default 1 /
-    2; the benchmark variants "pallas:unrollN" time the scan's own cost), 1 on XLA's."""
+    (tree: a tree verify's): `Fusions.unroll` / `tree_unroll` of the Pallas path (by default 1, and
+    2 in a tree verify; the benchmark variants "pallas:unrollN" time the scan's own cost), 1 on XLA's."""
     f = _fusions(kernels)
     if f is None:
         return 1
