@@ -90,10 +90,12 @@ class Config:
     row_tile: int | None = None
 
 
-def dense_mgpu_reference(x, w, *, layer=None, rows=None):
+def dense_mgpu_reference(x, w, *, layer=None, rows=None, partials: bool = False):
     """y = x @ w (or x @ w[layer]) with fp32 accumulation, in x.dtype: `dense.dense_reference` without gate /
-    residual (the kernel's signature). rows: only x's first `rows` rows (x [R, K], rows ≤ R) -> [rows, N]."""
-    return dense_reference(x if rows is None else x[:rows], w, layer=layer)
+    residual (the kernel's signature). rows: only x's first `rows` rows (x [R, K], rows ≤ R) -> [rows, N].
+    partials: y as one partial, [1, ..., N] (their sum, `numerics.sum_partials`, is y)."""
+    y = dense_reference(x if rows is None else x[:rows], w, layer=layer)
+    return y[None] if partials else y
 
 
 def supports(M: int, K: int, N: int, dtype=jnp.bfloat16, w_dtype=jnp.bfloat16) -> str | None:
@@ -211,12 +213,15 @@ def _dense_wgmma(*refs, M: int, Mc: int, nr: int, bn: int, bk: int, n_per: int, 
     store_rows(y, dst, j=j, r=r, bn=bn, M=M, Mc=Mc, nr=nr)
 
 
-@functools.partial(jax.jit, static_argnames=("rows", "interpret", "config"))
-def dense_mgpu(x, w, *, layer=None, rows=None, interpret=False, config: Config | None = None):
+@functools.partial(jax.jit, static_argnames=("rows", "interpret", "config", "partials"))
+def dense_mgpu(x, w, *, layer=None, rows=None, partials: bool = False, interpret=False,
+               config: Config | None = None):
     """y = x @ w (or x @ w[layer], read in place) in x's dtype on bf16 wgmma (module docstring). x [..., K] bf16,
     w [K, N] bf16, or w [L, K, N] with layer an int32 scalar (traced). rows: x is [R, K] and only its first `rows`
     rows are the problem's -> [rows, N]; with R = rows rounded up to 8 (a producer that wrote whole 8-row groups,
-    e.g. `rms_norm.rms_norm_rows`) no pad runs before the kernel (the rows past `rows` are never stored)."""
+    e.g. `rms_norm.rms_norm_rows`) no pad runs before the kernel (the rows past `rows` are never stored).
+    partials: the split-K partial sums unsummed, [S, rows, N] (fp32; S = 1: y itself, [1, rows, N]), for a consumer
+    that adds them up in order (`rms_norm.add_rms_norm_rows`): y = `numerics.sum_partials(parts, x.dtype)`."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
     if rows is not None:
@@ -248,8 +253,9 @@ def dense_mgpu(x, w, *, layer=None, rows=None, interpret=False, config: Config |
     if x2.shape[0] % 8:  # the TMA's (8, 64) tiles need whole 8-row groups of x in memory; rows past them are
         x2 = jnp.pad(x2, ((0, round_up(M, 8) - M), (0, 0)))  # zero-filled
     args = (x2, w) if layer is None else (jnp.asarray(layer, jnp.int32).reshape(1), x2, w)
-    y = launch(kern, args, M=M, N=N, bn=bn, nr=nr, split=split, out_dtype=x.dtype, interpret=interpret)
-    return y.reshape(*lead, N)
+    y = launch(kern, args, M=M, N=N, bn=bn, nr=nr, split=split, out_dtype=x.dtype, interpret=interpret,
+               partials=partials)
+    return y.reshape(*y.shape[:-2], *lead, N)
 
 
 # ------------------------------------------------------------------ the MLP's gate|up GEMM with its SwiGLU epilogue

@@ -27,6 +27,8 @@ class Fusions(NamedTuple):
     unroll: int = 1  # layer groups per iteration of the model's scan (`scan_unroll`)
     tree_unroll: int = 2  # the same in a tree verify only
     swiglu: bool = True  # the MLP's SwiGLU in its gate|up GEMM's epilogue (`mlp`; variant "pallas:split_mlp": off)
+    addnorm: bool = True  # a Mosaic GPU GEMM's residual add (its split-K partials unsummed) in the next input norm's
+    #                       kernel (`dense` / `mlp` with then_norm: `rms_norm.add_rms_norm_rows`; "pallas:no_addnorm")
 
 
 # kernels="pallas" and its benchmark-only variants: decode-step fusions off (A/B timing: benchmarks/ab_kernels.py;
@@ -51,7 +53,7 @@ class Fusions(NamedTuple):
 VARIANTS = {"pallas": Fusions(), "pallas:no_partials": Fusions(partials=False),
             "pallas:unfused": Fusions(parts=False, partials=False),
             "pallas:unroll4": Fusions(unroll=4, tree_unroll=4), "pallas:unroll16": Fusions(unroll=16, tree_unroll=16),
-            "pallas:split_mlp": Fusions(swiglu=False)}
+            "pallas:split_mlp": Fusions(swiglu=False), "pallas:no_addnorm": Fusions(addnorm=False)}
 
 
 def scan_unroll(kernels: str, tree: bool = False) -> int:
@@ -62,6 +64,13 @@ def scan_unroll(kernels: str, tree: bool = False) -> int:
     if f is None:
         return 1
     return f.tree_unroll if tree else f.unroll
+
+
+def add_norm_fuses(kernels: str) -> bool:
+    """A tree verify's projections hand the next input norm over (`dense` / `mlp` with then_norm; the model's
+    decoder layers ask for it where this holds): the Pallas path with `Fusions.addnorm`."""
+    f = _fusions(kernels)
+    return f is not None and f.addnorm
 
 
 def _fusions(kernels: str) -> Fusions | None:
@@ -399,7 +408,7 @@ def _problem(spec: str, x, w_shape) -> tuple[int, int, int, int]:
 
 
 def dense(spec: str, x, w, kernels="xla", *, norm=None, gate=None, residual=None, reduce=None,
-          fp8: Fp8 | None = None, gated_norm=None):
+          fp8: Fp8 | None = None, gated_norm=None, normed=None, then_norm=None):
     """einsum(spec, x, W) accumulated in fp32, rounded once to x's dtype, for specs that contract x's trailing
     axes with W's leading ones (every projection of the model: "btd,dc->btc", "bthe,hed->btd", ...). W = w (bf16 /
     fp32), or the FP8 weight of e4m3 values w and `fp8` (scales, tail), with transformers' W8A8 block FP8
@@ -416,29 +425,48 @@ def dense(spec: str, x, w, kernels="xla", *, norm=None, gate=None, residual=None
         all-reduce) before the rounding and the residual add (plain weights only).
     The GEMV with `Choice.fused` computes the gate in its prologue and the residual in its epilogue.
 
+    The next projection's input norm (the Pallas path's verify, issue 41):
+      then_norm = (w_n, eps) (with residual; plain weights, no reduce): returns (y, h), h = the rows of
+        rms_norm_1p(y, w_n, eps) as `rms_norm.rms_norm_rows` writes them ([rows rounded up to 8, N], zero rows after
+        y's), for the next projection's `normed=`. On dense_mgpu (`Fusions.addnorm`) the GEMM's split-K partials go
+        unsummed into ONE kernel that adds them and the residual and norms the sum (`rms_norm.add_rms_norm_rows`:
+        no XLA fusion between the kernels); elsewhere h is XLA's ops on y (dead unless a consumer reads it);
+      normed (with norm; x its value): those rows, read by a dense_mgpu GEMM in place of its norm kernel (every
+        other kernel, and a batched round's folded call, norms x itself).
+
     w (or an FP8 weight's q) may be a `Layer` (one layer of a stack, in a scan over layers): the weight kernels
     read it in place, XLA's einsum and the references take its slice.
 
     Under jax.vmap (the slot axis of batched rounds, speculative/batch.py) with kernels="pallas": one call on the
     rows of all slots (`fold_rows`), its kernel picked for them, so the weights are streamed once."""
+    if then_norm is not None and (residual is None or reduce is not None):
+        raise ValueError("then_norm needs a residual and no reduce")
     if fp8 is not None and gated_norm is not None:
         x, gated_norm = _gated_norm(x, gated_norm), None
     if fp8 is not None:
-        return _dense_fp8(spec, x, w, fp8, kernels, norm=norm, gate=gate, residual=residual, reduce=reduce)
+        y = _dense_fp8(spec, x, w, fp8, kernels, norm=norm, gate=gate, residual=residual, reduce=reduce)
+        return y if then_norm is None else (y, _norm_rows_ref(y, then_norm))
     act = x.dtype if gated_norm is None else gated_norm[0].dtype
     res = None if reduce is not None else residual  # tensor parallelism: added once, after the sum
     if _check(kernels) == "pallas":
         nw, eps = norm if norm is not None else (None, None)
         z, gw, geps = gated_norm if gated_norm is not None else (None, None, None)
+        tw, teps = then_norm if then_norm is not None else (None, None)
 
         def f(acts, weights):
-            x_, gate_, residual_, z_ = acts
-            w_, nw_, gw_ = weights
+            x_, gate_, residual_, z_, normed_ = acts
+            w_, nw_, gw_, tw_ = weights
             return _project(spec, x_, w_, kernels, None if nw_ is None else (nw_, eps), gate_, residual_,
-                            partial=reduce is not None, gated_norm=None if z_ is None else (z_, gw_, geps))
-        y = fold_rows(f, (x, gate, res, z), (w, nw, gw))
+                            partial=reduce is not None, gated_norm=None if z_ is None else (z_, gw_, geps),
+                            normed=normed_, then_norm=None if tw_ is None else (tw_, teps))
+        y = fold_rows(f, (x, gate, res, z, normed), (w, nw, gw, tw), rule=_fold_normed(f, teps))
+        if then_norm is not None:
+            return rounded(y[0], act), y[1]
     else:
-        y = _project(spec, x, w, kernels, norm, gate, res, partial=reduce is not None, gated_norm=gated_norm)
+        y = _project(spec, x, w, kernels, norm, gate, res, partial=reduce is not None, gated_norm=gated_norm,
+                     then_norm=then_norm)
+        if then_norm is not None:
+            return rounded(y[0], act), y[1]
     if reduce is None:
         return rounded(y, act)
     y = rounded(jax.lax.psum(y, reduce), act)
@@ -497,39 +525,50 @@ def _swiglu_mgpu(dtype, w_dtype, rows: int, K: int, N: int, kernels: str) -> boo
     return dense_mgpu.swiglu_supports(-(-rows // 8) * 8, K, N) is None
 
 
-def mlp(x, w_gate_up, w_down, kernels="xla", *, norm=None, residual=None):
+def mlp(x, w_gate_up, w_down, kernels="xla", *, norm=None, residual=None, normed=None, then_norm=None):
     """The SwiGLU MLP down(swiglu(gate_up(x))) of x [..., D] (jaxddtree/model/mlp.py; `swiglu_fuses` says when
     the model calls it): w_gate_up a `Layer` of [D, 2, F] weights, w_down of [F, D]; norm = (w_n, eps) and
     residual as in `dense`. On dense_mgpu the input norm writes whole 8-row groups (`rms_norm.rms_norm_rows`),
     the gate|up GEMM rounds both halves and writes silu(gate) · up in its epilogue (`dense_mgpu.swiglu_mgpu`) and
     the down GEMM reads those rows as they are: no XLA kernel between the GEMMs (the SwiGLU + pad fusion was
     64 × 4.0 µs of an H100 round, session 30). Where `pick` chooses another kernel for the rows (a batched
-    round's folded slots past the kernel's rows), `dense`, SwiGLU, `dense`: the same values either way."""
+    round's folded slots past the kernel's rows), `dense`, SwiGLU, `dense`: the same values either way. normed /
+    then_norm as in `dense` (the down GEMM's residual add in the next norm's kernel)."""
     from kernels_pallas.numerics import swiglu
+    if then_norm is not None and residual is None:
+        raise ValueError("then_norm needs a residual")
     nw, eps = norm if norm is not None else (None, None)
+    tw, teps = then_norm if then_norm is not None else (None, None)
     act = x.dtype
 
     def f(acts, weights):
-        x_, res_ = acts
-        wgu, wd, nw_ = weights
+        x_, res_, normed_ = acts
+        wgu, wd, nw_, tw_ = weights
         lead, D = x_.shape[:-1], x_.shape[-1]
         rows, F = math.prod(lead), wd.shape[0]
         norm_ = None if nw_ is None else (nw_, eps)
+        then_ = None if tw_ is None else (tw_, teps)
         if not _swiglu_mgpu(act, wgu.dtype, rows, D, 2 * F, kernels):
-            gu = dense("btd,dgf->btgf", x_.reshape(1, rows, D), wgu, kernels, norm=norm_)
+            gu = dense("btd,dgf->btgf", x_.reshape(1, rows, D), wgu, kernels, norm=norm_, normed=normed_)
             h = swiglu(gu[..., 0, :], gu[..., 1, :], act)
             res2 = None if res_ is None else res_.reshape(1, rows, D)
-            return dense("btf,fd->btd", h, wd, kernels, residual=res2).reshape(x_.shape)
+            out = dense("btf,fd->btd", h, wd, kernels, residual=res2, then_norm=then_)
+            return out.reshape(x_.shape) if then_ is None else (out[0].reshape(x_.shape), out[1])
         from kernels_pallas import dense_mgpu
-        x2 = _norm_rows(x_.reshape(rows, D), norm_)
+        x2 = normed_ if normed_ is not None and norm_ is not None else _norm_rows(x_.reshape(rows, D), norm_)
         if x2.shape[0] % 8:  # (no norm) the SwiGLU GEMM takes whole 8-row groups
             x2 = jnp.pad(x2, ((0, -rows % 8), (0, 0)))
         wgu2, lg = _gemv_weight(wgu, D)
         h = dense_mgpu.swiglu_mgpu(x2, wgu2, **lg)  # [rows rounded up to 8, F]
         wd2, ld = _gemv_weight(wd, F)
-        y = dense_mgpu.dense_mgpu(h, wd2, rows=rows, **ld)
-        return _finish(y, act, None if res_ is None else res_.reshape(rows, D), False).reshape(x_.shape)
-    return rounded(fold_rows(f, (x, residual), (w_gate_up, w_down, nw)), act)
+        res2 = None if res_ is None else res_.reshape(rows, D)
+        if then_ is not None and _fusions(kernels).addnorm:
+            y, hn = _add_norm(dense_mgpu.dense_mgpu(h, wd2, rows=rows, partials=True, **ld), res2, then_)
+            return y.reshape(x_.shape), hn
+        y = _finish(dense_mgpu.dense_mgpu(h, wd2, rows=rows, **ld), act, res2, False)
+        return y.reshape(x_.shape) if then_ is None else (y.reshape(x_.shape), _norm_rows_ref(y, then_))
+    y = fold_rows(f, (x, residual, normed), (w_gate_up, w_down, nw, tw), rule=_fold_normed(f, teps))
+    return rounded(y, act) if then_norm is None else (rounded(y[0], act), y[1])
 
 
 def fold_rows(f, acts, weights, out_axis: int = 0, rule=None):
@@ -551,18 +590,36 @@ def fold_rows(f, acts, weights, out_axis: int = 0, rule=None):
             return jax.vmap(f, in_axes=tuple(axes))(acts, weights), True
         per_slot = tuple(None if a is None else jax.ShapeDtypeStruct(a.shape[1:] if b else a.shape, a.dtype)
                          for a, b in zip(acts, acts_b))
-        lead = next(a.shape[0] for a in per_slot if a is not None)  # the rows' first axis, per slot
-
         def fold(a, b):
             if a is None:
                 return None
             a = a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
             return a.reshape((axis_size * a.shape[1],) + a.shape[2:])
         folded = tuple(fold(a, b) for a, b in zip(acts, acts_b))
-        y = rule(folded, weights, jax.eval_shape(f, per_slot, weights)) if rule is not None else f(folded, weights)
-        y = y.reshape(y.shape[:out_axis] + (axis_size, lead) + y.shape[out_axis + 1:])
-        return jnp.moveaxis(y, out_axis, 0), True
+        like = jax.eval_shape(f, per_slot, weights)
+        y = rule(folded, weights, like) if rule is not None else f(folded, weights)
+
+        def unfold(o, l):  # the folded output -> [slots, per-slot shape] (its rows on axis out_axis)
+            o = o.reshape(l.shape[:out_axis] + (axis_size, l.shape[out_axis]) + l.shape[out_axis + 1:])
+            return jnp.moveaxis(o, out_axis, 0)
+        return jax.tree.map(unfold, y, like), jax.tree.map(lambda _: True, y)
     return fn(acts, weights)
+
+
+def _fold_normed(f, eps):
+    """`fold_rows`' rule for `dense` / `mlp` (acts end with normed, weights with then_norm's w_n, eps its epsilon):
+    the folded call on the rows of all slots norms x itself (the per-slot `normed` rows, 8-row groups per slot, are
+    not the folded GEMM's rows) and, with then_norm, returns each slot's h from XLA's ops on its y (dead unless
+    read)."""
+    def rule(acts, weights, like):
+        out = f(acts[:-1] + (None,), weights[:-1] + (None,))
+        if weights[-1] is None:
+            return out
+        y_like, h_like = like
+        slots = out.shape[0] // y_like.shape[0]
+        hs = jax.vmap(lambda y1: _norm_rows_ref(y1, (weights[-1], eps)))(out.reshape((slots,) + y_like.shape))
+        return out, hs.reshape((slots * h_like.shape[0],) + h_like.shape[1:])
+    return rule
 
 
 def _norm_rows(x2, norm):
@@ -573,6 +630,20 @@ def _norm_rows(x2, norm):
     from kernels_pallas import rms_norm
     nw, lw = _stack_of(norm[0])
     return rms_norm.rms_norm_rows(x2, nw, eps=norm[1], rows_to=8, **lw)
+
+
+def _norm_rows_ref(y, norm):
+    """`rms_norm.rms_norm_rows_reference` of y [..., N] (its rows flattened) with norm = (w_n, eps): XLA's ops."""
+    from kernels_pallas import rms_norm
+    return rms_norm.rms_norm_rows_reference(y.reshape(-1, y.shape[-1]), plain(norm[0]), eps=norm[1])
+
+
+def _add_norm(parts, residual2, norm):
+    """A GEMM's unsummed partials [S, rows, N] + the residual [rows, N], then the next input norm = (w_n, eps), in one
+    kernel (`rms_norm.add_rms_norm_rows`, w_n read from its stack) -> (the new residual [rows, N], the normed rows)."""
+    from kernels_pallas import rms_norm
+    nw, lw = _stack_of(norm[0])
+    return rms_norm.add_rms_norm_rows(parts, residual2, nw, eps=norm[1], rows_to=8, **lw)
 
 
 def _stack_of(w) -> tuple[jax.Array, dict]:
@@ -586,15 +657,19 @@ def _gated_norm(x, gated_norm):
     return gdn_reference.gated_rms_norm(rounded(x, z.dtype), z, plain(gw), eps)
 
 
-def _project(spec: str, x, w, kernels: str, norm, gate, residual, partial: bool = False, gated_norm=None):
+def _project(spec: str, x, w, kernels: str, norm, gate, residual, partial: bool = False, gated_norm=None,
+             normed=None, then_norm=None):
     """A plain-weight projection with its parts on `pick`'s kernel -> y rounded once to the activations' dtype (x's,
     or with gated_norm z's; an XLA GEMM writes it from its fp32 accumulator: round to nearest even, the value
     `rounded` gives, without a fusion of its own), or with residual the rounded sum rounded(residual + y). partial
-    (tensor parallelism: a partial product, summed before its rounding): the unrounded fp32 product instead."""
+    (tensor parallelism: a partial product, summed before its rounding): the unrounded fp32 product instead.
+    normed / then_norm: `dense`'s (with then_norm: (y, h))."""
     act = x.dtype if gated_norm is None else gated_norm[0].dtype
     nc, rows, K, N = _problem(spec, x, w.shape)
     choice = pick(weight_format(act, w.dtype), rows, N, kernels, depth=K, stacked=isinstance(w, Layer))
     mgpu = choice.kernel == "dense_mgpu"  # its input norms run as one kernel each (module `rms_norm`)
+    if then_norm is not None and (residual is None or partial):
+        raise ValueError("then_norm needs a residual and no partial product")
     E = 0 if gated_norm is None else gated_norm[1].shape[-1]
     if gated_norm is not None and not (mgpu and E & (E - 1) == 0):
         x, gated_norm = _gated_norm(x, gated_norm), None  # XLA's ops (the kernel takes E a power of two)
@@ -603,7 +678,10 @@ def _project(spec: str, x, w, kernels: str, norm, gate, residual, partial: bool 
     if mgpu:  # the norm weights read from their stacks, the rows written in whole 8-row groups (no pad before it)
         from kernels_pallas import dense_mgpu, rms_norm
         out_shape = x.shape[:x.ndim - nc] + w.shape[nc:]
-        x2 = _norm_rows(x.reshape(rows, K), norm)
+        if normed is not None and norm is not None:  # the previous GEMM's add + norm kernel wrote them
+            x2 = normed
+        else:
+            x2 = _norm_rows(x.reshape(rows, K), norm)
         if gated_norm is not None:
             z, gw, geps = gated_norm
             gw, lw = _stack_of(gw)
@@ -611,8 +689,12 @@ def _project(spec: str, x, w, kernels: str, norm, gate, residual, partial: bool 
         if gate is not None:
             x2 = rounded(f32(x2[:rows]) * f32(gate.reshape(rows, K)), x2.dtype)
         w2, layer = _gemv_weight(w, K)
+        if then_norm is not None and _fusions(kernels).addnorm:  # no XLA fusion between this GEMM and the next
+            parts = dense_mgpu.dense_mgpu(x2, w2, rows=rows, partials=True, **layer)
+            y, h = _add_norm(parts, residual.reshape(rows, N), then_norm)
+            return y.reshape(out_shape), h
         y = dense_mgpu.dense_mgpu(x2, w2, rows=rows, **layer).reshape(out_shape)
-        return _finish(y, act, residual, partial)
+        return _then(_finish(y, act, residual, partial), then_norm)
     if choice.kernel == "gemv":
         from kernels_pallas import dense as dense_kernel
         out_shape = x.shape[:x.ndim - nc] + w.shape[nc:]
@@ -620,7 +702,7 @@ def _project(spec: str, x, w, kernels: str, norm, gate, residual, partial: bool 
         if choice.fused:
             y = dense_kernel.dense(x.reshape(rows, K), w2, None if gate is None else gate.reshape(rows, K),
                                    None if residual is None else residual.reshape(rows, -1), **layer)
-            return f32(y.reshape(out_shape)) if partial else y.reshape(out_shape)
+            return _then(f32(y.reshape(out_shape)) if partial else y.reshape(out_shape), then_norm)
         if gate is not None:
             x = rounded(f32(x) * f32(gate), x.dtype)
         y = dense_kernel.dense(x.reshape(rows, K), w2, **layer).reshape(out_shape)
@@ -630,7 +712,12 @@ def _project(spec: str, x, w, kernels: str, norm, gate, residual, partial: bool 
         prec = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
         y = jnp.einsum(spec, x, plain(w).astype(x.dtype), precision=prec,
                        preferred_element_type=jnp.float32 if partial else x.dtype)
-    return _finish(y, x.dtype, residual, partial)
+    return _then(_finish(y, x.dtype, residual, partial), then_norm)
+
+
+def _then(y, then_norm):
+    """y, or with then_norm (y, its next input norm's rows on XLA's ops)."""
+    return y if then_norm is None else (y, _norm_rows_ref(y, then_norm))
 
 
 def _finish(y, dtype, residual, partial: bool):

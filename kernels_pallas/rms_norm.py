@@ -4,7 +4,11 @@ stack. Two norms:
 
   * `rms_norm_rows`: the layers' input / post-attention RMSNorm (1 + w) (`numerics.rms_norm_1p`);
   * `gated_rms_norm_rows`: the GDN mixer's gated RMSNorm over each head's E values before its out projection
-    (`gdn_reference.gated_rms_norm` of the core's output rounded to the activations' dtype).
+    (`gdn_reference.gated_rms_norm` of the core's output rounded to the activations' dtype);
+  * `add_rms_norm_rows`: the residual add of the GEMM before it (its split-K partials summed in order and rounded,
+    added to the residual stream and rounded, as `numerics.sum_partials` and `ops.dense`'s residual) and then the
+    RMSNorm of the sum: it writes both the new residual stream and the normed rows (the add was an XLA fusion of
+    its own between the two kernels, issue 41).
 
 Same functions as `rms_norm_rows_reference` / `gated_rms_norm_rows_reference` (the model's ops, then the rows padded
 with zeros). In XLA, inside the model's scan over layer groups, the same work was three kernels per projection (H100,
@@ -25,13 +29,13 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.gdn_reference import gated_rms_norm
-from kernels_pallas.numerics import rms_norm_1p, rounded
+from kernels_pallas.numerics import f32, rms_norm_1p, rounded, sum_partials
 from kernels_pallas._common import SharedMemoryError, compiler_params, is_pow2, next_pow2, pl, pltr
 from kernels_pallas._common import smem_limit as _limit
 from kernels_pallas.swap_ab import round_up
 
 __all__ = ["rms_norm_rows", "rms_norm_rows_reference", "gated_rms_norm_rows", "gated_rms_norm_rows_reference",
-           "rows_out", "smem_bytes"]
+           "add_rms_norm_rows", "add_rms_norm_rows_reference", "rows_out", "smem_bytes"]
 
 
 rows_out = round_up  # rows_out(M, rows_to): the rows written for M input rows
@@ -154,3 +158,60 @@ def gated_rms_norm_rows(x, z, w, *, eps: float, layer=None, rows_to: int = 8, in
         interpret=interpret,
         name="gated_rms_norm_rows",
     )(*_operands(layer, x, z, w))
+
+
+def add_rms_norm_rows_reference(parts, base, w, *, eps: float, layer=None, rows_to: int = 8,
+                                interpret: bool = False):
+    """parts [S, M, K] (a GEMM's split-K partial sums, fp32, or S = 1 rows already in base's dtype), base [M, K] (the
+    residual stream) -> (x, normed): x = rounded(base + sum_partials(parts)) [M, K] in base's dtype, the new residual
+    stream, and normed = `rms_norm_rows_reference(x, w, ...)` [rows_out(M, rows_to), K] (rows ≥ M zero)."""
+    del interpret
+    x = rounded(f32(base) + f32(sum_partials(parts, base.dtype)), base.dtype)
+    return x, rms_norm_rows_reference(x, w, eps=eps, layer=layer, rows_to=rows_to)
+
+
+def _add_kernel(*refs, M: int, K: int, S: int, eps: float, has_layer: bool, interpret: bool):
+    wl, (p_ref, b_ref, w_ref, x_ref, o_ref) = _layer_of(refs, has_layer)
+    f32_, act = jnp.float32, x_ref.dtype
+
+    def rnd(v):  # fp32 v rounded once to the activations' dtype, as fp32
+        return rounded(v, act).astype(f32_) if interpret else v.astype(act).astype(f32_)
+
+    r = pl.program_id(0)
+    row = jnp.minimum(r, M - 1)
+    idx = jnp.arange(next_pow2(K), dtype=jnp.int32)
+    cols = idx < K
+    acc = pltr.load(p_ref.at[0, row, idx], mask=cols, other=0).astype(f32_)
+    for s in range(1, S):  # the partials in order (`numerics.sum_partials`)
+        acc = acc + pltr.load(p_ref.at[s, row, idx], mask=cols, other=0).astype(f32_)
+    x = rnd(pltr.load(b_ref.at[row, idx], mask=cols, other=0).astype(f32_) + rnd(acc))
+    pltr.store(x_ref.at[row, idx], x.astype(act), mask=cols & (r < M))
+    inv = jax.lax.rsqrt(jnp.sum(x * x) / K + eps)
+    w = pltr.load(w_ref.at[(*wl, idx)], mask=cols, other=0).astype(f32_)
+    y = (x * inv) * (1.0 + w)
+    y = rounded(y, act) if interpret else y  # (on the GPU the store's cast is the one rounding)
+    pltr.store(o_ref.at[r, idx], jnp.where(r < M, y, 0.0).astype(act), mask=cols)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "rows_to", "interpret", "num_warps", "smem_limit"))
+def add_rms_norm_rows(parts, base, w, *, eps: float, layer=None, rows_to: int = 8, interpret: bool = False,
+                      num_warps: int = 4, smem_limit: int | None = None):
+    """`add_rms_norm_rows_reference` as one kernel (module docstring): grid (rows_out,), program r sums row r's
+    partials, adds the residual, writes the new residual row (r < M) and the normed row (zeros for r ≥ M)."""
+    S, M, K = parts.shape
+    assert base.shape == (M, K) and w.shape[-1] == K and w.ndim == (1 if layer is None else 2), (
+        parts.shape, base.shape, w.shape, layer)
+    if smem_bytes(num_warps) > _limit(smem_limit):
+        raise SharedMemoryError(f"add_rms_norm_rows: {smem_bytes(num_warps)} bytes of shared memory needed, "
+                                f"{_limit(smem_limit)} available")
+    R = rows_out(M, rows_to)
+    kern = functools.partial(_add_kernel, M=M, K=K, S=S, eps=float(eps), has_layer=layer is not None,
+                             interpret=interpret)
+    return pl.pallas_call(
+        kern,
+        grid=(R,),
+        out_shape=(jax.ShapeDtypeStruct((M, K), base.dtype), jax.ShapeDtypeStruct((R, K), base.dtype)),
+        compiler_params=compiler_params(num_warps, 1),
+        interpret=interpret,
+        name="add_rms_norm_rows",
+    )(*_operands(layer, parts, base, w))

@@ -57,10 +57,11 @@ def rows_plan(M: int, row_tile: int | None = None) -> tuple[int, int]:
     return row_tile, cdiv(M, row_tile)
 
 
-def launch(kern, args, *, M: int, N: int, bn: int, nr: int, split: int, out_dtype, interpret, scratch_types=()):
+def launch(kern, args, *, M: int, N: int, bn: int, nr: int, split: int, out_dtype, interpret, scratch_types=(),
+           partials: bool = False):
     """kern over the (row tiles, N / bn, split) grid ("r", "n", "s") -> [M, N] in `out_dtype`, or with split > 1 the
     fp32 partials [split, M, N] summed in order and rounded to `out_dtype`'s activations (`sum_partials`; out_dtype
-    is then the activations' dtype)."""
+    is then the activations' dtype). partials: unsummed, [split, M, N] (fp32; split = 1: [1, M, N] in out_dtype)."""
     y = plgpu.kernel(
         kern,
         out_type=jax.ShapeDtypeStruct((M, N) if split == 1 else (split, M, N),
@@ -72,6 +73,8 @@ def launch(kern, args, *, M: int, N: int, bn: int, nr: int, split: int, out_dtyp
         interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams)
                    else plgpu.InterpretGPUParams() if interpret else None),
     )(*args)
+    if partials:
+        return y[None] if split == 1 else y
     return y if split == 1 else sum_partials(y, out_dtype)
 
 

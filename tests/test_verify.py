@@ -125,7 +125,7 @@ def _per_layer_forward(leaves, cache, tokens, parents, mask, naive_gdn, *, graph
     x = model.embed[...][tokens]
     for i, layer in enumerate(model.layers):
         lay = tree_lay if isinstance(layer.mixer, Attention) else gdn_lay
-        x, _, _ = layer(x, cache.layers[i], lay)
+        x, _, _, _ = layer(x, cache.layers[i], lay)
     return dense("btd,dv->btv", model.final_norm(x), model.lm_head[...]).astype(jnp.float32)
 
 

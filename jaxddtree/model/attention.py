@@ -38,11 +38,12 @@ class Attention(nnx.Module):
         self.q_norm = nnx.Param(0.1 * jax.random.normal(rngs.params(), (hd,)).astype(dtype))
         self.k_norm = nnx.Param(0.1 * jax.random.normal(rngs.params(), (hd,)).astype(dtype))
 
-    def project(self, x, layout: TokenLayout, norm=None):
+    def project(self, x, layout: TokenLayout, norm=None, normed=None):
         cfg = self.cfg
         B, T, _ = x.shape
         h, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        qkv = dense("btd,dc->btc", x, self.w_qkv[...], layout.kernels, norm=norm)  # one GEMM/GEMV: q(+gate)|k|v
+        qkv = dense("btd,dc->btc", x, self.w_qkv[...], layout.kernels, norm=norm,  # one GEMM/GEMV: q(+gate)|k|v
+                    normed=normed)
         qg, k, v = jnp.split(qkv, [h * 2 * hd, (h * 2 + hkv) * hd], axis=-1)
         qg = qg.reshape(B, T, h, 2 * hd)
         q, gate = qg[..., :hd], qg[..., hd:]
@@ -52,11 +53,11 @@ class Attention(nnx.Module):
         cos, sin = rope_cos_sin(layout.positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
 
-    def output(self, o, gate, kernels: str = "xla", residual=None):
+    def output(self, o, gate, kernels: str = "xla", residual=None, then_norm=None):
         # transformers: `attn_output * torch.sigmoid(gate)`, both rounded in the activations' dtype
         sgate = rounded(sigmoid32(gate), o.dtype)
         return dense("bthe,hed->btd", o, self.wo[...], kernels, gate=sgate, residual=residual,
-                     reduce=self.cfg.tp_axis)  # o·sgate rounded
+                     reduce=self.cfg.tp_axis, then_norm=then_norm)  # o·sgate rounded
 
     def decode(self, x, cache: KVCache, layout: TokenLayout, norm=None, residual=None):
         """The T = 1 sequence pass (decode step): projection (+ the input norm), then q/k norm, RoPE, gate and the
@@ -78,18 +79,20 @@ class Attention(nnx.Module):
                     reduce=self.cfg.tp_axis)
         return out, KVCache(k=restack(kc, li), v=restack(vc, li)), None
 
-    def __call__(self, x, cache: KVCache, layout: TokenLayout, norm=None, residual=None):
+    def __call__(self, x, cache: KVCache, layout: TokenLayout, norm=None, residual=None, normed=None,
+                 then_norm=None):
         """norm = (w, eps): the layer's input RMSNorm, applied to x inside the projection; residual: added to the
-        output inside o_proj (both folded into the GEMV on a decode step, `linear.dense`)."""
+        output inside o_proj (both folded into the GEMV on a decode step, `linear.dense`); normed / then_norm (a
+        tree pass): `linear.dense`'s, the output then (out, h)."""
         if not layout.is_tree and layout.num_tokens == 1:
             return self.decode(x, cache, layout, norm, residual)
-        q, k, v, gate = self.project(x, layout, norm)
+        q, k, v, gate = self.project(x, layout, norm, normed)
         (kc, li), (vc, _) = unstack(cache.k), unstack(cache.v)  # a scanned layer: the stacks + its index
         if layout.is_tree:
             o = ops.tree_attention(q, kc, vc, layout.start, k, v, layout.mask, layout.kernels, layer=li)
         else:  # a causal chunk (prefill): the flash kernel needs no mask
             o = ops.prefill_attention(q, kc, vc, layout.start, k, v, layout.kernels, layer=li)
-        out = self.output(o, gate, layout.kernels, residual)
+        out = self.output(o, gate, layout.kernels, residual, then_norm)
         if layout.is_tree:
             return out, cache, AttentionStash(k=k, v=v)
         rows = lambda a: jnp.swapaxes(a, 1, 2).astype(kc.dtype)  # [B, Hkv, T, hd]

@@ -60,9 +60,11 @@ class GatedDeltaNet(nnx.Module):
         self.norm = nnx.Param((1.0 + 0.1 * jax.random.normal(rngs.params(), (dv,))).astype(dtype))
         self.w_out = nnx.Param(init_weight(rngs, (hv, dv, d), hv * dv, dtype))  # [Hv, dv, D]
 
-    def __call__(self, x, cache: GDNState, layout: TokenLayout, norm=None, residual=None):
+    def __call__(self, x, cache: GDNState, layout: TokenLayout, norm=None, residual=None, normed=None,
+                 then_norm=None):
         """norm = (w, eps): the layer's input RMSNorm, applied to x inside the input projection; residual:
-        added to the output inside out_proj (both folded into the GEMV on a decode step, `linear.dense`)."""
+        added to the output inside out_proj (both folded into the GEMV on a decode step, `linear.dense`); normed /
+        then_norm (a tree pass): `linear.dense`'s, the output then (out, h)."""
         cfg = self.cfg
         B, T, _ = x.shape
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -81,7 +83,7 @@ class GatedDeltaNet(nnx.Module):
             out = dense("bthe,hed->btd", o[:, None], self.w_out[...], layout.kernels, residual=residual,
                         reduce=cfg.tp_axis)
             return out, GDNState(conv=restack(conv, li), recurrent=restack(state, li)), None
-        proj = dense("btd,dc->btc", x, w_in, layout.kernels, norm=norm)  # one GEMM for qkv|z|b|a
+        proj = dense("btd,dc->btc", x, w_in, layout.kernels, norm=norm, normed=normed)  # one GEMM: qkv|z|b|a
         proj = proj[..., :in_proj_width(cfg)]  # (a bf16 stacked w_in's padding columns: target.pad_projection_columns)
         xin, z, b, a = jnp.split(proj, in_proj_split(cfg), axis=-1)  # xin [B,T,conv_dim] pre-conv
         z = z.reshape(B, T, hv, dv)  # b, a: [B,T,Hv]
@@ -114,5 +116,6 @@ class GatedDeltaNet(nnx.Module):
 
         # the gated norm of o (rounded to x's dtype) with z inside out_proj (on a Mosaic GPU GEMM: one kernel)
         out = dense("bthe,hed->btd", o, self.w_out[...], layout.kernels, residual=residual, reduce=cfg.tp_axis,
-                    gated_norm=(z, self.norm[...], cfg.rms_norm_eps))  # o [B,T,Hv,dv] fp32, z [B,T,Hv,dv]
+                    gated_norm=(z, self.norm[...], cfg.rms_norm_eps),  # o [B,T,Hv,dv] fp32, z [B,T,Hv,dv]
+                    then_norm=then_norm)
         return out, new_cache, stash

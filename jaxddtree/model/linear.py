@@ -22,17 +22,19 @@ from kernels_pallas.numerics import f32, rms_norm_1p, rounded, sigmoid32, silu32
 
 
 def dense(spec: str, x: jax.Array, w, kernels: str = "xla", *, norm=None, gate=None, residual=None,
-          reduce: str | None = None, gated_norm=None) -> jax.Array:
+          reduce: str | None = None, gated_norm=None, normed=None, then_norm=None):
     """einsum(spec, x, w) accumulated in fp32, rounded once to x's dtype, on the kernel `ops.pick` chooses for
     (weight format, rows, output width, kernels) (`ops.dense`). norm = (w_n, eps) / gate / residual: the RMSNorm
     of x, x's gate and the residual add around the projection (gate and residual inside the GEMV on a decode
     step); gated_norm = (z, w_n, eps): the GDN mixer's gated RMSNorm of x with z (`ops.dense`). `reduce`: a mesh
     axis (tensor parallelism) over which the partial products are summed before the rounding and the residual add.
     An FP8 weight (`fp8.Fp8Weight`) computes transformers' W8A8 block FP8 product (x quantized per row and input
-    block to e4m3, fp8 × fp8 per block, scaled by both scales, fp32 accumulation)."""
+    block to e4m3, fp8 × fp8 per block, scaled by both scales, fp32 accumulation). then_norm = (w_n, eps): returns
+    (y, the next projection's input rows normed), for its `normed=` (`ops.dense`: one kernel adds the residual and
+    norms on a Mosaic GPU GEMM)."""
     w, fp8 = _operands(w)
     return ops.dense(spec, x, w, kernels, norm=norm, gate=gate, residual=residual, reduce=reduce, fp8=fp8,
-                     gated_norm=gated_norm)
+                     gated_norm=gated_norm, normed=normed, then_norm=then_norm)
 
 
 def decode_row(x: jax.Array, w, kernels: str = "xla", *, norm=None) -> jax.Array:

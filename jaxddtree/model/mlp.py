@@ -19,12 +19,13 @@ class MLP(nnx.Module):
         self.w_gate_up = nnx.Param(init_weight(rngs, (d, 2, f), d, dtype))  # [D, gate|up, F]
         self.w_down = nnx.Param(init_weight(rngs, (f, d), f, dtype))  # [F, D]
 
-    def __call__(self, x: jax.Array, kernels: str = "xla", norm=None, residual=None) -> jax.Array:
+    def __call__(self, x: jax.Array, kernels: str = "xla", norm=None, residual=None, normed=None, then_norm=None):
         """norm = (w, eps): the pre-MLP RMSNorm of x before the gate|up projection; residual: added to the output
-        inside the down projection (`linear.dense`)."""
+        inside the down projection (`linear.dense`); normed / then_norm: `linear.dense`'s (with then_norm: (y, h))."""
         w_gate_up, w_down = self.w_gate_up[...], self.w_down[...]
-        if self.reduce is None and ops.swiglu_fuses(x, w_gate_up, w_down, kernels):
-            return ops.mlp(x, w_gate_up, w_down, kernels, norm=norm, residual=residual)  # SwiGLU in the GEMM
-        gu = dense("btd,dgf->btgf", x, w_gate_up, kernels, norm=norm)  # [B,T,2,F], one GEMM / GEMV
+        if self.reduce is None and ops.swiglu_fuses(x, w_gate_up, w_down, kernels):  # SwiGLU in the GEMM
+            return ops.mlp(x, w_gate_up, w_down, kernels, norm=norm, residual=residual, normed=normed,
+                           then_norm=then_norm)
+        gu = dense("btd,dgf->btgf", x, w_gate_up, kernels, norm=norm, normed=normed)  # [B,T,2,F], one GEMM / GEMV
         h = swiglu(gu[..., 0, :], gu[..., 1, :], x.dtype)
-        return dense("btf,fd->btd", h, w_down, kernels, residual=residual, reduce=self.reduce)
+        return dense("btf,fd->btd", h, w_down, kernels, residual=residual, reduce=self.reduce, then_norm=then_norm)

@@ -22,6 +22,7 @@ from jaxddtree.model.layout import TokenLayout
 from jaxddtree.model.linear import dense, init_weight
 from jaxddtree.model.mlp import MLP
 from jaxddtree.model.norms import RMSNorm
+from kernels_pallas import ops
 from kernels_pallas.ops import Layer, scan_unroll
 
 
@@ -33,13 +34,20 @@ class DecoderLayer(nnx.Module):
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs, reduce=cfg.tp_axis)
 
-    def __call__(self, x, cache, layout: TokenLayout):
-        # pre-norm residual blocks: each norm runs inside the block's first projection and each residual add
-        # (in the activations' dtype, rounded: transformers' `residual + hidden_states`) inside its last one
-        # (`linear.dense`: on a decode step with kernels="pallas", in the GEMV's prologue / epilogue)
-        x, cache, stash = self.mixer(x, cache, layout, norm=self.input_norm.spec, residual=x)
-        x = self.mlp(x, layout.kernels, norm=self.post_norm.spec, residual=x)
-        return x, cache, stash
+    def __call__(self, x, cache, layout: TokenLayout, normed=None, then_norm=None):
+        """-> (x, cache, stash, h). Pre-norm residual blocks: each norm runs inside the block's first projection and
+        each residual add (in the activations' dtype, rounded: transformers' `residual + hidden_states`) inside its
+        last one (`linear.dense`: on a decode step with kernels="pallas", in the GEMV's prologue / epilogue). In a
+        tree pass where `ops.add_norm_fuses` (the Pallas path), a block's last projection also writes the next
+        block's normed input rows (`then_norm`; one kernel adds the residual and norms): the mixer's for the MLP,
+        and with then_norm (the next layer's input norm) the MLP's, returned as h for that layer's `normed`."""
+        if not (layout.is_tree and self.mlp.reduce is None and ops.add_norm_fuses(layout.kernels)):
+            x, cache, stash = self.mixer(x, cache, layout, norm=self.input_norm.spec, residual=x)
+            return self.mlp(x, layout.kernels, norm=self.post_norm.spec, residual=x), cache, stash, None
+        (x, h), cache, stash = self.mixer(x, cache, layout, norm=self.input_norm.spec, residual=x, normed=normed,
+                                          then_norm=self.post_norm.spec)
+        out = self.mlp(x, layout.kernels, norm=self.post_norm.spec, residual=x, normed=h, then_norm=then_norm)
+        return (out, cache, stash, None) if then_norm is None else (out[0], cache, stash, out[1])
 
 
 class Qwen35(nnx.Module):
@@ -90,11 +98,13 @@ class Qwen35(nnx.Module):
 
         def body(carry, g):
             x, caches, feats = carry
-            out, stashes = [], []
-            for j, (graphdef, state) in enumerate(parts):
-                layer = nnx.merge(graphdef, layer_view(state, g))
+            out, stashes, h = [], [], None
+            layers = [nnx.merge(graphdef, layer_view(state, g)) for graphdef, state in parts]
+            for j, layer in enumerate(layers):
                 entry = jax.tree.map(lambda a: Layer(a, g), caches[j])  # the kernels update the stacks in place
-                x, c, s = layer(x, entry, layout)
+                # (a tree pass on the Pallas path: the MLP's residual add in the next layer's input-norm kernel)
+                then = layers[j + 1].input_norm.spec if j + 1 < p else None
+                x, c, s, h = layer(x, entry, layout, normed=h, then_norm=then)
                 out.append(caches[j] if c is entry else
                            jax.tree.map(lambda n: n.stacked, c, is_leaf=lambda n: isinstance(n, Layer)))
                 stashes.append(s)

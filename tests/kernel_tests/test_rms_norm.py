@@ -1,9 +1,11 @@
 """A GEMM's input norms as one kernel each (kernels_pallas.rms_norm: the RMSNorm (1 + w) and the GDN mixer's gated
-RMSNorm): the Pallas kernels (interpret mode) vs their jnp references on fresh random inputs (rows not a multiple of 8,
-K not a power of two, one layer of a stacked weight, also under a `lax.scan`), the Mosaic GPU GEMM taking their padded
-rows (`dense_mgpu(rows=)`), `ops.dense`'s dense_mgpu path with them against the XLA path, and their CUDA lowering for
-an abstract H200 at the 27B widths."""
+RMSNorm, and the residual add + RMSNorm after a GEMM): the Pallas kernels (interpret mode) vs their jnp references on
+fresh random inputs (rows not a multiple of 8, K not a power of two, one layer of a stacked weight, also under a
+`lax.scan`), the Mosaic GPU GEMM taking their padded rows (`dense_mgpu(rows=)`), `ops.dense`'s dense_mgpu path with
+them against the XLA path, a tree verify handing each norm over (`then_norm` / `normed`) bit for bit as without, and
+their CUDA lowering for an abstract H200 at the 27B widths."""
 
+import dataclasses
 import functools
 
 import jax
@@ -41,6 +43,28 @@ def _agree(out, ref, dtype):
 def test_signature_matches_reference():
     assert_kernel_signature(R.rms_norm_rows, R.rms_norm_rows_reference)
     assert_kernel_signature(R.gated_rms_norm_rows, R.gated_rms_norm_rows_reference)
+    assert_kernel_signature(R.add_rms_norm_rows, R.add_rms_norm_rows_reference)
+
+
+@pytest.mark.parametrize("S,pdtype,M,K,L", [(3, jnp.float32, 13, 96, 4), (1, jnp.bfloat16, 8, 128, None),
+                                            (4, jnp.float32, 65, 320, 2), (2, jnp.float32, 3, 64, None)])
+def test_add_kernel_matches_reference(S, pdtype, M, K, L):
+    """The GEMM's partials summed in order and rounded, the residual added and rounded (the new residual stream,
+    bit for bit), then the norm of that sum; a partials' sum near a rounding boundary would show a double rounding."""
+    kp, kb, kw = jax.random.split(jax.random.PRNGKey(S * 100 + M), 3)
+    parts = (2.0 * jax.random.normal(kp, (S, M, K))).astype(pdtype)
+    base = (3.0 * jax.random.normal(kb, (M, K))).astype(jnp.bfloat16)
+    w = (0.1 * jax.random.normal(kw, ((L,) if L else ()) + (K,))).astype(jnp.bfloat16)
+    layer = None if L is None else jnp.int32(L - 1)
+    x, h = R.add_rms_norm_rows(parts, base, w, eps=EPS, layer=layer, interpret=True)
+    rx, rh = R.add_rms_norm_rows_reference(parts, base, w, eps=EPS, layer=layer)
+    assert x.shape == (M, K) and h.shape == (R.rows_out(M, 8), K) and x.dtype == h.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(rx, np.float32))
+    _agree(h, rh, jnp.bfloat16)
+    assert not np.asarray(h[M:]).any()
+    plain = (base.astype(jnp.float32) + parts.astype(jnp.float32).sum(0)).astype(jnp.bfloat16)  # one rounding
+    assert S == 1 or np.mean(np.asarray(plain != x)) > 0  # the two roundings are what it computes
+    _agree(R.rms_norm_rows_reference(x, w, eps=EPS, layer=layer), h, jnp.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
@@ -156,6 +180,91 @@ def test_ops_dense_mgpu_path_with_the_norm_kernel(monkeypatch):
                                rtol=2.0 ** -6, atol=2.0 ** -6)
 
 
+def _interpreters(monkeypatch):
+    """The Pallas path of a Hopper GPU's verify on this CPU: dense_mgpu chosen, every kernel in its interpreter."""
+    from kernels_pallas import dense as gemv, gdn_tree, tree_attention as ta
+    monkeypatch.setattr(ops, "_hopper", lambda: True)
+    monkeypatch.setattr(ops, "_mgpu_attention", lambda *a, **k: False)  # (the Triton tree attention, interpreted)
+    for mod, name in ((dense_mgpu, "dense_mgpu"), (dense_mgpu, "swiglu_mgpu"), (R, "rms_norm_rows"),
+                      (R, "gated_rms_norm_rows"), (R, "add_rms_norm_rows"), (gdn_tree, "gdn_masked_block"),
+                      (ta, "tree_attention"), (gemv, "dense")):
+        monkeypatch.setattr(mod, name, functools.partial(getattr(mod, name), interpret=True))
+
+
+def test_ops_then_norm_hands_the_norm_over(monkeypatch):
+    """`ops.dense` / `ops.mlp` with then_norm return (y, the next input norm's rows) and take them as `normed`: on the
+    dense_mgpu path one add + norm kernel after the GEMM (no rms_norm_rows before the next GEMM), bit for bit the
+    values of the variant without it ("pallas:no_addnorm") and of XLA's ops here; under jax.vmap (a batched round's
+    folded slots) each slot's values."""
+    _interpreters(monkeypatch)
+    L, T, K, N, F = 3, 13, 128, 192, 256
+    ks = jax.random.split(jax.random.PRNGKey(5), 7)
+    x = (2.0 * jax.random.normal(ks[0], (1, T, K))).astype(jnp.bfloat16)
+    w = (jax.random.normal(ks[1], (L, K, N)) * K ** -0.5).astype(jnp.bfloat16)
+    nw, tw = ((0.1 * jax.random.normal(k, (L, d))).astype(jnp.bfloat16) for k, d in ((ks[2], K), (ks[3], N)))
+    res = jax.random.normal(ks[4], (1, T, N)).astype(jnp.bfloat16)
+    wgu = (jax.random.normal(ks[5], (L, N, 2, F)) * N ** -0.5).astype(jnp.bfloat16)
+    wd = (jax.random.normal(ks[6], (L, F, N)) * F ** -0.5).astype(jnp.bfloat16)
+    Lw = lambda a: ops.Layer(a, jnp.int32(1))  # noqa: E731
+
+    def run(kernels, x_, r_):
+        y, h = ops.dense("btd,dc->btc", x_, Lw(w), kernels, norm=(Lw(nw), EPS), residual=r_,
+                         then_norm=(Lw(tw), EPS))
+        z, hz = ops.mlp(y, Lw(wgu), Lw(wd), kernels, norm=(Lw(tw), EPS), residual=y, normed=h,
+                        then_norm=(Lw(tw), EPS))
+        return y, h, z, hz
+    jaxpr = str(jax.make_jaxpr(functools.partial(run, "pallas"))(x, res))
+    assert jaxpr.count("name=add_rms_norm_rows") >= 2 and "dynamic_slice" not in jaxpr
+    assert "add_rms_norm_rows" not in str(jax.make_jaxpr(functools.partial(run, "pallas:no_addnorm"))(x, res))
+    got = run("pallas", x, res)
+    assert [a.shape for a in got] == [(1, T, N), (16, N), (1, T, N), (16, N)]
+    for other in ("pallas:no_addnorm", "xla"):
+        for a, b in zip(got, run(other, x, res)):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=other)
+    np.testing.assert_array_equal(np.asarray(got[1][:T], np.float32),
+                                  np.asarray(R.rms_norm_rows_reference(got[0][0], tw[1], eps=EPS), np.float32)[:T])
+    xs, rs = jnp.stack([x, x[:, ::-1]]), jnp.stack([res, res[:, ::-1]])
+    v = jax.vmap(functools.partial(run, "pallas"))(xs, rs)
+    for i, one in enumerate((got, run("pallas", x[:, ::-1], res[:, ::-1]))):
+        for a, b in zip(v, one):
+            np.testing.assert_array_equal(np.asarray(a[i], np.float32), np.asarray(b, np.float32))
+
+
+def test_tree_verify_hands_each_norm_over(monkeypatch):
+    """A bf16 tree verify (2 layer groups of 3 GDN + 1 attention, widths the Mosaic GPU GEMMs take) on the Pallas
+    path: per group 7 add + norm kernels (each mixer's output into its MLP's norm, each MLP's into the next layer's
+    input norm; the group's first input norm stays `rms_norm_rows`), logits, taps and stashes bit for bit those
+    of "pallas:no_addnorm"."""
+    _interpreters(monkeypatch)
+    from jaxddtree.model import layout as layout_lib, target as target_lib
+    from jaxddtree.model.config import TextConfig
+    cfg = TextConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
+                     layer_types=("linear_attention",) * 3 + ("full_attention",), num_attention_heads=2,
+                     num_key_value_heads=1, head_dim=64, rope_theta=1e4, partial_rotary_factor=0.25,
+                     linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=64,
+                     linear_value_head_dim=64, linear_conv_kernel_dim=4)
+    cfg = dataclasses.replace(cfg, layer_types=cfg.layer_types * 2)
+    target = target_lib.random_target(cfg, dtype="bfloat16", seed=3)
+    model = target.module()
+    cache = model(jnp.arange(1, 9, dtype=jnp.int32)[None] * 7 % 128, target.init_cache(64),
+                  layout_lib.sequence(0, 8, 4), logits="none")[1]
+    parents = jnp.array([-1, 0, 1, 2, 0, 4, 5, 1, 7, 3, 9, 10, 2], jnp.int32)
+    tokens = (jnp.arange(13, dtype=jnp.int32)[None] * 11 + 3) % 128
+    calls = []
+    monkeypatch.setattr(R, "add_rms_norm_rows", functools.partial(
+        lambda f, *a, **k: calls.append(1) or f(*a, **k), R.add_rms_norm_rows))
+
+    def verify(kernels):
+        lay = layout_lib.tree(cache.length, parents, 4, kernels=kernels)
+        return jax.jit(lambda t, c: model(t, c, lay, feature_layers=(1, 4, 6)))(tokens, cache)
+    a = verify("pallas")
+    assert len(calls) == 7  # the scan's body: one group
+    b = verify("pallas:no_addnorm")
+    assert len(calls) == 7
+    for u, v in zip(jax.tree.leaves((a[0], a[2], a[3])), jax.tree.leaves((b[0], b[2], b[3]))):
+        np.testing.assert_array_equal(np.asarray(u, np.float32), np.asarray(v, np.float32))
+
+
 def test_lowers_for_h200_at_27b_width():
     S = jax.ShapeDtypeStruct
     f = functools.partial(R.rms_norm_rows, eps=EPS)
@@ -171,3 +280,12 @@ def test_gated_lowers_for_h200_at_27b_width():
     txt = lower_for_h200(lambda x, z, w, l: f(x, z, w, layer=l), S((65, 6144), jnp.float32),
                          S((65, 6144), jnp.bfloat16), S((16, 128), jnp.bfloat16), S((), jnp.int32))
     assert "gated_rms_norm_rows" in txt and "dynamic_slice" not in txt
+
+
+@pytest.mark.parametrize("S,pdtype", [(4, jnp.float32), (1, jnp.bfloat16)])
+def test_add_lowers_for_h200_at_27b_width(S, pdtype):
+    S_ = jax.ShapeDtypeStruct
+    f = functools.partial(R.add_rms_norm_rows, eps=EPS)
+    txt = lower_for_h200(lambda p, b, w, l: f(p, b, w, layer=l), S_((S, 65, 5120), pdtype),
+                         S_((65, 5120), jnp.bfloat16), S_((16, 5120), jnp.bfloat16), S_((), jnp.int32))
+    assert "add_rms_norm_rows" in txt and "dynamic_slice" not in txt

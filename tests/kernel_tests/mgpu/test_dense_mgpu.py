@@ -86,6 +86,25 @@ def test_kernel_matches_reference(M, K, N, L, cfg):
     _check(out, x, w, layer)
 
 
+@pytest.mark.parametrize("split", [1, 3])
+def test_partials_sum_to_the_product(split):
+    """partials=True: the split-K partial sums unsummed, [S, rows, N] fp32 (S = 1: y itself in bf16), whose in-order
+    sum (`numerics.sum_partials`) is the kernel's y; the reference's one partial is its y."""
+    from kernels_pallas.numerics import sum_partials
+    M, K, N, L = 13, 384, 128, 2
+    x, w = _inputs(M, K, N, L, seed=4)
+    xp = jnp.pad(x, ((0, 3), (0, 0)))
+    cfg = km.Config(block_n=64, block_k=64, split_k=split, num_stages=2)
+    y = km.dense_mgpu(xp, w, layer=jnp.int32(1), rows=M, config=cfg, interpret=True)
+    p = km.dense_mgpu(xp, w, layer=jnp.int32(1), rows=M, config=cfg, interpret=True, partials=True)
+    assert p.shape == (split, M, N) and p.dtype == (jnp.bfloat16 if split == 1 else jnp.float32)
+    np.testing.assert_array_equal(np.asarray(sum_partials(p, jnp.bfloat16), np.float32), np.asarray(y, np.float32))
+    r = km.dense_mgpu_reference(xp, w, layer=jnp.int32(1), rows=M, partials=True)
+    assert r.shape == (1, M, N)
+    np.testing.assert_array_equal(np.asarray(r[0], np.float32),
+                                  np.asarray(km.dense_mgpu_reference(xp, w, layer=jnp.int32(1), rows=M), np.float32))
+
+
 def test_default_config_and_leading_axes():
     x, w = _inputs(12, 256, 128, L=2, seed=2)
     out = km.dense_mgpu(x.reshape(3, 4, 256), w, layer=jnp.int32(1), interpret=True)
