@@ -165,7 +165,7 @@ def l2norm(x, eps=1e-6):
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def tree_conv(conv_state, x, conv_src, w):
+def tree_conv(conv_state, x, conv_src, w, concat: bool = False):
     """Causal depthwise conv with SiLU along each token's predecessor chain.
 
     conv_state [B, K-1, C]; x [B, T, C]; conv_src [B, T, K-1] rows of concat(conv_state, x) (oldest
@@ -173,15 +173,23 @@ def tree_conv(conv_state, x, conv_src, w):
     (tap K-1 hits the current token). Sums in fp32, tap by tap (elementwise: no dot, so no transposed dot
     output for XLA to lay back out), rounded to the activations' dtype, SiLU in fp32, rounded (transformers'
     `causal_conv1d_fn` / `causal_conv1d_update` torch fallback: `F.conv1d` in the activations' dtype, then
-    `ACT2FN["silu"]` on it).
+    `ACT2FN["silu"]` on it). concat (a tree; benchmark variant "pallas:conv_concat"): the taps gathered from
+    concat(conv_state, x), one more kernel on a GPU; by default each from its own array (the same values).
     """
-    rows = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
     km1, T = conv_state.shape[1], x.shape[1]
     if conv_src is None:
+        rows = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
         tap = lambda s: rows[:, s:s + T]  # [B, T, C]
-    else:
+    elif concat:
+        rows = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)
         taps = jax.vmap(lambda r, s: r[s])(rows, conv_src)  # [B, T, K-1, C]
         tap = lambda s: taps[:, :, s]
+    else:  # each tap gathered from the conv state or from x and selected: no concatenation of the two
+        def tap(s):
+            src = conv_src[:, :, s]  # [B, T]
+            old = jax.vmap(lambda r, i: r[i])(conv_state, jnp.clip(src, 0, km1 - 1)).astype(x.dtype)
+            new = jax.vmap(lambda r, i: r[i])(x, jnp.clip(src - km1, 0, T - 1))
+            return jnp.where((src < km1)[..., None], old, new)
     wf = w.astype(jnp.float32)
     acc = tap(0).astype(jnp.float32) * wf[0]
     for s in range(1, km1):

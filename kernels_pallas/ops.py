@@ -27,6 +27,9 @@ class Fusions(NamedTuple):
     unroll: int = 1  # layer groups per iteration of the model's scan (`scan_unroll`)
     tree_unroll: int = 2  # the same in a tree verify only
     swiglu: bool = True  # the MLP's SwiGLU in its gate|up GEMM's epilogue (`mlp`; variant "pallas:split_mlp": off)
+    conv_concat: bool = False  # the GDN tree conv's taps from concat(conv_state, x) (`gdn_reference.tree_conv`)
+    tap_dus: bool = False  # a tree verify's feature taps written layer by layer into their slots (else the tapped
+    #                        layer positions' outputs stacked per group and gathered after the scan: `taps_stacked`)
     addnorm: bool = True  # a Mosaic GPU GEMM's residual add (its split-K partials unsummed) in the next input norm's
     #                       kernel (`dense` / `mlp` with then_norm: `rms_norm.add_rms_norm_rows`; "pallas:no_addnorm")
 
@@ -53,7 +56,8 @@ class Fusions(NamedTuple):
 VARIANTS = {"pallas": Fusions(), "pallas:no_partials": Fusions(partials=False),
             "pallas:unfused": Fusions(parts=False, partials=False),
             "pallas:unroll4": Fusions(unroll=4, tree_unroll=4), "pallas:unroll16": Fusions(unroll=16, tree_unroll=16),
-            "pallas:split_mlp": Fusions(swiglu=False), "pallas:no_addnorm": Fusions(addnorm=False)}
+            "pallas:split_mlp": Fusions(swiglu=False), "pallas:no_addnorm": Fusions(addnorm=False),
+            "pallas:conv_concat": Fusions(conv_concat=True), "pallas:tap_dus": Fusions(tap_dus=True)}
 
 
 def scan_unroll(kernels: str, tree: bool = False) -> int:
@@ -64,6 +68,14 @@ def scan_unroll(kernels: str, tree: bool = False) -> int:
     if f is None:
         return 1
     return f.tree_unroll if tree else f.unroll
+
+
+def taps_stacked(kernels: str) -> bool:
+    """A tree verify collects its feature taps as the scan's per-group outputs (one stacked write per group; the
+    taps gathered after the scan) rather than one dynamic-update-slice per tapped layer position and group (the
+    benchmark variant "pallas:tap_dus", `Fusions.tap_dus`)."""
+    f = _fusions(kernels)
+    return f is None or not f.tap_dus
 
 
 def add_norm_fuses(kernels: str) -> bool:
@@ -167,6 +179,14 @@ def prefill_attention(q, k_cache, v_cache, start, k_new, v_new, kernels="xla", *
         return _pallas_or(lambda: prefill_attention_reference(*args, layer=layer),
                           lambda: pa.prefill_attention(*args, layer=layer))
     return prefill_attention_reference(*args, layer=layer)
+
+
+def tree_conv(conv_state, x, conv_src, w, kernels="xla"):
+    """The GDN conv + SiLU of a pass (`gdn_reference.tree_conv`): a tree's taps gathered from the conv state and the
+    new rows apart, or on the benchmark variant "pallas:conv_concat" (`Fusions.conv_concat`) from their
+    concatenation (the same values)."""
+    f = _fusions(kernels)
+    return gdn_reference.tree_conv(conv_state, x, conv_src, w, concat=f is not None and f.conv_concat)
 
 
 def gdn_chunked(q, k, v, g, beta, state, kernels="xla", *, layer=None):
@@ -419,7 +439,9 @@ def dense(spec: str, x, w, kernels="xla", *, norm=None, gate=None, residual=None
       gate (x's shape): x -> rounded(x · gate) first (attention's output gate);
       gated_norm = (z, w_n, eps): x -> gated_rms_norm(rounded(x, z.dtype), z, w_n, eps) first, over x's last axis
         (the GDN mixer's norm of its core's output x [..., H, E], any float dtype, with its gate z [..., H, E]; the
-        activations' dtype is then z's);
+        activations' dtype is then z's); or (zrows, w_n, eps, z_offset): z the columns [z_offset, z_offset + H·E) of
+        the wider zrows [..., P] (x's leading axes; the GDN's fused input projection: `gated_rms_norm_rows` reads
+        them in place, XLA's ops slice them);
       residual (the output's shape): y -> rounded(residual + y);
       reduce: a mesh axis (tensor parallelism): the fp32 partial products are summed over it (`psum`: one
         all-reduce) before the rounding and the residual add (plain weights only).
@@ -441,6 +463,8 @@ def dense(spec: str, x, w, kernels="xla", *, norm=None, gate=None, residual=None
     rows of all slots (`fold_rows`), its kernel picked for them, so the weights are streamed once."""
     if then_norm is not None and (residual is None or reduce is not None):
         raise ValueError("then_norm needs a residual and no reduce")
+    if gated_norm is not None and len(gated_norm) == 3:
+        gated_norm = (*gated_norm, None)
     if fp8 is not None and gated_norm is not None:
         x, gated_norm = _gated_norm(x, gated_norm), None
     if fp8 is not None:
@@ -450,14 +474,14 @@ def dense(spec: str, x, w, kernels="xla", *, norm=None, gate=None, residual=None
     res = None if reduce is not None else residual  # tensor parallelism: added once, after the sum
     if _check(kernels) == "pallas":
         nw, eps = norm if norm is not None else (None, None)
-        z, gw, geps = gated_norm if gated_norm is not None else (None, None, None)
+        z, gw, geps, zoff = gated_norm if gated_norm is not None else (None, None, None, None)
         tw, teps = then_norm if then_norm is not None else (None, None)
 
         def f(acts, weights):
             x_, gate_, residual_, z_, normed_ = acts
             w_, nw_, gw_, tw_ = weights
             return _project(spec, x_, w_, kernels, None if nw_ is None else (nw_, eps), gate_, residual_,
-                            partial=reduce is not None, gated_norm=None if z_ is None else (z_, gw_, geps),
+                            partial=reduce is not None, gated_norm=None if z_ is None else (z_, gw_, geps, zoff),
                             normed=normed_, then_norm=None if tw_ is None else (tw_, teps))
         y = fold_rows(f, (x, gate, res, z, normed), (w, nw, gw, tw), rule=_fold_normed(f, teps))
         if then_norm is not None:
@@ -652,8 +676,10 @@ def _stack_of(w) -> tuple[jax.Array, dict]:
 
 
 def _gated_norm(x, gated_norm):
-    """`dense`'s gated_norm part on XLA's ops (module docstring of `dense`)."""
-    z, gw, eps = gated_norm
+    """`dense`'s gated_norm part on XLA's ops (module docstring of `dense`; gated_norm with its z_offset or None)."""
+    z, gw, eps, zoff = gated_norm
+    if zoff is not None:
+        z = z[..., zoff:zoff + math.prod(x.shape[-2:])].reshape(x.shape)
     return gdn_reference.gated_rms_norm(rounded(x, z.dtype), z, plain(gw), eps)
 
 
@@ -683,11 +709,12 @@ def _project(spec: str, x, w, kernels: str, norm, gate, residual, partial: bool 
         else:
             x2 = _norm_rows(x.reshape(rows, K), norm)
         if gated_norm is not None:
-            z, gw, geps = gated_norm
+            z, gw, geps, zoff = gated_norm
             gw, lw = _stack_of(gw)
-            x2 = rms_norm.gated_rms_norm_rows(x2, z.reshape(rows, K), gw, eps=geps, rows_to=8, **lw)
-        if gate is not None:
-            x2 = rounded(f32(x2[:rows]) * f32(gate.reshape(rows, K)), x2.dtype)
+            x2 = rms_norm.gated_rms_norm_rows(x2, z.reshape(rows, -1), gw, eps=geps, rows_to=8, z_offset=zoff or 0,
+                                              **lw)
+        if gate is not None:  # whole 8-row groups: the pad inside the product's fusion, not a kernel before the GEMM
+            x2 = jnp.pad(rounded(f32(x2[:rows]) * f32(gate.reshape(rows, K)), x2.dtype), ((0, -rows % 8), (0, 0)))
         w2, layer = _gemv_weight(w, K)
         if then_norm is not None and _fusions(kernels).addnorm:  # no XLA fusion between this GEMM and the next
             parts = dense_mgpu.dense_mgpu(x2, w2, rows=rows, partials=True, **layer)

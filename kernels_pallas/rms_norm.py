@@ -101,20 +101,24 @@ def rms_norm_rows(x, w, *, eps: float, layer=None, rows_to: int = 8, interpret: 
     )(*_operands(layer, x, w))
 
 
-def gated_rms_norm_rows_reference(x, z, w, *, eps: float, layer=None, rows_to: int = 8, interpret: bool = False):
+def gated_rms_norm_rows_reference(x, z, w, *, eps: float, layer=None, rows_to: int = 8, z_offset: int = 0,
+                                  interpret: bool = False):
     """x [M, H·E] (the GDN core's output, any float dtype) rounded to z's dtype, then per head of E values
-    `gated_rms_norm(x, z, w, eps)` -> [rows_out(M, rows_to), H·E] in z's dtype, rows ≥ M zero. z [M, H·E]; w [E], or
-    with layer (an int32 scalar, traced) the stack [L, E] read at row layer."""
+    `gated_rms_norm(x, z, w, eps)` -> [rows_out(M, rows_to), H·E] in z's dtype, rows ≥ M zero. z [M, H·E], or with
+    z_offset the wider rows [M, ≥ z_offset + H·E] whose columns from z_offset on are z (the GDN's fused input
+    projection, read in place: no slice of it before the kernel); w [E], or with layer (an int32 scalar, traced) the
+    stack [L, E] read at row layer."""
     del interpret
     M, C = x.shape
     E = w.shape[-1]
+    z = z[:, z_offset:z_offset + C]
     wl = w if layer is None else jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
     xr = rounded(x, z.dtype).reshape(M, C // E, E)
     y = gated_rms_norm(xr, z.reshape(M, C // E, E), wl, eps).reshape(M, C)
     return jnp.pad(y, ((0, rows_out(M, rows_to) - M), (0, 0)))
 
 
-def _gated_kernel(*refs, M: int, E: int, eps: float, has_layer: bool, wprod, interpret: bool):
+def _gated_kernel(*refs, M: int, E: int, eps: float, has_layer: bool, wprod, z_offset: int, interpret: bool):
     wl, (x_ref, z_ref, w_ref, o_ref) = _layer_of(refs, has_layer)
     f32, act = jnp.float32, o_ref.dtype
     r, h = pl.program_id(0), pl.program_id(1)
@@ -127,7 +131,7 @@ def _gated_kernel(*refs, M: int, E: int, eps: float, has_layer: bool, wprod, int
     row = jnp.minimum(r, M - 1)
     idx = h * E + jnp.arange(E, dtype=jnp.int32)
     x = rnd(pltr.load(x_ref.at[row, idx]).astype(f32), act)
-    z = pltr.load(z_ref.at[row, idx]).astype(f32)
+    z = pltr.load(z_ref.at[row, z_offset + idx]).astype(f32)
     w = pltr.load(w_ref.at[(*wl, jnp.arange(E, dtype=jnp.int32))]).astype(f32)
     inv = jax.lax.rsqrt(jnp.sum(x * x) / E + eps)
     y = rnd(x * inv, act)
@@ -136,20 +140,21 @@ def _gated_kernel(*refs, M: int, E: int, eps: float, has_layer: bool, wprod, int
     pltr.store(o_ref.at[r, idx], jnp.where(r < M, y, 0.0).astype(act))
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "rows_to", "interpret", "num_warps", "smem_limit"))
-def gated_rms_norm_rows(x, z, w, *, eps: float, layer=None, rows_to: int = 8, interpret: bool = False,
-                        num_warps: int = 4, smem_limit: int | None = None):
+@functools.partial(jax.jit, static_argnames=("eps", "rows_to", "z_offset", "interpret", "num_warps", "smem_limit"))
+def gated_rms_norm_rows(x, z, w, *, eps: float, layer=None, rows_to: int = 8, z_offset: int = 0,
+                        interpret: bool = False, num_warps: int = 4, smem_limit: int | None = None):
     """`gated_rms_norm_rows_reference` as one kernel (module docstring)."""
     M, C = x.shape
     E = w.shape[-1]
-    assert z.shape == (M, C) and C % E == 0 and is_pow2(E), (x.shape, z.shape, w.shape)
+    assert z.shape[0] == M and z.shape[1] >= z_offset + C and C % E == 0 and is_pow2(E), (x.shape, z.shape, w.shape,
+                                                                                          z_offset)
     assert w.ndim == (1 if layer is None else 2), (w.shape, layer)
     if smem_bytes(num_warps) > _limit(smem_limit):
         raise SharedMemoryError(f"gated_rms_norm_rows: {smem_bytes(num_warps)} bytes of shared memory needed, "
                                 f"{_limit(smem_limit)} available")
     R = rows_out(M, rows_to)
     kern = functools.partial(_gated_kernel, M=M, E=E, eps=float(eps), has_layer=layer is not None,
-                             wprod=jnp.promote_types(w.dtype, z.dtype), interpret=interpret)
+                             wprod=jnp.promote_types(w.dtype, z.dtype), z_offset=z_offset, interpret=interpret)
     return pl.pallas_call(
         kern,
         grid=(R, C // E),

@@ -83,13 +83,13 @@ class GatedDeltaNet(nnx.Module):
             out = dense("bthe,hed->btd", o[:, None], self.w_out[...], layout.kernels, residual=residual,
                         reduce=cfg.tp_axis)
             return out, GDNState(conv=restack(conv, li), recurrent=restack(state, li)), None
-        proj = dense("btd,dc->btc", x, w_in, layout.kernels, norm=norm, normed=normed)  # one GEMM: qkv|z|b|a
-        proj = proj[..., :in_proj_width(cfg)]  # (a bf16 stacked w_in's padding columns: target.pad_projection_columns)
-        xin, z, b, a = jnp.split(proj, in_proj_split(cfg), axis=-1)  # xin [B,T,conv_dim] pre-conv
-        z = z.reshape(B, T, hv, dv)  # b, a: [B,T,Hv]
+        full = dense("btd,dc->btc", x, w_in, layout.kernels, norm=norm, normed=normed)  # one GEMM: qkv|z|b|a
+        proj = full[..., :in_proj_width(cfg)]  # (a bf16 stacked w_in's padding columns: target.pad_projection_columns)
+        xin, _, b, a = jnp.split(proj, in_proj_split(cfg), axis=-1)  # xin [B,T,conv_dim] pre-conv; b, a: [B,T,Hv]
 
         conv_l = conv_c if li is None else jax.lax.dynamic_index_in_dim(conv_c, li, keepdims=False)  # small
-        xc = tree_conv(conv_l, xin, layout.conv_src if layout.is_tree else None, ops.plain(self.conv[...]))
+        xc = ops.tree_conv(conv_l, xin, layout.conv_src if layout.is_tree else None, ops.plain(self.conv[...]),
+                           layout.kernels)
         q, k, v = jnp.split(xc, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
         q = l2norm(q.reshape(B, T, hk, dk).astype(jnp.float32)) * dk ** -0.5
         k = l2norm(k.reshape(B, T, hk, dk).astype(jnp.float32))
@@ -116,6 +116,7 @@ class GatedDeltaNet(nnx.Module):
 
         # the gated norm of o (rounded to x's dtype) with z inside out_proj (on a Mosaic GPU GEMM: one kernel)
         out = dense("bthe,hed->btd", o, self.w_out[...], layout.kernels, residual=residual, reduce=cfg.tp_axis,
-                    gated_norm=(z, self.norm[...], cfg.rms_norm_eps),  # o [B,T,Hv,dv] fp32, z [B,T,Hv,dv]
+                    # o [B,T,Hv,dv] fp32; z [B,T,Hv·dv]: the projection's columns from conv_dim on, read in place
+                    gated_norm=(full, self.norm[...], cfg.rms_norm_eps, cfg.conv_dim),
                     then_norm=then_norm)
         return out, new_cache, stash

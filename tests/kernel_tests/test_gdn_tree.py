@@ -190,3 +190,30 @@ def test_lowers_for_h200_with_layer():
     f = lambda *a: gdn_tree.gdn_masked_block(*a[:7], layer=a[7])
     txt = lower_for_h200(f, *structs, jax.ShapeDtypeStruct((), jnp.int32))
     assert txt.count("__gpu$xla.gpu.triton") == 1 and "dynamic_slice" not in txt
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_tree_conv_gathers_apart_as_from_the_concatenation(dtype):
+    """`gdn_reference.tree_conv` of a tree (random parents, taps reaching above the root into the conv state): the
+    taps gathered from the conv state and the new rows apart equal those gathered from their concatenation, bit
+    for bit (`ops.tree_conv`: the default vs "pallas:conv_concat"); a sequence has no gather."""
+    from kernels_pallas import gdn_reference, ops
+    from jaxddtree.model import layout as layout_lib
+    rng = np.random.default_rng(3)
+    N, C, K = 23, 48, 4
+    parents = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, N)], np.int32)
+    lay = layout_lib.tree(jnp.int32(9), jnp.asarray(parents), K, batch=2)
+    ks = jax.random.split(jax.random.PRNGKey(1), 3)
+    cs = jax.random.normal(ks[0], (2, K - 1, C)).astype(dtype)
+    x = jax.random.normal(ks[1], (2, N, C)).astype(dtype)
+    w = (0.5 * jax.random.normal(ks[2], (K, C))).astype(dtype)
+    src = np.asarray(lay.conv_src)
+    assert (src < K - 1).any() and (src >= K - 1).any()
+    a = ops.tree_conv(cs, x, lay.conv_src, w, "pallas")
+    b = ops.tree_conv(cs, x, lay.conv_src, w, "pallas:conv_concat")
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    assert np.abs(np.asarray(a, np.float32) - np.asarray(gdn_reference.tree_conv(cs[:, ::-1], x, lay.conv_src, w),
+                                                          np.float32)).max() > 0  # the state's rows matter
+    seq = layout_lib.sequence(0, N, K, batch=2)
+    np.testing.assert_array_equal(np.asarray(gdn_reference.tree_conv(cs, x, None, w), np.float32),
+                                  np.asarray(gdn_reference.tree_conv(cs, x, seq.conv_src, w, concat=True), np.float32))

@@ -83,16 +83,21 @@ def test_kernel_matches_reference(dtype, M, K, L, rows_to):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("M,H,E,L", [(65, 6, 32, 4), (3, 2, 16, None), (16, 3, 64, 2)])
-def test_gated_kernel_matches_reference(dtype, M, H, E, L):
-    """The GDN core's fp32 output rounded to the activations' dtype, normalised per head, gated by silu(z)."""
+@pytest.mark.parametrize("M,H,E,L,zoff", [(65, 6, 32, 4, 0), (3, 2, 16, None, 0), (16, 3, 64, 2, 0),
+                                          (9, 2, 32, 3, 40)])
+def test_gated_kernel_matches_reference(dtype, M, H, E, L, zoff):
+    """The GDN core's fp32 output rounded to the activations' dtype, normalised per head, gated by silu(z); z read
+    at a column offset of wider rows (the fused input projection) too."""
     kx, kz, kw = jax.random.split(jax.random.PRNGKey(M * 31 + H * 7 + E), 3)
     x = 2.0 * jax.random.normal(kx, (M, H * E))  # fp32, as the core writes it
-    z = (2.0 * jax.random.normal(kz, (M, H * E))).astype(dtype)
+    zr = (2.0 * jax.random.normal(kz, (M, zoff + H * E + (24 if zoff else 0)))).astype(dtype)
+    z = zr[:, zoff:zoff + H * E]
     w = (1.0 + 0.1 * jax.random.normal(kw, ((L,) if L else ()) + (E,))).astype(dtype)
     layer = None if L is None else jnp.int32(L - 1)
-    out = R.gated_rms_norm_rows(x, z, w, eps=EPS, layer=layer, interpret=True)
+    out = R.gated_rms_norm_rows(x, zr, w, eps=EPS, layer=layer, z_offset=zoff, interpret=True)
     ref = R.gated_rms_norm_rows_reference(x, z, w, eps=EPS, layer=layer)
+    np.testing.assert_array_equal(np.asarray(ref, np.float32), np.asarray(
+        R.gated_rms_norm_rows_reference(x, zr, w, eps=EPS, layer=layer, z_offset=zoff), np.float32))
     assert out.shape == (R.rows_out(M, 8), H * E) and out.dtype == z.dtype
     _agree(out, ref, dtype)
     assert not np.asarray(out[M:]).any()
@@ -173,6 +178,12 @@ def test_ops_dense_mgpu_path_with_the_norm_kernel(monkeypatch):
     assert g.shape == (1, T, N) and run_out("pallas").dtype == jnp.bfloat16
     np.testing.assert_allclose(g, gx, rtol=2.0 ** -6, atol=2.0 ** -6)
     assert np.mean(g != gx) < 0.05
+    # z as columns [64, 64 + H·E) of wider rows (the GDN's fused projection, read in place): the same values
+    zrows = jnp.concatenate([x[..., :64], zg.reshape(1, T, H * E), x[..., :32]], axis=-1)
+    for kernels, want in (("pallas", g), ("xla", gx)):
+        got = ops.dense("bthe,hed->btd", o, ops.Layer(wo, layer), kernels, residual=res,
+                        gated_norm=(zrows, ops.Layer(gw, layer), EPS, 64))
+        np.testing.assert_array_equal(np.asarray(got, np.float32), want, err_msg=kernels)
     xs, rs = jnp.stack([x, x[:, ::-1]]), jnp.stack([res, res[:, ::-1]])
     v = np.asarray(jax.vmap(functools.partial(run, "pallas"))(xs, rs), np.float32)
     np.testing.assert_allclose(v[0], a, rtol=2.0 ** -6, atol=2.0 ** -6)
