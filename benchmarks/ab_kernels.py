@@ -42,6 +42,8 @@ def main(argv=None):
     ap.add_argument("--runs", type=int, default=5, help="timed calls per figure (median)")
     ap.add_argument("--rounds-per-call", type=int, default=16, help="rounds per jitted call (AR steps: 4x as many)")
     ap.add_argument("--passes", type=int, default=2, help="times every variant is timed, in turn")
+    ap.add_argument("--ar-first-only", action="store_true",
+                    help="time the AR step for the first variant only (variants that change only the tree verify)")
     ap.add_argument("--out", default=None, help="JSON file to write")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, few runs: check the script on a CPU")
     args = ap.parse_args(argv)
@@ -73,6 +75,8 @@ def main(argv=None):
         for v in variants:
             target.kernels = ran_as[v]
             for name in figures:
+                if name == "ar" and args.ar_first_only and v != variants[0]:
+                    continue
                 per_call = 4 * n if name == "ar" else n  # caches sized per figure by loop.capacity (bench.Rounds)
                 r = Rounds(target, drafter, plan_for(target, dcfg, name), args.context, per_call,
                            (args.runs + 2) * per_call)
@@ -82,7 +86,8 @@ def main(argv=None):
                 log(f"pass {p}: {v} {name} {ms} ms")
     res["median_ms"] = {v: {k: round(statistics.median(x), 3) for k, x in d.items()} for v, d in res["ms"].items()}
     base = variants[0]
-    res["minus_first_ms"] = {v: {k: round(x - res["median_ms"][base][k], 3) for k, x in d.items()}
+    res["minus_first_ms"] = {v: {k: round(x - res["median_ms"][base][k], 3) for k, x in d.items()
+                                 if k in res["median_ms"][base]}
                              for v, d in res["median_ms"].items() if v != base}
     print(json.dumps(res, indent=1, sort_keys=True))
     if args.out:
