@@ -165,7 +165,7 @@ def l2norm(x, eps=1e-6):
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def tree_conv(conv_state, x, conv_src, w, concat: bool = False):
+def tree_conv(conv_state, x, conv_src, w, gather: bool = False):
     """Causal depthwise conv with SiLU along each token's predecessor chain.
 
     conv_state [B, K-1, C]; x [B, T, C]; conv_src [B, T, K-1] rows of concat(conv_state, x) (oldest
@@ -173,14 +173,14 @@ def tree_conv(conv_state, x, conv_src, w, concat: bool = False):
     (tap K-1 hits the current token). Sums in fp32, tap by tap (elementwise: no dot, so no transposed dot
     output for XLA to lay back out), rounded to the activations' dtype, SiLU in fp32, rounded (transformers'
     `causal_conv1d_fn` / `causal_conv1d_update` torch fallback: `F.conv1d` in the activations' dtype, then
-    `ACT2FN["silu"]` on it). concat (a tree; benchmark variant "pallas:conv_concat"): the taps gathered from
-    concat(conv_state, x), one more kernel on a GPU; by default each from its own array (the same values).
+    `ACT2FN["silu"]` on it). gather (a tree; `ops.tree_conv`'s candidate): each tap gathered from conv_state or x
+    and selected, with no concatenation of the two (the same values).
     """
     km1, T = conv_state.shape[1], x.shape[1]
     if conv_src is None:
         rows = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
         tap = lambda s: rows[:, s:s + T]  # [B, T, C]
-    elif concat:
+    elif not gather:
         rows = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)
         taps = jax.vmap(lambda r, s: r[s])(rows, conv_src)  # [B, T, K-1, C]
         tap = lambda s: taps[:, :, s]

@@ -27,11 +27,11 @@ class Fusions(NamedTuple):
     unroll: int = 1  # layer groups per iteration of the model's scan (`scan_unroll`)
     tree_unroll: int = 2  # the same in a tree verify only
     swiglu: bool = True  # the MLP's SwiGLU in its gate|up GEMM's epilogue (`mlp`; variant "pallas:split_mlp": off)
-    conv_concat: bool = False  # the GDN tree conv's taps from concat(conv_state, x) (`gdn_reference.tree_conv`)
-    tap_dus: bool = False  # a tree verify's feature taps written layer by layer into their slots (else the tapped
-    #                        layer positions' outputs stacked per group and gathered after the scan: `taps_stacked`)
-    addnorm: bool = True  # a Mosaic GPU GEMM's residual add (its split-K partials unsummed) in the next input norm's
-    #                       kernel (`dense` / `mlp` with then_norm: `rms_norm.add_rms_norm_rows`; "pallas:no_addnorm")
+    # candidates built in session 33 (issue 41), not yet timed on a GPU: benchmark variants until an A/B decides
+    addnorm: bool = False  # a tree verify's residual adds in the next input norm's kernel (`dense` / `mlp` with
+    #                        then_norm: a Mosaic GPU GEMM's split-K partials into `rms_norm.add_rms_norm_rows`)
+    conv_gather: bool = False  # the GDN tree conv's taps gathered from the conv state and x apart, no concatenation
+    taps_stacked: bool = False  # a tree verify's feature taps as the scan's per-group outputs (`taps_stacked`)
 
 
 # kernels="pallas" and its benchmark-only variants: decode-step fusions off (A/B timing: benchmarks/ab_kernels.py;
@@ -56,8 +56,9 @@ class Fusions(NamedTuple):
 VARIANTS = {"pallas": Fusions(), "pallas:no_partials": Fusions(partials=False),
             "pallas:unfused": Fusions(parts=False, partials=False),
             "pallas:unroll4": Fusions(unroll=4, tree_unroll=4), "pallas:unroll16": Fusions(unroll=16, tree_unroll=16),
-            "pallas:split_mlp": Fusions(swiglu=False), "pallas:no_addnorm": Fusions(addnorm=False),
-            "pallas:conv_concat": Fusions(conv_concat=True), "pallas:tap_dus": Fusions(tap_dus=True)}
+            "pallas:split_mlp": Fusions(swiglu=False), "pallas:addnorm": Fusions(addnorm=True),
+            "pallas:conv_gather": Fusions(conv_gather=True), "pallas:taps_stacked": Fusions(taps_stacked=True),
+            "pallas:fewer_kernels": Fusions(addnorm=True, conv_gather=True, taps_stacked=True)}
 
 
 def scan_unroll(kernels: str, tree: bool = False) -> int:
@@ -72,15 +73,16 @@ def scan_unroll(kernels: str, tree: bool = False) -> int:
 
 def taps_stacked(kernels: str) -> bool:
     """A tree verify collects its feature taps as the scan's per-group outputs (one stacked write per group; the
-    taps gathered after the scan) rather than one dynamic-update-slice per tapped layer position and group (the
-    benchmark variant "pallas:tap_dus", `Fusions.tap_dus`)."""
+    taps gathered after the scan) rather than one dynamic-update-slice per tapped layer position and group: the
+    Pallas path with `Fusions.taps_stacked` (benchmark variants "pallas:taps_stacked", "pallas:fewer_kernels")."""
     f = _fusions(kernels)
-    return f is None or not f.tap_dus
+    return f is not None and f.taps_stacked
 
 
 def add_norm_fuses(kernels: str) -> bool:
     """A tree verify's projections hand the next input norm over (`dense` / `mlp` with then_norm; the model's
-    decoder layers ask for it where this holds): the Pallas path with `Fusions.addnorm`."""
+    decoder layers ask for it where this holds): the Pallas path with `Fusions.addnorm` (benchmark variants
+    "pallas:addnorm", "pallas:fewer_kernels")."""
     f = _fusions(kernels)
     return f is not None and f.addnorm
 
@@ -182,11 +184,12 @@ def prefill_attention(q, k_cache, v_cache, start, k_new, v_new, kernels="xla", *
 
 
 def tree_conv(conv_state, x, conv_src, w, kernels="xla"):
-    """The GDN conv + SiLU of a pass (`gdn_reference.tree_conv`): a tree's taps gathered from the conv state and the
-    new rows apart, or on the benchmark variant "pallas:conv_concat" (`Fusions.conv_concat`) from their
-    concatenation (the same values)."""
+    """The GDN conv + SiLU of a pass (`gdn_reference.tree_conv`): a tree's taps gathered from the concatenation of the
+    conv state and the new rows, or with `Fusions.conv_gather` (benchmark variants "pallas:conv_gather",
+    "pallas:fewer_kernels") from each apart (the same values, one XLA kernel fewer per layer if XLA fuses the two
+    gathers)."""
     f = _fusions(kernels)
-    return gdn_reference.tree_conv(conv_state, x, conv_src, w, concat=f is not None and f.conv_concat)
+    return gdn_reference.tree_conv(conv_state, x, conv_src, w, gather=f is not None and f.conv_gather)
 
 
 def gdn_chunked(q, k, v, g, beta, state, kernels="xla", *, layer=None):

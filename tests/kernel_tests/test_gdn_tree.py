@@ -196,7 +196,7 @@ def test_lowers_for_h200_with_layer():
 def test_tree_conv_gathers_apart_as_from_the_concatenation(dtype):
     """`gdn_reference.tree_conv` of a tree (random parents, taps reaching above the root into the conv state): the
     taps gathered from the conv state and the new rows apart equal those gathered from their concatenation, bit
-    for bit (`ops.tree_conv`: the default vs "pallas:conv_concat"); a sequence has no gather."""
+    for bit (`ops.tree_conv`: "pallas:conv_gather" vs the default); a sequence has no gather."""
     from kernels_pallas import gdn_reference, ops
     from jaxddtree.model import layout as layout_lib
     rng = np.random.default_rng(3)
@@ -209,11 +209,15 @@ def test_tree_conv_gathers_apart_as_from_the_concatenation(dtype):
     w = (0.5 * jax.random.normal(ks[2], (K, C))).astype(dtype)
     src = np.asarray(lay.conv_src)
     assert (src < K - 1).any() and (src >= K - 1).any()
-    a = ops.tree_conv(cs, x, lay.conv_src, w, "pallas")
-    b = ops.tree_conv(cs, x, lay.conv_src, w, "pallas:conv_concat")
+    a = ops.tree_conv(cs, x, lay.conv_src, w, "pallas:conv_gather")
+    b = ops.tree_conv(cs, x, lay.conv_src, w, "pallas")
+    assert "concatenate" in str(jax.make_jaxpr(functools.partial(ops.tree_conv, kernels="pallas"))(
+        cs, x, lay.conv_src, w))
+    assert "concatenate" not in str(jax.make_jaxpr(functools.partial(ops.tree_conv, kernels="pallas:conv_gather"))(
+        cs, x, lay.conv_src, w))
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     assert np.abs(np.asarray(a, np.float32) - np.asarray(gdn_reference.tree_conv(cs[:, ::-1], x, lay.conv_src, w),
                                                           np.float32)).max() > 0  # the state's rows matter
     seq = layout_lib.sequence(0, N, K, batch=2)
     np.testing.assert_array_equal(np.asarray(gdn_reference.tree_conv(cs, x, None, w), np.float32),
-                                  np.asarray(gdn_reference.tree_conv(cs, x, seq.conv_src, w, concat=True), np.float32))
+                                  np.asarray(gdn_reference.tree_conv(cs, x, seq.conv_src, w), np.float32))

@@ -204,9 +204,9 @@ def _interpreters(monkeypatch):
 
 def test_ops_then_norm_hands_the_norm_over(monkeypatch):
     """`ops.dense` / `ops.mlp` with then_norm return (y, the next input norm's rows) and take them as `normed`: on the
-    dense_mgpu path one add + norm kernel after the GEMM (no rms_norm_rows before the next GEMM), bit for bit the
-    values of the variant without it ("pallas:no_addnorm") and of XLA's ops here; under jax.vmap (a batched round's
-    folded slots) each slot's values."""
+    dense_mgpu path with `Fusions.addnorm` ("pallas:addnorm") one add + norm kernel after the GEMM (no rms_norm_rows
+    before the next GEMM), bit for bit the values of the default (the norm of XLA's sum) and of XLA's ops here; under
+    jax.vmap (a batched round's folded slots) each slot's values."""
     _interpreters(monkeypatch)
     L, T, K, N, F = 3, 13, 128, 192, 256
     ks = jax.random.split(jax.random.PRNGKey(5), 7)
@@ -224,28 +224,29 @@ def test_ops_then_norm_hands_the_norm_over(monkeypatch):
         z, hz = ops.mlp(y, Lw(wgu), Lw(wd), kernels, norm=(Lw(tw), EPS), residual=y, normed=h,
                         then_norm=(Lw(tw), EPS))
         return y, h, z, hz
-    jaxpr = str(jax.make_jaxpr(functools.partial(run, "pallas"))(x, res))
+    jaxpr = str(jax.make_jaxpr(functools.partial(run, "pallas:addnorm"))(x, res))
     assert jaxpr.count("name=add_rms_norm_rows") >= 2 and "dynamic_slice" not in jaxpr
-    assert "add_rms_norm_rows" not in str(jax.make_jaxpr(functools.partial(run, "pallas:no_addnorm"))(x, res))
-    got = run("pallas", x, res)
+    assert "add_rms_norm_rows" not in str(jax.make_jaxpr(functools.partial(run, "pallas"))(x, res))
+    got = run("pallas:addnorm", x, res)
     assert [a.shape for a in got] == [(1, T, N), (16, N), (1, T, N), (16, N)]
-    for other in ("pallas:no_addnorm", "xla"):
+    for other in ("pallas", "xla"):
         for a, b in zip(got, run(other, x, res)):
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=other)
     np.testing.assert_array_equal(np.asarray(got[1][:T], np.float32),
                                   np.asarray(R.rms_norm_rows_reference(got[0][0], tw[1], eps=EPS), np.float32)[:T])
     xs, rs = jnp.stack([x, x[:, ::-1]]), jnp.stack([res, res[:, ::-1]])
-    v = jax.vmap(functools.partial(run, "pallas"))(xs, rs)
-    for i, one in enumerate((got, run("pallas", x[:, ::-1], res[:, ::-1]))):
+    v = jax.vmap(functools.partial(run, "pallas:addnorm"))(xs, rs)
+    for i, one in enumerate((got, run("pallas:addnorm", x[:, ::-1], res[:, ::-1]))):
         for a, b in zip(v, one):
             np.testing.assert_array_equal(np.asarray(a[i], np.float32), np.asarray(b, np.float32))
 
 
-def test_tree_verify_hands_each_norm_over(monkeypatch):
+def test_tree_verify_with_fewer_kernels(monkeypatch):
     """A bf16 tree verify (2 layer groups of 3 GDN + 1 attention, widths the Mosaic GPU GEMMs take) on the Pallas
-    path: per group 7 add + norm kernels (each mixer's output into its MLP's norm, each MLP's into the next layer's
-    input norm; the group's first input norm stays `rms_norm_rows`), logits, taps and stashes bit for bit those
-    of "pallas:no_addnorm"."""
+    path with session 33's candidates ("pallas:fewer_kernels": per group 7 add + norm kernels — each mixer's output
+    into its MLP's norm, each MLP's into the next layer's input norm, the group's first input norm staying
+    `rms_norm_rows` —, the GDN conv's taps gathered apart, the feature taps stacked per group): logits, taps and
+    stashes bit for bit those of the default "pallas"."""
     _interpreters(monkeypatch)
     from jaxddtree.model import layout as layout_lib, target as target_lib
     from jaxddtree.model.config import TextConfig
@@ -268,9 +269,9 @@ def test_tree_verify_hands_each_norm_over(monkeypatch):
     def verify(kernels):
         lay = layout_lib.tree(cache.length, parents, 4, kernels=kernels)
         return jax.jit(lambda t, c: model(t, c, lay, feature_layers=(1, 4, 6)))(tokens, cache)
-    a = verify("pallas")
+    a = verify("pallas:fewer_kernels")
     assert len(calls) == 7  # the scan's body: one group
-    b = verify("pallas:no_addnorm")
+    b = verify("pallas")
     assert len(calls) == 7
     for u, v in zip(jax.tree.leaves((a[0], a[2], a[3])), jax.tree.leaves((b[0], b[2], b[3]))):
         np.testing.assert_array_equal(np.asarray(u, np.float32), np.asarray(v, np.float32))
