@@ -486,7 +486,8 @@ def dense(spec: str, x, w, kernels="xla", *, norm=None, gate=None, residual=None
             return _project(spec, x_, w_, kernels, None if nw_ is None else (nw_, eps), gate_, residual_,
                             partial=reduce is not None, gated_norm=None if z_ is None else (z_, gw_, geps, zoff),
                             normed=normed_, then_norm=None if tw_ is None else (tw_, teps))
-        y = fold_rows(f, (x, gate, res, z, normed), (w, nw, gw, tw), rule=_fold_normed(f, teps))
+        y = fold_rows(f, (x, gate, res, z, normed), (w, nw, gw, tw),
+                      rule=None if normed is None and then_norm is None else _fold_normed(f, teps))
         if then_norm is not None:
             return rounded(y[0], act), y[1]
     else:
@@ -594,7 +595,8 @@ def mlp(x, w_gate_up, w_down, kernels="xla", *, norm=None, residual=None, normed
             return y.reshape(x_.shape), hn
         y = _finish(dense_mgpu.dense_mgpu(h, wd2, rows=rows, **ld), act, res2, False)
         return y.reshape(x_.shape) if then_ is None else (y.reshape(x_.shape), _norm_rows_ref(y, then_))
-    y = fold_rows(f, (x, residual, normed), (w_gate_up, w_down, nw, tw), rule=_fold_normed(f, teps))
+    y = fold_rows(f, (x, residual, normed), (w_gate_up, w_down, nw, tw),
+                  rule=None if normed is None and then_norm is None else _fold_normed(f, teps))
     return rounded(y, act) if then_norm is None else (rounded(y[0], act), y[1])
 
 
@@ -605,8 +607,9 @@ def fold_rows(f, acts, weights, out_axis: int = 0, rule=None):
     the slot axis folded into the activations' first axis (its kernel then picked for the B·rows; pallas_call's
     own batching rule would run the kernel once per slot and stream the weights B times); the output's axis
     `out_axis` holds the rows. `rule(acts, weights, like)` (optional) computes the folded call instead (like: the
-    per-slot output's ShapeDtypeStruct). Batched weights: plain vmap of f (a `Layer` counts as batched when its
-    stack or its index is; a scan's layer index is the same for every slot)."""
+    per-slot output's ShapeDtypeStruct, or a tuple of them: each folded output is then unfolded by its own per-slot
+    shape). Batched weights: plain vmap of f (a `Layer` counts as batched when its stack or its index is; a scan's
+    layer index is the same for every slot)."""
     fn = jax.custom_batching.custom_vmap(f)
 
     @fn.def_vmap
@@ -617,16 +620,22 @@ def fold_rows(f, acts, weights, out_axis: int = 0, rule=None):
             return jax.vmap(f, in_axes=tuple(axes))(acts, weights), True
         per_slot = tuple(None if a is None else jax.ShapeDtypeStruct(a.shape[1:] if b else a.shape, a.dtype)
                          for a, b in zip(acts, acts_b))
+
         def fold(a, b):
             if a is None:
                 return None
             a = a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
             return a.reshape((axis_size * a.shape[1],) + a.shape[2:])
         folded = tuple(fold(a, b) for a, b in zip(acts, acts_b))
+        if rule is None:  # one output, its rows on axis out_axis: as many per slot as the acts' first axis
+            y = f(folded, weights)
+            lead = next(a.shape[0] for a in per_slot if a is not None)
+            y = y.reshape(y.shape[:out_axis] + (axis_size, lead) + y.shape[out_axis + 1:])
+            return jnp.moveaxis(y, out_axis, 0), True
         like = jax.eval_shape(f, per_slot, weights)
-        y = rule(folded, weights, like) if rule is not None else f(folded, weights)
+        y = rule(folded, weights, like)
 
-        def unfold(o, l):  # the folded output -> [slots, per-slot shape] (its rows on axis out_axis)
+        def unfold(o, l):  # a folded output -> [slots, its per-slot shape] (its rows on axis out_axis)
             o = o.reshape(l.shape[:out_axis] + (axis_size, l.shape[out_axis]) + l.shape[out_axis + 1:])
             return jnp.moveaxis(o, out_axis, 0)
         return jax.tree.map(unfold, y, like), jax.tree.map(lambda _: True, y)
