@@ -13,6 +13,9 @@ Sections (`--sections`, default all):
         pallas == xla tokens for AR and DDTree (asserted), i.e. the chunked prefill kernels at long context.
 `--quick`: fewer new tokens and no xla DFlash run (what the 4-minute H200 call runs). `--smoke`: tiny shapes
 that run on a CPU (there the "pallas" runs use kernels="xla": the script's structure is what is checked).
+`--kernels V`: a benchmark variant of the Pallas path (`kernels_pallas.ops.VARIANTS`) in place of "pallas"; in
+`real` its bf16 DDTree tokens must then equal the default "pallas" path's (asserted: the variants that change only
+which kernels run, e.g. session 33's "pallas:fewer_kernels", promise the same bits).
 Exit code 1 when an asserted check fails."""
 from __future__ import annotations
 
@@ -127,11 +130,15 @@ def section_real(args, out, pk):
             for k in ("xla", pk):
                 if m != "ar" and (m, k) in toks:
                     r[f"{m}_vs_ar_{k}_first_divergence"] = first_divergence(toks[m, k], toks["ar", k])
+        if dt == "bfloat16" and pk not in ("pallas", "xla"):  # a variant: the default Pallas path's bits
+            base = run(target, prompt, "pallas", "ddtree", drafter, new, res, f"real_{dt}_ddtree_pallas")
+            r["ddtree_vs_default_pallas_first_divergence"] = first_divergence(toks["ddtree", pk], base)
+            r["ok"] = r["ddtree_vs_default_pallas_first_divergence"] is None
         if dt == "float32":  # exact: every pair identical
             r["ok"] = all(v is None for v in r.values())
         del target, drafter
         gc.collect()
-    res["ok"] = res["float32"]["ok"]
+    res["ok"] = res["float32"]["ok"] and res["bfloat16"].get("ok", True)
 
 
 def section_long(args, out, pk):
@@ -165,6 +172,8 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=8, help="layers of the real-width model (default: 8)")
     p.add_argument("--real-prompt", type=int, default=64, help="prompt tokens at real widths (default: 64)")
     p.add_argument("--long-prompt", type=int, default=20480, help="prompt tokens of the long check (default: 20480)")
+    p.add_argument("--kernels", default="pallas", help="the Pallas path or one of its benchmark variants (default: "
+                   "pallas)")
     p.add_argument("--out", default=None, help="also write the JSON summary here")
     args = p.parse_args(argv)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
@@ -175,8 +184,11 @@ def main(argv=None) -> int:
         args.layers = min(args.layers, 8)
         args.real_prompt = min(args.real_prompt, 16)
         args.long_prompt = min(args.long_prompt, 160)
+    from kernels_pallas import ops
+    if args.kernels not in ops.VARIANTS:
+        p.error(f"unknown kernels '{args.kernels}' (one of {', '.join(ops.VARIANTS)})")
     gpu = jax.default_backend() == "gpu"
-    pk = "pallas" if gpu else "xla"  # the Pallas kernels need a GPU
+    pk = args.kernels if gpu else "xla"  # the Pallas kernels need a GPU
     out = {"device": jax.devices()[0].device_kind, "kernels_under_test": pk, "quick": args.quick,
            "smoke": args.smoke}
     t0 = time.time()

@@ -221,10 +221,11 @@ def test_bench_sampling_smoke(tmp_path):
 
 
 def test_gpu_check_smoke(tmp_path):
-    """gpu_check.py's long-prompt section at smoke shapes (on a CPU its "pallas" runs use xla): the JSON summary."""
+    """gpu_check.py's long-prompt section at smoke shapes (on a CPU its "pallas" runs, a benchmark variant's too,
+    use xla): the JSON summary."""
     out = tmp_path / "gpu_check.json"
     p = _run(["benchmarks/gpu_check.py", "--smoke", "--quick", "--sections", "long", "--long-prompt", "40",
-              "--out", str(out)])
+              "--kernels", "pallas:fewer_kernels", "--out", str(out)])
     res = json.loads(out.read_text())
     assert json.loads(p.stdout.strip().splitlines()[-1]) == res
     assert res["ok"] and res["long"]["prompt"] == 40 and res["kernels_under_test"] == "xla"
