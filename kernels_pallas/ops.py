@@ -471,8 +471,8 @@ def dense(spec: str, x, w, kernels="xla", *, norm=None, gate=None, residual=None
     if fp8 is not None and gated_norm is not None:
         x, gated_norm = _gated_norm(x, gated_norm), None
     if fp8 is not None:
-        y = _dense_fp8(spec, x, w, fp8, kernels, norm=norm, gate=gate, residual=residual, reduce=reduce)
-        return y if then_norm is None else (y, _norm_rows_ref(y, then_norm))
+        return _then(_dense_fp8(spec, x, w, fp8, kernels, norm=norm, gate=gate, residual=residual, reduce=reduce),
+                     then_norm)
     act = x.dtype if gated_norm is None else gated_norm[0].dtype
     res = None if reduce is not None else residual  # tensor parallelism: added once, after the sum
     if _check(kernels) == "pallas":
@@ -488,13 +488,11 @@ def dense(spec: str, x, w, kernels="xla", *, norm=None, gate=None, residual=None
                             normed=normed_, then_norm=None if tw_ is None else (tw_, teps))
         y = fold_rows(f, (x, gate, res, z, normed), (w, nw, gw, tw),
                       rule=None if normed is None and then_norm is None else _fold_normed(f, teps))
-        if then_norm is not None:
-            return rounded(y[0], act), y[1]
     else:
         y = _project(spec, x, w, kernels, norm, gate, res, partial=reduce is not None, gated_norm=gated_norm,
                      then_norm=then_norm)
-        if then_norm is not None:
-            return rounded(y[0], act), y[1]
+    if then_norm is not None:
+        return rounded(y[0], act), y[1]
     if reduce is None:
         return rounded(y, act)
     y = rounded(jax.lax.psum(y, reduce), act)
@@ -593,8 +591,8 @@ def mlp(x, w_gate_up, w_down, kernels="xla", *, norm=None, residual=None, normed
         if then_ is not None and _fusions(kernels).addnorm:
             y, hn = _add_norm(dense_mgpu.dense_mgpu(h, wd2, rows=rows, partials=True, **ld), res2, then_)
             return y.reshape(x_.shape), hn
-        y = _finish(dense_mgpu.dense_mgpu(h, wd2, rows=rows, **ld), act, res2, False)
-        return y.reshape(x_.shape) if then_ is None else (y.reshape(x_.shape), _norm_rows_ref(y, then_))
+        return _then(_finish(dense_mgpu.dense_mgpu(h, wd2, rows=rows, **ld), act, res2, False).reshape(x_.shape),
+                     then_)
     y = fold_rows(f, (x, residual, normed), (w_gate_up, w_down, nw, tw),
                   rule=None if normed is None and then_norm is None else _fold_normed(f, teps))
     return rounded(y, act) if then_norm is None else (rounded(y[0], act), y[1])
@@ -706,8 +704,6 @@ def _project(spec: str, x, w, kernels: str, norm, gate, residual, partial: bool 
     nc, rows, K, N = _problem(spec, x, w.shape)
     choice = pick(weight_format(act, w.dtype), rows, N, kernels, depth=K, stacked=isinstance(w, Layer))
     mgpu = choice.kernel == "dense_mgpu"  # its input norms run as one kernel each (module `rms_norm`)
-    if then_norm is not None and (residual is None or partial):
-        raise ValueError("then_norm needs a residual and no partial product")
     E = 0 if gated_norm is None else gated_norm[1].shape[-1]
     if gated_norm is not None and not (mgpu and E & (E - 1) == 0):
         x, gated_norm = _gated_norm(x, gated_norm), None  # XLA's ops (the kernel takes E a power of two)

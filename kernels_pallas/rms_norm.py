@@ -73,8 +73,14 @@ def _kernel(*refs, M: int, K: int, eps: float, has_layer: bool, interpret: bool)
     idx = jnp.arange(next_pow2(K), dtype=jnp.int32)
     cols = idx < K
     x = pltr.load(x_ref.at[jnp.minimum(r, M - 1), idx], mask=cols, other=0).astype(f32)
+    _store_normed(x, w_ref, wl, o_ref, r, idx, cols, M=M, K=K, eps=eps, interpret=interpret)
+
+
+def _store_normed(x, w_ref, wl, o_ref, r, idx, cols, *, M: int, K: int, eps: float, interpret: bool):
+    """Row r of o: rms_norm_1p of the fp32 row x (its K columns `cols` of idx) with w (layer prefix wl), zeros for
+    r ≥ M; one rounding to o's dtype."""
     inv = jax.lax.rsqrt(jnp.sum(x * x) / K + eps)
-    w = pltr.load(w_ref.at[(*wl, idx)], mask=cols, other=0).astype(f32)
+    w = pltr.load(w_ref.at[(*wl, idx)], mask=cols, other=0).astype(jnp.float32)
     y = (x * inv) * (1.0 + w)
     y = rounded(y, o_ref.dtype) if interpret else y  # (on the GPU the store's cast is the one rounding)
     pltr.store(o_ref.at[r, idx], jnp.where(r < M, y, 0.0).astype(o_ref.dtype), mask=cols)
@@ -191,11 +197,7 @@ def _add_kernel(*refs, M: int, K: int, S: int, eps: float, has_layer: bool, inte
         acc = acc + pltr.load(p_ref.at[s, row, idx], mask=cols, other=0).astype(f32_)
     x = rnd(pltr.load(b_ref.at[row, idx], mask=cols, other=0).astype(f32_) + rnd(acc))
     pltr.store(x_ref.at[row, idx], x.astype(act), mask=cols & (r < M))
-    inv = jax.lax.rsqrt(jnp.sum(x * x) / K + eps)
-    w = pltr.load(w_ref.at[(*wl, idx)], mask=cols, other=0).astype(f32_)
-    y = (x * inv) * (1.0 + w)
-    y = rounded(y, act) if interpret else y  # (on the GPU the store's cast is the one rounding)
-    pltr.store(o_ref.at[r, idx], jnp.where(r < M, y, 0.0).astype(act), mask=cols)
+    _store_normed(x, w_ref, wl, o_ref, r, idx, cols, M=M, K=K, eps=eps, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "rows_to", "interpret", "num_warps", "smem_limit"))
