@@ -15,7 +15,7 @@ Sections (`--sections`, default all):
 that run on a CPU (there the "pallas" runs use kernels="xla": the script's structure is what is checked).
 `--kernels V`: a benchmark variant of the Pallas path (`kernels_pallas.ops.VARIANTS`) in place of "pallas"; in
 `real` its bf16 DDTree tokens must then equal the default "pallas" path's (asserted: the variants that change only
-which kernels run, e.g. session 33's "pallas:fewer_kernels", promise the same bits).
+which kernels run, e.g. "pallas:split_mlp", promise the same bits).
 Exit code 1 when an asserted check fails."""
 from __future__ import annotations
 

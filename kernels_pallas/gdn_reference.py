@@ -165,7 +165,7 @@ def l2norm(x, eps=1e-6):
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def tree_conv(conv_state, x, conv_src, w, gather: bool = False):
+def tree_conv(conv_state, x, conv_src, w):
     """Causal depthwise conv with SiLU along each token's predecessor chain.
 
     conv_state [B, K-1, C]; x [B, T, C]; conv_src [B, T, K-1] rows of concat(conv_state, x) (oldest
@@ -173,18 +173,14 @@ def tree_conv(conv_state, x, conv_src, w, gather: bool = False):
     (tap K-1 hits the current token). Sums in fp32, tap by tap (elementwise: no dot, so no transposed dot
     output for XLA to lay back out), rounded to the activations' dtype, SiLU in fp32, rounded (transformers'
     `causal_conv1d_fn` / `causal_conv1d_update` torch fallback: `F.conv1d` in the activations' dtype, then
-    `ACT2FN["silu"]` on it). gather (a tree; `ops.tree_conv`'s candidate): each tap gathered from conv_state or x
-    and selected, with no concatenation of the two (the same values).
+    `ACT2FN["silu"]` on it). A tree's taps are gathered from conv_state and from x apart and selected: no
+    concatenation of the two (one XLA kernel fewer per layer than gathering from it; H100, 2026-12-07).
     """
     km1, T = conv_state.shape[1], x.shape[1]
     if conv_src is None:
         rows = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
         tap = lambda s: rows[:, s:s + T]  # [B, T, C]
-    elif not gather:
-        rows = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)
-        taps = jax.vmap(lambda r, s: r[s])(rows, conv_src)  # [B, T, K-1, C]
-        tap = lambda s: taps[:, :, s]
-    else:  # each tap gathered from the conv state or from x and selected: no concatenation of the two
+    else:
         def tap(s):
             src = conv_src[:, :, s]  # [B, T]
             old = jax.vmap(lambda r, i: r[i])(conv_state, jnp.clip(src, 0, km1 - 1)).astype(x.dtype)

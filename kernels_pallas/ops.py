@@ -27,11 +27,6 @@ class Fusions(NamedTuple):
     unroll: int = 1  # layer groups per iteration of the model's scan (`scan_unroll`)
     tree_unroll: int = 2  # the same in a tree verify only
     swiglu: bool = True  # the MLP's SwiGLU in its gate|up GEMM's epilogue (`mlp`; variant "pallas:split_mlp": off)
-    # candidates built in session 33 (issue 41), not yet timed on a GPU: benchmark variants until an A/B decides
-    addnorm: bool = False  # a tree verify's residual adds in the next input norm's kernel (`dense` / `mlp` with
-    #                        then_norm: a Mosaic GPU GEMM's split-K partials into `rms_norm.add_rms_norm_rows`)
-    conv_gather: bool = False  # the GDN tree conv's taps gathered from the conv state and x apart, no concatenation
-    taps_stacked: bool = False  # a tree verify's feature taps as the scan's per-group outputs (`taps_stacked`)
 
 
 # kernels="pallas" and its benchmark-only variants: decode-step fusions off (A/B timing: benchmarks/ab_kernels.py;
@@ -52,13 +47,16 @@ class Fusions(NamedTuple):
 # layer-group scan unrolled by 2 (Fusions.tree_unroll; H100, 4K, 2026-12-07, session 32: round(64) 26.60 vs 26.85 ms
 # rolled, AR step the same; serve ready cold 89.7 vs 83.4 s at --max-batch 11: it doubles the auto round's verify
 # bodies, the cold start's critical path). Removed: "pallas:unroll2", both scans unrolled (round −0.28 ms, AR step
-# +0.19 on the H200, session 29).
+# +0.19 on the H200, session 29). Made defaults after an A/B (H100, 4K, 2026-12-07, BENCHMARKS.md session 34; two
+# passes, round(64) 25.88 / 25.87 ms "pallas"): a tree verify's residual adds in the next input norm's kernel
+# (`add_norm_fuses`, was "pallas:addnorm": 25.72 / 25.73) and the GDN tree conv's taps gathered without the
+# concatenation (`gdn_reference.tree_conv`, was "pallas:conv_gather": 25.69 / 25.72); all three of session 33's
+# candidates 25.48 / 25.57. Lost and removed: a verify's feature taps as the scan's per-group outputs
+# ("pallas:taps_stacked": 25.78 / 25.91, and 42.6 MB more per slot at 27B).
 VARIANTS = {"pallas": Fusions(), "pallas:no_partials": Fusions(partials=False),
             "pallas:unfused": Fusions(parts=False, partials=False),
             "pallas:unroll4": Fusions(unroll=4, tree_unroll=4), "pallas:unroll16": Fusions(unroll=16, tree_unroll=16),
-            "pallas:split_mlp": Fusions(swiglu=False), "pallas:addnorm": Fusions(addnorm=True),
-            "pallas:conv_gather": Fusions(conv_gather=True), "pallas:taps_stacked": Fusions(taps_stacked=True),
-            "pallas:fewer_kernels": Fusions(addnorm=True, conv_gather=True, taps_stacked=True)}
+            "pallas:split_mlp": Fusions(swiglu=False)}
 
 
 def scan_unroll(kernels: str, tree: bool = False) -> int:
@@ -71,20 +69,11 @@ def scan_unroll(kernels: str, tree: bool = False) -> int:
     return f.tree_unroll if tree else f.unroll
 
 
-def taps_stacked(kernels: str) -> bool:
-    """A tree verify collects its feature taps as the scan's per-group outputs (one stacked write per group; the
-    taps gathered after the scan) rather than one dynamic-update-slice per tapped layer position and group: the
-    Pallas path with `Fusions.taps_stacked` (benchmark variants "pallas:taps_stacked", "pallas:fewer_kernels")."""
-    f = _fusions(kernels)
-    return f is not None and f.taps_stacked
-
-
 def add_norm_fuses(kernels: str) -> bool:
     """A tree verify's projections hand the next input norm over (`dense` / `mlp` with then_norm; the model's
-    decoder layers ask for it where this holds): the Pallas path with `Fusions.addnorm` (benchmark variants
-    "pallas:addnorm", "pallas:fewer_kernels")."""
-    f = _fusions(kernels)
-    return f is not None and f.addnorm
+    decoder layers ask for it where this holds): the Pallas path (its Mosaic GPU GEMMs hand their split-K partials to
+    `rms_norm.add_rms_norm_rows`; elsewhere h is XLA's norm of y)."""
+    return _fusions(kernels) is not None
 
 
 def _fusions(kernels: str) -> Fusions | None:
@@ -181,15 +170,6 @@ def prefill_attention(q, k_cache, v_cache, start, k_new, v_new, kernels="xla", *
         return _pallas_or(lambda: prefill_attention_reference(*args, layer=layer),
                           lambda: pa.prefill_attention(*args, layer=layer))
     return prefill_attention_reference(*args, layer=layer)
-
-
-def tree_conv(conv_state, x, conv_src, w, kernels="xla"):
-    """The GDN conv + SiLU of a pass (`gdn_reference.tree_conv`): a tree's taps gathered from the concatenation of the
-    conv state and the new rows, or with `Fusions.conv_gather` (benchmark variants "pallas:conv_gather",
-    "pallas:fewer_kernels") from each apart (the same values, one XLA kernel fewer per layer if XLA fuses the two
-    gathers)."""
-    f = _fusions(kernels)
-    return gdn_reference.tree_conv(conv_state, x, conv_src, w, gather=f is not None and f.conv_gather)
 
 
 def gdn_chunked(q, k, v, g, beta, state, kernels="xla", *, layer=None):
@@ -453,7 +433,7 @@ def dense(spec: str, x, w, kernels="xla", *, norm=None, gate=None, residual=None
     The next projection's input norm (the Pallas path's verify, issue 41):
       then_norm = (w_n, eps) (with residual; plain weights, no reduce): returns (y, h), h = the rows of
         rms_norm_1p(y, w_n, eps) as `rms_norm.rms_norm_rows` writes them ([rows rounded up to 8, N], zero rows after
-        y's), for the next projection's `normed=`. On dense_mgpu (`Fusions.addnorm`) the GEMM's split-K partials go
+        y's), for the next projection's `normed=`. On dense_mgpu the GEMM's split-K partials go
         unsummed into ONE kernel that adds them and the residual and norms the sum (`rms_norm.add_rms_norm_rows`:
         no XLA fusion between the kernels); elsewhere h is XLA's ops on y (dead unless a consumer reads it);
       normed (with norm; x its value): those rows, read by a dense_mgpu GEMM in place of its norm kernel (every
@@ -588,7 +568,7 @@ def mlp(x, w_gate_up, w_down, kernels="xla", *, norm=None, residual=None, normed
         h = dense_mgpu.swiglu_mgpu(x2, wgu2, **lg)  # [rows rounded up to 8, F]
         wd2, ld = _gemv_weight(wd, F)
         res2 = None if res_ is None else res_.reshape(rows, D)
-        if then_ is not None and _fusions(kernels).addnorm:
+        if then_ is not None:
             y, hn = _add_norm(dense_mgpu.dense_mgpu(h, wd2, rows=rows, partials=True, **ld), res2, then_)
             return y.reshape(x_.shape), hn
         return _then(_finish(dense_mgpu.dense_mgpu(h, wd2, rows=rows, **ld), act, res2, False).reshape(x_.shape),
@@ -724,7 +704,7 @@ def _project(spec: str, x, w, kernels: str, norm, gate, residual, partial: bool 
         if gate is not None:  # whole 8-row groups: the pad inside the product's fusion, not a kernel before the GEMM
             x2 = jnp.pad(rounded(f32(x2[:rows]) * f32(gate.reshape(rows, K)), x2.dtype), ((0, -rows % 8), (0, 0)))
         w2, layer = _gemv_weight(w, K)
-        if then_norm is not None and _fusions(kernels).addnorm:  # no XLA fusion between this GEMM and the next
+        if then_norm is not None:  # no XLA fusion between this GEMM and the next
             parts = dense_mgpu.dense_mgpu(x2, w2, rows=rows, partials=True, **layer)
             y, h = _add_norm(parts, residual.reshape(rows, N), then_norm)
             return y.reshape(out_shape), h

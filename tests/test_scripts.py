@@ -225,7 +225,7 @@ def test_gpu_check_smoke(tmp_path):
     use xla): the JSON summary."""
     out = tmp_path / "gpu_check.json"
     p = _run(["benchmarks/gpu_check.py", "--smoke", "--quick", "--sections", "long", "--long-prompt", "40",
-              "--kernels", "pallas:fewer_kernels", "--out", str(out)])
+              "--kernels", "pallas:split_mlp", "--out", str(out)])
     res = json.loads(out.read_text())
     assert json.loads(p.stdout.strip().splitlines()[-1]) == res
     assert res["ok"] and res["long"]["prompt"] == 40 and res["kernels_under_test"] == "xla"

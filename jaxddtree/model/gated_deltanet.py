@@ -88,8 +88,7 @@ class GatedDeltaNet(nnx.Module):
         xin, _, b, a = jnp.split(proj, in_proj_split(cfg), axis=-1)  # xin [B,T,conv_dim] pre-conv; b, a: [B,T,Hv]
 
         conv_l = conv_c if li is None else jax.lax.dynamic_index_in_dim(conv_c, li, keepdims=False)  # small
-        xc = ops.tree_conv(conv_l, xin, layout.conv_src if layout.is_tree else None, ops.plain(self.conv[...]),
-                           layout.kernels)
+        xc = tree_conv(conv_l, xin, layout.conv_src if layout.is_tree else None, ops.plain(self.conv[...]))
         q, k, v = jnp.split(xc, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
         q = l2norm(q.reshape(B, T, hk, dk).astype(jnp.float32)) * dk ** -0.5
         k = l2norm(k.reshape(B, T, hk, dk).astype(jnp.float32))

@@ -94,13 +94,11 @@ class Qwen35(nnx.Module):
         slots = {}
         for f, l in enumerate(feature_layers):
             slots.setdefault(l % p, np.full(G, nF, np.int32))[l // p] = f
-        # a tree verify (`ops.taps_stacked`): the tapped positions' outputs as the scan's per-group outputs instead
-        taps = sorted(slots) if nF and layout.is_tree and ops.taps_stacked(layout.kernels) else None
-        feats0 = jnp.zeros((nF + 1,) + x.shape, x.dtype) if nF and taps is None else None
+        feats0 = jnp.zeros((nF + 1,) + x.shape, x.dtype) if nF else None
 
         def body(carry, g):
             x, caches, feats = carry
-            out, stashes, h, tapped = [], [], None, []
+            out, stashes, h = [], [], None
             layers = [nnx.merge(graphdef, layer_view(state, g)) for graphdef, state in parts]
             for j, layer in enumerate(layers):
                 entry = jax.tree.map(lambda a: Layer(a, g), caches[j])  # the kernels update the stacks in place
@@ -110,20 +108,13 @@ class Qwen35(nnx.Module):
                 out.append(caches[j] if c is entry else
                            jax.tree.map(lambda n: n.stacked, c, is_leaf=lambda n: isinstance(n, Layer)))
                 stashes.append(s)
-                if taps is not None and j in slots:
-                    tapped.append(x)
-                elif j in slots:  # (a group without a tap at j writes the discard slot: a lax.cond lost on the H200)
+                if j in slots:  # (a group without a tap at j writes the discard slot: a lax.cond lost on the H200)
                     feats = jax.lax.dynamic_update_index_in_dim(feats, x, jnp.asarray(slots[j])[g], 0)
-            ys = (tuple(stashes) if layout.is_tree else None, jnp.stack(tapped) if tapped else None)
-            return (x, tuple(out), feats), ys
+            return (x, tuple(out), feats), (tuple(stashes) if layout.is_tree else None)
 
-        (x, groups, feats), (stashes, tapped) = jax.lax.scan(
-            body, (x, cache.groups, feats0), jnp.arange(G, dtype=jnp.int32),
-            unroll=scan_unroll(layout.kernels, layout.is_tree))
-        if taps is not None:  # tapped [G, len(taps), B, T, D]
-            features = jnp.concatenate([tapped[l // p, taps.index(l % p)] for l in feature_layers], axis=-1)
-        else:
-            features = jnp.concatenate(list(feats[:nF]), axis=-1) if nF else None
+        (x, groups, feats), stashes = jax.lax.scan(body, (x, cache.groups, feats0), jnp.arange(G, dtype=jnp.int32),
+                                                   unroll=scan_unroll(layout.kernels, layout.is_tree))
+        features = jnp.concatenate(list(feats[:nF]), axis=-1) if nF else None
         length = cache.length if layout.is_tree else layout.start + layout.num_valid
         new_cache = ModelCache(groups=groups, length=length)
         out = None

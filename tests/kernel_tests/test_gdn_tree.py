@@ -194,10 +194,11 @@ def test_lowers_for_h200_with_layer():
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_tree_conv_gathers_apart_as_from_the_concatenation(dtype):
-    """`gdn_reference.tree_conv` of a tree (random parents, taps reaching above the root into the conv state): the
-    taps gathered from the conv state and the new rows apart equal those gathered from their concatenation, bit
-    for bit (`ops.tree_conv`: "pallas:conv_gather" vs the default); a sequence has no gather."""
-    from kernels_pallas import gdn_reference, ops
+    """`gdn_reference.tree_conv` of a tree (random parents, taps reaching above the root into the conv state): its
+    taps, gathered from the conv state and the new rows apart (no concatenation in its jaxpr), give the conv over
+    taps gathered from their concatenation, bit for bit; a sequence has no gather."""
+    from kernels_pallas import gdn_reference
+    from kernels_pallas.numerics import rounded, silu32
     from jaxddtree.model import layout as layout_lib
     rng = np.random.default_rng(3)
     N, C, K = 23, 48, 4
@@ -209,13 +210,17 @@ def test_tree_conv_gathers_apart_as_from_the_concatenation(dtype):
     w = (0.5 * jax.random.normal(ks[2], (K, C))).astype(dtype)
     src = np.asarray(lay.conv_src)
     assert (src < K - 1).any() and (src >= K - 1).any()
-    a = ops.tree_conv(cs, x, lay.conv_src, w, "pallas:conv_gather")
-    b = ops.tree_conv(cs, x, lay.conv_src, w, "pallas")
-    assert "concatenate" in str(jax.make_jaxpr(functools.partial(ops.tree_conv, kernels="pallas"))(
-        cs, x, lay.conv_src, w))
-    assert "concatenate" not in str(jax.make_jaxpr(functools.partial(ops.tree_conv, kernels="pallas:conv_gather"))(
-        cs, x, lay.conv_src, w))
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    a = gdn_reference.tree_conv(cs, x, lay.conv_src, w)
+    assert "concatenate" not in str(jax.make_jaxpr(gdn_reference.tree_conv)(cs, x, lay.conv_src, w))
+    rows = np.concatenate([np.asarray(cs, np.float32), np.asarray(x, np.float32)], axis=1)  # [B, K-1+N, C]
+    taps = jnp.asarray(np.stack([rows[b][src[b]] for b in range(2)]))  # [B, N, K-1, C]
+    wf = w.astype(jnp.float32)
+    acc = taps[:, :, 0] * wf[0]
+    for s in range(1, K - 1):
+        acc = acc + taps[:, :, s] * wf[s]
+    acc = acc + x.astype(jnp.float32) * wf[-1]
+    want = rounded(silu32(rounded(acc, dtype)), dtype)
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(want, np.float32))
     assert np.abs(np.asarray(a, np.float32) - np.asarray(gdn_reference.tree_conv(cs[:, ::-1], x, lay.conv_src, w),
                                                           np.float32)).max() > 0  # the state's rows matter
     seq = layout_lib.sequence(0, N, K, batch=2)

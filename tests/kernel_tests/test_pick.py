@@ -20,10 +20,6 @@ TABLE = {
     ("bf16", "pallas:unroll4"): "XXX XPP XXX XXX XXX XXX",  # (the unroll variants pick as "pallas")
     ("bf16", "pallas:unroll16"): "XXX XPP XXX XXX XXX XXX",
     ("bf16", "pallas:split_mlp"): "XXX XPP XXX XXX XXX XXX",  # (picks as "pallas"; the MLP's SwiGLU apart)
-    ("bf16", "pallas:addnorm"): "XXX XPP XXX XXX XXX XXX",  # (the session-33 candidates pick as "pallas")
-    ("bf16", "pallas:conv_gather"): "XXX XPP XXX XXX XXX XXX",
-    ("bf16", "pallas:taps_stacked"): "XXX XPP XXX XXX XXX XXX",
-    ("bf16", "pallas:fewer_kernels"): "XXX XPP XXX XXX XXX XXX",
     ("bf16", "xla"): "XXX XXX XXX XXX XXX XXX",
     ("fp32", "pallas"): "XXX XXX XXX XXX XXX XXX",
     ("fp32", "pallas:unfused"): "XXX XXX XXX XXX XXX XXX",
@@ -48,14 +44,11 @@ def test_table():
     got = {key: _row(*key) for key in TABLE}
     assert got == TABLE
     assert set(ops.VARIANTS) == {"pallas", "pallas:no_partials", "pallas:unfused", "pallas:unroll4", "pallas:unroll16",
-                                 "pallas:split_mlp", "pallas:addnorm", "pallas:conv_gather", "pallas:taps_stacked",
-                                 "pallas:fewer_kernels"}  # a new variant: add its rows
+                                 "pallas:split_mlp"}  # a new variant: add its rows
     assert [ops.scan_unroll(k) for k in ("xla", "pallas", "pallas:unfused", "pallas:unroll4")] == [1, 1, 1, 4]
     tree = [ops.scan_unroll(k, tree=True) for k in ("xla", "pallas", "pallas:unfused", "pallas:unroll4")]
     assert tree == [1, 2, 2, 4]
-    cands = ("xla", "pallas", "pallas:addnorm", "pallas:taps_stacked", "pallas:fewer_kernels")
-    assert [ops.add_norm_fuses(k) for k in cands] == [False, False, True, False, True]
-    assert [ops.taps_stacked(k) for k in cands] == [False, False, False, True, True]
+    assert [ops.add_norm_fuses(k) for k in ("xla", "pallas", "pallas:unfused")] == [False, True, True]
 
 
 def test_gemv_thresholds_are_the_only_override():

@@ -204,9 +204,9 @@ def _interpreters(monkeypatch):
 
 def test_ops_then_norm_hands_the_norm_over(monkeypatch):
     """`ops.dense` / `ops.mlp` with then_norm return (y, the next input norm's rows) and take them as `normed`: on the
-    dense_mgpu path with `Fusions.addnorm` ("pallas:addnorm") one add + norm kernel after the GEMM (no rms_norm_rows
-    before the next GEMM), bit for bit the values of the default (the norm of XLA's sum) and of XLA's ops here; under
-    jax.vmap (a batched round's folded slots) each slot's values."""
+    dense_mgpu path (kernels="pallas") one add + norm kernel after the GEMM (no rms_norm_rows before the next GEMM),
+    bit for bit the values without then_norm (XLA's sum, then rms_norm_rows) and of XLA's ops here; under jax.vmap (a
+    batched round's folded slots) each slot's values."""
     _interpreters(monkeypatch)
     L, T, K, N, F = 3, 13, 128, 192, 256
     ks = jax.random.split(jax.random.PRNGKey(5), 7)
@@ -224,29 +224,34 @@ def test_ops_then_norm_hands_the_norm_over(monkeypatch):
         z, hz = ops.mlp(y, Lw(wgu), Lw(wd), kernels, norm=(Lw(tw), EPS), residual=y, normed=h,
                         then_norm=(Lw(tw), EPS))
         return y, h, z, hz
-    jaxpr = str(jax.make_jaxpr(functools.partial(run, "pallas:addnorm"))(x, res))
+
+    def apart(x_, r_):  # the same without then_norm: each sum in XLA, each norm its own rms_norm_rows
+        y = ops.dense("btd,dc->btc", x_, Lw(w), "pallas", norm=(Lw(nw), EPS), residual=r_)
+        z = ops.mlp(y, Lw(wgu), Lw(wd), "pallas", norm=(Lw(tw), EPS), residual=y)
+        nrm = lambda a: R.rms_norm_rows(a[0], tw, eps=EPS, layer=jnp.int32(1), interpret=True)  # noqa: E731
+        return y, nrm(y), z, nrm(z)
+    jaxpr = str(jax.make_jaxpr(functools.partial(run, "pallas"))(x, res))
     assert jaxpr.count("name=add_rms_norm_rows") >= 2 and "dynamic_slice" not in jaxpr
-    assert "add_rms_norm_rows" not in str(jax.make_jaxpr(functools.partial(run, "pallas"))(x, res))
-    got = run("pallas:addnorm", x, res)
+    assert "add_rms_norm_rows" not in str(jax.make_jaxpr(apart)(x, res))
+    got = run("pallas", x, res)
     assert [a.shape for a in got] == [(1, T, N), (16, N), (1, T, N), (16, N)]
-    for other in ("pallas", "xla"):
-        for a, b in zip(got, run(other, x, res)):
+    for other, want in (("apart", apart(x, res)), ("xla", run("xla", x, res))):
+        for a, b in zip(got, want):
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=other)
     np.testing.assert_array_equal(np.asarray(got[1][:T], np.float32),
                                   np.asarray(R.rms_norm_rows_reference(got[0][0], tw[1], eps=EPS), np.float32)[:T])
     xs, rs = jnp.stack([x, x[:, ::-1]]), jnp.stack([res, res[:, ::-1]])
-    v = jax.vmap(functools.partial(run, "pallas:addnorm"))(xs, rs)
-    for i, one in enumerate((got, run("pallas:addnorm", x[:, ::-1], res[:, ::-1]))):
+    v = jax.vmap(functools.partial(run, "pallas"))(xs, rs)
+    for i, one in enumerate((got, run("pallas", x[:, ::-1], res[:, ::-1]))):
         for a, b in zip(v, one):
             np.testing.assert_array_equal(np.asarray(a[i], np.float32), np.asarray(b, np.float32))
 
 
-def test_tree_verify_with_fewer_kernels(monkeypatch):
+def test_tree_verify_with_the_adds_in_the_norms(monkeypatch):
     """A bf16 tree verify (2 layer groups of 3 GDN + 1 attention, widths the Mosaic GPU GEMMs take) on the Pallas
-    path with session 33's candidates ("pallas:fewer_kernels": per group 7 add + norm kernels — each mixer's output
-    into its MLP's norm, each MLP's into the next layer's input norm, the group's first input norm staying
-    `rms_norm_rows` —, the GDN conv's taps gathered apart, the feature taps stacked per group): logits, taps and
-    stashes bit for bit those of the default "pallas"."""
+    path: per group 7 add + norm kernels (each mixer's output into its MLP's norm, each MLP's into the next layer's
+    input norm, the group's first input norm staying `rms_norm_rows`); logits, taps and stashes bit for bit those of
+    the same verify with every residual add in XLA and every norm its own kernel (`ops.add_norm_fuses` off)."""
     _interpreters(monkeypatch)
     from jaxddtree.model import layout as layout_lib, target as target_lib
     from jaxddtree.model.config import TextConfig
@@ -269,8 +274,9 @@ def test_tree_verify_with_fewer_kernels(monkeypatch):
     def verify(kernels):
         lay = layout_lib.tree(cache.length, parents, 4, kernels=kernels)
         return jax.jit(lambda t, c: model(t, c, lay, feature_layers=(1, 4, 6)))(tokens, cache)
-    a = verify("pallas:fewer_kernels")
+    a = verify("pallas")
     assert len(calls) == 7  # the scan's body: one group
+    monkeypatch.setattr(ops, "add_norm_fuses", lambda kernels: False)
     b = verify("pallas")
     assert len(calls) == 7
     for u, v in zip(jax.tree.leaves((a[0], a[2], a[3])), jax.tree.leaves((b[0], b[2], b[3]))):
