@@ -4,6 +4,7 @@
     PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/long.json --sections attn_long,prefill_attn
     PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/slots.json --sections tree_slots  # issue 28
     PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/c.json --sections conv,commit,tree  # issue 26
+    PYTHONUNBUFFERED=1 python benchmarks/bench_kernels.py --out $OUT/n.json --sections addnorm  # issue 41
     JAX_PLATFORMS=cpu python benchmarks/bench_kernels.py --dry     # tiny shapes, interpret mode: checks the script
     --select REGEX runs only the variants whose 'section:variant' matches (the reference always runs)
 
@@ -63,7 +64,7 @@ GDN_LAYERS, ATTN_LAYERS = 48, 16
 TREE_N, PREFIX, PREFILL_T = 65, 4096, 8192
 DRY = False  # --dry: tiny shapes, interpret mode, CPU (checks this script, not the kernels' speed)
 LONG_CONTEXTS, PREFILL_CHUNKS, PREFILL_STARTS = (4096, 32768, 131072), (1024, 2048, 4096), (0, 32768, 122880)
-BUDGET = {"commit": 40, "conv": 30, "tree": 75, "tree_slots": 120, "attn": 50, "decode_attn": 15, "prefill": 60, "decode_fused": 60, "attn_long": 100,
+BUDGET = {"commit": 40, "conv": 30, "addnorm": 40, "tree": 75, "tree_slots": 120, "attn": 50, "decode_attn": 15, "prefill": 60, "decode_fused": 60, "attn_long": 100,
           "prefill_attn": 130}  # seconds per section (scaled by --budget-scale)
 
 RESULTS: dict = {}
@@ -535,9 +536,42 @@ def section_conv(deadline):
         RESULTS[f"gdn_conv_{name}"] = recs
 
 
+def section_addnorm(deadline):
+    """A tree verify's residual add + the next input norm (`rms_norm.add_rms_norm_rows`, 65 rows x 5120, the weight
+    read from a 64-layer stack): the split-K partials of an out projection (S = 3, K = 6144) and of a down
+    projection (S = 2, K = 17408) summed, the residual added, the new residual and the normed rows written; 112
+    calls per round (7 per group of 4 layers). Variants: the kernel's num_warps (one program per row: 72 programs)."""
+    from kernels_pallas import rms_norm
+    M, D, L = (13, 64, 4) if DRY else (TREE_N, 5120, 64)
+    for S in (3, 2):
+        if time.perf_counter() > deadline:
+            break
+        ks = jax.random.split(jax.random.PRNGKey(700 + S), 3)
+        parts = 2.0 * jax.random.normal(ks[0], (S, M, D), jnp.float32)
+        base = (3.0 * jax.random.normal(ks[1], (M, D), jnp.float32)).astype(jnp.bfloat16)
+        w = (0.1 * jax.random.normal(ks[2], (L, D), jnp.float32)).astype(jnp.bfloat16)
+        one = jax.device_put((parts, base, w, jnp.int32(L // 2)))
+        ref = functools.partial(rms_norm.add_rms_norm_rows_reference, eps=1e-6)
+        ref0 = [np.asarray(a, np.float32) for a in jax.jit(lambda p, b, w_, l: ref(p, b, w_, layer=l))(*one)]
+        variants = {"xla_reference": None, "default": {}, "w2": dict(num_warps=2), "w8": dict(num_warps=8),
+                    "w16": dict(num_warps=16)}
+
+        def make(kw):
+            if kw is None:
+                return lambda p, b, w_, l: ref(p, b, w_, layer=l)
+            f = functools.partial(rms_norm.add_rms_norm_rows, eps=1e-6, **kw, **IKW())
+            return lambda p, b, w_, l: f(p, b, w_, layer=l)
+        log(f"== add + RMSNorm: {S} partials of {M} x {D} (x112 a round)")
+        recs, best = evaluate(f"addnorm_s{S}", variants, make, one,
+                              lambda out: errs(zip(("x", "normed"), [np.asarray(a, np.float32) for a in out], ref0)),
+                              deadline, max_err=1e-2)
+        RESULTS[f"add_rms_norm_s{S}"] = recs
+        RESULTS[f"add_rms_norm_s{S}_best_variant"] = best
+
+
 # the sections that take only their deadline ("attn" runs two parts of its own in main)
 SECTIONS = {"tree": section_tree, "tree_slots": section_tree_slots, "prefill": section_prefill,
-            "commit": section_commit, "conv": section_conv,
+            "commit": section_commit, "conv": section_conv, "addnorm": section_addnorm,
             "decode_fused": section_decode_fused, "attn_long": section_attn_long, "prefill_attn": section_prefill_attn}
 
 

@@ -168,10 +168,11 @@ def _errors(res, where=""):
 
 
 # bench_kernels.py --dry: every section in ONE run (tree, attention, prefill, decode_fused, tree_slots, commit, conv,
-# and the long-context attn_long / prefill_attn). Interpret mode checks the script, not the tuning: each sweep is cut
+# addnorm, and the long-context attn_long / prefill_attn). Interpret mode checks the script, not the tuning: each sweep is cut
 # to the default variant (--select; the reference always runs), except decode_fused's, which --dry already cuts to 2.
-KERNEL_SECTIONS = "tree,attn,prefill,decode_fused,tree_slots,commit,conv,attn_long,prefill_attn"
-KERNEL_SELECT = ("^(tree|tree_attn|decode_attn|tree_slots_[0-9]+x[0-9]+):default$|^prefill:bv64_w4_tf32x3$"
+KERNEL_SECTIONS = "tree,attn,prefill,decode_fused,tree_slots,commit,conv,addnorm,attn_long,prefill_attn"
+KERNEL_SELECT = ("^(tree|tree_attn|decode_attn|tree_slots_[0-9]+x[0-9]+|addnorm_s[23]):default$"
+                 "|^prefill:bv64_w4_tf32x3$"
                  "|^decode_fused:|^attn_long_40:default$|^prefill_attn_T16_.*:default$")
 
 
@@ -195,6 +196,7 @@ def test_kernel_benches_dry(kernel_benches, tmp_path):
     assert k["gdn_tree_verify_best_variant"] == "default" and k["gdn_prefill_best_variant"] == "bv64_w4_tf32x3"
     assert k["gdn_tree_slots_2x8_best_variant"] is not None  # the vmapped GDN tree kernel ran and matched
     assert all("rel_err" in k[s]["xla_reference"] for s in ("gdn_commit", "gdn_conv_tree", "gdn_conv_prefill"))  # they ran
+    assert all(k[f"add_rms_norm_s{s}"]["default"]["rel_err"] == {"x": 0.0, "normed": 0.0} for s in (2, 3))
     fused = k["gdn_decode_fused"]
     assert len(fused) == 3 and all("rel_err" in r for r in fused.values()), fused  # --dry's reference + 2
     assert k["gdn_decode_fused_best_variant"] is not None
