@@ -271,13 +271,13 @@ def test_tree_verify_with_the_adds_in_the_norms(monkeypatch):
     monkeypatch.setattr(R, "add_rms_norm_rows", functools.partial(
         lambda f, *a, **k: calls.append(1) or f(*a, **k), R.add_rms_norm_rows))
 
-    def verify(kernels):
-        lay = layout_lib.tree(cache.length, parents, 4, kernels=kernels)
+    def verify():
+        lay = layout_lib.tree(cache.length, parents, 4, kernels="pallas")
         return jax.jit(lambda t, c: model(t, c, lay, feature_layers=(1, 4, 6)))(tokens, cache)
-    a = verify("pallas")
+    a = verify()
     assert len(calls) == 7  # the scan's body: one group
     monkeypatch.setattr(ops, "add_norm_fuses", lambda kernels: False)
-    b = verify("pallas")
+    b = verify()
     assert len(calls) == 7
     for u, v in zip(jax.tree.leaves((a[0], a[2], a[3])), jax.tree.leaves((b[0], b[2], b[3]))):
         np.testing.assert_array_equal(np.asarray(u, np.float32), np.asarray(v, np.float32))
