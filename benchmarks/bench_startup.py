@@ -138,6 +138,14 @@ def main(argv=None) -> int:
     p.add_argument("--no-precompile", action="store_true", help="--random-27b: each program compiled at its first "
                    "call, in turn (the A/B of `speculative.precompile`)")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    try:
+        depths = [int(x) for x in args.layers.split(",")]
+    except ValueError:
+        p.error(f"--layers takes comma-separated integers, not '{args.layers}'")
+    if min(depths) < 2:
+        p.error("--layers: every depth must be at least 2 (the drafter taps layers 1 and depth - 1)")
     if args.random_27b:
         res = random_27b_first_token(args.compile_cache, args.smoke, precompile=not args.no_precompile)
         import jax
@@ -147,7 +155,6 @@ def main(argv=None) -> int:
             with open(args.out, "w") as fh:
                 json.dump(res, fh, indent=1)
         return 0
-    depths = [int(x) for x in args.layers.split(",")]
     if len(depths) == 1 and os.environ.get("_BENCH_STARTUP_CHILD"):  # one depth, this process (a child run)
         target, drafter = tiny_pair(depths[0])
         print(json.dumps(first_calls(target, drafter)), flush=True)
@@ -164,7 +171,10 @@ def main(argv=None) -> int:
             p_ = subprocess.run([sys.executable, os.path.abspath(__file__), "--layers", str(n)], env=env,
                                 capture_output=True, text=True)
             if p_.returncode != 0:
-                print(f"error: depth {n}: {p_.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+                errs = [ln for ln in p_.stderr.splitlines()  # the exception's line, not jax's traceback note
+                        if ln and not ln[0].isspace() and not ln.startswith(("-", "For simplicity"))]
+                last = (errs or [f"exit code {p_.returncode}"])[-1]
+                print(f"error: the {n}-layer run failed: {last}", file=sys.stderr)
                 return 1
             runs[n].append(json.loads(p_.stdout.strip().splitlines()[-1]))
             print(n, runs[n][-1], flush=True)
