@@ -250,3 +250,16 @@ def test_decode_hlo_variants_reach_the_model():
     assert mod.lowered_hash(raw, "bfloat16", "bf16", "pallas", "ar") == ar["pallas"]  # deterministic
     assert (mod.lowered_hash(raw, "bfloat16", "bf16", "pallas", "verify")
             == mod.lowered_hash(raw, "bfloat16", "bf16", "pallas:unfused", "verify"))  # 17 rows: no GEMV
+
+
+@pytest.mark.parametrize("argv,message", [(["--layers", "1,8"], "at least 2"), (["--layers", "8,x"], "integers"),
+                                           (["--repeats", "0"], "at least 1")])
+def test_bench_startup_argument_errors(argv, message, capsys):
+    """bench_startup.py's argument errors are one line and exit 2 before any depth runs (each depth runs in fresh
+    processes, so a bad depth would otherwise surface from a child)."""
+    spec = importlib.util.spec_from_file_location("bench_startup", os.path.join(ROOT, "benchmarks", "bench_startup.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with pytest.raises(SystemExit) as e:
+        mod.main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
