@@ -30,6 +30,8 @@ T_START = time.perf_counter()  # (before the imports: they are part of the start
 import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -159,8 +161,6 @@ def main(argv=None) -> int:
         target, drafter = tiny_pair(depths[0])
         print(json.dumps(first_calls(target, drafter)), flush=True)
         return 0
-    import statistics
-    import subprocess
     import jax
     res = {"date": time.strftime("%Y-%m-%d"), "device": jax.devices()[0].device_kind, "depths": {},
            "repeats": args.repeats}

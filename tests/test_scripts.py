@@ -18,11 +18,17 @@ def _run(args, timeout=600):
     return p
 
 
+def _benchmark_module(name: str, as_name: str | None = None):
+    """benchmarks/{name}.py imported as a module (its functions called in this process)."""
+    spec = importlib.util.spec_from_file_location(as_name or name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def test_bench_writes_the_h200_record_only_from_an_h200():
     """A CPU smoke run (or an H100's) once overwrote benchmarks/results/h200.json's figures with its own."""
-    spec = importlib.util.spec_from_file_location("bench_out", os.path.join(ROOT, "benchmarks", "bench.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _benchmark_module("bench", "bench_out")
     assert bench.default_out("NVIDIA H200", smoke=False) == "benchmarks/results/h200.json"
     assert bench.default_out("NVIDIA H100 80GB HBM3", smoke=False) == "benchmarks/results/nvidia_h100_80gb_hbm3.json"
     assert bench.default_out("cpu", smoke=False) == "benchmarks/results/cpu.json"
@@ -60,9 +66,7 @@ def test_mosaic_kernels_per_program():
     """decode_hlo.mosaic_kernels: the distinct Mosaic GPU kernels of a first generate call's programs at 27B widths
     (lowered for an abstract H200): the auto round holds one set of verify GEMM kernels per tree width, a fixed
     budget's round one set (each lowered in Python per program, compiled once per process: NOTES.md)."""
-    spec = importlib.util.spec_from_file_location("decode_hlo", os.path.join(ROOT, "benchmarks", "decode_hlo.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _benchmark_module("decode_hlo")
     got = mod.mosaic_kernels("auto", vocab=8192)
     assert set(got) == {"_prefill", "drafter_forward", "_start", "run_rounds", "all"}, got.keys()
     pre, rounds = set(got["_prefill"]), set(got["run_rounds"])
@@ -237,11 +241,8 @@ def test_gpu_check_smoke(tmp_path):
 def test_decode_hlo_variants_reach_the_model():
     """decode_hlo.py --hashes' lowering (abstract H200, Pallas kernels included): the benchmark variants of
     kernels="pallas" (ops.VARIANTS, the decode-fusion A/B) reach the AR step's projections, the verify is theirs."""
-    import importlib.util
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    spec = importlib.util.spec_from_file_location("decode_hlo", os.path.join(ROOT, "benchmarks", "decode_hlo.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _benchmark_module("decode_hlo")
     raw = dict(mod.QWEN36_27B, num_hidden_layers=2, vocab_size=4096, layer_types=["linear_attention", "full_attention"])
     raw.pop("full_attention_interval")
     ar = {k: mod.lowered_hash(raw, "bfloat16", "bf16", k, "ar") for k in ("pallas", "pallas:no_partials",
@@ -257,9 +258,7 @@ def test_decode_hlo_variants_reach_the_model():
 def test_bench_startup_argument_errors(argv, message, capsys):
     """bench_startup.py's argument errors are one line and exit 2 before any depth runs (each depth runs in fresh
     processes, so a bad depth would otherwise surface from a child)."""
-    spec = importlib.util.spec_from_file_location("bench_startup", os.path.join(ROOT, "benchmarks", "bench_startup.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _benchmark_module("bench_startup")
     with pytest.raises(SystemExit) as e:
         mod.main(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
